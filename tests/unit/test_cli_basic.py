@@ -1,0 +1,62 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vllm_kunserve import __version__
+from vllm_kunserve.cli.main import main
+
+pytestmark = pytest.mark.unit
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert __version__ in capsys.readouterr().out
+
+
+def test_doctor_reports_entry_point_and_backends(capsys):
+    rc = main(["doctor", "--json"])
+    info = json.loads(capsys.readouterr().out)
+    assert info["plugin_entry_point"]["registered"] is True
+    assert info["plugin_entry_point"]["value"] == "vllm_kunserve.plugin:register"
+    assert rc == 0
+    assert set(info["memory_backends"]) == {"host", "cuda"}
+    assert info["python"].count(".") == 2
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["make-model", "X", "--hidden", "100"], "head_dim"),
+    (["make-model", "X", "--heads", "3", "--kv-heads", "2", "--hidden", "96"], "multiple of --kv-heads"),
+    (["make-model", "X", "--layers", "0"], "--layers must be positive"),
+])
+def test_make_model_rejects_bad_shapes(argv, needle, capsys, tmp_path):
+    argv[1] = str(tmp_path / "m")
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_unknown_command_is_an_argparse_error():
+    r = subprocess.run([sys.executable, "-m", "vllm_kunserve.cli.main", "frobnicate"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_make_model_tiny_loads_in_transformers(tmp_path, capsys):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert main(["make-model", str(tmp_path / "tiny"), "--preset", "tiny"]) == 0
+    meta = json.loads(capsys.readouterr().out)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tiny")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny")
+    ids = tok("the memory cache layer", return_tensors="pt").input_ids
+    assert ids.shape[1] >= 2 and int(ids.max()) < model.config.vocab_size
+    assert model.config.head_dim in (32, 64)
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert torch.isfinite(logits).all()
+    n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert abs(n_bytes - meta["weight_mb"] * 2**20) / n_bytes < 0.01

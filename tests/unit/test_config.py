@@ -1,0 +1,79 @@
+import json
+
+import pytest
+
+from vllm_kunserve.config import (
+    KunServeConfig,
+    KunServeConfigError,
+    config_from_additional,
+    parse_config,
+    render_docs,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def test_empty_object_gives_defaults():
+    cfg = parse_config({})
+    assert cfg == KunServeConfig()
+    assert cfg.remap.enable is False and cfg.drop.enable is True
+
+
+def test_sections_parse_and_json_string_accepted():
+    cfg = parse_config(json.dumps({"remap": {"enable": True, "slots": 2, "max_layers": 3},
+                                   "restore": {"threshold": 0.4}}))
+    assert cfg.remap.enable and cfg.remap.slots == "2" and cfg.remap.max_layers == 3
+    assert cfg.restore.threshold == 0.4
+    assert "remap" in cfg.features()
+
+
+@pytest.mark.parametrize("raw, names", [
+    ({"bogus": 1}, ["bogus", "allowed sections", "remap"]),
+    ({"remap": {"bogus": True}}, ["remap.bogus", "allowed keys", "max_layers"]),
+    ({"remap": {"enable": 1}}, ["remap.enable", "1", "boolean"]),
+    ({"remap": {"max_layers": 2.5}}, ["remap.max_layers", "2.5", "integer"]),
+    ({"remap": {"max_layers": -1}}, ["remap.max_layers", "-1", ">= 0"]),
+    ({"remap": {"slots": 3}}, ["remap.slots", "'3'", "auto, 1, 2"]),
+    ({"restore": {"threshold": 1.5}}, ["restore.threshold", "1.5", "<= 1.0"]),
+    ({"restore": {"source": "disk"}}, ["restore.source", "disk", "peer"]),
+    ({"drop": {"trigger_ratio": "high"}}, ["drop.trigger_ratio", "high", "number"]),
+    ({"drop": {"trigger_ratio": float("nan")}}, ["drop.trigger_ratio", "finite"]),
+    ({"remap": {"max_fraction": 0.0}}, ["remap.max_fraction", "> 0.0"]),
+    ({"remap": {"low_watermark": 0.9, "high_watermark": 0.8}}, ["low_watermark", "high_watermark"]),
+    ({"drop": 3}, ["kunserve.drop", "expected an object"]),
+    ([1, 2], ["expected an object"]),
+    ("{not json", ["not valid JSON"]),
+])
+def test_bad_input_names_key_value_and_allowed(raw, names):
+    with pytest.raises(KunServeConfigError) as e:
+        parse_config(raw)
+    for n in names:
+        assert n in str(e.value), (n, str(e.value))
+
+
+def test_config_is_frozen():
+    cfg = parse_config({})
+    with pytest.raises(Exception):
+        cfg.remap.enable = True  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("additional", [None, {}, {"other_plugin": {}}, "", '{"x": 1}'])
+def test_inert_without_kunserve_key(additional):
+    assert config_from_additional(additional) is None
+
+
+def test_kunserve_key_enables():
+    assert config_from_additional({"kunserve": None}) == KunServeConfig()
+    assert config_from_additional('{"kunserve": {"placement": {"policy": "best_fit"}}}').placement.policy == "best_fit"
+
+
+def test_docs_cover_every_key_and_are_current():
+    import dataclasses
+    import pathlib
+
+    text = render_docs()
+    for section in dataclasses.fields(KunServeConfig):
+        for f in dataclasses.fields(getattr(KunServeConfig(), section.name)):
+            assert f"`{section.name}.{f.name}`" in text
+    committed = pathlib.Path(__file__).parents[2] / "docs" / "config.md"
+    assert committed.read_text() == text + "\n", "docs/config.md is stale: run `make docs`"

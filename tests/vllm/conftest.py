@@ -1,0 +1,32 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from vllm_kunserve.tools.make_model import PRESETS, build_model
+
+    return build_model(tmp_path_factory.mktemp("models") / "tiny", PRESETS["tiny"])
+
+
+def run_probe(model: Path, mode: str, additional, env_extra=None, timeout=300) -> tuple[dict, str]:
+    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", **(env_extra or {}))
+    extra = "none" if additional is None else json.dumps(additional)
+    r = subprocess.run([sys.executable, str(HERE / "engine_probe.py"), str(model), mode, extra],
+                       capture_output=True, text=True, timeout=timeout, env=env)
+    log = r.stdout + r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("PROBE_RESULT ")]
+    assert r.returncode == 0 and lines, f"engine probe failed (rc={r.returncode}):\n{log[-4000:]}"
+    return json.loads(lines[-1][len("PROBE_RESULT "):]), log
+
+
+@pytest.fixture
+def probe():
+    return run_probe

@@ -1,0 +1,311 @@
+"""kunserve configuration: one frozen dataclass per feature, parsed from
+``additional_config["kunserve"]``.
+
+Every field carries its documentation and its allowed values in ``field(metadata=...)``; the parser
+uses them to reject unknown keys, wrong types and out-of-range values with a message naming the key,
+the value and what is allowed, and ``docs/config.md`` is generated from the same metadata
+(``kunserve config-docs``), so the docs cannot drift from the code.
+
+This module is pure Python: no torch, no vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+CONFIG_KEY = "kunserve"
+
+
+class KunServeConfigError(ValueError):
+    """Raised for any invalid kunserve option. The message names the key, value and what is allowed."""
+
+
+def _opt(default: Any, doc: str, *, lo: float | None = None, hi: float | None = None,
+         choices: tuple | None = None, lo_open: bool = False) -> Any:
+    meta = {"doc": doc, "lo": lo, "hi": hi, "choices": choices, "lo_open": lo_open}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class DropConfig:
+    """Cluster drop (KunServe): merge instances into pipeline groups and drop replicated layers."""
+
+    enable: bool = _opt(True, "Allow the monitor to drop replicated layers when KV demand exceeds capacity.")
+    trigger_ratio: float = _opt(
+        1.0, "Drop when demand / KV capacity exceeds this (demand = used blocks + head-of-line queued blocks + forecast).",
+        lo=0.1, hi=4.0)
+    forecast_horizon_s: float = _opt(
+        2.0, "Seconds of arrival-trend forecast added to demand (0 disables the forecast).", lo=0.0, hi=600.0)
+    headroom_ratio: float = _opt(
+        0.1, "Extra KV asked for beyond the measured shortfall, as a share of the shortfall.", lo=0.0, hi=4.0)
+    max_group_size: int = _opt(
+        8, "Largest pipeline group the planner may form (instances per group).", lo=1, hi=4096)
+    check_interval_s: float = _opt(0.5, "Monitor period in seconds.", lo=0.01, hi=60.0, lo_open=False)
+
+
+@dataclass(frozen=True)
+class RestoreConfig:
+    """Restore dropped layers when demand falls."""
+
+    enable: bool = _opt(True, "Restore weights and split groups when demand stays low.")
+    threshold: float = _opt(
+        0.5, "Restore when demand stays below this share of the undropped (base) KV capacity.", lo=0.0, hi=1.0)
+    hold_s: float = _opt(5.0, "Seconds demand must stay below the threshold before restoring.", lo=0.0, hi=3600.0)
+    source: str = _opt("auto", "Where weights come back from.", choices=("auto", "peer", "host"))
+
+
+@dataclass(frozen=True)
+class RemapConfig:
+    """Instance remap (Oneiros): turn some layers' weight memory into KV and stream those layers."""
+
+    enable: bool = _opt(False, "Remap layers to KV instead of preempting when KV blocks run out.")
+    max_layers: int = _opt(
+        0, "Cap on remapped layers per model (0: the controller's bound from bandwidth and compute time).",
+        lo=0, hi=4096)
+    max_fraction: float = _opt(
+        0.5, "Never remap more than this share of a model's decoder layers.", lo=0.0, hi=1.0, lo_open=True)
+    slots: str = _opt(
+        "auto", "Shared weight slots for streamed layers: 1, 2, or auto (the paper's Eq. 4/5).",
+        choices=("auto", "1", "2"))
+    high_watermark: float = _opt(
+        0.95, "Remap when KV usage (with queued demand) exceeds this share of capacity.", lo=0.0, hi=4.0, lo_open=True)
+    low_watermark: float = _opt(
+        0.5, "Revert when KV demand stays below this share of the base capacity.", lo=0.0, hi=1.0)
+    revert_hold_s: float = _opt(2.0, "Seconds demand must stay low before reverting.", lo=0.0, hi=3600.0)
+    h2d_bandwidth_gbps: float = _opt(
+        0.0, "Host-to-device bandwidth in GB/s (0: measure at startup).", lo=0.0, hi=10000.0)
+    priority: int = _opt(0, "Model priority when several models share a GPU (lower gives memory first).",
+                         lo=-1000, hi=1000)
+
+
+@dataclass(frozen=True)
+class LookaheadConfig:
+    """Lookahead microbatch formation for pipeline groups (cost-balanced divide and conquer)."""
+
+    enable: bool = _opt(True, "Split queued work into cost-balanced microbatches (else token-count chunks).")
+    min_tokens: int = _opt(64, "Stop splitting below this many tokens per microbatch.", lo=1, hi=1 << 20)
+    max_microbatches: int = _opt(0, "Cap on microbatches per step (0: the pipeline depth).", lo=0, hi=1024)
+    cost_model: str = _opt("", "Path of a fitted cost model JSON (empty: fit online from step timings).")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Request placement and migration (MELL)."""
+
+    policy: str = _opt("mell", "Placement policy.", choices=("mell", "best_fit", "worst_fit", "llumnix"))
+    max_migrations: int = _opt(10, "Migrations allowed per placement operation.", lo=0, hi=1000)
+    link_gbps: float = _opt(
+        0.0, "Inter-instance link bandwidth budget in GB/s for KV migration (0: measure).", lo=0.0, hi=10000.0)
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Chunked prioritized transfers (KV exchange, weights, activations)."""
+
+    backend: str = _opt("auto", "Point-to-point transport.", choices=("auto", "gloo", "nccl"))
+    chunk_bytes: int = _opt(
+        0, "Bulk chunk size in bytes (0: sized so one chunk takes about one pipeline stage).", lo=0, hi=1 << 34)
+    timeout_s: float = _opt(30.0, "Peer timeout; a silent peer fails the transfer after this.", lo=0.1, hi=3600.0)
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Physical memory pool backing weights and KV."""
+
+    backend: str = _opt("auto", "Memory backend (auto: cuda when a driver is usable, else host).",
+                        choices=("auto", "cuda", "host"))
+    max_kv_ratio: float = _opt(
+        2.0, "KV regions reserve virtual space for this multiple of the base KV capacity.", lo=1.0, hi=64.0)
+
+
+_SECTIONS: dict[str, type] = {
+    "drop": DropConfig,
+    "restore": RestoreConfig,
+    "remap": RemapConfig,
+    "lookahead": LookaheadConfig,
+    "placement": PlacementConfig,
+    "transfer": TransferConfig,
+    "memory": MemoryConfig,
+}
+
+
+@dataclass(frozen=True)
+class KunServeConfig:
+    """All kunserve options. Construct with :func:`parse_config`."""
+
+    drop: DropConfig = field(default_factory=DropConfig)
+    restore: RestoreConfig = field(default_factory=RestoreConfig)
+    remap: RemapConfig = field(default_factory=RemapConfig)
+    lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+
+    def features(self) -> list[str]:
+        """Names of the features switched on, for the startup log line."""
+        out = []
+        if self.drop.enable:
+            out.append("drop")
+        if self.restore.enable:
+            out.append("restore")
+        if self.remap.enable:
+            out.append("remap")
+        if self.lookahead.enable:
+            out.append("lookahead")
+        out.append(f"placement={self.placement.policy}")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _type_name(tp: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+def _check_value(path: str, f: dataclasses.Field, tp: Any, value: Any) -> Any:
+    meta = f.metadata
+    # JSON has no separate int/bool; be strict so `"enable": 1` or `"slots": 2.0` are caught.
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise KunServeConfigError(f"kunserve.{path}={value!r}: expected a boolean (true or false)")
+    elif tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise KunServeConfigError(f"kunserve.{path}={value!r}: expected an integer")
+    elif tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise KunServeConfigError(f"kunserve.{path}={value!r}: expected a number")
+        value = float(value)
+        if value != value or value in (float("inf"), float("-inf")):
+            raise KunServeConfigError(f"kunserve.{path}={value!r}: expected a finite number")
+    elif tp is str:
+        if isinstance(value, int) and not isinstance(value, bool) and meta.get("choices"):
+            value = str(value)  # allow "slots": 2 as well as "slots": "2"
+        if not isinstance(value, str):
+            raise KunServeConfigError(f"kunserve.{path}={value!r}: expected a string")
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        raise KunServeConfigError(
+            f"kunserve.{path}={value!r}: not allowed; choose one of {', '.join(map(str, choices))}")
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if lo is not None and (value < lo or (meta.get("lo_open") and value == lo)):
+        op = ">" if meta.get("lo_open") else ">="
+        raise KunServeConfigError(f"kunserve.{path}={value!r}: out of range; allowed {op} {lo} and <= {hi}")
+    if hi is not None and value > hi:
+        raise KunServeConfigError(f"kunserve.{path}={value!r}: out of range; allowed <= {hi}")
+    return value
+
+
+def _parse_section(name: str, cls: type, raw: Any) -> Any:
+    if raw is None:
+        return cls()
+    if not isinstance(raw, Mapping):
+        raise KunServeConfigError(
+            f"kunserve.{name}={raw!r}: expected an object with keys {', '.join(_field_names(cls))}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            raise KunServeConfigError(
+                f"kunserve.{name}.{key}: unknown key (value {value!r}); allowed keys: {', '.join(fields)}")
+        kwargs[key] = _check_value(f"{name}.{key}", fields[key], hints[key], value)
+    obj = cls(**kwargs)
+    _cross_check(name, obj)
+    return obj
+
+
+def _cross_check(name: str, obj: Any) -> None:
+    if isinstance(obj, RemapConfig) and obj.low_watermark >= obj.high_watermark:
+        raise KunServeConfigError(
+            f"kunserve.remap.low_watermark={obj.low_watermark!r}: must be below "
+            f"remap.high_watermark={obj.high_watermark!r} (hysteresis)")
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def parse_config(raw: Any) -> KunServeConfig:
+    """Parse and validate the value of ``additional_config["kunserve"]``.
+
+    Accepts a mapping or a JSON string (``None`` means all defaults). Raises
+    :class:`KunServeConfigError` naming the offending key, its value and what is allowed.
+    """
+    if raw is None:
+        raw = {}
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError as e:
+            raise KunServeConfigError(f"kunserve: not valid JSON ({e})") from None
+    if not isinstance(raw, Mapping):
+        raise KunServeConfigError(
+            f"kunserve={raw!r}: expected an object with sections {', '.join(_SECTIONS)}")
+    for key in raw:
+        if key not in _SECTIONS:
+            raise KunServeConfigError(
+                f"kunserve.{key}: unknown key (value {raw[key]!r}); allowed sections: {', '.join(_SECTIONS)}")
+    return KunServeConfig(**{name: _parse_section(name, cls, raw.get(name)) for name, cls in _SECTIONS.items()})
+
+
+def config_from_additional(additional_config: Any) -> KunServeConfig | None:
+    """Return the parsed config if ``additional_config`` enables kunserve, else ``None`` (plugin inert)."""
+    if not additional_config:
+        return None
+    if isinstance(additional_config, str):
+        try:
+            additional_config = json.loads(additional_config)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(additional_config, Mapping) or CONFIG_KEY not in additional_config:
+        return None
+    return parse_config(additional_config[CONFIG_KEY])
+
+
+def render_docs() -> str:
+    """Markdown reference of every key, generated from the dataclass metadata."""
+    lines = [
+        "# kunserve configuration reference",
+        "",
+        "Generated by `kunserve config-docs` from `vllm_kunserve/config.py`; do not edit by hand.",
+        "",
+        "All options live under the `kunserve` key of vLLM's `additional_config`:",
+        "",
+        "```bash",
+        "vllm serve MODEL --additional-config '{\"kunserve\": {\"remap\": {\"enable\": true, \"slots\": 2}}}'",
+        "```",
+        "",
+        "```python",
+        "LLM(model, additional_config={\"kunserve\": {\"drop\": {\"trigger_ratio\": 0.9}}})",
+        "```",
+        "",
+        "An empty object (`{\"kunserve\": {}}`) enables the plugin with every default. Without the `kunserve`",
+        "key the plugin is inert: no patch is applied and vLLM behaves as stock. Unknown keys, wrong types",
+        "and out-of-range values stop the engine at startup with a message naming the key, the value and",
+        "what is allowed.",
+        "",
+    ]
+    hints_cache: dict[type, dict] = {}
+    for name, cls in _SECTIONS.items():
+        hints = hints_cache.setdefault(cls, typing.get_type_hints(cls))
+        lines += [f"## `{name}`", "", (cls.__doc__ or "").strip(), "",
+                  "| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            m = f.metadata
+            if m.get("choices"):
+                allowed = ", ".join(f"`{c}`" for c in m["choices"])
+            elif m.get("lo") is not None:
+                allowed = f"{'>' if m.get('lo_open') else '>='} {m['lo']}, <= {m['hi']}"
+            elif hints[f.name] is bool:
+                allowed = "`true`, `false`"
+            else:
+                allowed = "any string"
+            tp = hints[f.name].__name__
+            lines.append(f"| `{name}.{f.name}` | {tp} | `{json.dumps(f.default)}` | {allowed} | {m['doc']} |")
+        lines.append("")
+    return "\n".join(lines)

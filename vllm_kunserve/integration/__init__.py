@@ -1,0 +1,1 @@
+"""Engine glue. Only ``integration.vllm`` imports vLLM; nothing outside this package patches it."""

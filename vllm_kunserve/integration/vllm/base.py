@@ -1,0 +1,93 @@
+"""Version-gated, idempotent patch classes: the only way kunserve touches vLLM.
+
+Each touchpoint is one small :class:`VllmPatch` subclass that names the vLLM versions it was
+verified against. Plugins load in every process vLLM starts (API server, engine core, workers,
+the model-registry subprocess), often more than once, so ``apply`` must be idempotent: a patched
+attribute is tagged and never wrapped twice. ``revert`` restores the originals (used by tests).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any, Callable, ClassVar
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+logger = logging.getLogger("vllm.kunserve")
+
+_TAG = "__kunserve_patch__"
+
+
+def vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:  # pragma: no cover - vLLM missing entirely
+        return "0"
+
+
+def _base_version(v: str) -> Version:
+    # "0.32.0+cpu" / "0.32.1.dev3" -> compare on the release only.
+    return Version(Version(v).base_version)
+
+
+class VllmPatch:
+    """One vLLM touchpoint. Subclasses set ``name``, ``versions``, ``target`` and implement ``patch``."""
+
+    name: ClassVar[str] = ""
+    #: vLLM versions this touchpoint was verified on (PEP 440 specifier).
+    versions: ClassVar[str] = ">=0.32,<0.34"
+    #: human summary for the patches/ record and the startup log.
+    summary: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    # -- helpers for subclasses -------------------------------------------------------------
+    @staticmethod
+    def resolve(dotted: str) -> Any:
+        """Import ``pkg.mod:Attr.sub`` and return the object."""
+        mod_name, _, attr_path = dotted.partition(":")
+        obj: Any = importlib.import_module(mod_name)
+        for part in filter(None, attr_path.split(".")):
+            obj = getattr(obj, part)
+        return obj
+
+    def replace(self, owner: Any, attr: str, make: Callable[[Any], Any]) -> bool:
+        """Replace ``owner.attr`` by ``make(original)`` unless already done. Returns True if replaced."""
+        current = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+        if current is None:
+            current = getattr(owner, attr)
+        if getattr(current, _TAG, None) == self.name:
+            return False
+        new = make(current)
+        try:
+            setattr(new, _TAG, self.name)
+        except (AttributeError, TypeError):  # e.g. staticmethod objects on old Pythons
+            pass
+        setattr(owner, attr, new)
+        self._saved.append((owner, attr, current))
+        return True
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def supported(self, version: str | None = None) -> bool:
+        return _base_version(version or vllm_version()) in SpecifierSet(self.versions)
+
+    def patch(self, cfg: Any) -> None:
+        """Process-wide changes (monkeypatches). Must be idempotent. Default: none."""
+
+    def configure(self, cfg: Any, holder: Any) -> None:
+        """Per-engine changes to ``holder`` (an ``EngineArgs`` or a ``VllmConfig``). Default: none."""
+
+    def revert(self) -> None:
+        while self._saved:
+            owner, attr, original = self._saved.pop()
+            setattr(owner, attr, original)
+
+
+def is_patched(obj: Any) -> str | None:
+    """Name of the kunserve patch that replaced ``obj``, or None."""
+    return getattr(obj, _TAG, None)
