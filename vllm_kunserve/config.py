@@ -120,6 +120,9 @@ class MemoryConfig:
                         choices=("auto", "cuda", "host"))
     max_kv_ratio: float = _opt(
         2.0, "KV regions reserve virtual space for this multiple of the base KV capacity.", lo=1.0, hi=64.0)
+    chunk_kib: int = _opt(
+        0, "Physical chunk size in KiB (0: the device granularity on CUDA; on host, ~1/16 of a layer).",
+        lo=0, hi=1 << 20)
 
 
 _SECTIONS: dict[str, type] = {

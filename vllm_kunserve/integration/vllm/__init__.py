@@ -11,12 +11,17 @@ import logging
 from typing import Any
 
 from vllm_kunserve.integration.vllm.base import VllmPatch, vllm_version
+from vllm_kunserve.integration.vllm.cpu_linear import CpuLinearPatch
+from vllm_kunserve.integration.vllm.engine_hooks import EngineCorePatch
+from vllm_kunserve.integration.vllm.kv_alloc import KVAllocationPatch
+from vllm_kunserve.integration.vllm.kv_plan import KVPlanPatch
 from vllm_kunserve.integration.vllm.worker_extension import WorkerExtensionPatch
 
 logger = logging.getLogger("vllm.kunserve")
 
 #: every touchpoint, in application order
-PATCH_CLASSES: list[type[VllmPatch]] = [WorkerExtensionPatch]
+PATCH_CLASSES: list[type[VllmPatch]] = [
+    WorkerExtensionPatch, KVPlanPatch, EngineCorePatch, KVAllocationPatch, CpuLinearPatch]
 
 _instances: dict[str, VllmPatch] = {}
 
@@ -29,6 +34,8 @@ def apply_all(cfg: Any) -> list[str]:
         inst = _instances.get(cls.name)
         if inst is None:
             inst = cls()
+            if not inst.wanted(cfg):
+                continue
             if not inst.supported(version):
                 logger.warning("kunserve: patch %s supports vllm%s, not %s: skipped",
                                cls.name, cls.versions, version)

@@ -76,6 +76,10 @@ class VllmPatch:
     def supported(self, version: str | None = None) -> bool:
         return _base_version(version or vllm_version()) in SpecifierSet(self.versions)
 
+    def wanted(self, cfg: Any) -> bool:
+        """Whether this touchpoint is needed for the configured features (default: always)."""
+        return True
+
     def patch(self, cfg: Any) -> None:
         """Process-wide changes (monkeypatches). Must be idempotent. Default: none."""
 

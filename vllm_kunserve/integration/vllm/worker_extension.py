@@ -58,6 +58,27 @@ class KunServeWorkerExtension:
         }
 
 
+    # -- memory (remap) control: called by the engine core's RemapCoordinator ------------------
+    def _kunserve_memory(self):
+        wm = getattr(getattr(self, "model_runner", None), "_kunserve_memory", None)
+        if wm is None:
+            raise RuntimeError("kunserve memory is not set up on this worker (remap not enabled?)")
+        return wm
+
+    def kunserve_memory_state(self) -> dict:
+        return {"pid": os.getpid(), **self._kunserve_memory().state()}
+
+    def kunserve_remap(self, layers: list, slots: int) -> int:
+        """Release ``layers`` to the KV cache and stream them; returns the mapped block count."""
+        return self._kunserve_memory().remap(list(layers), int(slots))
+
+    def kunserve_revert(self) -> int:
+        return self._kunserve_memory().revert()
+
+    def kunserve_inject_fault(self, kind: str) -> dict:
+        return self._kunserve_memory().inject_fault(kind)
+
+
 def _decoder_layers(model: Any) -> list:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)

@@ -1,0 +1,261 @@
+"""Policy-core benchmark: decision latency, cost-model error, pipeline bubbles, placement quality.
+
+Usage:
+    python benchmarks/policy_overhead.py [OUT_JSON] [--data ../shared/data] [--md docs/benchmarks/policy.md]
+
+Writes OUT_JSON (default docs/benchmarks/policy.json) and the markdown summary. Pure CPU, about a
+minute. Needs the Azure trace and Vidur profiles under --data (falls back to tests/data slices).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from vllm_kunserve.policy import (ClusterSnapshot, DropPlan, InstanceSnapshot, ModelSpec,  # noqa: E402
+                                  RequestSnapshot, assess_overload, default_model, fit_with_holdout,
+                                  lookahead_microbatches, lower_bound_l2, make_placer, pipeline_bubble,
+                                  plan_drop, token_count_microbatches, work_from_requests)
+from vllm_kunserve.config import DropConfig  # noqa: E402
+from vllm_kunserve.policy.costmodel import load_vidur_mlp  # noqa: E402
+
+
+def timed(fn, repeat):
+    ts = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t) * 1e3)
+    return {"median_ms": statistics.median(ts), "p90_ms": sorted(ts)[int(0.9 * (len(ts) - 1))],
+            "min_ms": min(ts), "runs": repeat}
+
+
+def load_trace(data: Path):
+    p = data / "traces" / "azure_llm_2023_conv.csv"
+    if not p.exists():
+        p = ROOT / "tests" / "data" / "azure_conv_slice.csv"
+    rows = []
+    with open(p, newline="") as f:
+        t0 = None
+        for r in csv.DictReader(f):
+            ts = r["TIMESTAMP"]
+            hh, mm, ss = ts.split(" ")[1].split(":")
+            t = int(hh) * 3600 + int(mm) * 60 + float(ss)
+            t0 = t if t0 is None else t0
+            rows.append((t - t0, int(r["ContextTokens"]), int(r["GeneratedTokens"])))
+    return str(p), rows
+
+
+# ------------------------------------------------------------------------------------------------
+def bench_drop():
+    model = ModelSpec(num_layers=48, layer_bytes=580 << 20, block_bytes=16 * 196608, block_size=16)
+    insts = tuple(InstanceSnapshot(i, 10000, 9800 + (i % 7) * 100, 400) for i in range(1024))
+    c = ClusterSnapshot(model, insts)
+    rep = assess_overload(c, DropConfig(forecast_horizon_s=0.0))
+    out = {"instances": 1024, "need_bytes": rep.need_bytes}
+    plans: list[DropPlan] = []
+    out["assess_overload"] = timed(lambda: assess_overload(c), 50)
+    out["plan_need"] = timed(lambda: plans.append(plan_drop(c, rep.need_bytes, 8)), 50)
+    out["plan_need"]["merges"] = len(plans[-1].merges)
+    out["plan_all_merges"] = timed(lambda: plans.append(plan_drop(c, 1e30, 1024)), 30)
+    out["plan_all_merges"]["merges"] = len(plans[-1].merges)
+    return out
+
+
+def bench_microbatch(rows):
+    rng = random.Random(0)
+    reqs = []
+    for j in range(1000):
+        _, p, g = rng.choice(rows)
+        reqs.append(RequestSnapshot(str(j), p) if j % 2 == 0 else RequestSnapshot(str(j), p, p, rng.randint(1, g)))
+    m = default_model()
+    out = {"requests": 1000, "parts": 8}
+    out["lookahead"] = timed(lambda: lookahead_microbatches(work_from_requests(reqs), m, 8), 60)
+    out["token_count"] = timed(lambda: token_count_microbatches(work_from_requests(reqs), m, 8), 60)
+    return out
+
+
+def bench_costmodel(data: Path):
+    paths = sorted(glob.glob(str(data / "profiles" / "vidur" / "*" / "*" / "*" / "mlp.csv")))
+    if not paths:
+        paths = [str(ROOT / "tests" / "data" / "vidur_h100_phi2_mlp.csv")]
+    out = []
+    for p in paths:
+        with open(p, newline="") as f:
+            tps = sorted({int(r["num_tensor_parallel_workers"]) for r in csv.DictReader(f)})
+        for tp in tps:
+            prof = load_vidur_mlp(p, tp)
+            model, rep = fit_with_holdout(prof)
+            out.append({"profile": prof.name, "rows": len(prof), "beta_ms_per_token": model.beta,
+                        "gamma_ms": model.gamma, "heldout": rep["heldout"], "train": rep["train"]})
+    return out
+
+
+def bench_bubble(rows):
+    rng = random.Random(1)
+    m = default_model()
+    out = []
+    for mix, prefill_share in (("prefill", 1.0), ("mixed_25pct_prefill", 0.25)):
+        for stages in (2, 4, 8):
+            la, tc = [], []
+            for _ in range(30):
+                rs = []
+                for j in range(32):
+                    _, p, g = rng.choice(rows)
+                    pre = (j % round(1 / prefill_share) == 0) if prefill_share < 1 else True
+                    rs.append(RequestSnapshot(str(j), p) if pre else RequestSnapshot(str(j), p, p, rng.randint(1, g)))
+                w = work_from_requests(rs)
+                la.append(pipeline_bubble([x.cost for x in lookahead_microbatches(w, m, stages)], stages))
+                tc.append(pipeline_bubble([x.cost for x in token_count_microbatches(w, m, stages)], stages))
+            out.append({"mix": mix, "stages": stages, "lookahead": statistics.mean(la),
+                        "token_count": statistics.mean(tc),
+                        "ratio": statistics.mean(la) / statistics.mean(tc) if statistics.mean(tc) else None})
+    return out
+
+
+def bench_placement(rows, n_requests=3000, cap_tokens=8192, block=16, tpot_s=0.03, update_every=16):
+    """Replay arrivals, growth (one update per block boundary) and departures of the trace."""
+    events = []
+    for i, (t, p, g) in enumerate(rows[:n_requests]):
+        rid = f"r{i}"
+        events.append((t, 0, rid, p))
+        for k in range(update_every, g + 1, update_every):
+            events.append((t + k * tpot_s, 1, rid, p + k))
+        events.append((t + g * tpot_s, 2, rid, 0))
+    events.sort(key=lambda e: (e[0], e[1]))
+    cap = cap_tokens / block
+    out = {"requests": n_requests, "capacity_tokens": cap_tokens, "block_size": block, "tpot_s": tpot_s,
+           "operations": len(events), "policies": {}}
+    for pol in ("mell", "best_fit", "worst_fit", "llumnix"):
+        p = make_placer(pol, cap)
+        live: dict[str, float] = {}
+        used_area = lb_area = 0.0
+        peak = migs = max_migs = 0
+        last_t = events[0][0]
+        t0 = time.perf_counter()
+        lb = 0
+        for k, (t, kind, rid, tok) in enumerate(events):
+            used_area += p.instances_used() * (t - last_t)
+            lb_area += lb * (t - last_t)
+            last_t = t
+            size = min(cap, -(-tok // block))
+            if kind == 0:
+                res = p.allocate(rid, size)
+                live[rid] = size
+            elif kind == 1:
+                res = p.update(rid, size)
+                live[rid] = size
+            else:
+                res = p.depart(rid)
+                del live[rid]
+            migs += len(res.migrations)
+            max_migs = max(max_migs, len(res.migrations))
+            peak = max(peak, p.instances_used())
+            if k % 50 == 0:
+                lb = lower_bound_l2(list(live.values()), cap)
+        dur = events[-1][0] - events[0][0]
+        out["policies"][pol] = {"mean_instances": used_area / dur, "peak_instances": peak, "migrations": migs,
+                                "max_migrations_per_op": max_migs,
+                                "us_per_op": (time.perf_counter() - t0) / len(events) * 1e6}
+        out["mean_lower_bound"] = lb_area / dur
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+def render_md(r: dict, cmd: str) -> str:
+    d, mb = r["drop"], r["microbatch"]
+    L = ["# Policy core benchmark", "",
+         f"Produced by `{cmd}` on {r['machine']} (Python {r['python']}); raw numbers in "
+         "`docs/benchmarks/policy.json`.", "",
+         "## Decision latency", "",
+         "Wall time of one call including snapshot-to-result work (microbatching includes building the chunk "
+         "list from the requests). The 2 CPU cores are shared with other jobs, so p90 is noisy; min shows the "
+         "undisturbed cost.", "",
+         "| decision | size | median ms | p90 ms | min ms | target |", "|---|---|---|---|---|---|",
+         f"| overload assessment | 1,024 instances | {d['assess_overload']['median_ms']:.2f} | "
+         f"{d['assess_overload']['p90_ms']:.2f} | {d['assess_overload']['min_ms']:.2f} | |",
+         f"| drop plan (needed merges: {d['plan_need']['merges']}) | 1,024 instances | "
+         f"{d['plan_need']['median_ms']:.2f} | {d['plan_need']['p90_ms']:.2f} | {d['plan_need']['min_ms']:.2f} | < 10 ms |",
+         f"| drop plan, worst case ({d['plan_all_merges']['merges']} merges) | 1,024 instances | "
+         f"{d['plan_all_merges']['median_ms']:.2f} | {d['plan_all_merges']['p90_ms']:.2f} | {d['plan_all_merges']['min_ms']:.2f} | < 10 ms |",
+         f"| lookahead microbatches (8 parts) | 1,000 queued requests | {mb['lookahead']['median_ms']:.2f} | "
+         f"{mb['lookahead']['p90_ms']:.2f} | {mb['lookahead']['min_ms']:.2f} | < 5 ms |",
+         f"| token-count microbatches (8 parts) | 1,000 queued requests | {mb['token_count']['median_ms']:.2f} | "
+         f"{mb['token_count']['p90_ms']:.2f} | {mb['token_count']['min_ms']:.2f} | |", "",
+         "## Cost model error on Vidur profiles (held-out 20%, seed 0)", "",
+         "Per-layer time of the linear stages (sum of medians, embedding excluded) against the batch token count. "
+         "Vidur has no attention timings, so alpha is fixed at 0 and beta/gamma are fitted (NNLS on relative "
+         "error). Token-only = time proportional to tokens (what a token budget assumes).", "",
+         "| profile | rows | beta ms/token | gamma ms | held-out mean | held-out max | token-only mean | "
+         "token-only max | <= 5% |", "|---|---|---|---|---|---|---|---|---|"]
+    for c in r["costmodel"]:
+        h = c["heldout"]
+        ok = "yes" if h["model"]["mean_rel_err"] <= 0.05 else "no"
+        L.append(f"| {c['profile']} | {c['rows']} | {c['beta_ms_per_token']:.3g} | {c['gamma_ms']:.3g} | "
+                 f"{h['model']['mean_rel_err']:.1%} | {h['model']['max_rel_err']:.1%} | "
+                 f"{h['token_only']['mean_rel_err']:.1%} | {h['token_only']['max_rel_err']:.1%} | {ok} |")
+    n_ok = sum(c["heldout"]["model"]["mean_rel_err"] <= 0.05 for c in r["costmodel"])
+    L += ["", f"{n_ok} of {len(r['costmodel'])} profiles meet the 5% target. The misses come from the knee of "
+          "the real curve (flat, memory-bound time below a few hundred tokens, linear above) that a "
+          "linear-plus-fixed model cannot bend around; the error is largest at the smallest batches.", "",
+          "## Pipeline bubble: lookahead vs token-count chunking", "",
+          "32 requests drawn from the Azure conversation trace per sample, 30 samples per row; microbatches = "
+          "stages; steady-state bubble of the simulated pipeline (`pipeline_bubble`), cost model = "
+          "`default_model()` (alpha from prefill FLOPs, beta/gamma from the Vidur H100 Llama-2-7B fit).", "",
+          "| mix | stages | lookahead | token-count | ratio |", "|---|---|---|---|---|"]
+    for b in r["bubble"]:
+        L.append(f"| {b['mix']} | {b['stages']} | {b['lookahead']:.2%} | {b['token_count']:.2%} | "
+                 f"{b['ratio']:.3f} |")
+    pl = r["placement"]
+    L += ["", "## Placement: MELL vs baselines on Azure request lengths", "",
+          f"First {pl['requests']} requests of the trace at their timestamps, KV grows one update per "
+          f"{pl['block_size']}-token block at {pl['tpot_s'] * 1e3:.0f} ms per output token, instance capacity "
+          f"{pl['capacity_tokens']} tokens; {pl['operations']} operations. Time-averaged Martello-Toth lower "
+          f"bound: {pl['mean_lower_bound']:.2f} instances.", "",
+          "| policy | mean instances | peak instances | migrations | max per op | us per op |",
+          "|---|---|---|---|---|---|"]
+    for name, v in pl["policies"].items():
+        L.append(f"| {name} | {v['mean_instances']:.2f} | {v['peak_instances']} | {v['migrations']} | "
+                 f"{v['max_migrations_per_op']} | {v['us_per_op']:.0f} |")
+    L.append("")
+    return "\n".join(L)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("out", nargs="?", default=str(ROOT / "docs" / "benchmarks" / "policy.json"))
+    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--md", default=str(ROOT / "docs" / "benchmarks" / "policy.md"))
+    args = ap.parse_args(argv)
+    data = Path(args.data)
+    trace_path, rows = load_trace(data)
+    r = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "python": platform.python_version(),
+         "trace": trace_path}
+    r["drop"] = bench_drop()
+    r["microbatch"] = bench_microbatch(rows)
+    r["costmodel"] = bench_costmodel(data)
+    r["bubble"] = bench_bubble(rows)
+    r["placement"] = bench_placement(rows)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(r, indent=2) + "\n")
+    Path(args.md).write_text(render_md(r, "python benchmarks/policy_overhead.py"))
+    print(json.dumps({"drop_ms": r["drop"]["plan_need"]["median_ms"],
+                      "microbatch_ms": r["microbatch"]["lookahead"]["median_ms"],
+                      "placement": r["placement"]["policies"]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

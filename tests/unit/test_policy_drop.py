@@ -1,0 +1,143 @@
+"""Overload detection and the KunServe drop planner."""
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from vllm_kunserve.config import DropConfig
+from vllm_kunserve.policy import (ClusterSnapshot, InstanceSnapshot, ModelSpec, assess_overload,
+                                  balanced_stages, forecast_blocks, plan_drop)
+
+pytestmark = pytest.mark.unit
+
+MODEL = ModelSpec(num_layers=32, layer_bytes=100, block_bytes=10)
+
+
+def cluster(n, used=900, total=1000, queued=0, groups=(), model=MODEL, **kw):
+    insts = tuple(InstanceSnapshot(i, total, used, queued) for i in range(n))
+    return ClusterSnapshot(model, insts, groups, **kw)
+
+
+def check_groups(plan, model, ids):
+    seen = [i for g in plan.unchanged for i in g]
+    for g in plan.groups:
+        seen += list(g.instances)
+        covered = []
+        for s in g.stages:
+            assert 0 <= s.layer_start < s.layer_end <= model.num_layers  # one contiguous range
+            covered += range(s.layer_start, s.layer_end)
+        assert sorted(covered) == list(range(model.num_layers))  # every layer exactly once
+        sizes = [s.layer_end - s.layer_start for s in g.stages]
+        assert max(sizes) - min(sizes) <= 1  # balanced stages
+    assert sorted(seen) == sorted(ids)  # every instance in exactly one group
+
+
+def test_demand_counts_used_queued_and_forecast():
+    c = cluster(2, used=800, queued=300, demand_history=((0.0, 1000.0), (1.0, 1100.0), (2.0, 1200.0)))
+    rep = assess_overload(c, DropConfig(forecast_horizon_s=2.0, headroom_ratio=0.0))
+    assert rep.demand_blocks == 2 * 1100
+    assert rep.forecast_blocks == pytest.approx(200.0)
+    assert rep.overloaded and rep.need_blocks == pytest.approx(2200 + 200 - 2000)
+    assert rep.need_bytes == pytest.approx(rep.need_blocks * MODEL.block_bytes)
+    assert [d.ratio for d in rep.instances] == [1.1, 1.1]
+
+
+def test_forecast_ignores_falling_trend_and_short_history():
+    assert forecast_blocks([(0, 100.0), (1, 50.0)], 5.0) == 0.0
+    assert forecast_blocks([(0, 100.0)], 5.0) == 0.0
+    assert forecast_blocks([(0, 0.0), (1, 10.0)], 0.0) == 0.0
+
+
+def test_not_overloaded_below_trigger():
+    rep = assess_overload(cluster(4, used=500), DropConfig(forecast_horizon_s=0.0))
+    assert not rep.overloaded and rep.need_bytes == 0
+
+
+def test_plan_frees_one_copy_per_merge_and_stops_when_enough():
+    c = cluster(8)
+    need = 2.5 * MODEL.weight_bytes
+    plan = plan_drop(c, need)
+    assert len(plan.merges) == 3 and plan.satisfied
+    assert plan.freed_bytes == 3 * MODEL.weight_bytes
+    assert sorted(len(g.instances) for g in plan.groups) == [2, 2, 2]
+    assert sorted(plan.unchanged) == [(6,), (7,)]
+    check_groups(plan, MODEL, range(8))
+
+
+def test_partial_plan_reports_shortfall():
+    plan = plan_drop(cluster(4), 10 * MODEL.weight_bytes, max_group_size=4)
+    assert not plan.satisfied
+    assert len(plan.groups) == 1 and plan.freed_bytes == 3 * MODEL.weight_bytes
+    assert plan.shortfall_bytes == 7 * MODEL.weight_bytes
+
+
+def test_max_group_size_caps_merging():
+    plan = plan_drop(cluster(8), 100 * MODEL.weight_bytes, max_group_size=2)
+    assert len(plan.groups) == 4 and not plan.unchanged and not plan.satisfied
+    assert all(len(g.instances) == 2 for g in plan.groups)
+
+
+def test_unhealthy_instance_is_never_merged():
+    insts = (InstanceSnapshot(0, 1000, 900, healthy=False),) + tuple(InstanceSnapshot(i, 1000, 900) for i in (1, 2))
+    plan = plan_drop(ClusterSnapshot(MODEL, insts), 5 * MODEL.weight_bytes)
+    assert (0,) in plan.unchanged and all(0 not in g.instances for g in plan.groups)
+
+
+def test_merging_existing_groups_reports_layers_to_load():
+    # two 2-stage groups merge into one 4-stage group: nothing is loaded, half of each is dropped
+    insts = (InstanceSnapshot(0, 1000, 0, 0, 0, 16), InstanceSnapshot(1, 1000, 0, 0, 16, 32),
+             InstanceSnapshot(2, 1000, 0, 0, 0, 16), InstanceSnapshot(3, 1000, 0, 0, 16, 32))
+    c = ClusterSnapshot(MODEL, insts, ((0, 1), (2, 3)))
+    plan = plan_drop(c, 1)
+    check_groups(plan, MODEL, range(4))
+    assert plan.freed_bytes == MODEL.weight_bytes
+    loads = [s.load_layers for g in plan.groups for s in g.stages]
+    assert sum(hi - lo for ls in loads for lo, hi in ls) == 0
+
+
+def test_balanced_stages():
+    assert balanced_stages(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    with pytest.raises(ValueError):
+        balanced_stages(3, 4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 40), layers=st.integers(1, 80), need=st.floats(0, 50), cap=st.integers(1, 16))
+def test_drop_plan_group_invariants(n, layers, need, cap):
+    model = ModelSpec(layers, 7, 3)
+    plan = plan_drop(cluster(n, model=model), need * model.weight_bytes, max_group_size=cap)
+    check_groups(plan, model, range(n))
+    assert plan.freed_bytes == len(plan.merges) * model.weight_bytes
+    assert plan.satisfied == (plan.freed_bytes >= need * model.weight_bytes)
+    sizes = [len(g.instances) for g in plan.groups] + [len(g) for g in plan.unchanged]
+    assert max(sizes) <= max(1, min(cap, layers))
+    # smallest-first merging keeps groups within a factor two of each other
+    assert max(sizes) <= 2 * min(sizes)
+    if not plan.satisfied:  # best partial plan: no further merge was possible
+        assert len(sizes) == 1 or sorted(sizes)[0] + sorted(sizes)[1] > min(cap, layers)
+
+
+def test_from_dict_names_missing_field():
+    with pytest.raises(ValueError, match="cluster.instances\\[0\\].kv_blocks_used: missing"):
+        ClusterSnapshot.from_dict({"model": {"num_layers": 2, "layer_bytes": 1, "block_bytes": 1},
+                                   "instances": [{"instance_id": 0, "kv_blocks_total": 3}]})
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(2, 24), first=st.integers(1, 6), second=st.integers(1, 12))
+def test_replanning_from_existing_groups(n, first, second):
+    """Apply a plan, then drop more: invariants hold and each merge still frees one copy."""
+    model = ModelSpec(48, 5, 1)
+    p1 = plan_drop(cluster(n, model=model), first * model.weight_bytes)
+    stages = {s.instance_id: (s.layer_start, s.layer_end) for g in p1.groups for s in g.stages}
+    stages.update({g[0]: (0, 48) for g in p1.unchanged})
+    insts = tuple(InstanceSnapshot(i, 1000, 900, 0, *stages[i]) for i in range(n))
+    c2 = ClusterSnapshot(model, insts, tuple(g.instances for g in p1.groups) + p1.unchanged)
+    p2 = plan_drop(c2, second * model.weight_bytes, max_group_size=64)
+    check_groups(p2, model, range(n))
+    assert p2.freed_bytes == len(p2.merges) * model.weight_bytes
+    for g in p2.groups:
+        for s in g.stages:
+            h0, h1 = stages[s.instance_id]
+            need = sum(hi - lo for lo, hi in s.load_layers)
+            kept = max(0, min(s.layer_end, h1) - max(s.layer_start, h0))
+            assert need == (s.layer_end - s.layer_start) - kept

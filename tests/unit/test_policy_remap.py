@@ -1,0 +1,94 @@
+"""Oneiros remap controller."""
+
+import pytest
+
+from vllm_kunserve.config import RemapConfig
+from vllm_kunserve.policy import ModelLayers, RemapInput, RemapState, decide_remap, spaced_layers
+from vllm_kunserve.policy.remap import max_remapped, with_models
+
+pytestmark = pytest.mark.unit
+
+GB = 1 << 30
+
+
+def model(name="m", layers=32, active=True, prio=None, last=0.0, decode_ms=1.0, **kw):
+    # one layer = 0.5 GB; at 100 GB/s it streams in 5 ms = 5 decode layer-times
+    return ModelLayers(name, layers, GB // 2, decode_ms, 4.0, active, prio, last, **kw)
+
+
+def gaps(layers, n):
+    s = sorted(layers)
+    return [(s[(i + 1) % len(s)] - s[i]) % n or n for i in range(len(s))]
+
+
+def test_eq4_eq5_bounds():
+    # t_x / t_c = 5: one slot needs gaps of 6 layers, two slots gaps of 5
+    assert max_remapped(32, 5.0, 1) == 32 // 6
+    assert max_remapped(32, 5.0, 2) == 32 // 5
+    assert max_remapped(32, 0.2, 1) == 16 and max_remapped(32, 0.2, 2) == 32
+
+
+def test_transfer_hides_behind_compute():
+    cfg = RemapConfig(max_fraction=1.0)
+    inp = RemapInput((model(),), 100e9, kv_shortage_bytes=100 * GB)
+    plan, _ = decide_remap(inp, cfg)
+    (r,) = plan.models
+    t_x = (GB // 2) / 100e9 * 1e3
+    d = min(gaps(r.layers, 32))
+    assert len(r.layers) == r.alpha + r.slots
+    assert (t_x <= (d - 1) * 1.0) if r.slots == 1 else (t_x <= d * 1.0)  # Eq. 4 / Eq. 5
+    assert r.hidden and plan.shortfall_bytes > 0  # bounded by bandwidth, not the shortage
+    assert max(gaps(r.layers, 32)) - min(gaps(r.layers, 32)) <= 1  # evenly spaced on the ring
+
+
+def test_auto_slots_prefers_one_slot_when_enough():
+    inp = RemapInput((model(),), 100e9, kv_shortage_bytes=GB)  # 2 layers needed
+    plan, _ = decide_remap(inp, RemapConfig())
+    assert plan.models[0].alpha == 2 and plan.models[0].slots == 1 and plan.shortfall_bytes == 0
+    plan2, _ = decide_remap(inp, RemapConfig(slots="2"))
+    assert plan2.models[0].slots == 2 and len(plan2.models[0].layers) == 4
+
+
+def test_inactive_low_priority_first_and_never_whole_model():
+    ms = (model("hot", prio=5), model("cold", active=False, prio=9), model("low", prio=0))
+    plan, _ = decide_remap(RemapInput(ms, 100e9, kv_shortage_bytes=GB), RemapConfig())
+    assert [r.model for r in plan.models] == ["cold"]
+    plan, _ = decide_remap(RemapInput(ms, 100e9, kv_shortage_bytes=1000 * GB), RemapConfig(max_fraction=1.0))
+    assert plan.models[0].model == "cold" and plan.models[1].model == "low"
+    for r in plan.models:
+        assert len(r.layers) <= 31  # never the whole model
+
+
+def test_mru_when_no_priority():
+    ms = (model("old", last=1.0), model("recent", last=9.0))
+    plan, _ = decide_remap(RemapInput(ms, 100e9, kv_shortage_bytes=GB), RemapConfig())
+    assert plan.models[0].model == "recent"
+
+
+def test_caps():
+    inp = RemapInput((model(active=False),), 100e9, kv_shortage_bytes=1000 * GB)
+    plan, _ = decide_remap(inp, RemapConfig(max_fraction=0.25))
+    assert len(plan.models[0].layers) <= 8
+    plan, _ = decide_remap(inp, RemapConfig(max_layers=3))
+    assert plan.models[0].alpha == 3
+
+
+def test_revert_after_hold_when_kv_frees_up():
+    cfg = RemapConfig(low_watermark=0.5, revert_hold_s=2.0)
+    inp = RemapInput((model(),), 100e9, kv_shortage_bytes=2 * GB)
+    plan, st = decide_remap(inp, cfg)
+    after = with_models(inp, plan)
+    low = RemapInput(after.models, 100e9, 0.0, kv_free_bytes=100 * GB, demand_ratio=0.3, now_s=10.0)
+    p1, st = decide_remap(low, cfg, st)
+    assert p1.action == "hold" and st.low_since == 10.0
+    p2, st = decide_remap(RemapInput(low.models, 100e9, 0.0, 100 * GB, 0.3, 12.0), cfg, st)
+    assert p2.action == "revert" and p2.models[0].alpha == 0 and p2.freed_bytes == -plan.freed_bytes
+    # not enough free KV to give back: partial revert only
+    p3, _ = decide_remap(RemapInput(low.models, 100e9, 0.0, GB // 2, 0.3, 12.0), cfg, RemapState(10.0))
+    assert p3.models[0].alpha == plan.models[0].alpha - 1
+
+
+def test_spaced_layers_even_on_ring():
+    for n, m in [(32, 5), (7, 3), (80, 9)]:
+        g = gaps(spaced_layers(n, m), n)
+        assert len(set(spaced_layers(n, m))) == m and max(g) - min(g) <= 1

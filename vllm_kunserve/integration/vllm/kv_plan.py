@@ -1,0 +1,62 @@
+"""Touchpoint: ``get_kv_cache_configs`` as imported by ``vllm.v1.engine.core``.
+
+For a growable KV cache the engine is planned at ``memory.max_kv_ratio`` times the normal KV
+memory (the most the KV regions may reach), and the normal block count is remembered as the base:
+the worker maps only the base, the scheduler hides the rest (``block_capacity.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm_kunserve.integration.vllm.base import VllmPatch
+
+logger = logging.getLogger("vllm.kunserve")
+
+#: id(vllm_config) -> base block count, for the engine core to pick up after planning
+BASE_BLOCKS: dict[int, int] = {}
+
+
+def engine_cfg(vllm_config: Any):
+    from vllm_kunserve.config import config_from_additional
+
+    return config_from_additional(getattr(vllm_config, "additional_config", None))
+
+
+class KVPlanPatch(VllmPatch):
+    name = "kv_plan"
+    versions = ">=0.32,<0.34"
+    summary = "plan the KV cache at its maximum size and remember the base block count"
+
+    def wanted(self, cfg: Any) -> bool:
+        return bool(cfg.remap.enable)
+
+    def patch(self, cfg: Any) -> None:
+        core = self.resolve("vllm.v1.engine.core")
+
+        def make(orig):
+            def get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory):
+                configs = orig(vllm_config, kv_cache_specs, available_memory)
+                kcfg = engine_cfg(vllm_config)
+                if kcfg is None or not kcfg.remap.enable or not configs:
+                    return configs
+                base = min(c.num_blocks for c in configs)
+                ratio = kcfg.memory.max_kv_ratio
+                cache = vllm_config.cache_config
+                override = cache.num_gpu_blocks_override
+                try:
+                    if override:
+                        cache.num_gpu_blocks_override = int(override * ratio)
+                    big = orig(vllm_config, kv_cache_specs, [int(m * ratio) for m in available_memory])
+                finally:
+                    cache.num_gpu_blocks_override = override
+                for c in big:
+                    c.kunserve_base_blocks = base
+                BASE_BLOCKS[id(vllm_config)] = base
+                logger.info("kunserve: KV planned for up to %d blocks, base %d (max_kv_ratio %.2f)",
+                            min(c.num_blocks for c in big), base, ratio)
+                return big
+            return get_kv_cache_configs
+
+        self.replace(core, "get_kv_cache_configs", make)

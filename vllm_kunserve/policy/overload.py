@@ -1,0 +1,87 @@
+"""Overload detection: KV demand against capacity, per instance and cluster-wide.
+
+Demand (KunServe section 4.1) = blocks in use + blocks the head-of-line queued requests need. Beyond
+the paper we add a short-horizon forecast: the least-squares slope of recent cluster demand samples
+times ``forecast_horizon_s`` (only a rising trend counts), so the monitor reacts one period earlier
+to a burst that is still ramping up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from vllm_kunserve.config import DropConfig
+from vllm_kunserve.policy.snapshot import ClusterSnapshot
+
+
+@dataclass(frozen=True)
+class InstanceDemand:
+    instance_id: int
+    used_blocks: int
+    queued_blocks: int
+    capacity_blocks: int
+
+    @property
+    def demand_blocks(self) -> int:
+        return self.used_blocks + self.queued_blocks
+
+    @property
+    def ratio(self) -> float:
+        return self.demand_blocks / self.capacity_blocks if self.capacity_blocks else float("inf")
+
+
+@dataclass(frozen=True)
+class OverloadReport:
+    instances: tuple[InstanceDemand, ...]
+    demand_blocks: float  # used + queued, cluster-wide
+    forecast_blocks: float  # extra demand expected within the horizon
+    capacity_blocks: float
+    ratio: float  # (demand + forecast) / capacity
+    overloaded: bool
+    need_blocks: float  # blocks to free (shortfall plus headroom); 0 when not overloaded
+    need_bytes: float
+
+    def to_dict(self) -> dict:
+        return {
+            "overloaded": self.overloaded, "ratio": self.ratio, "demand_blocks": self.demand_blocks,
+            "forecast_blocks": self.forecast_blocks, "capacity_blocks": self.capacity_blocks,
+            "need_blocks": self.need_blocks, "need_bytes": self.need_bytes,
+            "instances": [{"instance_id": d.instance_id, "demand_blocks": d.demand_blocks,
+                           "capacity_blocks": d.capacity_blocks, "ratio": d.ratio,
+                           "overloaded": d.ratio > 1.0} for d in self.instances],
+        }
+
+
+def forecast_blocks(history: Sequence[tuple[float, float]], horizon_s: float, window_s: float = 10.0) -> float:
+    """Extra demand expected within ``horizon_s`` from the trend of the last ``window_s`` of samples.
+
+    Least-squares slope of (time, demand) over the window; a flat or falling trend forecasts 0.
+    """
+    if horizon_s <= 0 or len(history) < 2:
+        return 0.0
+    t_end = history[-1][0]
+    pts = np.array([(t, d) for t, d in history if t >= t_end - window_s], dtype=float)
+    if len(pts) < 2 or np.ptp(pts[:, 0]) <= 0:
+        return 0.0
+    slope = np.polyfit(pts[:, 0], pts[:, 1], 1)[0]
+    return float(max(0.0, slope * horizon_s))
+
+
+def assess_overload(cluster: ClusterSnapshot, cfg: DropConfig = DropConfig()) -> OverloadReport:
+    """Per-instance and cluster demand; ``need_bytes`` is what a drop plan must free."""
+    per = tuple(InstanceDemand(i.instance_id, i.kv_blocks_used, i.queued_blocks, i.kv_blocks_total)
+                for i in cluster.instances if i.healthy)
+    demand = float(sum(d.demand_blocks for d in per))
+    cap = float(sum(d.capacity_blocks for d in per))
+    fc = forecast_blocks(cluster.demand_history, cfg.forecast_horizon_s)
+    ratio = (demand + fc) / cap if cap else float("inf")
+    overloaded = ratio > cfg.trigger_ratio
+    need = 0.0
+    if overloaded:
+        # bring (demand + forecast) back under the trigger, plus headroom on that shortfall
+        shortfall = demand + fc - cfg.trigger_ratio * cap
+        need = shortfall * (1.0 + cfg.headroom_ratio)
+    return OverloadReport(per, demand, fc, cap, ratio, overloaded, need, need * cluster.model.block_bytes)

@@ -1,0 +1,228 @@
+"""Remap controller (Oneiros): which layers' weight memory becomes KV, and when to give it back.
+
+A remapped layer's weights are streamed from pinned host memory into a shared *slot* just before it
+runs. With ``m`` layers remapped evenly on the circular layer order of an ``L``-layer model the
+smallest gap between consecutive remapped layers is ``d = L // m`` layers. Let ``t_x`` be the
+host-to-device time of one layer (``layer_bytes / bandwidth``) and ``t_c`` the compute time of one
+layer. Our reading of the paper's Eq. 4/5:
+
+* one slot (Eq. 4): the next remapped layer can only be loaded once the current one has run, so
+  the load hides behind the ``d - 1`` resident layers in between: ``t_x <= (d - 1) * t_c``.
+  The slot holds one layer, so freeing ``alpha`` layers of memory needs ``m = alpha + 1`` remapped.
+* two slots (Eq. 5): loads alternate between slots and overlap the previous remapped layer too; the
+  link then only has to keep up with one layer per gap: ``t_x <= d * t_c``, with ``m = alpha + 2``.
+
+``slots="auto"`` takes the fewest slots that reach the needed ``alpha`` (less traffic), else the
+choice with the larger reachable ``alpha``. Active models use the decode time (the shortest
+compute, the worst case); inactive models do not compute, so only the caps apply. Caps:
+``remap.max_layers`` (0 = the bandwidth bound), ``remap.max_fraction`` of the layers, and never the
+whole model (``m <= L - 1``).
+
+Order: inactive models first, then lowest priority; among equal priorities (or none given) the
+most recently used model first (MRU). Reversion walks the same list backwards and needs the freed
+KV to be free again: it triggers when demand stays under ``remap.low_watermark`` of the base
+capacity for ``remap.revert_hold_s``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from vllm_kunserve.config import RemapConfig
+from vllm_kunserve.policy._schema import check_unknown, get, need_list, need_mapping
+
+
+@dataclass(frozen=True)
+class ModelLayers:
+    name: str
+    num_layers: int
+    layer_bytes: int
+    decode_ms: float  # compute time of one layer in a decode step
+    prefill_ms: float  # compute time of one layer in a prefill step
+    active: bool = True
+    priority: int | None = None  # lower gives memory first
+    last_active_s: float = 0.0
+    remapped_alpha: int = 0  # net layers of memory already given to KV
+    slots: int = 0  # slots in use now (0 when nothing is remapped)
+
+    @classmethod
+    def from_dict(cls, d, where="model"):
+        d = need_mapping(d, where)
+        check_unknown(d, {"name", "num_layers", "layer_bytes", "decode_ms", "prefill_ms", "active", "priority",
+                          "last_active_s", "remapped_alpha", "slots"}, where)
+        return cls(name=get(d, "name", str, where), num_layers=get(d, "num_layers", int, where, lo=1),
+                   layer_bytes=get(d, "layer_bytes", int, where, lo=1),
+                   decode_ms=get(d, "decode_ms", float, where, lo=0.0),
+                   prefill_ms=get(d, "prefill_ms", float, where, lo=0.0),
+                   active=get(d, "active", bool, where, True), priority=get(d, "priority", int, where, None),
+                   last_active_s=get(d, "last_active_s", float, where, 0.0),
+                   remapped_alpha=get(d, "remapped_alpha", int, where, 0, lo=0),
+                   slots=get(d, "slots", int, where, 0, lo=0, hi=2))
+
+
+@dataclass(frozen=True)
+class RemapInput:
+    models: tuple[ModelLayers, ...]
+    h2d_bytes_per_s: float
+    kv_shortage_bytes: float = 0.0  # more KV needed now (0 if none)
+    kv_free_bytes: float = 0.0  # KV currently free (what reverting may take back)
+    demand_ratio: float = 0.0  # KV demand / base (unremapped) capacity
+    now_s: float = 0.0
+
+    @classmethod
+    def from_dict(cls, d, where="remap"):
+        d = need_mapping(d, where)
+        check_unknown(d, {"models", "h2d_bytes_per_s", "kv_shortage_bytes", "kv_free_bytes", "demand_ratio",
+                          "now_s", "config", "state"}, where)
+        models = tuple(ModelLayers.from_dict(m, f"{where}.models[{k}]")
+                       for k, m in enumerate(need_list(get(d, "models", list, where), f"{where}.models")))
+        if not models:
+            raise ValueError(f"{where}.models: at least one model is required")
+        return cls(models, get(d, "h2d_bytes_per_s", float, where, lo=1.0),
+                   get(d, "kv_shortage_bytes", float, where, 0.0, lo=0.0),
+                   get(d, "kv_free_bytes", float, where, 0.0, lo=0.0),
+                   get(d, "demand_ratio", float, where, 0.0, lo=0.0), get(d, "now_s", float, where, 0.0))
+
+
+@dataclass(frozen=True)
+class ModelRemap:
+    model: str
+    alpha: int  # net layers whose memory goes to KV
+    slots: int
+    layers: tuple[int, ...]  # remapped layer indices (m = alpha + slots of them)
+    freed_bytes: int
+    hidden: bool  # transfers hide behind compute (always False-safe for inactive models)
+    alpha_bound: int  # the most this model could give under the bandwidth bound and caps
+
+
+@dataclass(frozen=True)
+class RemapPlan:
+    action: str  # "remap", "revert", "hold"
+    models: tuple[ModelRemap, ...]  # the target state of every model that changes
+    freed_bytes: int  # net change in KV bytes (negative when reverting)
+    shortfall_bytes: float
+
+    def to_dict(self) -> dict:
+        return {"action": self.action, "freed_bytes": self.freed_bytes, "shortfall_bytes": self.shortfall_bytes,
+                "models": [{"model": m.model, "alpha": m.alpha, "slots": m.slots, "layers": list(m.layers),
+                            "freed_bytes": m.freed_bytes, "hidden": m.hidden, "alpha_bound": m.alpha_bound}
+                           for m in self.models]}
+
+
+@dataclass(frozen=True)
+class RemapState:
+    low_since: float | None = None
+
+
+def max_remapped(num_layers: int, ratio: float, slots: int) -> int:
+    """Largest m whose smallest gap ``L // m`` hides a load of ``ratio = t_x / t_c`` layer-times."""
+    need_gap = ratio + (1.0 if slots == 1 else 0.0)
+    need_gap = max(1.0, need_gap)
+    gap = math.ceil(need_gap - 1e-12)
+    return num_layers // gap
+
+
+def spaced_layers(num_layers: int, m: int) -> tuple[int, ...]:
+    """``m`` layers evenly spaced on the circular order (every gap is L//m or L//m + 1)."""
+    if m <= 0:
+        return ()
+    off = num_layers // (2 * m)
+    return tuple(sorted((off + (i * num_layers) // m) % num_layers for i in range(m)))
+
+
+def _cap(m: ModelLayers, cfg: RemapConfig) -> int:
+    """Most layers that may be remapped (m, slots included) regardless of bandwidth."""
+    cap = min(m.num_layers - 1, int(cfg.max_fraction * m.num_layers))
+    return max(0, cap)
+
+
+def _options(m: ModelLayers, bw: float, cfg: RemapConfig) -> list[tuple[int, int, bool]]:
+    """(slots, alpha_bound, hidden) per allowed slot count."""
+    t_x = m.layer_bytes / bw * 1e3
+    t_c = min(m.decode_ms, m.prefill_ms) if m.active else math.inf
+    out = []
+    for s in ((1, 2) if cfg.slots == "auto" else (int(cfg.slots),)):
+        mm = _cap(m, cfg)
+        hidden = True
+        if m.active:
+            bound = max_remapped(m.num_layers, t_x / t_c if t_c > 0 else math.inf, s) if t_c > 0 else 0
+            mm = min(mm, bound)
+        else:
+            hidden = False  # nothing runs; a reactivated model streams until reverted
+        alpha = mm - s
+        if cfg.max_layers:
+            alpha = min(alpha, cfg.max_layers)
+        out.append((s, max(0, alpha), hidden))
+    return out
+
+
+def _order(models):
+    def key(m: ModelLayers):
+        return (m.active, m.priority if m.priority is not None else 0, -m.last_active_s, m.name)
+    return sorted(models, key=key)
+
+
+def decide_remap(inp: RemapInput, cfg: RemapConfig = RemapConfig(), state: RemapState = RemapState()
+                 ) -> tuple[RemapPlan, RemapState]:
+    """Remap enough layers to cover ``kv_shortage_bytes``, or revert when demand stays low."""
+    if inp.h2d_bytes_per_s <= 0:
+        raise ValueError("h2d_bytes_per_s must be > 0")
+    if inp.kv_shortage_bytes > 0 or inp.demand_ratio > cfg.high_watermark:
+        return _remap(inp, cfg), RemapState(None)
+    if inp.demand_ratio < cfg.low_watermark and any(m.remapped_alpha for m in inp.models):
+        since = state.low_since if state.low_since is not None else inp.now_s
+        if inp.now_s - since >= cfg.revert_hold_s:
+            plan = _revert(inp)
+            return plan, RemapState(None) if plan.models else RemapState(since)
+        return RemapPlan("hold", (), 0, 0.0), RemapState(since)
+    return RemapPlan("hold", (), 0, 0.0), RemapState(None)
+
+
+def _remap(inp: RemapInput, cfg: RemapConfig) -> RemapPlan:
+    need = inp.kv_shortage_bytes
+    out = []
+    freed_total = 0
+    for m in _order(inp.models):
+        if need <= 0:
+            break
+        opts = _options(m, inp.h2d_bytes_per_s, cfg)
+        want = m.remapped_alpha + math.ceil(need / m.layer_bytes)
+        reach = [o for o in opts if o[1] >= want]
+        s, bound, hidden = min(reach, key=lambda o: o[0]) if reach else max(opts, key=lambda o: (o[1], -o[0]))
+        alpha = min(want, bound)
+        if alpha <= m.remapped_alpha:
+            continue
+        gained = (alpha - m.remapped_alpha) * m.layer_bytes
+        need -= gained
+        freed_total += gained
+        out.append(ModelRemap(m.name, alpha, s, spaced_layers(m.num_layers, alpha + s), alpha * m.layer_bytes,
+                              hidden, bound))
+    return RemapPlan("remap" if out else "hold", tuple(out), freed_total, max(0.0, need))
+
+
+def _revert(inp: RemapInput) -> RemapPlan:
+    free = inp.kv_free_bytes
+    out = []
+    change = 0
+    for m in reversed(_order(inp.models)):
+        if not m.remapped_alpha:
+            continue
+        back = min(m.remapped_alpha, int(free // m.layer_bytes))
+        if back <= 0:
+            continue
+        alpha = m.remapped_alpha - back
+        slots = m.slots if alpha else 0
+        free -= back * m.layer_bytes
+        change -= back * m.layer_bytes
+        out.append(ModelRemap(m.name, alpha, slots, spaced_layers(m.num_layers, alpha + slots) if alpha else (),
+                              alpha * m.layer_bytes, True, m.remapped_alpha))
+    return RemapPlan("revert" if out else "hold", tuple(out), change, 0.0)
+
+
+def with_models(inp: RemapInput, plan: RemapPlan) -> RemapInput:
+    """The input after applying ``plan`` (for simulators stepping the controller)."""
+    by = {r.model: r for r in plan.models}
+    models = tuple(replace(m, remapped_alpha=by[m.name].alpha, slots=by[m.name].slots) if m.name in by else m
+                   for m in inp.models)
+    return replace(inp, models=models)
