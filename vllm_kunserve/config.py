@@ -76,6 +76,9 @@ class RemapConfig:
     low_watermark: float = _opt(
         0.5, "Revert when KV demand stays below this share of the base capacity.", lo=0.0, hi=1.0)
     revert_hold_s: float = _opt(2.0, "Seconds demand must stay low before reverting.", lo=0.0, hi=3600.0)
+    growth_tokens: int = _opt(
+        256, "Output tokens per running or queued request counted ahead as KV demand (capped by its max_tokens).",
+        lo=0, hi=1 << 20)
     h2d_bandwidth_gbps: float = _opt(
         0.0, "Host-to-device bandwidth in GB/s (0: measure at startup).", lo=0.0, hi=10000.0)
     priority: int = _opt(0, "Model priority when several models share a GPU (lower gives memory first).",

@@ -30,3 +30,26 @@ def run_probe(model: Path, mode: str, additional, env_extra=None, timeout=300) -
 @pytest.fixture
 def probe():
     return run_probe
+
+
+#: 8 layers of 3.1 MB (29 MB of fp32 weights with embeddings) and 8 KiB of KV per token
+BURST_SPEC = dict(layers=8, hidden=256, heads=4, kv_heads=2, intermediate=768, vocab=2048)
+#: KV budget: 0.75x the weights (weights ~57% of memory), 88 blocks of 32 tokens
+BURST_KV_BYTES = 22 << 20
+
+
+@pytest.fixture(scope="session")
+def burst_model(tmp_path_factory) -> Path:
+    from vllm_kunserve.tools.make_model import ModelSpec, build_model
+
+    return build_model(tmp_path_factory.mktemp("models") / "burst8", ModelSpec(**BURST_SPEC))
+
+
+def run_remap_probe(model: Path, scenario: str, additional, timeout=600) -> dict:
+    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1")
+    extra = "none" if additional is None else json.dumps(additional)
+    r = subprocess.run([sys.executable, str(HERE / "remap_probe.py"), str(model), scenario,
+                        str(BURST_KV_BYTES), extra], capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("PROBE_RESULT ")]
+    assert r.returncode == 0 and lines, f"remap probe failed (rc={r.returncode}):\n{(r.stdout + r.stderr)[-4000:]}"
+    return json.loads(lines[-1][len("PROBE_RESULT "):])

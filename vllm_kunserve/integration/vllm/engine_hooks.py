@@ -73,6 +73,8 @@ class EngineCorePatch(VllmPatch):
                 out = orig(core, *a, **kw)
                 if out[1]:  # the model ran
                     coord.note_step((time.perf_counter() - t0) * 1e3)
+                if core.scheduler.get_num_unfinished_requests() == 0:
+                    coord.on_idle()
                 return out
             return step
 

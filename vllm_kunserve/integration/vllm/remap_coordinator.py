@@ -90,15 +90,49 @@ class RemapCoordinator:
         return ev
 
     def demand_blocks(self) -> tuple[int, int]:
-        """(used, demand): used blocks now; demand adds what queued and running requests need next."""
+        """(used, demand): blocks used now; demand adds what queued requests need to start and what
+        running and queued requests will need for their next ``remap.growth_tokens`` outputs."""
         sched = self.core.scheduler
         st = self.cap.state()
-        queued = sum(-(-r.num_tokens // self.block_size) for r in sched.waiting)
-        growth = sum(1 for r in sched.running if r.num_computed_tokens % self.block_size == 0)
+        bs, horizon = self.block_size, self.cfg.remap.growth_tokens
+
+        def ahead(r) -> int:
+            max_tokens = getattr(r, "max_tokens", None) or horizon
+            left = max(0, max_tokens - getattr(r, "num_output_tokens", 0))
+            return r.num_tokens + min(left, horizon)
+
+        queued = sum(-(-ahead(r) // bs) for r in sched.waiting)
+        growth = sum(max(0, -(-ahead(r) // bs) - -(-r.num_tokens // bs)) for r in sched.running)
         return st.used, st.used + queued + growth
 
     def note_step(self, ms: float) -> None:
         self.step_ms.append(ms)
+
+    def on_idle(self) -> None:
+        """The engine ran out of requests: tick now, and keep ticking while idle until reverted.
+
+        An idle ``EngineCoreProc`` blocks on its input queue and never steps, so a timer thread
+        queues an idle callback (run by the engine thread, like every other tick) and a WAKEUP.
+        """
+        self.tick()
+        if self.phase == "base" or not self.auto:
+            return
+        queue_ = getattr(self.core, "input_queue", None)
+        callbacks = getattr(self.core, "_idle_state_callbacks", None)
+        if queue_ is None or callbacks is None or getattr(self, "_idle_timer", None) is not None:
+            return
+        import threading
+
+        from vllm.v1.engine import EngineCoreRequestType
+
+        def fire() -> None:
+            self._idle_timer = None
+            callbacks.append(lambda core: self.on_idle() if core.scheduler.get_num_unfinished_requests() == 0 else None)
+            queue_.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+        self._idle_timer = threading.Timer(max(0.05, self.cfg.remap.revert_hold_s / 4), fire)
+        self._idle_timer.daemon = True
+        self._idle_timer.start()
 
     # -- the per-step control loop ----------------------------------------------------------------
     def tick(self) -> None:
@@ -131,26 +165,42 @@ class RemapCoordinator:
                          if self.phase == "remapped" else free_blocks * self.block_bytes,
                          demand_ratio=demand / max(1, self.cap.base - 1), now_s=time.monotonic())
         plan, self.policy_state = decide_remap(inp, self.cfg.remap, self.policy_state)
-        if plan.action == "remap" and self.phase == "base":
+        if plan.action == "remap":
             target = plan.models[0]
-            self.remap(list(target.layers), target.slots, reason="overload")
+            if self.phase == "base":
+                self.remap(list(target.layers), target.slots, reason="overload")
+            elif self.phase == "remapped" and target.alpha > alpha_now:
+                self.remap(self._extend(target.alpha + self.slots), self.slots, reason="overload")
         elif plan.action == "revert" and self.phase == "remapped" and all(m.alpha == 0 for m in plan.models):
             self.begin_revert(reason="idle")
 
     # -- operations --------------------------------------------------------------------------------
+    def _extend(self, m: int) -> list[int]:
+        """``m`` layers including the remapped ones, the rest spread over the largest gaps."""
+        chosen = set(self.remapped)
+        while len(chosen) < min(m, self.num_layers - 1):
+            free = [i for i in range(self.num_layers) if i not in chosen]
+            # the free layer farthest (circularly) from every chosen one
+            def dist(i: int) -> int:
+                return min(min(abs(i - c), self.num_layers - abs(i - c)) for c in chosen)
+            chosen.add(max(free, key=lambda i: (dist(i), -i)))
+        return sorted(chosen)
+
     def remap(self, layers: list[int], slots: int, reason: str = "forced") -> dict:
-        if self.phase != "base":
-            raise RuntimeError(f"cannot remap in phase {self.phase!r}: revert first")
+        if self.phase == "draining":
+            raise RuntimeError("cannot remap while a revert is draining")
         t0 = time.perf_counter()
         before = self.cap.visible
         try:
             mapped = self._workers("kunserve_remap", list(layers), int(slots))
         except Exception as exc:
-            # a worker failed and rolled itself back; make sure every worker is back at base
-            try:
-                self._workers("kunserve_revert")
-            except Exception:
-                logger.exception("kunserve: reverting workers after a failed remap also failed")
+            # the failing worker rolled itself back; from the base state make sure every worker is
+            # back at base (from a remapped state the scheduler uses the grown blocks: leave them)
+            if self.phase == "base":
+                try:
+                    self._workers("kunserve_revert")
+                except Exception:
+                    logger.exception("kunserve: reverting workers after a failed remap also failed")
             self.backoff_until = time.monotonic() + _FAILURE_BACKOFF_S
             return self._event("remap", "failed", time.perf_counter() - t0, 0, layers=list(layers),
                                reason=reason, error=str(exc), blocks=before)
@@ -206,8 +256,9 @@ class RemapCoordinator:
         if method == "kunserve_remap":
             alpha = int(kwargs.get("alpha", args[0] if args else 1))
             slots = int(kwargs.get("slots", args[1] if len(args) > 1 else 1))
-            layers = kwargs.get("layers") or list(spaced_layers(self.num_layers, alpha + slots))
-            return self.remap(layers, slots, reason="forced")
+            layers = kwargs.get("layers") or (
+                self._extend(alpha + self.slots) if self.remapped else list(spaced_layers(self.num_layers, alpha + slots)))
+            return self.remap(layers, self.slots or slots, reason="forced")
         if method == "kunserve_revert":
             return self.begin_revert(reason="forced")
         if method == "kunserve_inject_fault":

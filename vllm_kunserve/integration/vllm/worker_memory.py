@@ -224,11 +224,11 @@ class WorkerMemory:
     def remap(self, layers: list[int], num_slots: int) -> int:
         """Release ``layers``, stream them through ``num_slots`` slots, grow KV with the freed chunks.
 
-        Returns the new mapped block count. All-or-nothing: on failure the layers are resident
-        again and the KV regions are as before.
+        From the base state any layer set works; when layers are already remapped the new set must
+        contain them and keep the slot count (the scheduler is using the grown blocks, so the KV
+        regions can only grow). Returns the new mapped block count. All-or-nothing: on failure
+        the previous remap state and KV regions are restored.
         """
-        if self.remapped:
-            raise RuntimeError(f"layers {list(self.remapped)} are already remapped; revert first")
         layers = sorted(set(int(i) for i in layers))
         if not layers or layers[-1] >= len(self.layers) or layers[0] < 0:
             raise ValueError(f"remap layers {layers} outside 0..{len(self.layers) - 1}")
@@ -236,16 +236,30 @@ class WorkerMemory:
             raise ValueError("never remap a whole model: at least one layer stays resident")
         if num_slots not in (1, 2) or num_slots > len(layers):
             raise ValueError(f"num_slots={num_slots}: must be 1 or 2 and at most the remapped layers")
+        old = list(self.remapped)
+        if old and (not set(old) <= set(layers) or num_slots != len(self.slot_regions)):
+            raise ValueError(f"layers {old} are remapped with {len(self.slot_regions)} slot(s); a further "
+                             f"remap must keep them and the slot count (got {layers}, {num_slots})")
+        new = [i for i in layers if i not in old]
+        if not new:
+            return self.mapped_blocks
         t0 = time.perf_counter()
         before = self.mapped_blocks
         released: list[int] = []
         slot_bytes = max(self.weights[i].image_bytes for i in layers)
         try:
-            for i in layers:
+            if old:
+                if slot_bytes > self.slot_regions[0].mapped_bytes:
+                    raise ValueError("a newly remapped layer is larger than the existing slots")
+                self._drain_copies()
+                self.streamer.uninstall()  # remapped layers keep their released-guards
+                self.streamer = None
+            for i in new:
                 self.pool.release_layer(self.weights[i])
                 released.append(i)
-            for s in range(num_slots):
-                self.slot_regions.append(self.pool.create_kv_region(f"slot{s}", slot_bytes, slot_bytes))
+            if not old:
+                for s in range(num_slots):
+                    self.slot_regions.append(self.pool.create_kv_region(f"slot{s}", slot_bytes, slot_bytes))
             slots = iter(self.slot_regions)
             self.streamer = WeightStreamer(
                 self.layers, layers, num_slots=num_slots, device=self.pool.device,
@@ -261,14 +275,33 @@ class WorkerMemory:
                 self.pool.faults.fail_map(after=1)
             self._grow_all()
         except Exception as exc:
-            self._restore_layers(released, before)
+            self._rollback(old, released, before)
             self._event("remap_failed", time.perf_counter() - t0, 0, layers=layers, error=repr(exc))
             raise
         self._zero_mapped(before)
-        freed = sum(self.weights[i].max_bytes for i in layers)
-        self._event("remap", time.perf_counter() - t0, freed, layers=layers, slots=num_slots,
-                    blocks_before=before, blocks_after=self.mapped_blocks)
+        self._event("remap", time.perf_counter() - t0, sum(self.weights[i].max_bytes for i in new),
+                    layers=layers, new_layers=new, slots=num_slots, blocks_before=before,
+                    blocks_after=self.mapped_blocks)
         return self.mapped_blocks
+
+    def _rollback(self, old: list[int], released: list[int], kv_blocks: int) -> None:
+        """Undo a failed remap: back to streaming exactly ``old`` (or fully resident)."""
+        if not old:
+            self._restore_layers(released, kv_blocks)
+            return
+        self._drain_copies()
+        self.shrink_kv(kv_blocks)
+        if self.streamer is not None and self.streamer.installed:
+            self.streamer.uninstall()
+        for i in released:
+            if self.weights[i].released:
+                self.pool.reload_layer(self.weights[i])
+        slots = iter(self.slot_regions)
+        self.streamer = WeightStreamer(
+            self.layers, old, num_slots=len(self.slot_regions), device=self.pool.device,
+            sources={i: self.weights[i] for i in old},
+            slot_factory=lambda nb: next(slots).view(torch.uint8)[:nb]).install()
+        self.remapped = tuple(old)
 
     def _grow_all(self) -> None:
         """Map every free chunk at the tail of the KV regions, evenly (all-or-nothing)."""

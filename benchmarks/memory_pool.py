@@ -1,0 +1,150 @@
+"""Memory pool benchmark: time to move N GB of weight chunks into a KV region, and back.
+
+"Move" = release the weight regions of several layers (unmap, chunks back to the pool) + grow a KV
+region by the freed bytes (map + set access): no byte is copied. "Back" = shrink the KV region +
+reload the layers (map + copy the host image in; the copy is timed separately).
+
+Usage:
+    python benchmarks/memory_pool.py [--gb N] [--chunk-mb 2 32] [--backend auto|host|cuda]
+        [--out docs/benchmarks/mechanisms_memory_pool.json] [--md docs/benchmarks/mechanisms_memory_pool.md]
+
+Default N: 10 on a GPU (the target: < 50 ms for 10 GB), 2 on the host backend (figures are also
+scaled to 10 GB, assuming the cost is linear in the chunk count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from vllm_kunserve.memory import MemoryPool, cuda_available  # noqa: E402
+
+GB = 1 << 30
+
+
+def device_name(pool: MemoryPool) -> str:
+    if pool.device.type == "cuda":
+        return f"{torch.cuda.get_device_name(pool.device)} (cuda backend)"
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+               platform.processor())
+    return f"{cpu}, {torch.get_num_threads()} threads (host backend, CPU, no GPU lent)"
+
+
+def sync(pool: MemoryPool) -> None:
+    if pool.device.type == "cuda":
+        torch.cuda.synchronize(pool.device)
+
+
+def run_one(backend: str, gb: float, chunk_mb: int, layers: int, reps: int) -> dict:
+    chunk = chunk_mb << 20
+    layer_bytes = int(gb * GB) // layers // chunk * chunk
+    moved = layer_bytes * layers
+    pool = MemoryPool(moved + 2 * chunk, backend=backend, chunk_bytes=chunk)
+    try:
+        regions = []
+        for i in range(layers):  # one plain uint8 tensor per layer, filled so pages are real
+            src = torch.full((layer_bytes,), i + 1, dtype=torch.uint8)
+            regions.append(pool.create_weight_region(f"layer{i}", {"w": src}))
+            del src
+        kv = pool.create_kv_region("kv", moved + chunk, chunk)
+        sync(pool)
+        rows = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for r in regions:
+                pool.release_layer(r)
+            t1 = time.perf_counter()
+            kv.grow(moved)
+            sync(pool)
+            t2 = time.perf_counter()
+            kv.view()[-1:].fill_(7)  # the grown tail is usable
+            sync(pool)
+            t3 = time.perf_counter()
+            kv.shrink(moved)
+            t4 = time.perf_counter()
+            for r in regions:
+                pool.reload_layer(r)
+            sync(pool)
+            t5 = time.perf_counter()
+            rows.append({"release_ms": (t1 - t0) * 1e3, "grow_ms": (t2 - t1) * 1e3,
+                         "to_kv_ms": (t2 - t0) * 1e3, "shrink_ms": (t4 - t3) * 1e3,
+                         "reload_ms": (t5 - t4) * 1e3})
+        ok = all(int(r.tensors()["w"][0]) == i + 1 for i, r in enumerate(regions))
+        pool.check()
+        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        return {"backend": pool.backend.name, "device": device_name(pool), "gb_moved": moved / GB,
+                "chunk_mb": chunk_mb, "chunks_moved": moved // chunk, "layers": layers, "reps": reps,
+                "median": med, "min_to_kv_ms": min(r["to_kv_ms"] for r in rows),
+                "to_kv_ms_per_10gb": med["to_kv_ms"] * 10 * GB / moved,
+                "reload_gbps": moved / GB / (med["reload_ms"] / 1e3), "weights_intact": ok}
+    finally:
+        pool.close()
+
+
+def write_md(results: list[dict], path: Path, json_path: Path) -> None:
+    lines = ["# Memory pool: moving weight chunks into a KV region", "",
+             f"Produced by `python benchmarks/memory_pool.py` on **{results[0]['device']}**; "
+             f"raw numbers in `{json_path.as_posix()}`.", "",
+             "*to KV* = release the layers' weight regions (unmap) + grow one KV region by the freed "
+             "bytes (map + access); no data is copied. *back* = shrink the KV region + reload the "
+             "layers from their host copies (map + copy). Median of the repetitions.", "",
+             f"Machine load (1-min load average at the end, {os.cpu_count()} cores): {os.getloadavg()[0]:.1f}; 2 shared cores, so repeat on a quiet machine before trusting small differences.", "",
+             "| backend | GB moved | chunk MiB | chunks | release ms | grow ms | to KV ms | to KV ms per 10 GB | "
+             "shrink ms | reload ms (incl. copy) | reload GB/s | weights intact |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        m = r["median"]
+        lines.append(f"| {r['backend']} | {r['gb_moved']:.2f} | {r['chunk_mb']} | {r['chunks_moved']} | "
+                     f"{m['release_ms']:.2f} | {m['grow_ms']:.2f} | {m['to_kv_ms']:.2f} | "
+                     f"{r['to_kv_ms_per_10gb']:.1f} | {m['shrink_ms']:.2f} | {m['reload_ms']:.1f} | "
+                     f"{r['reload_gbps']:.2f} | {r['weights_intact']} |")
+    cuda = [r for r in results if r["backend"] == "cuda"]
+    lines += ["", "Target (GPU): < 50 ms to move 10 GB into KV (the KunServe paper reports ~5 ms remap calls)."]
+    if not cuda:
+        lines += ["", "No GPU was lent for this run, so only the host backend (memfd + mmap MAP_FIXED) "
+                  "was measured; it shows the pool's bookkeeping and per-chunk call overhead, not the "
+                  "CUDA driver's. The CUDA path (`--backend cuda`) is coded and runs the same steps with "
+                  "cuMemUnmap / cuMemMap / cuMemSetAccess.", "",
+                  "On the host backend *release* is dominated by the kernel tearing down the page "
+                  "tables of populated 4 KiB pages (about 0.5 M pages for 2 GB), *grow* is one mmap "
+                  "call per chunk and maps lazily (first touch of the new KV memory pays the page "
+                  "faults), and *reload* pays those faults plus the 2 GB copy. Bigger chunks cut the "
+                  "call count (grow drops ~10x) but not the page-table work."]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--backend", default="auto", choices=["auto", "host", "cuda"])
+    ap.add_argument("--gb", type=float, default=None)
+    ap.add_argument("--chunk-mb", type=int, nargs="+", default=[2, 32])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks/mechanisms_memory_pool.json")
+    ap.add_argument("--md", type=Path, default=ROOT / "docs/benchmarks/mechanisms_memory_pool.md")
+    args = ap.parse_args(argv)
+    results = []
+    is_cuda = args.backend == "cuda" or (args.backend == "auto" and cuda_available())
+    gb = args.gb if args.gb is not None else (10.0 if is_cuda else 2.0)
+    for cmb in args.chunk_mb:
+        res = run_one(args.backend, gb, cmb, args.layers, args.reps)
+        print(json.dumps(res))
+        results.append(res)
+    args.out.write_text(json.dumps({"benchmark": "memory_pool", "results": results}, indent=2) + "\n")
+    write_md(results, args.md, args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,148 @@
+"""Validate the simulator against measured harness runs (stock vLLM and oracle on the small model).
+
+For each measured run (the harness's ``summary.json`` + ``requests.csv``) this replays the same
+requests (measured send times, prompt and output lengths) through a one-instance simulation on the
+``cpu`` device whose step time is the policy cost model fitted to a measured vLLM-CPU step profile
+(``benchmarks/profile_cpu_steps.py``) and whose KV capacity is the engine's (from the summary's
+scraped cache config, or ``--kv-blocks``). It writes docs/benchmarks/sim_validation.md with the
+gap of P50/P99 TTFT and TPOT (target: TTFT within 25%).
+
+    python benchmarks/sim_validate.py --profile docs/benchmarks/cpu_small_profile.json \\
+        --run vllm:RUN_DIR/summary.json:RUN_DIR/requests.csv:vllm \\
+        --run oracle:ORACLE_DIR/summary.json:ORACLE_DIR/requests.csv:oracle
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def load_requests(path: str):
+    from vllm_kunserve.sim.trace import TraceRequest
+
+    if not os.path.isfile(path):
+        raise SystemExit(f"{path}: not found")
+    out = []
+    with open(path, newline="") as f:
+        for line, row in enumerate(csv.DictReader(f), start=2):
+            try:
+                if row.get("ok", "True") in ("False", "false", "0"):
+                    continue
+                t = float(row.get("send_s") or row["arrival_s"])
+                p = int(float(row.get("server_prompt_tokens") or row["prompt_len"]))
+                o = int(float(row.get("output_tokens") or row["output_len"]))
+            except (KeyError, ValueError) as e:
+                raise SystemExit(f"{path}:{line}: bad row ({e})")
+            out.append((t, p, max(o, 1)))
+    out.sort()
+    t0 = out[0][0]
+    return [TraceRequest(i, t - t0, p, o) for i, (t, p, o) in enumerate(out)]
+
+
+def kv_blocks_from(summary: dict, block_size: int) -> int | None:
+    info = summary.get("server_cache_config") or {}
+    if info.get("num_gpu_blocks"):
+        return int(float(info["num_gpu_blocks"])) * int(float(info.get("block_size", block_size))) // block_size
+    if summary.get("kv_capacity_tokens"):
+        return int(summary["kv_capacity_tokens"]) // block_size
+    return None
+
+
+def gap(sim, meas):
+    return None if sim is None or not meas else (sim - meas) / meas
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", action="append", default=[], metavar="LABEL:SUMMARY:REQUESTS_CSV:POLICY",
+                    help="a measured run and the policy that models it (vllm or oracle); repeatable")
+    ap.add_argument("--profile", help="CPU step profile JSON (fitted here with policy.costmodel.fit)")
+    ap.add_argument("--cost-model", help="an already fitted cost model JSON (instead of --profile)")
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--block-size", type=int, default=128, help="vLLM-CPU default block size")
+    ap.add_argument("--kv-blocks", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--out", default="docs/benchmarks/sim_validation.md")
+    ap.add_argument("--json", default="docs/benchmarks/sim_validation.json")
+    a = ap.parse_args()
+
+    from vllm_kunserve.policy import costmodel as pc
+    from vllm_kunserve.sim.adapters import eq_from_costmodel
+    from vllm_kunserve.sim.engine import SimConfig
+    from vllm_kunserve.sim.hardware import get_gpu
+    from vllm_kunserve.sim.models import load_model_spec
+    from vllm_kunserve.sim.runner import simulate
+
+    if a.cost_model:
+        cm, fit_report = pc.CostModel.load(a.cost_model), None
+    elif a.profile:
+        cm, fit_report = pc.fit_with_holdout(pc.load_profile(a.profile))
+    else:
+        raise SystemExit("need --profile or --cost-model")
+    st = eq_from_costmodel(cm)
+    rows, results = [], {}
+    for spec in a.run:
+        parts = spec.split(":")
+        if len(parts) != 4:
+            raise SystemExit(f"--run {spec!r}: expected LABEL:SUMMARY:REQUESTS_CSV:POLICY")
+        label, summ_path, req_path, policy = parts
+        with open(summ_path, encoding="utf-8") as f:
+            summary = json.load(f)
+        trace = load_requests(req_path)
+        kv = a.kv_blocks or kv_blocks_from(summary, a.block_size)
+        if kv is None and policy != "oracle":
+            raise SystemExit(f"{label}: KV capacity unknown; pass --kv-blocks")
+        cfg = SimConfig(model=load_model_spec(a.model), gpu=get_gpu("cpu"), step_time=st, instances=1,
+                        block_size=a.block_size, max_tokens=a.max_num_batched_tokens, max_seqs=a.max_num_seqs,
+                        kv_blocks=kv or 1 << 20, runtime_reserve_bytes=0)
+        res = simulate(cfg, policy, trace, keep_requests=False)
+        s = res["summary"]
+        m_ttft, m_tpot = summary.get("ttft_s", {}), summary.get("tpot_s", {})
+        row = {"run": label, "policy": policy, "requests": len(trace), "kv_blocks": kv}
+        for metric, meas, sim in (("ttft", m_ttft, s["ttft_s"]), ("tpot", m_tpot, s["tpot_s"])):
+            for p in ("p50", "p99"):
+                row[f"{metric}_{p}_measured"] = meas.get(p)
+                row[f"{metric}_{p}_sim"] = sim[p]
+                row[f"{metric}_{p}_gap"] = gap(sim[p], meas.get(p))
+        rows.append(row)
+        results[label] = {"row": row, "sim_summary": s}
+    ok = all(r["ttft_p50_gap"] is not None and abs(r["ttft_p50_gap"]) <= 0.25 and
+             abs(r["ttft_p99_gap"]) <= 0.25 for r in rows) if rows else False
+    cmd = "python " + " ".join(sys.argv)
+    lines = ["# Simulator validation against measured vLLM-CPU runs", "",
+             f"Command: `{cmd}`", "",
+             f"Step time: Eq. 1-3 cost model fitted to the CPU step profile (alpha={cm.alpha:.3g}, "
+             f"beta={cm.beta:.3g}, gamma={cm.gamma:.3g} {cm.unit})"
+             + (f"; held-out mean relative error {fit_report['heldout']['model']['mean_rel_err']:.1%}" if fit_report else "")
+             + ".", ""]
+    if rows:
+        lines += ["| run | policy | requests | P50 TTFT meas / sim (gap) | P99 TTFT meas / sim (gap) | "
+                  "P50 TPOT meas / sim (gap) |", "|---|---|---|---|---|---|"]
+        f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+        g = lambda x: "-" if x is None else f"{x:+.0%}"  # noqa: E731
+        for r in rows:
+            lines.append(f"| {r['run']} | {r['policy']} | {r['requests']} | {f(r['ttft_p50_measured'])} / "
+                         f"{f(r['ttft_p50_sim'])} ({g(r['ttft_p50_gap'])}) | {f(r['ttft_p99_measured'])} / "
+                         f"{f(r['ttft_p99_sim'])} ({g(r['ttft_p99_gap'])}) | {f(r['tpot_p50_measured'])} / "
+                         f"{f(r['tpot_p50_sim'])} ({g(r['tpot_p50_gap'])}) |")
+        lines += ["", f"Target (TTFT P50 and P99 within 25%): {'met' if ok else 'NOT met'}."]
+    else:
+        lines += ["No measured harness run was given: nothing validated yet."]
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w", encoding="utf-8") as fh:
+        fh.write("\n".join(lines) + "\n")
+    with open(a.json, "w", encoding="utf-8") as fh:
+        json.dump({"cost_model": cm.to_dict(), "fit": fit_report, "runs": results, "target_met": ok}, fh, indent=1)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

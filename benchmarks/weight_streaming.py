@@ -1,0 +1,178 @@
+"""Weight streaming benchmark: decode-step time with alpha streamed layers vs fully resident, and
+the copy bandwidth the side stream achieved vs the peak of a plain (pinned, on CUDA) copy.
+
+Usage:
+    python benchmarks/weight_streaming.py [--device cpu|cuda] [--layers 8] [--hidden 1024]
+        [--batch 8] [--context 128] [--steps 20]
+        [--out docs/benchmarks/mechanisms_weight_streaming.json] [--md docs/benchmarks/mechanisms_weight_streaming.md]
+
+The model is a transformers Llama built from a random config (offline). A decode step is one
+forward pass of ``batch`` new tokens against a KV cache of ``context`` tokens. Targets (GPU):
+copy bandwidth >= 80% of the plain-copy peak; step time <= 1.05x resident while alpha stays within
+the remap controller's bound (the alpha whose copy time hides behind the compute between slots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from vllm_kunserve.memory.streaming import install_streaming  # noqa: E402
+
+
+def device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+               platform.processor())
+    return f"{cpu}, {torch.get_num_threads()} threads (CPU, no GPU lent)"
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def build(args, dev):
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+                      num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+                      num_key_value_heads=max(1, args.hidden // 256), max_position_embeddings=4096)
+    dtype = torch.float16 if dev.type == "cuda" else torch.float32
+    model = LlamaForCausalLM(cfg).eval().to(device=dev, dtype=dtype)
+    ids = torch.randint(0, 1024, (args.batch, args.context), device=dev)
+    with torch.no_grad():
+        cache = DynamicCache(config=cfg)
+        model(ids, past_key_values=cache, use_cache=True)
+    return model, cache
+
+
+def step_times(models, cache, args, dev) -> list[list[float]]:
+    """Decode-step times of each model, steps interleaved (A, B, A, B...) so that noise from other
+    jobs on a shared machine hits both alike."""
+    tok = torch.randint(0, 1024, (args.batch, 1), device=dev)
+    out = [[] for _ in models]
+    with torch.no_grad():
+        for i in range(args.warmup + args.steps):
+            for m, times in zip(models, out):
+                c = copy.deepcopy(cache)  # same context length every step
+                sync(dev)
+                t0 = time.perf_counter()
+                m(tok, past_key_values=c, use_cache=True)
+                sync(dev)
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - t0)
+    return out
+
+
+def _fmt(x: float, spec: str, suffix: str = "") -> str:
+    return "-" if x != x else f"{x:{spec}}{suffix}"
+
+
+def plain_copy_peak(nbytes: int, dev: torch.device, reps: int = 10) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=dev.type == "cuda").fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    best = float("inf")
+    for _ in range(reps):
+        sync(dev)
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        sync(dev)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks/mechanisms_weight_streaming.json")
+    ap.add_argument("--md", type=Path, default=ROOT / "docs/benchmarks/mechanisms_weight_streaming.md")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    model, cache = build(args, dev)
+    twin = copy.deepcopy(model)  # streamed copy; ``model`` stays resident for paired timings
+    layers = twin.model.layers
+    layer_bytes = sum(t.numel() * t.element_size() for t in list(layers[0].parameters()))
+    peak = plain_copy_peak(layer_bytes, dev)
+    rows, resident_all = [], []
+    for slots in (1, 2):
+        for alpha in range(1, args.layers // 2 + 1):
+            remapped = [int((k + 0.5) * args.layers / alpha) for k in range(alpha)]
+            s = install_streaming(layers, remapped, slots, profile=True)
+            try:
+                res_ts, ts = step_times([model, twin], cache, args, dev)
+                copy_s = s.prefetch_copy_seconds()
+                stats = s.stats
+            finally:
+                s.uninstall()
+            step, base = statistics.median(ts), statistics.median(res_ts)
+            resident_all += res_ts
+            gbps = stats.bytes_copied / copy_s / 1e9 if copy_s and alpha > slots else float("nan")
+            rows.append({"slots": slots, "alpha": alpha, "remapped": remapped, "step_ms": step * 1e3,
+                         "resident_step_ms": base * 1e3, "ratio_vs_resident": step / base,
+                         "copy_gbps": gbps,
+                         "copy_vs_peak": gbps / peak, "copies": stats.copies, "sync_loads": stats.sync_loads,
+                         "wait_ms_per_step": stats.wait_s / (args.steps + args.warmup) * 1e3,
+                         "streamed_gb_per_step": len(remapped) * layer_bytes / 1e9 if alpha > slots else 0.0})
+            print(json.dumps(rows[-1]))
+    res = {"benchmark": "weight_streaming", "device": device_name(dev), "dtype": str(next(model.parameters()).dtype),
+           "layers": args.layers, "hidden": args.hidden, "batch": args.batch, "context": args.context,
+           "layer_mb": layer_bytes / 1e6, "plain_copy_peak_gbps": peak,
+           "resident_step_ms": statistics.median(resident_all) * 1e3,
+           "rows": rows}
+    args.out.write_text(json.dumps(res, indent=2) + "\n")
+    rel = args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out
+    lines = ["# Weight streaming: decode step with streamed layers", "",
+             f"Produced by `python benchmarks/weight_streaming.py` on **{res['device']}**; raw numbers in "
+             f"`{rel.as_posix()}`.", "",
+             f"Llama from a random config: {args.layers} layers, hidden {args.hidden}, {res['dtype']}, "
+             f"{res['layer_mb']:.1f} MB per decoder layer; decode step = batch {args.batch} x 1 token "
+             f"over {args.context} cached tokens; median of {args.steps} steps.", "",
+             f"Machine load (1-min load average at the end, {os.cpu_count()} cores): {os.getloadavg()[0]:.1f}; 2 shared cores, so repeat on a quiet machine before trusting small differences.", "",
+             f"Resident step (median over all pairs): **{res['resident_step_ms']:.2f} ms**. Plain copy peak "
+             f"({'pinned host to device' if dev.type == 'cuda' else 'host memcpy, one thread'}): "
+             f"**{peak:.2f} GB/s**.", "",
+             "Each configuration is timed with its steps interleaved with steps of an identical "
+             "resident model (paired, so load from other jobs hits both); *x resident* is the ratio "
+             "of the two medians.", "",
+             "| slots | alpha | remapped layers | step ms | resident ms | x resident | copy GB/s | % of peak | "
+             "copies | out-of-order loads |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['slots']} | {r['alpha']} | {r['remapped']} | {r['step_ms']:.2f} | "
+                     f"{r['resident_step_ms']:.2f} | "
+                     f"{r['ratio_vs_resident']:.2f} | {_fmt(r['copy_gbps'], '.2f')} | {_fmt(100 * r['copy_vs_peak'], '.0f', '%')} | "
+                     f"{r['copies']} | {r['sync_loads']} |")
+    lines += ["", "When alpha <= slots every streamed layer keeps its own slot, so nothing is copied after "
+              "install (no copy figure).", "",
+              "Targets (GPU): copy >= 80% of peak; step <= 1.05x resident for alpha within the "
+              "controller's bound."]
+    if dev.type == "cpu":
+        lines += ["", "CPU run, no GPU lent: the \"side stream\" is a copy thread sharing the same 2 cores "
+                  "and memory bus as the compute, so copies cannot hide behind compute the way H2D "
+                  "DMA does on a GPU; the figures show the mechanism's overhead and correctness, not "
+                  "the GPU overlap."]
+    args.md.write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,188 @@
+"""System definitions, launch plans, the comparison table, CLI errors, and a whole ``compare`` run
+with a fake launcher kind (a small aiohttp server subprocess) standing in for ``vllm serve``."""
+
+import json
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from vllm_kunserve.bench import systems as S
+from vllm_kunserve.bench.compare import aggregate, compare, ratio, table, write_compare
+from vllm_kunserve.bench.prompts import PromptFactory
+from vllm_kunserve.bench.runner import BenchOptions, run_bench
+from vllm_kunserve.bench.traces import synthetic
+from vllm_kunserve.cli.main import main
+
+pytestmark = pytest.mark.unit
+
+
+def test_builtin_systems_and_selection():
+    b = S.builtin_systems({"remap": {"enable": True}}, oracle_kv_multiplier=8)
+    assert b["vllm"].additional_config is None and b["vllm"].kv_multiplier == 1
+    assert b["kunserve"].additional_config == {"kunserve": {"remap": {"enable": True}}}
+    assert b["oracle"].kv_multiplier == 8 and b["oracle"].additional_config is None
+    assert [s.name for s in S.select_systems("oracle, vllm", b)] == ["oracle", "vllm"]
+    with pytest.raises(ValueError, match="unknown system.*stok.*choose from vllm, kunserve, oracle"):
+        S.select_systems("vllm,stok", b)
+    with pytest.raises(ValueError, match="twice"):
+        S.select_systems("vllm,vllm", b)
+    with pytest.raises(ValueError, match="unknown launcher"):
+        S.SystemSpec("x", launcher="k8s")
+    with pytest.raises(ValueError, match="kunserve.remap.slots"):
+        S.builtin_systems({"remap": {"slots": 3}})
+
+
+def test_vllm_serve_plan():
+    common = S.CommonArgs(model="/m", block_size=32, kv_cache_bytes=1000, max_model_len=512, extra_args=("--x",))
+    oracle = S.builtin_systems(oracle_kv_multiplier=10)["oracle"]
+    plan = S.vllm_serve_plan(oracle, common, "127.0.0.1", 1234)
+    a = plan.argv
+    assert a[a.index("serve") + 1] == "/m" and a[a.index("--port") + 1] == "1234"
+    assert a[a.index("--kv-cache-memory-bytes") + 1] == "10000" and a[a.index("--block-size") + 1] == "32"
+    assert a[a.index("--dtype") + 1] == "float32" and "--additional-config" not in a and a[-1] == "--x"
+    assert plan.env["VLLM_HOST_IP"] == "127.0.0.1" and "VLLM_CPU_KVCACHE_SPACE" in plan.unset_env
+    ks = S.builtin_systems({"drop": {"enable": False}})["kunserve"]
+    a = S.vllm_serve_plan(ks, common, "127.0.0.1", 1).argv
+    assert json.loads(a[a.index("--additional-config") + 1]) == {"kunserve": {"drop": {"enable": False}}}
+    with pytest.raises(ValueError, match="one instance"):
+        S.vllm_serve_plan(S.SystemSpec("c", num_instances=4), common, "h", 1)
+
+
+def test_parse_kunserve_config(tmp_path):
+    assert S.parse_kunserve_config('{"remap": {"enable": true}}') == {"remap": {"enable": True}}
+    assert S.parse_kunserve_config('{"kunserve": {"drop": {}}}') == {"drop": {}}
+    p = tmp_path / "k.json"
+    p.write_text('{"remap": {"enable": tru}')
+    with pytest.raises(ValueError, match="k.json: not valid JSON"):
+        S.parse_kunserve_config(str(p))
+    with pytest.raises(FileNotFoundError):
+        S.parse_kunserve_config("nofile.json")
+    with pytest.raises(ValueError, match="unknown key"):
+        S.parse_kunserve_config('{"remapp": {}}')
+
+
+def _summary(ttft50, ttft99, pre, done=10):
+    return {"ttft_s": {"p50": ttft50, "p99": ttft99}, "tpot_s": {"p50": 0.01, "p99": 0.02}, "e2e_s": {"p99": 1.0},
+            "preemptions": pre, "completed": done, "failed": 0, "throughput_rps": 2.0,
+            "output_tokens_per_s": 50.0, "slo_attainment": {"ttft_and_tpot": {"5x": 0.9}}}
+
+
+def test_aggregate_table_and_ratios():
+    runs = {"vllm": [_summary(1.0, 4.0, 10), _summary(1.0, 6.0, 20)], "oracle": [_summary(0.5, 2.0, 0)] * 2}
+    agg = aggregate(runs, "vllm")
+    assert agg["vllm"]["ttft_p99"] == {"mean": 5.0, "min": 4.0, "max": 6.0, "n": 2, "ratio": 1.0}
+    assert agg["oracle"]["ttft_p99"]["ratio"] == pytest.approx(0.4)
+    assert agg["oracle"]["preemptions"]["ratio"] == 0.0
+    text = table(agg, ["vllm", "oracle"], "vllm")
+    line = next(ln for ln in text.splitlines() if ln.startswith("TTFT P99"))
+    assert "5 [4-6]" in line and "2 (0.40x)" in line
+    md = table(agg, ["vllm", "oracle"], "vllm", markdown=True)
+    assert md.startswith("| metric | vllm (baseline) | oracle |")
+
+
+FAKE_SERVER = textwrap.dedent('''
+    import asyncio, json, os, sys
+    from aiohttp import web
+    port, first = int(sys.argv[1]), float(os.environ["FAKE_FIRST_S"])
+    served = 0
+    async def health(r):
+        return web.Response(text="ok")
+    async def metrics(r):
+        return web.Response(text='# TYPE vllm:num_preemptions counter\\n'
+                            f'vllm:num_preemptions_total{{engine="0"}} {served}\\n')
+    async def comp(r):
+        global served
+        body = await r.json()
+        resp = web.StreamResponse()
+        await resp.prepare(r)
+        await asyncio.sleep(first)
+        for i in range(body["max_tokens"]):
+            await resp.write(b'data: {"choices": [{"text": "x"}]}\\n\\n')
+            await asyncio.sleep(0.005)
+        await resp.write(b"data: [DONE]\\n\\n")
+        served += 1
+        return resp
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/completions", comp)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, shutdown_timeout=1)
+''')
+
+
+def test_compare_end_to_end_with_fake_launcher(tmp_path, monkeypatch):
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+
+    def fake_plan(spec, common, host, port):
+        # the KV multiplier becomes a speed-up so the two systems differ measurably
+        return S.LaunchPlan([sys.executable, str(script), str(port)], {"FAKE_FIRST_S": str(0.2 / spec.kv_multiplier)})
+
+    monkeypatch.setitem(S.LAUNCHERS, "fake", fake_plan)
+    systems = [S.SystemSpec("vllm", launcher="fake"), S.SystemSpec("oracle", launcher="fake", kv_multiplier=4)]
+    common = S.CommonArgs(model="m")
+    tr = synthetic(np.array([4] * 5), np.array([3] * 5), np.linspace(0, 0.4, 5), "t")
+    factory = PromptFactory(vocab_size=50)
+
+    def bench(spec, rep, endpoint, run_dir):
+        opts = BenchOptions(endpoint=endpoint, model="m", warmup=0, progress=False, plots=False)
+        return run_bench(tr, factory, opts, run_dir)
+
+    res = compare(systems, common, tmp_path / "out", 2, bench, startup_timeout_s=60, log=lambda m: None)
+    assert res.baseline == "vllm" and len(res.runs["vllm"]) == 2 and len(res.runs["oracle"]) == 2
+    assert all(s["completed"] == 5 for rs in res.runs.values() for s in rs)
+    assert all(s["server"]["exit_code"] is not None for rs in res.runs.values() for s in rs)  # stopped
+    assert (tmp_path / "out/oracle/rep2/server.log").read_text().startswith("$ ")
+    assert res.aggregate["vllm"]["preemptions"]["mean"] == 5  # counter delta over the replay
+    r = ratio(res, "oracle", "vllm", "ttft_p50")
+    assert 0.15 < r < 0.6  # programmed 0.05 s vs 0.2 s
+    # SLO reference is the oracle's P50 for every system
+    assert res.runs["vllm"][0]["slo_reference"]["system"] == "oracle"
+    assert res.runs["oracle"][0]["slo_attainment"]["ttft"]["2x"] > res.runs["vllm"][0]["slo_attainment"]["ttft"]["2x"]
+    text = write_compare(tmp_path / "out", res, ["vllm", "oracle"])
+    assert "TTFT P99" in text
+    saved = json.loads((tmp_path / "out/compare.json").read_text())
+    assert saved["aggregate"]["oracle"]["ttft_p50"]["ratio"] == pytest.approx(r)
+    assert (tmp_path / "out/ttft_cdf.png").stat().st_size > 0
+
+
+def test_server_that_dies_reports_its_log(tmp_path, monkeypatch):
+    monkeypatch.setitem(S.LAUNCHERS, "dead", lambda spec, common, host, port: S.LaunchPlan(
+        [sys.executable, "-c", "import sys; print('no such model'); sys.exit(3)"]))
+    with pytest.raises(RuntimeError, match=r"(?s)exited with code 3.*no such model"):
+        compare([S.SystemSpec("vllm", launcher="dead")], S.CommonArgs(model="m"), tmp_path, 1,
+                lambda *a: None, log=lambda m: None)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--systems", "vllm,foo"], "unknown system(s) foo"),
+    (["--kunserve-config", "{bad"], "not valid JSON"),
+    (["--trace", "/nonexistent.csv"], "no such file"),
+    (["--repeat", "0"], "--repeat must be >= 1"),
+])
+def test_compare_cli_errors(argv, needle, tmp_path, capsys):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 2,
+                                                   "hidden_size": 64, "max_position_embeddings": 512}))
+    base = ["compare", "--model", str(model), "--kv-capacity-tokens", "1024", "--out", str(tmp_path / "o"),
+            "--trace", str(tmp_path / "t.csv")]
+    (tmp_path / "t.csv").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,3\n")
+    assert main(base + argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_bench_cli_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,x\n")
+    argv = ["bench", "--endpoint", "http://127.0.0.1:9", "--model", "m", "--out", str(tmp_path / "o"),
+            "--no-scrape", "--trace", str(bad)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "bad.csv:2:3: column 'GeneratedTokens'" in err
+    assert main(argv[:-2] + ["--trace", str(tmp_path / "none.csv")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(argv[:-2] + ["--format", "azure", "--window-offset", "soon"]) == 2
+    assert "--window-offset" in capsys.readouterr().err

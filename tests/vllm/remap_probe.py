@@ -1,0 +1,76 @@
+"""Remap scenarios on a real vLLM-CPU engine, one engine per process; prints one JSON line.
+
+Usage: python remap_probe.py MODEL SCENARIO KV_BYTES [ADDITIONAL_CONFIG_JSON|none]
+Scenarios: identity (greedy outputs with remap forced at several alpha/slots vs off),
+           burst (16 requests at once; preemptions, capacity before/after),
+           fault-map / fault-exhausted (a burst whose remap fails while growing).
+"""
+
+import json
+import os
+import sys
+
+N_REQ, PROMPT, OUTPUT = 16, 160, 80
+
+
+def prompts(vocab: int):
+    import random
+
+    rng = random.Random(7)
+    return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(PROMPT)]} for _ in range(N_REQ)]
+
+
+def preemptions(llm) -> int:
+    for m in llm.get_metrics():
+        if m.name == "vllm:num_preemptions":
+            return int(m.value)
+    return -1
+
+
+if __name__ == "__main__":
+    model, scenario, kv_bytes, extra = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(dtype="float32", distributed_executor_backend="uni", enforce_eager=True, seed=0,
+                  max_model_len=512, block_size=32, kv_cache_memory_bytes=kv_bytes, max_num_seqs=32,
+                  disable_log_stats=False)
+    if extra != "none":
+        kwargs["additional_config"] = json.loads(extra)
+    llm = LLM(model, **kwargs)
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    sp = SamplingParams(max_tokens=OUTPUT, temperature=0, ignore_eos=True)
+    res: dict = {"scenario": scenario}
+    rpc = llm.collective_rpc
+    if scenario == "identity":
+        rpc("kunserve_auto", args=(False,))
+        ps = prompts(vocab)[:4]
+        base = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+        runs = []
+        for alpha, slots in ((1, 1), (2, 1), (2, 2), (3, 2)):
+            ev = rpc("kunserve_remap", kwargs={"alpha": alpha, "slots": slots})[0]
+            st = rpc("kunserve_state")[0]
+            out = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+            rev = rpc("kunserve_revert")[0]
+            st2 = rpc("kunserve_state")[0]
+            runs.append({"alpha": alpha, "slots": slots, "remap": ev["outcome"], "revert": rev["outcome"],
+                         "layers": st["remapped_layers"], "blocks": st["kv_blocks_total"],
+                         "blocks_after": st2["kv_blocks_total"], "same": out == base,
+                         "copies": st["workers"][0]["stream"]["copies"] if st["workers"][0]["stream"] else 0})
+        res.update(runs=runs, base_blocks=st2["kv_blocks_base"])
+    else:
+        if scenario.startswith("fault-"):
+            rpc("kunserve_inject_fault", args=(scenario.split("-", 1)[1],))
+        st0 = rpc("kunserve_state")[0] if extra != "none" else None
+        outs = llm.generate(prompts(vocab), sp, use_tqdm=False)
+        res.update(completed=sum(1 for o in outs if len(o.outputs[0].token_ids) == OUTPUT),
+                   preemptions=preemptions(llm),
+                   num_gpu_blocks=llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
+        if st0 is not None:
+            st1 = rpc("kunserve_state")[0]
+            res.update(blocks_before=st0["kv_blocks_total"], blocks_after=st1["kv_blocks_total"],
+                       phase_after=st1["phase"], events=[(e["event"], e["outcome"]) for e in st1["events"]],
+                       max_blocks_seen=max([e.get("blocks_after", 0) for e in st1["events"]] + [0]),
+                       layers_resident=all(not w["remapped_layers"] for w in st1["workers"]))
+    print("PROBE_RESULT " + json.dumps(res), flush=True)

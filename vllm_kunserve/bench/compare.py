@@ -1,0 +1,181 @@
+"""Run several systems on the same trace, in turn, and tabulate them with ratios to stock vLLM.
+
+Repeats are interleaved (rep 1 of every system, then rep 2, ...) so slow drift of a shared machine
+spreads over all systems. Each run: start the server, wait for /health, replay, stop; the server log
+goes next to the run's files in ``OUT/<system>/rep<k>/``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from vllm_kunserve.bench import metrics as M
+from vllm_kunserve.bench import report
+from vllm_kunserve.bench.runner import BenchRun
+from vllm_kunserve.bench.server import ServerProcess, free_port
+from vllm_kunserve.bench.systems import LAUNCHERS, CommonArgs, SystemSpec
+
+# (key in the table, label, getter from a summary, scale for display)
+METRICS: list[tuple[str, str, Callable[[dict], Any], float]] = [
+    ("ttft_p50", "TTFT P50 (s)", lambda s: s["ttft_s"]["p50"], 1.0),
+    ("ttft_p99", "TTFT P99 (s)", lambda s: s["ttft_s"]["p99"], 1.0),
+    ("tpot_p50", "TPOT P50 (ms)", lambda s: s["tpot_s"]["p50"], 1e3),
+    ("tpot_p99", "TPOT P99 (ms)", lambda s: s["tpot_s"]["p99"], 1e3),
+    ("e2e_p99", "E2E P99 (s)", lambda s: s["e2e_s"]["p99"], 1.0),
+    ("preemptions", "preemptions", lambda s: s.get("preemptions"), 1.0),
+    ("kv_usage_peak", "peak KV usage (%)", lambda s: s.get("kv_usage_peak"), 100.0),
+    ("throughput_rps", "throughput (req/s)", lambda s: s.get("throughput_rps"), 1.0),
+    ("output_tokens_per_s", "output tokens/s", lambda s: s.get("output_tokens_per_s"), 1.0),
+    ("completed", "completed", lambda s: s["completed"], 1.0),
+    ("failed", "failed", lambda s: s["failed"], 1.0),
+    ("slo_5x", "SLO attainment @5x (%)", lambda s: s["slo_attainment"].get("ttft_and_tpot", {}).get("5x"), 100.0),
+]
+
+
+@dataclass
+class CompareResult:
+    systems: list[dict[str, Any]]
+    common: dict[str, Any]
+    runs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # system -> per-repeat summaries
+    aggregate: dict[str, dict[str, dict[str, float | None]]] = field(default_factory=dict)
+    baseline: str = ""
+    workload: dict[str, Any] = field(default_factory=dict)
+    args: dict[str, Any] = field(default_factory=dict)  # the CLI arguments, for reproducibility
+
+
+def _stats(values: Sequence[float | None]) -> dict[str, float | None]:
+    v = [float(x) for x in values if x is not None and x == x]
+    if not v:
+        return {"mean": None, "min": None, "max": None, "n": 0}
+    return {"mean": float(np.mean(v)), "min": min(v), "max": max(v), "n": len(v)}
+
+
+def aggregate(runs: dict[str, list[dict[str, Any]]], baseline: str) -> dict[str, dict[str, dict[str, Any]]]:
+    """system -> metric -> {mean, min, max, n, ratio} (ratio = mean / baseline's mean)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for name, summaries in runs.items():
+        out[name] = {}
+        for key, _, get, _scale in METRICS:
+            vals = []
+            for s in summaries:
+                try:
+                    vals.append(get(s))
+                except (KeyError, TypeError):
+                    vals.append(None)
+            out[name][key] = _stats(vals)
+    base = out.get(baseline, {})
+    for name in out:
+        for key in out[name]:
+            b = base.get(key, {}).get("mean")
+            m = out[name][key]["mean"]
+            out[name][key]["ratio"] = (m / b) if (m is not None and b not in (None, 0)) else None
+    return out
+
+
+def _fmt(v: float | None, scale: float) -> str:
+    if v is None:
+        return "-"
+    x = v * scale
+    if abs(x) >= 100 or float(x).is_integer():
+        return f"{x:.0f}"
+    return f"{x:.3g}" if abs(x) < 10 else f"{x:.1f}"
+
+
+def table(agg: dict[str, dict[str, dict[str, Any]]], systems: Sequence[str], baseline: str, markdown: bool = False) -> str:
+    """One row per metric, per system 'mean [min-max] (ratio x)'."""
+    header = ["metric"] + [f"{s}" + (" (baseline)" if s == baseline else "") for s in systems]
+    rows = []
+    for key, label, _, scale in METRICS:
+        row = [label]
+        for s in systems:
+            st = agg[s][key]
+            if st["mean"] is None:
+                row.append("-")
+                continue
+            cell = _fmt(st["mean"], scale)
+            if st["n"] > 1 and st["min"] != st["max"]:
+                cell += f" [{_fmt(st['min'], scale)}-{_fmt(st['max'], scale)}]"
+            if s != baseline and st.get("ratio") is not None:
+                cell += f" ({st['ratio']:.2f}x)"
+            row.append(cell)
+        rows.append(row)
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines)
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return "\n".join([fmt(header), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows])
+
+
+def run_system(spec: SystemSpec, common: CommonArgs, run_dir: Path, startup_timeout_s: float,
+               body: Callable[[str], BenchRun]) -> tuple[BenchRun, dict[str, Any]]:
+    """Start ``spec``, run ``body(endpoint)``, stop it. Returns the run and server facts."""
+    host = "127.0.0.1"
+    port = free_port(host)
+    plan = LAUNCHERS[spec.launcher](spec, common, host, port)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    server = ServerProcess(plan, host, port, run_dir / "server.log").start()
+    with server:
+        startup = server.wait_ready(startup_timeout_s)
+        run = body(server.endpoint)
+    facts = {"startup_s": startup, "exit_code": server.proc.returncode if server.proc else None,
+             "argv": plan.argv, "env": plan.env}
+    return run, facts
+
+
+def compare(systems: Sequence[SystemSpec], common: CommonArgs, out: Path, repeat: int,
+            bench: Callable[[SystemSpec, int, str, Path], BenchRun], *, startup_timeout_s: float = 600.0,
+            log: Callable[[str], None] = print) -> CompareResult:
+    names = [s.name for s in systems]
+    baseline = "vllm" if "vllm" in names else names[0]
+    res = CompareResult(systems=[s.to_dict() for s in systems], common=asdict(common), baseline=baseline)
+    runs: dict[str, list[BenchRun]] = {n: [] for n in names}
+    for rep in range(repeat):
+        for spec in systems:
+            run_dir = out / spec.name / f"rep{rep + 1}"
+            log(f"[{spec.name} rep {rep + 1}/{repeat}] starting server ...")
+            run, facts = run_system(spec, common, run_dir, startup_timeout_s,
+                                    lambda ep, _s=spec, _r=rep, _d=run_dir: bench(_s, _r, ep, _d))
+            run.summary["server"] = facts
+            report.write_json(run_dir / "summary.json", run.summary)
+            s = run.summary
+            log(f"[{spec.name} rep {rep + 1}/{repeat}] done: {s['completed']}/{s['requests']} ok, "
+                f"TTFT P50 {s['ttft_s']['p50'] or math.nan:.3f} s P99 {s['ttft_s']['p99'] or math.nan:.3f} s, "
+                f"preemptions {s.get('preemptions')}, server up in {facts['startup_s']:.0f} s")
+            runs[spec.name].append(run)
+    # SLO attainment against one reference for all: the oracle's mean P50s if it ran, else the baseline's
+    ref_name = "oracle" if "oracle" in runs else baseline
+    ref_t = _stats([r.summary["ttft_s"]["p50"] for r in runs[ref_name]])["mean"]
+    ref_p = _stats([r.summary["tpot_s"]["p50"] for r in runs[ref_name]])["mean"]
+    for name, rs in runs.items():
+        for r in rs:
+            if ref_t:
+                r.summary["slo_reference"] = {"system": ref_name, "ttft_p50_s": ref_t, "tpot_p50_s": ref_p}
+                r.summary["slo_attainment"] = M.slo_attainment(r.results, ref_t, ref_p)
+    res.runs = {n: [r.summary for r in rs] for n, rs in runs.items()}
+    res.aggregate = aggregate(res.runs, baseline)
+    report.plot_ttft_cdf(out / "ttft_cdf.png",
+                         {n: [x.ttft_s for r in rs for x in r.results if x.ok] for n, rs in runs.items()},
+                         title="TTFT CDF (all repeats)")
+    return res
+
+
+def write_compare(out: Path, res: CompareResult, names: Sequence[str]) -> str:
+    text = table(res.aggregate, names, res.baseline)
+    md = table(res.aggregate, names, res.baseline, markdown=True)
+    report.write_json(out / "compare.json", asdict(res))
+    (out / "compare.md").write_text(md + "\n")
+    return text
+
+
+def ratio(res: CompareResult, a: str, b: str, key: str) -> float | None:
+    """mean(metric of a) / mean(metric of b)."""
+    x, y = res.aggregate.get(a, {}).get(key, {}).get("mean"), res.aggregate.get(b, {}).get(key, {}).get("mean")
+    return x / y if x is not None and y else None
+

@@ -1,0 +1,124 @@
+"""One benchmark run against a live endpoint: warm up, replay with metrics scraping, write outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from vllm_kunserve.bench import metrics as M
+from vllm_kunserve.bench import report
+from vllm_kunserve.bench.client import RequestResult, RequestSpec, completions_url, replay
+from vllm_kunserve.bench.kvdemand import DemandModel, kv_demand
+from vllm_kunserve.bench.prompts import PromptFactory
+from vllm_kunserve.bench.scrape import Scraper, scrape_once
+from vllm_kunserve.bench.traces import Trace
+
+
+@dataclass
+class BenchOptions:
+    endpoint: str
+    model: str  # served model name
+    request_timeout_s: float = 300.0
+    deadline_s: float | None = None  # whole replay; default: trace duration + request timeout
+    warmup: int = 2
+    progress: bool = True
+    scrape: bool = True
+    scrape_interval_s: float = 1.0
+    plots: bool = True
+    ref_ttft_s: float | None = None
+    ref_tpot_s: float | None = None
+    title: str = ""
+
+
+def build_specs(trace: Trace, factory: PromptFactory) -> list[RequestSpec]:
+    specs = []
+    for i in range(len(trace)):
+        n = int(trace.prompt_len[i])
+        prompt = factory.make(n, key=i)
+        specs.append(RequestSpec(i, float(trace.arrival_s[i]), prompt, n, int(trace.output_len[i])))
+    return specs
+
+
+async def _warmup(endpoint: str, model: str, factory: PromptFactory, n: int, timeout_s: float) -> None:
+    """A few short requests, not recorded, so lazy initialisation does not land on the first arrivals."""
+    if n <= 0:
+        return
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
+        for k in range(n):
+            body = {"model": model, "prompt": factory.make(16, key=10_000_000 + k), "max_tokens": 4,
+                    "ignore_eos": True, "temperature": 0.0}
+            async with s.post(completions_url(endpoint), json=body) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"warm-up request failed: HTTP {r.status}: {(await r.text())[:300]}")
+                await r.read()
+
+
+async def _run(opts: BenchOptions, factory: PromptFactory, specs: list[RequestSpec],
+               deadline_s: float) -> tuple[list, Scraper | None]:
+    await _warmup(opts.endpoint, opts.model, factory, opts.warmup, opts.request_timeout_s)
+    scraper = Scraper(opts.endpoint, opts.scrape_interval_s) if opts.scrape else None
+    stop = asyncio.Event()
+    tasks: list[asyncio.Task] = []
+
+    def on_start(t0: float) -> None:
+        if scraper is not None:
+            scraper.t0 = t0
+            tasks.append(asyncio.create_task(scraper.run(stop)))
+
+    try:
+        results = await replay(opts.endpoint, opts.model, specs, request_timeout_s=opts.request_timeout_s,
+                               deadline_s=deadline_s, progress=opts.progress, on_start=on_start)
+    finally:
+        stop.set()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+    if scraper is not None:  # one last sample after the replay so counters include the tail
+        try:
+            values, info = await scrape_once(opts.endpoint)
+            scraper.samples.append((time.perf_counter() - scraper.t0, values))
+            scraper.cache_info = scraper.cache_info or info
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            pass
+    return results, scraper
+
+
+@dataclass
+class BenchRun:
+    summary: dict[str, Any]
+    results: list[RequestResult]
+
+
+def run_bench(trace: Trace, factory: PromptFactory, opts: BenchOptions, out: Path, *,
+              demand_model: DemandModel | None = None, kv_capacity_tokens: int | None = None,
+              workload_info: dict[str, Any] | None = None) -> BenchRun:
+    """Replay ``trace`` against ``opts.endpoint``; write the run's files under ``out``."""
+    if len(trace) == 0:
+        raise ValueError("the trace holds no request")
+    specs = build_specs(trace, factory)
+    deadline = opts.deadline_s if opts.deadline_s else trace.duration_s + opts.request_timeout_s + 5.0
+    results, scraper = asyncio.run(_run(opts, factory, specs, deadline))
+    series = scraper.series() if scraper else []
+    demand = kv_demand(trace, demand_model) if demand_model else None
+    rows = M.timeline(results, series, demand)
+    summary = M.summarize(results, scrape_series=series, ref_ttft_s=opts.ref_ttft_s, ref_tpot_s=opts.ref_tpot_s)
+    mismatched = sum(1 for r in results if r.ok and r.server_prompt_tokens >= 0 and r.server_prompt_tokens != r.prompt_len)
+    summary["prompt_token_mismatches"] = mismatched
+    summary["trace"] = trace.describe()
+    summary["workload"] = workload_info or {}
+    summary["bench"] = {k: v for k, v in asdict(opts).items()}
+    if scraper is not None:
+        summary["server_cache_config"] = scraper.cache_info
+        summary["scrape_errors"] = scraper.errors
+        if scraper.errors:
+            summary["scrape_last_error"] = scraper.last_error
+    if kv_capacity_tokens:
+        summary["kv_capacity_tokens"] = kv_capacity_tokens
+    summary["files"] = report.write_run(out, results, rows, summary, title=opts.title,
+                                        kv_capacity_tokens=kv_capacity_tokens, plots=opts.plots)
+    report.write_json(out / "summary.json", summary)
+    return BenchRun(summary, results)

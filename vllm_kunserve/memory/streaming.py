@@ -1,0 +1,313 @@
+"""Weight streaming for remapped layers (the Oneiros mechanism).
+
+The remapped decoder layers give their own weight memory away (to KV cache) and share ``S`` (1 or
+2) slots. The k-th remapped layer (in execution order) computes from slot ``k % S``; its parameters
+are views into that slot, re-filled from a host copy (pinned on CUDA) before each use:
+
+* when a layer finishes (forward hook), the copy of the next remapped layer that uses the same slot
+  is issued on a side stream, ordered after that layer's kernels (a CUDA event), so it overlaps the
+  layers in between; on CPU the side stream is a copy thread (``Tensor.copy_`` releases the GIL);
+* a forward pre-hook makes the compute stream wait for that one copy only.
+
+Layers are expected to run in order, once per forward pass (a decode step); any other order
+(e.g. an exception mid-pass) is detected and the layer is loaded synchronously, so results are
+always correct. CUDA graphs bypass hooks: run streamed layers eagerly.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from . import guard, layout
+from .errors import LayerReleasedError
+
+
+@dataclass
+class StreamStats:
+    copies: int = 0            # layer copies issued into slots (prefetch + synchronous)
+    bytes_copied: int = 0
+    sync_loads: int = 0        # out-of-order synchronous loads (should stay 0 in steady state)
+    wait_s: float = 0.0        # host time pre-hooks spent blocked (CPU copier only)
+    copy_s: float = 0.0        # time spent copying (profile=True; CUDA: side-stream event time)
+
+
+class _ThreadCopier:
+    """CPU: a single copy thread plays the side stream."""
+
+    def __init__(self, profile: bool = False) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kunserve-stream")
+        self.profile = profile
+        self.copy_s = 0.0
+
+    def _timed(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        self.copy_s += time.perf_counter() - t0
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> Future:
+        if self.profile:
+            return self._pool.submit(self._timed, dst, src)
+        return self._pool.submit(dst.copy_, src)
+
+    def copy_seconds(self) -> float:
+        return self.copy_s
+
+    def wait(self, ticket) -> float:
+        if ticket is None:
+            return 0.0
+        t0 = time.perf_counter()
+        ticket.result()
+        return time.perf_counter() - t0
+
+    def copy_now(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class _CudaCopier:
+    """CUDA: copies on a side stream, ordered after the slot's previous user by an event."""
+
+    def __init__(self, device: torch.device, profile: bool = False) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.profile = profile
+        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def copy_seconds(self) -> float:
+        self.stream.synchronize()
+        return sum(a.elapsed_time(b) for a, b in self._timings) / 1e3
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
+        compute = torch.cuda.current_stream(self.device)
+        after = torch.cuda.Event()
+        after.record(compute)
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(after)
+            if self.profile:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self.stream)
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event(enable_timing=self.profile)
+            done.record(self.stream)
+            if self.profile:
+                self._timings.append((start, done))
+        return done
+
+    def wait(self, ticket) -> float:
+        if ticket is not None:
+            torch.cuda.current_stream(self.device).wait_event(ticket)
+        return 0.0
+
+    def copy_now(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)  # on the compute stream, after the slot's last user
+
+    def close(self) -> None:
+        self.stream.synchronize()
+
+
+@dataclass
+class _Layer:
+    index: int
+    module: nn.Module
+    entries: list[layout.Entry]
+    host: torch.Tensor          # packed uint8 image
+    slot: int
+    next_user: int              # layer index that uses this slot next (cyclic)
+    saved: list                 # (owner, attr, kind, original tensor)
+
+
+def _layer_device(module: nn.Module) -> torch.device:
+    for t in list(module.parameters()) + list(module.buffers()):
+        return t.device
+    raise ValueError("layer has no tensors to stream")
+
+
+class WeightStreamer:
+    """Streams the weights of ``remapped`` layers (indices into ``layers``) through shared slots.
+
+    Args:
+        layers: the model's decoder layers in execution order (e.g. ``model.model.layers``).
+        remapped: indices of the layers to stream.
+        num_slots: 1 or 2 shared slots.
+        device: compute device (default: the first remapped layer's device).
+        sources: optional ``{index: WeightRegion}`` of already packed layers; their host copies and
+            layouts are used directly (no second host copy, works after the region was released).
+        slot_factory: ``f(nbytes) -> uint8 tensor`` for slot memory (e.g. a pool region);
+            default ``torch.empty`` on the device.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], remapped: Iterable[int], *, num_slots: int = 1,
+                 device: torch.device | str | None = None, sources: Mapping[int, object] | None = None,
+                 slot_factory: Callable[[int], torch.Tensor] | None = None, profile: bool = False):
+        self.layers = list(layers)
+        idx = sorted(set(int(i) for i in remapped))
+        if not idx:
+            raise ValueError("no remapped layers given")
+        bad = [i for i in idx if not 0 <= i < len(self.layers)]
+        if bad:
+            raise ValueError(f"remapped layer indices {bad} outside 0..{len(self.layers) - 1}")
+        if num_slots not in (1, 2):
+            raise ValueError(f"num_slots must be 1 or 2, got {num_slots}")
+        self.remapped = idx
+        self.num_slots = min(num_slots, len(idx))
+        self.sources = dict(sources or {})
+        self._device = torch.device(device) if device is not None else None
+        self._slot_factory = slot_factory
+        self.profile = profile
+        self.stats = StreamStats()
+        self.installed = False
+
+    # ------------------------------------------------------------------------------------------
+    def install(self) -> "WeightStreamer":
+        if self.installed:
+            raise RuntimeError("weight streaming is already installed")
+        n, S = len(self.remapped), self.num_slots
+        first = self.layers[self.remapped[0]]
+        src0 = self.sources.get(self.remapped[0])
+        device = self._device or (src0.device if src0 is not None else _layer_device(first))
+        self.device = torch.device(device)
+        pin = self.device.type == "cuda"
+        self._layers: dict[int, _Layer] = {}
+        for k, i in enumerate(self.remapped):
+            region = self.sources.get(i)
+            if region is not None:
+                entries, host = region.entries, region.host_copy
+                if host is None:
+                    raise ValueError(f"source region {region.name!r} of layer {i} has no host copy")
+            else:
+                items = layout.module_tensors(self.layers[i])
+                for name, *_x, t in items:
+                    if isinstance(t, guard.ReleasedTensor):
+                        raise LayerReleasedError(
+                            f"layer {i} is released ({name}); pass its WeightRegion in sources= to stream it")
+                entries, nbytes = layout.plan(items)
+                host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+                layout.pack(entries, [t for *_x, t in items], host)
+            # The slot's next user is the next remapped layer (cyclically, across passes) that
+            # computes from the same slot.
+            nxt = next(self.remapped[(k + j) % n] for j in range(1, n + 1) if (k + j) % n % S == k % S)
+            self._layers[i] = _Layer(i, self.layers[i], entries, host, k % S, nxt, [])
+        slot_bytes = max(L.host.numel() for L in self._layers.values())
+        make = self._slot_factory or (lambda nb: torch.empty(nb, dtype=torch.uint8, device=self.device))
+        self.slots = [make(slot_bytes) for _ in range(S)]
+        self._copier = (_CudaCopier(self.device, self.profile) if self.device.type == "cuda"
+                        else _ThreadCopier(self.profile))
+        # Point each remapped layer's tensors at its slot (fresh objects; the originals are saved).
+        for L in self._layers.values():
+            base = self.slots[L.slot]
+            views: dict[int, torch.Tensor] = {}
+            for e in L.entries:
+                store = e.owner._parameters if e.kind == "param" else e.owner._buffers
+                L.saved.append((e.owner, e.attr, e.kind, store[e.attr]))
+                v = views.setdefault(e.offset, e.view(base))
+                store[e.attr] = nn.Parameter(v, requires_grad=False) if e.kind == "param" else v
+        # Initial fill: the first S remapped layers own the slots.
+        self._slot_holder = [-1] * S
+        self._ticket: dict[int, object] = {}
+        for i in self.remapped[:S]:
+            self._load_now(i)
+        self._hooks = []
+        for L in self._layers.values():
+            self._hooks.append(L.module.register_forward_pre_hook(self._make_pre(L.index)))
+            self._hooks.append(L.module.register_forward_hook(self._make_post(L.index)))
+        self.installed = True
+        return self
+
+    def uninstall(self) -> None:
+        """Remove the hooks and restore the layers' own tensors (refuses if they are unmapped)."""
+        if not self.installed:
+            return
+        restore = []
+        for L in self._layers.values():
+            for owner, attr, kind, orig in L.saved:
+                if isinstance(orig, guard.ReleasedTensor) and guard.released_region_of(orig._kun_original) is None:
+                    orig = orig._kun_original  # its region was reloaded meanwhile
+                elif not isinstance(orig, guard.ReleasedTensor):
+                    key = guard.released_region_of(orig)
+                    if key is not None:
+                        raise LayerReleasedError(
+                            f"cannot uninstall streaming: layer {L.index}'s {attr!r} lives in released "
+                            f"region {key!r}; reload the layer first")
+                restore.append((owner, attr, kind, orig))
+        self._copier.close()
+        self.stats.copy_s = self._copier.copy_seconds()
+        for h in self._hooks:
+            h.remove()
+        for owner, attr, kind, orig in restore:
+            (owner._parameters if kind == "param" else owner._buffers)[attr] = orig
+        self._hooks, self.slots, self._ticket = [], [], {}
+        self.installed = False
+
+    def __enter__(self) -> "WeightStreamer":
+        return self.install() if not self.installed else self
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
+
+    def prefetch_copy_seconds(self) -> float:
+        """Total time the side stream spent in prefetch copies (needs ``profile=True``)."""
+        return self._copier.copy_seconds() if self.installed else self.stats.copy_s
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.slots[0].numel() if self.installed else 0
+
+    # ------------------------------------------------------------------------------------------
+    def _copy_args(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        L = self._layers[i]
+        n = L.host.numel()
+        return self.slots[L.slot][:n], L.host
+
+    def _load_now(self, i: int) -> None:
+        """Synchronously (in compute-stream order) put layer ``i`` into its slot."""
+        L = self._layers[i]
+        holder = self._slot_holder[L.slot]
+        if holder >= 0:  # never overwrite a slot while a copy into it is in flight
+            self.stats.wait_s += self._copier.wait(self._ticket.pop(holder, None))
+        dst, src = self._copy_args(i)
+        self._copier.copy_now(dst, src)
+        self._slot_holder[L.slot] = i
+        self._ticket[i] = None
+        self.stats.copies += 1
+        self.stats.bytes_copied += src.numel()
+
+    def _make_pre(self, i: int):
+        def pre_hook(module, args):
+            L = self._layers[i]
+            if self._slot_holder[L.slot] != i:
+                self.stats.sync_loads += 1
+                self._load_now(i)
+            else:
+                self.stats.wait_s += self._copier.wait(self._ticket.pop(i, None))
+        return pre_hook
+
+    def _make_post(self, i: int):
+        def post_hook(module, args, output):
+            L = self._layers[i]
+            nxt = L.next_user
+            if nxt == i or self._slot_holder[L.slot] != i:
+                return None
+            dst, src = self._copy_args(nxt)
+            self._ticket[nxt] = self._copier.copy_async(dst, src)
+            self._slot_holder[L.slot] = nxt
+            self.stats.copies += 1
+            self.stats.bytes_copied += src.numel()
+            return None
+        return post_hook
+
+
+def install_streaming(layers: Sequence[nn.Module], remapped: Iterable[int], num_slots: int = 1,
+                      **kwargs) -> WeightStreamer:
+    """Build a :class:`WeightStreamer` and install it; ``uninstall()`` restores the resident model."""
+    return WeightStreamer(layers, remapped, num_slots=num_slots, **kwargs).install()
+
+
+__all__ = ["StreamStats", "WeightStreamer", "install_streaming"]

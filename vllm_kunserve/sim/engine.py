@@ -1,0 +1,291 @@
+"""Discrete-event engine: a heap of timed callbacks driving servers, arrivals and policy ticks.
+
+Events at equal times run in insertion order (a sequence number breaks ties), so a run is fully
+deterministic for a given trace, config and policy.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .hardware import GpuSpec, Link
+from .models import ModelSpec
+from .request import Req
+from .server import INF_BLOCKS, Server
+from .steptime import StepTime
+from .trace import TraceRequest
+
+
+@dataclass
+class SimConfig:
+    model: ModelSpec
+    gpu: GpuSpec
+    step_time: StepTime
+    instances: int = 8
+    gpu_mem_util: float = 0.9
+    block_size: int = 16
+    max_tokens: int = 8192          # max_num_batched_tokens per instance and step
+    max_seqs: int = 1024            # max_num_seqs per instance
+    kv_blocks: int | None = None    # per-instance KV capacity override (replaying a measured engine)
+    runtime_reserve_bytes: int = int(1.5e9)  # CUDA graphs, workspaces, allocator slack
+    link: Link = field(default_factory=lambda: Link("nvlink", 8e-6, 360e9))
+    pcie: Link = field(default_factory=lambda: Link("pcie", 10e-6, 25e9))
+    timeline_dt: float = 1.0
+    max_sim_s: float = 1e7          # hard stop (a policy that cannot drain its queue)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.model.kv_bytes_per_token
+
+    def activation_reserve_bytes(self) -> int:
+        m = self.model
+        return (self.max_tokens * (6 * m.hidden + 3 * m.intermediate) * m.dtype_bytes
+                + min(self.max_seqs, self.max_tokens) * m.vocab * 4)
+
+    def base_kv_blocks(self) -> int:
+        """KV blocks of one instance holding the whole model (vLLM's profile-and-fill rule)."""
+        if self.kv_blocks is not None:
+            return self.kv_blocks
+        free = (self.gpu.mem_bytes * self.gpu_mem_util - self.model.param_bytes
+                - self.activation_reserve_bytes() - self.runtime_reserve_bytes)
+        blocks = int(free // self.block_bytes)
+        if blocks < 1:
+            raise ValueError(
+                f"model {self.model.name} ({self.model.param_bytes / 1e9:.1f} GB) leaves no KV space on "
+                f"{self.gpu.name} with {self.gpu.mem_bytes / 1e9:.0f} GB x {self.gpu_mem_util}")
+        return blocks
+
+
+class Simulator:
+    def __init__(self, cfg: SimConfig, policy: Any, trace: list[TraceRequest]):
+        if cfg.instances < 1:
+            raise ValueError(f"instances={cfg.instances}: need at least 1")
+        self.cfg = cfg
+        self.policy = policy
+        self.trace = trace
+        self.now = 0.0
+        self._heap: list = []
+        self._seq = itertools.count()
+        self.base_blocks = cfg.base_kv_blocks()
+        # decoder layers [start, end) each instance holds (all of them until a drop)
+        self.layer_range = {i: (0, cfg.model.layers) for i in range(cfg.instances)}
+        self._sid = itertools.count()
+        self.servers: list[Server] = []
+        self.reqs: list[Req] = []
+        self.failed: list[Req] = []
+        self.done = 0
+        self.timeline: list[dict] = []
+        self.events: list[dict] = []   # drops, restores, remaps, migrations
+        self._tok = 0
+        # (sum of bubble fractions, steps, idle stage-seconds, stage-seconds) of past groups
+        self.group_steps: list[tuple[float, int, float, float]] = []
+        self._arrived = 0
+        for i in range(cfg.instances):
+            self.servers.append(self.new_server((i,)))
+
+    # ---- event plumbing ----------------------------------------------------------------------
+    def at(self, t: float, fn: Callable, *args) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), fn, args))
+
+    def log(self, kind: str, **kw) -> None:
+        self.events.append({"t": round(self.now, 6), "kind": kind, **kw})
+
+    # ---- servers -----------------------------------------------------------------------------
+    def capacity_blocks(self, instances: tuple[int, ...]) -> int:
+        if getattr(self.policy, "infinite_memory", False):
+            return INF_BLOCKS
+        m = self.cfg.model
+        held = sum(self.layer_range[i][1] - self.layer_range[i][0] for i in instances)
+        freed = (len(instances) * m.layers - held) * m.layer_bytes
+        extra = sum(self.policy.extra_blocks(self, i) for i in instances) if hasattr(self.policy, "extra_blocks") else 0
+        return len(instances) * self.base_blocks + int(freed // self.cfg.block_bytes) + extra
+
+    def new_server(self, instances: tuple[int, ...]) -> Server:
+        c = self.cfg
+        s = Server(next(self._sid), instances, self.capacity_blocks(instances), c.block_size, c.max_tokens,
+                   c.max_seqs, c.step_time, getattr(self.policy, "preempt_mode", "recompute"))
+        act = c.model.activation_bytes_per_token()
+        s.hop_time = lambda tokens: c.link.time(tokens * act)
+        s.swap_time = lambda blocks: c.pcie.time(blocks * c.block_bytes)
+        s.microbatcher = getattr(self.policy, "microbatch", None)
+        return s
+
+    def kick(self, s: Server) -> None:
+        """Start a step on an idle server that has work."""
+        if s.busy or not s.alive or s.frozen or not s.has_work():
+            return
+        if self.now < s.stall_until:
+            s.busy = True
+            self.at(s.stall_until, self._unstall, s)
+            return
+        batch = s.schedule()
+        if not batch:
+            if not s.running and s.waiting:
+                self._fail_head(s)
+            return
+        dt = s.cycle_time(batch)
+        dt += (s.penalty_fn(dt) if s.penalty_fn else 0.0) + s.pending_io
+        s.pending_io = 0.0
+        s.busy = True
+        s.steps += 1
+        s.inflight = batch
+        self.at(self.now + dt, self._step_done, s, batch)
+
+    def _unstall(self, s: Server) -> None:
+        s.busy = False
+        self.kick(s)
+
+    def _fail_head(self, s: Server) -> None:
+        """The head request cannot fit even in an empty server: reject it like vLLM would."""
+        r = s.waiting.popleft()
+        r.swapped = False
+        self.failed.append(r)
+        self.log("reject", req=r.id, tokens=r.length, capacity_blocks=s.capacity)
+        self.kick(s)
+
+    def _step_done(self, s: Server, batch) -> None:
+        now = self.now
+        finished = []
+        for r, n in batch:
+            r.computed += n
+            self._tok += n
+            if r.computed >= r.prompt + r.generated:
+                r.generated += 1
+                r.last_tok_t = now
+                if r.first_t is None:
+                    r.first_t = now
+                if r.generated >= r.output:
+                    finished.append(r)
+        if finished:
+            fin = set(map(id, finished))
+            s.running = [r for r in s.running if id(r) not in fin]
+            fin_hook = getattr(self.policy, "on_finish", None)
+            for r in finished:
+                if fin_hook:
+                    fin_hook(self, r)
+                s.used -= r.blocks
+                r.blocks = 0
+                r.finish_t = now
+                r.finishes += 1
+                r.server = None
+                self.done += 1
+        s.busy = False
+        s.inflight = []
+        hook = getattr(self.policy, "on_step_done", None)
+        if hook:
+            hook(self, s)
+        if s.frozen:
+            self._maybe_transition()
+        else:
+            self.kick(s)
+
+    # ---- arrivals ----------------------------------------------------------------------------
+    def _arrive(self, r: Req) -> None:
+        self._arrived += 1
+        s = self.policy.dispatch(self, r)
+        r.server = s
+        s.waiting.append(r)
+        self.kick(s)
+
+    # ---- group transitions (drop / restore) ----------------------------------------------------
+    _pending: list | None = None
+
+    def transition(self, old: list[Server], new_groups: list[tuple[int, ...]],
+                   layers: dict[int, tuple[int, int]],
+                   stall_s: float, kind: str) -> None:
+        """Replace ``old`` servers by servers over ``new_groups`` once every old one ends its step."""
+        if self._pending is not None:
+            return
+        if any(s.frozen or not s.alive for s in old):
+            return
+        for s in old:
+            s.frozen = True
+        self._pending = [old, new_groups, layers, stall_s, kind]
+        self._maybe_transition()
+
+    def _maybe_transition(self) -> None:
+        if self._pending is None:
+            return
+        old, groups, layers, stall, kind = self._pending
+        if any(s.inflight for s in old):
+            return  # a step is still running; the last _step_done calls back here
+        self._pending = None
+        running = sorted((r for s in old for r in s.running), key=lambda r: r.arrival)
+        waiting = [r for s in old for r in s.waiting]
+        swapped = [r for r in waiting if r.swapped]
+        for s in old:
+            s.alive = False
+            self.servers.remove(s)
+            if s.k > 1 and s.steps:
+                self.group_steps.append((s.bubble_sum, s.steps, s.stage_idle_s, s.stage_busy_s))
+        self.layer_range.update(layers)
+        new = [self.new_server(g) for g in groups]
+        for s in new:
+            s.stall_until = self.now + stall
+            self.servers.append(s)
+        # running requests keep their KV: place each on the new server with the most free blocks
+        for r in running:
+            dst = max(new, key=lambda s: s.free)
+            if dst.free >= r.blocks:
+                dst.running.append(r)
+                dst.used += r.blocks
+            else:  # cannot keep its KV anywhere: recompute later
+                r.computed, r.blocks = 0, 0
+                r.preempts += 1
+                dst.waiting.append(r)
+            r.server = dst
+        for r in swapped:
+            r.swapped = False  # host copy is re-read as a prefill after a regroup (rare)
+            r.computed = 0
+        for r in sorted(waiting, key=lambda r: r.arrival):
+            dst = min(new, key=lambda s: s.load())
+            dst.waiting.append(r)
+            r.server = dst
+        self.log(kind, groups=[list(g) for g in groups], stall_s=round(stall, 6),
+                 moved_running=len(running), moved_waiting=len(waiting))
+        for s in new:
+            s.busy = False
+            self.kick(s)
+
+    # ---- timeline ------------------------------------------------------------------------------
+    def _sample(self) -> None:
+        used = sum(s.used for s in self.servers)
+        cap = sum(s.capacity for s in self.servers)
+        self.timeline.append({
+            "t": round(self.now, 3), "arrived": self._arrived, "done": self.done,
+            "running": sum(len(s.running) for s in self.servers),
+            "waiting": sum(len(s.waiting) for s in self.servers),
+            "kv_used_blocks": used, "kv_capacity_blocks": cap if cap < INF_BLOCKS else None,
+            "kv_demand_blocks": sum(s.demand_blocks() for s in self.servers),
+            "tokens": self._tok, "servers": len(self.servers),
+            "max_group": max(s.k for s in self.servers),
+        })
+        if self.done + len(self.failed) < len(self.reqs):
+            self.at(self.now + self.cfg.timeline_dt, self._sample)
+
+    def _tick(self) -> None:
+        self.policy.on_tick(self)
+        if self.done + len(self.failed) < len(self.reqs):
+            self.at(self.now + self.policy.tick_s, self._tick)
+
+    # ---- run -----------------------------------------------------------------------------------
+    def run(self) -> "Simulator":
+        self.reqs = [Req(t) for t in self.trace]
+        for r in self.reqs:
+            self.at(r.arrival, self._arrive, r)
+        if hasattr(self.policy, "setup"):
+            self.policy.setup(self)
+        self.at(0.0, self._sample)
+        if getattr(self.policy, "tick_s", None):
+            self.at(0.0, self._tick)
+        heap = self._heap
+        while heap:
+            t, _, fn, args = heapq.heappop(heap)
+            if t > self.cfg.max_sim_s:
+                break
+            self.now = t
+            fn(*args)
+        return self

@@ -1,0 +1,67 @@
+"""Per-request records, percentile summaries and ratios between policies."""
+
+from __future__ import annotations
+
+import numpy as np
+
+PCTS = (50, 90, 99)
+
+
+def percentiles(values, pcts=PCTS) -> dict:
+    """``{"p50": .., "p90": .., "p99": .., "mean": ..}`` (numpy's linear interpolation); empty -> None."""
+    a = np.asarray(list(values), float)
+    if a.size == 0:
+        return {f"p{p}": None for p in pcts} | {"mean": None}
+    out = {f"p{p}": float(np.percentile(a, p)) for p in pcts}
+    out["mean"] = float(a.mean())
+    return out
+
+
+def summarize(sim) -> dict:
+    """Summary of one finished simulation."""
+    recs = [r.record() for r in sim.reqs if r.finish_t is not None]
+    makespan = max((r.finish_t for r in sim.reqs if r.finish_t is not None), default=0.0)
+    tpots = [x["tpot_s"] for x in recs if x["output"] > 1]
+    groups = sim.group_steps + [(s.bubble_sum, s.steps, s.stage_idle_s, s.stage_busy_s)
+                                for s in sim.servers if s.k > 1 and s.steps]
+    gsteps = sum(g[1] for g in groups)
+    gtime = sum(g[3] for g in groups)
+    return {
+        "requests": len(sim.reqs), "completed": len(recs), "failed": len(sim.failed),
+        "unfinished": len(sim.reqs) - len(recs) - len(sim.failed),
+        "ttft_s": percentiles(x["ttft_s"] for x in recs),
+        "tpot_s": percentiles(tpots),
+        "latency_s": percentiles(x["latency_s"] for x in recs),
+        "preemptions": int(sum(x["preemptions"] for x in recs)),
+        "migrations": int(sum(x["migrations"] for x in recs)),
+        "drops": sum(1 for e in sim.events if e["kind"] == "drop"),
+        "restores": sum(1 for e in sim.events if e["kind"] == "restore"),
+        "remaps": sum(1 for e in sim.events if e["kind"] == "remap"),
+        "makespan_s": makespan,
+        "throughput_tok_s": sim._tok / makespan if makespan > 0 else 0.0,
+        "kv_blocks_per_instance": sim.base_blocks,
+        "pipeline_steps": gsteps,
+        "pipeline_bubble": sum(g[0] for g in groups) / gsteps if gsteps else None,  # mean over group steps
+        # idle share of the groups' stage time (long steps weigh more; what the pipeline costs)
+        "pipeline_bubble_time": sum(g[2] for g in groups) / gtime if gtime > 0 else None,
+    }
+
+
+def ratio(a, b):
+    """``a / b`` or None when either is missing or b is 0."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def ratios_to(results: dict, ref: str = "vllm") -> dict:
+    """Per policy: reference's metric divided by the policy's (``> 1``: the policy is faster)."""
+    if ref not in results:
+        return {}
+    base = results[ref]["summary"]
+    out = {}
+    for name, res in results.items():
+        s = res["summary"]
+        out[name] = {f"{m}_{p}": ratio(base[m][p], s[m][p])
+                     for m in ("ttft_s", "tpot_s", "latency_s") for p in ("p50", "p99")}
+    return out

@@ -1,0 +1,74 @@
+"""Oneiros remap: when an instance runs short of KV, some layers' weight memory becomes KV and those
+layers stream from pinned host memory into shared slots just before they run.
+
+Decisions are ``policy.remap.decide_remap``'s (how many layers, one or two slots, evenly spaced,
+reverted when demand stays low). The simulator times the mechanism: the remapped layers' loads
+must hide behind the compute of the resident layers between them. Per step, a load of ``t_x``
+(layer bytes over PCIe) hides behind ``gap`` layer-times of the step being run (``gap = L//m - 1``
+with one slot, ``L//m`` with two); what does not hide is added to the step.
+"""
+
+from __future__ import annotations
+
+from vllm_kunserve.policy.remap import ModelLayers, RemapInput, RemapState, decide_remap
+
+from .base import Policy
+
+
+class OneirosPolicy(Policy):
+    name = "oneiros"
+
+    def __init__(self, config=None, dispatch: str = "least-load", tick_s: float = 0.25):
+        super().__init__(dispatch)
+        from vllm_kunserve.config import RemapConfig
+
+        self.rcfg = config.remap if config is not None else RemapConfig()
+        self.tick_s = tick_s
+        self.state: dict[int, tuple[int, int, RemapState]] = {}  # sid -> (alpha, slots, state)
+
+    def _layers(self, sim, s, alpha: int, slots: int) -> ModelLayers:
+        m, st = sim.cfg.model, sim.cfg.step_time
+        decode_ms = st.batch_time([(1024, 1)] * 32) / m.layers * 1e3
+        prefill_ms = st.batch_time([(0, 2048)]) / m.layers * 1e3
+        return ModelLayers(m.name, m.layers, m.layer_bytes, decode_ms, prefill_ms, True, None,
+                           sim.now, alpha, slots)
+
+    def on_tick(self, sim) -> None:
+        bb = sim.cfg.block_bytes
+        for s in sim.servers:
+            alpha, slots, rs = self.state.get(s.sid, (0, 0, RemapState()))
+            demand = s.demand_blocks()
+            base = s.capacity - s.extra_blocks
+            inp = RemapInput(models=(self._layers(sim, s, alpha, slots),), h2d_bytes_per_s=sim.cfg.pcie.bw,
+                             kv_shortage_bytes=max(0.0, (demand - s.capacity) * bb),
+                             kv_free_bytes=max(0.0, s.free * bb), demand_ratio=demand / max(base, 1),
+                             now_s=sim.now)
+            plan, rs = decide_remap(inp, self.rcfg, rs)
+            if plan.models:
+                mr = plan.models[0]
+                alpha, slots = mr.alpha, mr.slots
+                self._apply(sim, s, alpha, slots, base)
+                sim.log("remap", server=s.sid, action=plan.action, alpha=alpha, slots=slots,
+                        layers=list(mr.layers))
+            self.state[s.sid] = (alpha, slots, rs)
+
+    def _apply(self, sim, s, alpha: int, slots: int, base: int) -> None:
+        m = sim.cfg.model
+        s.extra_blocks = int(alpha * m.layer_bytes // sim.cfg.block_bytes)
+        s.capacity = max(base + s.extra_blocks, s.used)
+        if alpha <= 0:
+            s.penalty_fn = None
+            return
+        mcount = alpha + slots
+        gap = m.layers // mcount - (1 if slots == 1 else 0)
+        t_x = sim.cfg.pcie.time(m.layer_bytes)
+        L = m.layers
+
+        def penalty(step_s: float, mcount=mcount, gap=gap, t_x=t_x, L=L) -> float:
+            t_c = step_s / L
+            return mcount * max(0.0, t_x - gap * t_c)
+
+        s.penalty_fn = penalty
+
+    def describe(self) -> dict:
+        return {**super().describe(), "remap": "policy.remap.decide_remap"}

@@ -1,0 +1,172 @@
+"""A serving unit: one instance, or a pipeline group of instances that acts as one engine.
+
+Scheduling follows vLLM v1's iteration-level scheduler with chunked prefill and continuous
+batching: running requests first in admission order (decodes and unfinished prefill chunks) under a
+token budget; when a running request cannot get its next KV block, the newest running request is
+preempted (recompute: KV dropped, re-prefilled later; or swap: KV copied to host); waiting
+requests are admitted FCFS only in steps without a preemption, prefill chunked to the budget.
+
+A group of ``k`` instances runs its batch as up to ``k`` microbatches through ``k`` stages. A cycle
+(every scheduled request advances one iteration) lasts
+``max(max_j cost_j + k*hop_j, sum_j (cost_j/k + hop_j))``: the longest microbatch crossing every
+stage, or the busiest stage processing every microbatch. ``1 - sum_j cost_j / (k * cycle)`` is the
+bubble fraction, recorded per step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Sequence
+
+from .request import Req
+from .steptime import Pair, StepTime
+
+INF_BLOCKS = 1 << 60
+
+
+class Server:
+    def __init__(self, sid: int, instances: tuple[int, ...], capacity_blocks: int, block_size: int,
+                 max_tokens: int, max_seqs: int, step_time: StepTime, preempt_mode: str = "recompute"):
+        self.sid = sid
+        self.instances = tuple(instances)
+        self.capacity = capacity_blocks
+        self.block_size = block_size
+        self.max_tokens = max_tokens
+        self.max_seqs = max_seqs
+        self.step_time = step_time
+        self.preempt_mode = preempt_mode  # "recompute" | "swap"
+        self.used = 0
+        self.running: list[Req] = []
+        self.waiting: deque[Req] = deque()
+        self.busy = False
+        self.alive = True
+        self.frozen = False          # set while a group change waits for this step to end
+        self.stall_until = 0.0       # no step starts before this (transitions)
+        self.penalty_fn: Callable[[float], float] | None = None  # extra seconds given the step time
+        self.extra_blocks = 0        # KV blocks gained by remapping layers (Oneiros)
+        self.pending_io = 0.0        # one-off seconds added to the next step (swap in/out)
+        self.swapped_blocks = 0
+        self.preemptions = 0
+        self.steps = 0
+        self.bubble_sum = 0.0
+        self.stage_busy_s = 0.0      # sum over group cycles of k x cycle (stage-seconds)
+        self.stage_idle_s = 0.0      # the idle part of it (pipeline bubbles)
+        self.microbatcher: Callable[[Server, list[Pair]], list[list[Pair]]] | None = None
+        self.hop_time: Callable[[int], float] = lambda tokens: 0.0
+        self.swap_time: Callable[[int], float] = lambda blocks: 0.0
+        self.inflight: list[tuple[Req, int]] = []
+
+    # ---- memory ------------------------------------------------------------------------------
+    @property
+    def k(self) -> int:
+        return len(self.instances)
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def queued_blocks(self, horizon: int = 0) -> int:
+        """Blocks the waiting requests need to start (all of them when horizon=0)."""
+        tot = 0
+        for i, r in enumerate(self.waiting):
+            if horizon and i >= horizon:
+                break
+            tot += self.blocks_for(r.length)
+        return tot
+
+    def demand_blocks(self) -> int:
+        return self.used + self.queued_blocks()
+
+    def load(self) -> float:
+        """Dispatch key: KV demand as a share of capacity (queue included)."""
+        return self.demand_blocks() / max(self.capacity, 1)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ---- scheduling --------------------------------------------------------------------------
+    def _preempt(self, victim: Req) -> None:
+        self.running.remove(victim)
+        self.used -= victim.blocks
+        victim.preempts += 1
+        self.preemptions += 1
+        if self.preempt_mode == "swap" and victim.computed > 0:
+            victim.swapped = True
+            self.swapped_blocks += victim.blocks
+            self.pending_io += self.swap_time(victim.blocks)
+        else:
+            victim.computed = 0
+        victim.blocks = 0
+        self.waiting.appendleft(victim)
+
+    def schedule(self) -> list[tuple[Req, int]]:
+        budget = self.max_tokens * self.k
+        max_seqs = self.max_seqs * self.k
+        out: list[tuple[Req, int]] = []
+        preempted = False
+        bs = self.block_size
+        i = 0
+        while i < len(self.running) and budget > 0:
+            r = self.running[i]
+            n = min(r.need, budget)
+            extra = -(-(r.computed + n) // bs) - r.blocks
+            lost = False
+            while extra > self.capacity - self.used:
+                victim = self.running[-1]  # newest first, never one already scheduled (index < i)
+                self._preempt(victim)
+                preempted = True
+                if victim is r:
+                    lost = True
+                    break
+            if lost:
+                break
+            r.blocks += extra
+            self.used += extra
+            out.append((r, n))
+            budget -= n
+            i += 1
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < max_seqs:
+                r = self.waiting[0]
+                if r.swapped:
+                    need_blocks = self.blocks_for(r.computed + 1)
+                    if need_blocks > self.capacity - self.used:
+                        break
+                    self.pending_io += self.swap_time(self.blocks_for(r.computed))
+                    self.swapped_blocks -= self.blocks_for(r.computed)
+                    r.swapped = False
+                    r.blocks = need_blocks
+                    self.used += need_blocks
+                n = min(r.need, budget)
+                extra = self.blocks_for(r.computed + n) - r.blocks
+                if extra > self.capacity - self.used:
+                    break
+                self.waiting.popleft()
+                r.blocks += extra
+                self.used += extra
+                self.running.append(r)
+                out.append((r, n))
+                budget -= n
+        return out
+
+    def cycle_time(self, batch: Sequence[tuple[Req, int]]) -> float:
+        pairs = [(r.computed, n) for r, n in batch]
+        if self.k == 1:
+            return self.step_time.batch_time(pairs)
+        mbs = self.microbatcher(self, pairs) if self.microbatcher else [pairs]
+        k = self.k
+        costs = [self.step_time.batch_time(mb) for mb in mbs if mb]
+        hops = [self.hop_time(sum(c for _, c in mb)) for mb in mbs if mb]
+        longest = max(c + k * h for c, h in zip(costs, hops))
+        busiest = sum(c / k + h for c, h in zip(costs, hops))
+        cycle = max(longest, busiest)
+        self.bubble_sum += 1.0 - sum(costs) / (k * cycle) if cycle > 0 else 0.0
+        self.stage_busy_s += k * cycle
+        self.stage_idle_s += max(0.0, k * cycle - sum(costs))
+        return cycle
+
+    def reset_block_accounting(self) -> None:
+        self.used = sum(r.blocks for r in self.running)
