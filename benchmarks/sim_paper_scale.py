@@ -1,16 +1,16 @@
 """Paper-scale what-if: Qwen-2.5-14B on 8 x 80 GB H100, Azure conversation trace windows upscaled
 so the oracle's average KV demand is <= 60% of capacity (bursts overload it), P99 TTFT of every policy.
 
-    python benchmarks/sim_paper_scale.py --scan --windows 1500:600,1140:600,1860:600 --target 0.6 \
+    python benchmarks/sim_paper_scale.py --scan --windows 1500:600,1140:600,1860:600 --target 0.6 \\
         --dispatch least-load,least-work
 
 ``--windows`` takes OFFSET:DURATION[@TARGET] items (seconds of the original trace; TARGET overrides
---target for that window, e.g. a heavier-overload sensitivity run). ``--dispatch`` runs every window under each listed router
-(``least-load``: KV demand share; ``least-work``: queue-aware, the least queued prefill per GPU among
-instances with room). ``--scan`` first ranks every
-window of that duration by burstiness (``sim.scaling.scan_windows``) and records the ranking.
-Writes docs/benchmarks/sim_paper_scale.md and .json; everything from a ``## Reading`` heading on in
-an existing markdown file is kept (hand-written interpretation). Trace: "Azure LLM inference trace
+--target for that window, e.g. a heavier-overload sensitivity run). ``--dispatch`` runs every
+window under each listed router (``least-load``: KV demand share; ``least-work``: queue-aware, the
+least queued prefill per GPU among instances with room). ``--scan`` first ranks every window of
+that duration by burstiness (``sim.scaling.scan_windows``) and records the ranking. Writes
+docs/benchmarks/sim_paper_scale.md and .json; everything from a ``## Reading`` heading on in an
+existing markdown file is kept (hand-written interpretation). Trace: "Azure LLM inference trace
 2023, Microsoft Azure, used in Splitwise (Patel et al., ISCA 2024)", CC BY 4.0. GPU linear-layer
 timings: Microsoft Vidur profiles (MIT).
 """

@@ -63,6 +63,8 @@ def main() -> int:
     ap.add_argument("--run", action="append", default=[], metavar="LABEL:SUMMARY:REQUESTS_CSV:POLICY",
                     help="a measured run and the policy that models it (vllm or oracle); repeatable")
     ap.add_argument("--profile", help="CPU step profile JSON (fitted here with policy.costmodel.fit)")
+    ap.add_argument("--form", choices=("paper", "extended"), default="extended",
+                    help="cost-model form fitted to --profile (extended: with the decode KV-read term)")
     ap.add_argument("--cost-model", help="an already fitted cost model JSON (instead of --profile)")
     ap.add_argument("--model", default="small")
     ap.add_argument("--block-size", type=int, default=128, help="vLLM-CPU default block size")
@@ -83,7 +85,7 @@ def main() -> int:
     if a.cost_model:
         cm, fit_report = pc.CostModel.load(a.cost_model), None
     elif a.profile:
-        cm, fit_report = pc.fit_with_holdout(pc.load_profile(a.profile))
+        cm, fit_report = pc.fit_with_holdout(pc.load_profile(a.profile), form=a.form)
     else:
         raise SystemExit("need --profile or --cost-model")
     st = eq_from_costmodel(cm)
@@ -118,9 +120,10 @@ def main() -> int:
     cmd = "python " + " ".join(sys.argv)
     lines = ["# Simulator validation against measured vLLM-CPU runs", "",
              f"Command: `{cmd}`", "",
-             f"Step time: Eq. 1-3 cost model fitted to the CPU step profile (alpha={cm.alpha:.3g}, "
-             f"beta={cm.beta:.3g}, gamma={cm.gamma:.3g} {cm.unit})"
-             + (f"; held-out mean relative error {fit_report['heldout']['model']['mean_rel_err']:.1%}" if fit_report else "")
+             f"Step time: the cost model ({cm.form} form) fitted to the CPU step profile "
+             f"(alpha={cm.alpha:.3g}, beta={cm.beta:.3g}, gamma={cm.gamma:.3g}, delta={cm.delta:.3g} {cm.unit})"
+             + ("; held-out mean relative error " + ", ".join(
+                 f"{f} {v['heldout']['mean_rel_err']:.1%}" for f, v in fit_report["forms"].items()) if fit_report else "")
              + ".", ""]
     if rows:
         lines += ["| run | policy | requests | P50 TTFT meas / sim (gap) | P99 TTFT meas / sim (gap) | "

@@ -51,12 +51,20 @@ if __name__ == "__main__":
         for alpha, slots in ((1, 1), (2, 1), (2, 2), (3, 2)):
             ev = rpc("kunserve_remap", kwargs={"alpha": alpha, "slots": slots})[0]
             st = rpc("kunserve_state")[0]
+            from prometheus_client import REGISTRY
+
+            gauges = {k: REGISTRY.get_sample_value(f"kunserve:{k}", {"engine": "0"})
+                      for k in ("remapped_layers", "kv_blocks_total", "kv_blocks_base")}
+            ngb = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+            usage = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.get_usage()
             out = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
             rev = rpc("kunserve_revert")[0]
             st2 = rpc("kunserve_state")[0]
             runs.append({"alpha": alpha, "slots": slots, "remap": ev["outcome"], "revert": rev["outcome"],
                          "layers": st["remapped_layers"], "blocks": st["kv_blocks_total"],
-                         "blocks_after": st2["kv_blocks_total"], "same": out == base,
+                         "blocks_after": st2["kv_blocks_total"], "same": out == base, "gauges": gauges,
+                         "usage_idle": usage,
+                         "num_gpu_blocks": ngb,
                          "copies": st["workers"][0]["stream"]["copies"] if st["workers"][0]["stream"] else 0})
         res.update(runs=runs, base_blocks=st2["kv_blocks_base"])
     else:

@@ -21,6 +21,10 @@ def test_greedy_outputs_identical_with_remap_forced(burst_model):
         assert r["same"], f"greedy tokens changed with alpha={r['alpha']} slots={r['slots']}"
         assert r["copies"] > 0  # the layers really were streamed
         assert r["blocks"] > base and r["blocks_after"] == base
+        # metrics and counts follow the grown capacity
+        assert r["gauges"] == {"remapped_layers": r["alpha"] + r["slots"], "kv_blocks_total": r["blocks"],
+                               "kv_blocks_base": base}
+        assert r["num_gpu_blocks"] == r["blocks"] and r["usage_idle"] == 0.0
 
 
 def test_burst_completes_without_preemption_while_stock_preempts(burst_model):

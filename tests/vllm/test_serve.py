@@ -37,3 +37,50 @@ def test_serve_refuses_unknown_key_and_names_it(tiny_model, tmp_path):
         srv.start()
     log = (tmp_path / "bad.log").read_text()
     assert "kunserve.bogus: unknown key" in log
+
+
+def test_serve_remap_burst_metrics_and_idle_revert(burst_model, tmp_path):
+    """mp engine core + worker processes: a burst remaps, /metrics shows it, idle reverts it."""
+    import random
+    import threading
+    import time
+
+    from tests.vllm.conftest import BURST_KV_BYTES
+
+    kc = {"kunserve": {"remap": {"enable": True, "max_fraction": 0.75, "revert_hold_s": 1.0,
+                                 "h2d_bandwidth_gbps": 50.0}}}
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    srv = VllmServer(str(burst_model), ["--served-model-name", "m", "--dtype", "float32", "--block-size", "32",
+                                        "--kv-cache-memory-bytes", str(BURST_KV_BYTES), "--max-model-len", "512",
+                                        "--enforce-eager"], kc,
+                     env={"PROMETHEUS_MULTIPROC_DIR": str(prom)}, log_path=tmp_path / "serve.log")
+    rng = random.Random(1)
+    bodies = [json.dumps({"model": "m", "prompt": [rng.randrange(3, 2048) for _ in range(160)],
+                          "max_tokens": 80, "ignore_eos": True, "temperature": 0}).encode() for _ in range(16)]
+    done: list[int] = []
+
+    def send(body: bytes) -> None:
+        req = urllib.request.Request(f"{srv.url}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            done.append(json.loads(r.read())["usage"]["completion_tokens"])
+
+    def metric(text: str, name: str) -> float:
+        return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith(name)))
+
+    with srv:
+        threads = [threading.Thread(target=send, args=(b,)) for b in bodies]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        time.sleep(4.0)  # > revert_hold_s: the idle engine core must wake up and revert
+        after = urllib.request.urlopen(f"{srv.url}/metrics", timeout=30).read().decode()
+    assert done == [80] * 16
+    assert metric(after, "vllm:num_preemptions_total") == 0
+    assert metric(after, "kunserve:remapped_layers") == 0
+    assert metric(after, 'kunserve:kv_blocks_total') == metric(after, "kunserve:kv_blocks_base")
+    assert metric(after, 'kunserve:memory_events_total{engine="0",kind="remap",outcome="ok"}') >= 1
+    assert metric(after, 'kunserve:memory_events_total{engine="0",kind="revert",outcome="ok"}') >= 1
+    log = (tmp_path / "serve.log").read_text()
+    assert "kunserve remap ok" in log and "kunserve revert ok" in log and "'reason': 'idle'" in log

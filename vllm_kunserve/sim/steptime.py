@@ -2,7 +2,8 @@
 
 * :class:`EqStepTime` is the paper's Eq. 1-2 (``alpha*(p*c + (c^2+c)/2) + beta*c + gamma`` per
   chunk, one shared ``gamma`` per batch, plus ``delta*p`` per decode chunk when the cost model was
-  fitted in its extended form), i.e. the cost model of ``policy/costmodel.py`` in seconds. Used for the CPU replay (coefficients fitted to a measured vLLM-CPU profile).
+  fitted in its extended form), i.e. the cost model of ``policy/costmodel.py`` in seconds. Used for
+  the CPU replay (coefficients fitted to a measured vLLM-CPU profile).
 * :class:`GpuStepTime` is the GPU "ground truth" of the simulator: token-linear and fixed parts of
   every decoder layer fitted to Vidur's measured H100/A100 linear-op times (``mlp.csv``, Microsoft
   Vidur, MIT license), scaled to the target model by FLOPs (token-linear part) and weight bytes
