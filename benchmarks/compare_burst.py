@@ -69,7 +69,7 @@ def render(out: Path, argv: list[str]) -> str:
         "`kunserve` is the plugin enabled with default options (`{\"kunserve\": {}}`); on one instance without",
         "remap it should behave like stock, and the table is the baseline later issues improve on.",
         "Figures: `harness/ttft_cdf.png` (all repeats), `harness/timeline_<system>.png` (repeat 1),",
-        "raw numbers in `harness/compare.json` (with the exact CLI arguments under `args`).",
+        "raw numbers in `harness/compare.json`.",
         "",
     ])
 

@@ -1,14 +1,15 @@
 """Paper-scale what-if: Qwen-2.5-14B on 8 x 80 GB H100, Azure conversation trace windows upscaled
 so the oracle's average KV demand is <= 60% of capacity (bursts overload it), P99 TTFT of every policy.
 
-    python benchmarks/sim_paper_scale.py --scan --windows 1500:600,1140:600,1860:600 --target 0.6 \\
-        --dispatch least-load,least-work
+    python benchmarks/sim_paper_scale.py --scan --windows 1500:600,1140:600,1860:600,1140:600@0.8 \\
+        --target 0.6 --dispatch least-work,least-load
 
 ``--windows`` takes OFFSET:DURATION[@TARGET] items (seconds of the original trace; TARGET overrides
 --target for that window, e.g. a heavier-overload sensitivity run). ``--dispatch`` runs every
-window under each listed router (``least-load``: KV demand share; ``least-work``: queue-aware, the
-least queued prefill per GPU among instances with room). ``--scan`` first ranks every window of
-that duration by burstiness (``sim.scaling.scan_windows``) and records the ranking. Writes
+window under each listed router, on the same scaled trace (``least-work``, the simulator's default:
+queue-aware, the least queued prefill per GPU among instances with room; ``least-load``: KV demand
+share); the rate scaling's oracle routes with the default router. ``--scan`` first ranks every
+window of that duration by burstiness (``sim.scaling.scan_windows``) and records the ranking. Writes
 docs/benchmarks/sim_paper_scale.md and .json; everything from a ``## Reading`` heading on in an
 existing markdown file is kept (hand-written interpretation). Trace: "Azure LLM inference trace
 2023, Microsoft Azure, used in Splitwise (Patel et al., ISCA 2024)", CC BY 4.0. GPU linear-layer
@@ -54,6 +55,8 @@ def run_window(cfg, path, off, dur, target, names, dispatch):
     out = {"by_dispatch": {d: run_policies(cfg, names, trace, d, progress=lambda n, r: print(
         f"  {d} {n}: {r['wall_s']:.1f}s", flush=True)) for d in dispatch}}
     out["trace"] = {"window": f"{off:g}:{dur:g}", "requests": len(trace), "scaling": scale,
+                    "wall_s": {d: {n: round(r["wall_s"], 1) for n, r in o["results"].items()}
+                               for d, o in out["by_dispatch"].items()},
                     "duration_s": trace[-1].arrival_s,
                     "arrival_peak_to_mean_tokens_30s": arrival_peak_to_mean(raw, 30.0, "tokens")}
     return out
@@ -63,16 +66,19 @@ def window_header(tr: dict, target: float) -> list[str]:
     sc = tr["scaling"]
     return [f"### Window {tr['window']} (target mean share {target:.0%})", "",
             f"Rate x{sc['scale']:.2f}: {tr['requests']} requests over {tr['duration_s']:.0f} s; oracle KV demand "
-            f"mean {sc['mean_share']:.0%}, peak {sc['peak_share']:.0%} of capacity; arrival peak-to-mean "
+            f"mean {sc['mean_share']:.0%}, peak {sc['peak_share']:.0%} of capacity (oracle routed by "
+            f"`{sc.get('oracle_dispatch', 'least-load')}`); arrival peak-to-mean "
             f"(30-s buckets of the original trace, tokens) {tr['arrival_peak_to_mean_tokens_30s']:.2f}.", ""]
 
 
 def dispatch_section(out: dict, dispatch: str) -> list[str]:
+    from vllm_kunserve.sim.policies import DEFAULT_DISPATCH
     from vllm_kunserve.sim.report import format_table
 
     res = out["results"]
     p99 = {n: r["summary"]["ttft_s"]["p99"] for n, r in res.items()}
-    lines = [f"Dispatch `{dispatch}` (MELL always places with its own placer):", "",
+    default = " (the simulator's default)" if dispatch == DEFAULT_DISPATCH else ""
+    lines = [f"Dispatch `{dispatch}`{default} (MELL always places with its own placer):", "",
              "```", format_table(out), "```", ""]
     if "kunserve" in p99 and p99["kunserve"]:
         lines.append("P99 TTFT of each baseline / KunServe's: " + ", ".join(
@@ -94,7 +100,8 @@ def main() -> int:
     ap.add_argument("--scan", action="store_true", help="rank all windows of the first window's duration first")
     ap.add_argument("--scan-step", type=float, default=60.0)
     ap.add_argument("--policies", default=POLICIES)
-    ap.add_argument("--dispatch", default="least-load", help="router(s), comma-separated: least-load, least-work")
+    ap.add_argument("--dispatch", default="least-work",
+                    help="router(s), comma-separated, in report order: least-work (default), least-load, round-robin")
     ap.add_argument("--out", default="docs/benchmarks/sim_paper_scale.md")
     a = ap.parse_args()
 
@@ -104,6 +111,9 @@ def main() -> int:
 
     wins = parse_windows(a.windows, a.target)
     dispatch = [d.strip() for d in a.dispatch.split(",") if d.strip()]
+    from vllm_kunserve.sim.policies import DISPATCH
+    if not dispatch or any(d not in DISPATCH for d in dispatch):
+        raise SystemExit(f"--dispatch {a.dispatch!r}: comma-separated, from {', '.join(DISPATCH)}")
     cfg = build_config("qwen2.5-14b", "h100", instances=8, gpu_mem_gb=80)
     names = [n.strip() for n in a.policies.split(",") if n.strip()]
     cmd = "python benchmarks/sim_paper_scale.py " + " ".join(sys.argv[1:])

@@ -90,7 +90,7 @@ class LookaheadConfig:
     """Lookahead microbatch formation for pipeline groups (cost-balanced divide and conquer)."""
 
     enable: bool = _opt(True, "Split queued work into cost-balanced microbatches (else token-count chunks).")
-    min_tokens: int = _opt(64, "Stop splitting below this many tokens per microbatch.", lo=1, hi=1 << 20)
+    min_tokens: int = _opt(64, "Least work per microbatch: the cost of this many prefill tokens (lookahead splits no further).", lo=1, hi=1 << 20)
     max_microbatches: int = _opt(0, "Cap on microbatches per step (0: the pipeline depth).", lo=0, hi=1024)
     cost_model: str = _opt("", "Path of a fitted cost model JSON (empty: fit online from step timings).")
 

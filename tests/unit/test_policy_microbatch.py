@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from vllm_kunserve.policy import (CostModel, RequestSnapshot, default_model, lookahead_microbatches,
                                   pipeline_bubble, token_count_microbatches, work_from_requests)
+from vllm_kunserve.policy.microbatch import min_microbatch_cost
 
 pytestmark = pytest.mark.unit
 
@@ -52,12 +53,41 @@ def test_every_token_once_in_prefix_order(reqs, parts, min_tokens):
         assert 1 <= len(mbs) <= parts
     la = lookahead_microbatches(work, MODEL, parts, min_tokens)
     assert all(mb.tokens >= 1 for mb in la)
+    # the stop rule: never more microbatches than whole units of the min_tokens prefill cost
+    total = sum(MODEL.var_cost(w.prefix, w.tokens) for w in work)
+    assert len(la) <= max(1, int(total / min_microbatch_cost(MODEL, min_tokens) + 1e-9))
 
 
 def test_stops_below_min_tokens():
     work = work_from_requests([RequestSnapshot("a", 100)])
     assert len(lookahead_microbatches(work, MODEL, 8, min_tokens=64)) == 1
     assert len(lookahead_microbatches(work, MODEL, 8, min_tokens=8)) > 1
+
+
+# extended form (decode KV-read term) as fitted to the simulator's H100 Qwen-2.5-14B step times, ms
+GPU_MODEL = CostModel(alpha=1.97e-6, beta=0.0406, gamma=8.22, delta=8.25e-5)
+
+
+def test_decode_only_batches_split_by_cost():
+    rng = random.Random(3)
+    unit = min_microbatch_cost(GPU_MODEL, 64)
+    for n, stages in ((40, 2), (48, 4), (100, 8)):
+        # fewer than 2 x min_tokens decodes: a token floor would keep them in one microbatch
+        work = work_from_requests([RequestSnapshot(str(j), c, c, 1) for j, c in
+                                   enumerate(rng.choice((700, 1500, 3000, 6000)) for _ in range(n))])
+        assert all(w.decode and w.tokens == 1 for w in work)
+        mbs = lookahead_microbatches(work, GPU_MODEL, stages, min_tokens=64)
+        check_schedule(work, mbs)
+        total = sum(GPU_MODEL.var_cost(w.prefix, 1) for w in work)
+        assert len(mbs) == min(stages, int(total / unit)) > 1
+        var = [m.cost - GPU_MODEL.gamma for m in mbs]
+        biggest = max(GPU_MODEL.var_cost(w.prefix, 1) for w in work)
+        assert max(var) - min(var) <= 2 * biggest  # balanced up to indivisible decode chunks
+        assert min(var) >= unit - biggest
+        assert pipeline_bubble([m.cost for m in mbs], stages) < pipeline_bubble([sum(var) + GPU_MODEL.gamma], stages)
+    # a few short decodes cost less than two units: one microbatch
+    few = work_from_requests([RequestSnapshot(str(j), 1000, 1000, 1) for j in range(8)])
+    assert len(lookahead_microbatches(few, GPU_MODEL, 4, min_tokens=64)) == 1
 
 
 def test_balanced_costs_and_chunking():

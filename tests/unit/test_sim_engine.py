@@ -124,3 +124,29 @@ def test_least_work_dispatch_avoids_a_prefill_queue():
     assert sims["least-work"].policy.dispatch(sims["least-work"], new) is sims["least-work"].servers[1]
     with pytest.raises(ValueError, match="dispatch"):
         build_policy("vllm", "fastest")
+
+
+def test_least_work_is_the_default_router_of_every_policy_but_mell():
+    from vllm_kunserve.sim.policies import DEFAULT_DISPATCH
+
+    assert DEFAULT_DISPATCH == "least-work"
+    for name in POLICIES:
+        pol = build_policy(name)
+        if name != "mell":  # MELL places with its own bin-packing placer
+            assert pol.dispatch_mode == "least-work" and pol.describe()["dispatch"] == "least-work"
+    assert build_policy("kunserve", "least-load").dispatch_mode == "least-load"  # still selectable
+
+
+def test_simulate_cli_dispatch_default_help_and_bad_value(tmp_path, capsys):
+    from vllm_kunserve.cli.main import build_parser, main
+
+    args = build_parser(["simulate"]).parse_args(["simulate", "--trace", "x.csv"])
+    assert args.dispatch == "least-work"
+    with pytest.raises(SystemExit):
+        build_parser(["simulate"]).parse_args(["simulate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "least-work (default" in help_text and "least-load" in help_text
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1000,12,3\n2000,20,4\n")
+    assert main(["simulate", "--trace", str(trace), "--dispatch", "fastest"]) == 2
+    assert "--dispatch 'fastest'" in capsys.readouterr().err

@@ -146,6 +146,11 @@ def vllm_serve_plan(spec: SystemSpec, common: CommonArgs, host: str, port: int) 
         argv += ["--additional-config", json.dumps(spec.additional_config)]
     argv += list(common.extra_args) + list(spec.engine_args)
     env = {**cpu_env(), **dict(common.env), **dict(spec.env)}
+    if "PROMETHEUS_MULTIPROC_DIR" not in env:
+        # a fresh directory per server: the engine core's kunserve:* gauges then reach /metrics
+        import tempfile
+
+        env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kunserve-prom-")
     # VLLM_CPU_KVCACHE_SPACE overrides --kv-cache-memory-bytes on CPU: drop it so capacity is ours
     return LaunchPlan(argv, env, unset_env=("VLLM_CPU_KVCACHE_SPACE",) if kv is not None else ())
 

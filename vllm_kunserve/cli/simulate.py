@@ -32,7 +32,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help=f"comma list (default {DEFAULT_POLICIES}; also kunserve-nolookahead, "
                         "kunserve-noexchange, kunserve-norestore)")
-    p.add_argument("--dispatch", default="least-load", help="least-load | round-robin (non-MELL policies)")
+    p.add_argument("--dispatch", default="least-work",
+                   help="router of every policy but MELL (which places with its own placer): least-work "
+                        "(default; queue-aware: among instances with room for the prompt, the least queued "
+                        "prefill per GPU) | least-load (lowest share of KV in use, queue included) | "
+                        "round-robin")
     p.add_argument("--kunserve-config", default=None, help="JSON (file or inline) of the kunserve config")
     p.add_argument("--window", default=None, metavar="OFFSET:DURATION",
                    help="seconds of the trace to keep, e.g. 1500:600")
@@ -66,7 +70,7 @@ def _kconfig(raw: str | None):
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_kunserve.sim.policies import POLICIES
+    from vllm_kunserve.sim.policies import DISPATCH, POLICIES
     from vllm_kunserve.sim.report import format_table, write_outputs
     from vllm_kunserve.sim.runner import build_config, config_summary, run_policies
     from vllm_kunserve.sim.scaling import scale_to_mem_share
@@ -76,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
     bad = [n for n in names if n not in POLICIES]
     if bad or not names:
         raise ValueError(f"--policies: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(POLICIES)}")
+    if args.dispatch not in DISPATCH:
+        raise ValueError(f"--dispatch {args.dispatch!r}: choose from {', '.join(DISPATCH)}")
     if args.rate_scale <= 0:
         raise ValueError(f"--rate-scale {args.rate_scale}: must be positive")
     if args.target_mem_share is not None and not 0 < args.target_mem_share <= 4:
@@ -88,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace, off, dur, args.rate_scale)
     scale_info = None
     if args.target_mem_share is not None:
-        trace, scale_info = scale_to_mem_share(cfg, trace, args.target_mem_share)
+        trace, scale_info = scale_to_mem_share(cfg, trace, args.target_mem_share, dispatch=args.dispatch)
         print(f"rate scaled x{scale_info['scale']:.3g}: oracle mean KV demand "
               f"{scale_info['mean_share']:.1%} of capacity (peak {scale_info['peak_share']:.1%})")
     print(f"{len(trace)} requests over {trace[-1].arrival_s:.1f}s; {cfg.instances} x {cfg.gpu.name} "

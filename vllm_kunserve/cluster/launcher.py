@@ -1,46 +1,29 @@
-"""Start and stop ``vllm serve`` processes on this machine.
+"""Start and stop one ``vllm serve`` instance on this machine.
 
-One :class:`VllmServer` is one OpenAI-compatible vLLM instance on 127.0.0.1 with its log captured
-to a file. It is the unit the benchmark harness, the demo and (later) ``kunserve serve`` launch.
+:class:`VllmServer` is a convenience over the harness's process handling
+(:class:`vllm_kunserve.bench.server.ServerProcess`: own process group, log file, ``/health`` wait,
+SIGINT then SIGKILL): give it a model, engine arguments and an optional ``additional_config``. The
+demo and the tests use it; ``kunserve compare`` builds the same command through its system specs.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_kunserve.bench.server import ServerProcess, free_port
+from vllm_kunserve.bench.systems import LaunchPlan, cpu_env
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def vllm_executable() -> str:
-    exe = Path(sys.executable).with_name("vllm")
-    if exe.exists():
-        return str(exe)
-    found = shutil.which("vllm")
-    if not found:
-        raise FileNotFoundError("the `vllm` command was not found next to this Python or on PATH")
-    return found
+__all__ = ["VllmServer", "free_port"]
 
 
 @dataclass
 class VllmServer:
-    """A ``vllm serve`` subprocess. Use as a context manager or call start()/stop()."""
-
     model: str
     args: list[str] = field(default_factory=list)
     additional_config: dict[str, Any] | None = None
@@ -49,72 +32,32 @@ class VllmServer:
     port: int = 0
     host: str = "127.0.0.1"
     startup_timeout_s: float = 300.0
-    proc: subprocess.Popen | None = None
+    _proc: ServerProcess | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def command(self) -> list[str]:
-        cmd = [vllm_executable(), "serve", self.model, "--host", self.host, "--port", str(self.port),
-               *self.args]
+    def plan(self) -> LaunchPlan:
+        argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", self.model,
+                "--host", self.host, "--port", str(self.port), *self.args]
         if self.additional_config is not None:
-            cmd += ["--additional-config", json.dumps(self.additional_config)]
-        return cmd
+            argv += ["--additional-config", json.dumps(self.additional_config)]
+        return LaunchPlan(argv, {**cpu_env(), **self.env})
 
     def start(self) -> "VllmServer":
-        if not self.port:
-            self.port = free_port()
-        env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", **self.env)
+        self.port = self.port or free_port(self.host)
         if self.log_path is None:
-            self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-serve-{self.port}.log"
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "w", encoding="utf-8")
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        log.close()
-        self._wait_healthy()
+            self.log_path = Path(tempfile.gettempdir()) / f"vllm-serve-{self.port}-{os.getpid()}.log"
+        self._proc = ServerProcess(self.plan(), self.host, self.port, Path(self.log_path)).start()
+        self._proc.wait_ready(self.startup_timeout_s)
         return self
 
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with code {self.proc.returncode} during startup; "
-                                   f"last log lines:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"vllm serve not healthy after {self.startup_timeout_s}s; log:\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGINT the server's process group, then SIGKILL after ``timeout_s``. Returns the exit code."""
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        for sig, wait in ((signal.SIGINT, timeout_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                return self.proc.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                continue
-        return self.proc.poll()
+    def stop(self) -> int | None:
+        return self._proc.stop() if self._proc else None
 
     def __enter__(self) -> "VllmServer":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

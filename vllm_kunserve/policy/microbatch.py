@@ -4,8 +4,15 @@ The queued work is a sequence of chunks in queue order: a prefill request contri
 ``(computed, prompt - computed)`` and a decoding one ``(context, 1)``. Lookahead splits the sequence
 recursively at half of its *cost* under the fitted model (not at half of its tokens), chunking a
 prefill where the cut falls inside it; the part of a request with the smaller prefix always goes to
-the earlier microbatch, so chunks of a request stay in prefix order. A batch below ``2 * min_tokens``
-tokens is not split further.
+the earlier microbatch, so chunks of a request stay in prefix order.
+
+Stop rule (by cost, not tokens): a microbatch is given at least the variable cost of ``min_tokens``
+prefill tokens from an empty prefix (:func:`min_microbatch_cost`), so a batch of variable cost ``C``
+is split into at most ``floor(C / that)`` microbatches (never more than asked for) and not at all
+below twice it. A token floor would never split a decode-only batch of fewer than
+``2 * min_tokens`` requests, although each decode reads its whole KV prefix and such a batch can cost
+as much as a long prefill chunk; run as one microbatch it leaves ``k - 1`` of ``k`` pipeline stages
+idle.
 
 The baseline is Sarathi-style token-count chunking: the same sequence cut into equal token budgets.
 :func:`pipeline_bubble` scores both on a simulated k-stage pipeline.
@@ -95,17 +102,40 @@ def _cut(model: CostModel, chunks: Sequence[WorkChunk], target: float) -> tuple[
     return list(chunks), []
 
 
+def min_microbatch_cost(model: CostModel, min_tokens: int) -> float:
+    """The least variable cost a microbatch is given: ``min_tokens`` prefill tokens at prefix 0."""
+    return model.var_cost(0, min_tokens)
+
+
+def max_microbatches(chunks: Sequence[WorkChunk], model: CostModel, parts: int, min_tokens: int,
+                     total: float | None = None) -> int:
+    """How many microbatches ``chunks`` (of variable cost ``total``) may be split into: ``parts``,
+    capped so each carries at least :func:`min_microbatch_cost`; a model with no per-token cost
+    falls back to a floor of ``min_tokens`` tokens."""
+    floor = min_microbatch_cost(model, min_tokens)
+    if floor > 0:
+        if total is None:
+            total = sum(_var_cost(model, c.prefix, c.tokens) for c in chunks)
+        cap = int(total / floor * (1 + 1e-12))
+    else:
+        cap = sum(c.tokens for c in chunks) // min_tokens
+    return max(1, min(parts, cap))
+
+
 def lookahead_microbatches(work: Sequence[WorkChunk], model: CostModel, parts: int,
                            min_tokens: int = 64) -> list[Microbatch]:
-    """Recursively split ``work`` at half cost into at most ``parts`` cost-balanced microbatches."""
+    """Recursively split ``work`` at half cost into at most ``parts`` cost-balanced microbatches,
+    each with at least the variable cost of ``min_tokens`` prefill tokens (see the module doc)."""
     if parts < 1 or min_tokens < 1:
         raise ValueError("parts and min_tokens must be >= 1")
 
     def rec(chunks: list[WorkChunk], n: int) -> list[list[WorkChunk]]:
-        tokens = sum(c.tokens for c in chunks)
-        if n <= 1 or tokens < 2 * min_tokens or not chunks:
+        if n <= 1 or not chunks:
             return [chunks]
         total = sum(_var_cost(model, c.prefix, c.tokens) for c in chunks)
+        n = max_microbatches(chunks, model, n, min_tokens, total)
+        if n <= 1:
+            return [chunks]
         n_left = n // 2
         left, right = _cut(model, chunks, total * n_left / n)
         if not left or not right:

@@ -8,7 +8,7 @@ from .engine import SimConfig, Simulator
 from .hardware import get_gpu, get_link
 from .metrics import ratios_to, summarize
 from .models import load_model_spec
-from .policies import build_policy
+from .policies import DEFAULT_DISPATCH, build_policy
 from .steptime import GpuStepTime, StepTime
 from .trace import TraceRequest
 
@@ -60,7 +60,7 @@ def simulate(cfg: SimConfig, policy, trace: list[TraceRequest], keep_requests: b
     return out
 
 
-def run_policies(cfg: SimConfig, names: list[str], trace: list[TraceRequest], dispatch: str = "least-load",
+def run_policies(cfg: SimConfig, names: list[str], trace: list[TraceRequest], dispatch: str = DEFAULT_DISPATCH,
                  kconfig=None, progress=None) -> dict:
     results = {}
     for name in names:

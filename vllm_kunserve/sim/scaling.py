@@ -11,13 +11,16 @@ from __future__ import annotations
 import numpy as np
 
 from .engine import SimConfig, Simulator
+from .policies.base import DEFAULT_DISPATCH
 from .policies.baselines import OraclePolicy
 from .trace import TraceRequest, scale_rate
 
 
-def oracle_demand_share(cfg: SimConfig, trace: list[TraceRequest]) -> tuple[float, float]:
-    """(mean, peak) oracle KV use during the arrival period as a share of cluster capacity."""
-    sim = Simulator(cfg, OraclePolicy(), trace).run()
+def oracle_demand_share(cfg: SimConfig, trace: list[TraceRequest],
+                        dispatch: str = DEFAULT_DISPATCH) -> tuple[float, float]:
+    """(mean, peak) oracle KV use during the arrival period as a share of cluster capacity, with
+    the oracle routing by ``dispatch`` (the simulator's default router unless told otherwise)."""
+    sim = Simulator(cfg, OraclePolicy(dispatch), trace).run()
     cap = cfg.base_kv_blocks() * cfg.instances
     end = trace[-1].arrival_s
     used = np.array([p["kv_used_blocks"] for p in sim.timeline if p["t"] <= end] or [0.0], float)
@@ -25,13 +28,15 @@ def oracle_demand_share(cfg: SimConfig, trace: list[TraceRequest]) -> tuple[floa
 
 
 def scale_to_mem_share(cfg: SimConfig, trace: list[TraceRequest], target: float, tol: float = 0.05,
-                       max_iter: int = 8) -> tuple[list[TraceRequest], dict]:
+                       max_iter: int = 8, dispatch: str = DEFAULT_DISPATCH) -> tuple[list[TraceRequest], dict]:
+    """Scale ``trace``'s rate until the oracle's mean KV demand is ``target`` x capacity (one trace
+    for every policy and router that is compared on it; the oracle routes with ``dispatch``)."""
     if not target > 0:
         raise ValueError(f"target memory share {target}: must be positive")
     factor, lo, hi, best = 1.0, None, None, None
     for _ in range(max_iter):
         scaled = scale_rate(trace, factor)
-        mean, peak = oracle_demand_share(cfg, scaled)
+        mean, peak = oracle_demand_share(cfg, scaled, dispatch)
         if best is None or abs(mean - target) < abs(best[2] - target):
             best = (factor, scaled, mean, peak)
         if mean > 0 and abs(mean / target - 1) <= tol:
@@ -46,7 +51,8 @@ def scale_to_mem_share(cfg: SimConfig, trace: list[TraceRequest], target: float,
             step = target / mean if mean > 0 else 4.0
             factor *= float(np.clip(step, 0.25, 4.0)) ** 0.8
     factor, scaled, mean, peak = best
-    return scaled, {"scale": factor, "target_share": target, "mean_share": mean, "peak_share": peak}
+    return scaled, {"scale": factor, "target_share": target, "mean_share": mean, "peak_share": peak,
+                    "oracle_dispatch": dispatch}
 
 
 def arrival_peak_to_mean(reqs: list[TraceRequest], bucket_s: float = 30.0, weight: str = "tokens") -> float:

@@ -42,6 +42,8 @@ class VllmPatch:
     versions: ClassVar[str] = ">=0.32,<0.34"
     #: human summary for the patches/ record and the startup log.
     summary: ClassVar[str] = ""
+    #: config sections that must be enabled for this touchpoint to be applied (empty: always)
+    requires: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         self._saved: list[tuple[Any, str, Any]] = []
@@ -77,8 +79,8 @@ class VllmPatch:
         return _base_version(version or vllm_version()) in SpecifierSet(self.versions)
 
     def wanted(self, cfg: Any) -> bool:
-        """Whether this touchpoint is needed for the configured features (default: always)."""
-        return True
+        """Whether this touchpoint is needed for the configured features (see ``requires``)."""
+        return any(getattr(cfg, section).enable for section in self.requires) if self.requires else True
 
     def patch(self, cfg: Any) -> None:
         """Process-wide changes (monkeypatches). Must be idempotent. Default: none."""

@@ -24,9 +24,8 @@ class CpuLinearPatch(VllmPatch):
     name = "cpu_linear"
     versions = ">=0.32,<0.34"
     summary = "keep CPU linear weights as plain tensors so kunserve can move them"
+    requires = ("remap",)
 
-    def wanted(self, cfg: Any) -> bool:
-        return bool(cfg.remap.enable)
 
     def patch(self, cfg: Any) -> None:
         utils = self.resolve("vllm.model_executor.layers.utils")

@@ -32,9 +32,8 @@ class EngineCorePatch(VllmPatch):
     name = "engine_core"
     versions = ">=0.32,<0.34"
     summary = "attach the remap coordinator to the engine core, tick it every step, route kunserve RPCs"
+    requires = ("remap",)
 
-    def wanted(self, cfg: Any) -> bool:
-        return bool(cfg.remap.enable)
 
     def configure(self, cfg: Any, holder: Any) -> None:
         """Streaming uses forward hooks and side copies, which need eager execution."""

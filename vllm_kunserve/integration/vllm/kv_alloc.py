@@ -44,9 +44,8 @@ class KVAllocationPatch(VllmPatch):
     name = "kv_allocation"
     versions = ">=0.32,<0.34"
     summary = "allocate a growable KV cache (per-layer pool regions) when the engine planned one"
+    requires = ("remap",)
 
-    def wanted(self, cfg: Any) -> bool:
-        return bool(cfg.remap.enable)
 
     def patch(self, cfg: Any) -> None:
         for modname in TARGET_MODULES:

@@ -28,9 +28,8 @@ class KVPlanPatch(VllmPatch):
     name = "kv_plan"
     versions = ">=0.32,<0.34"
     summary = "plan the KV cache at its maximum size and remember the base block count"
+    requires = ("remap",)
 
-    def wanted(self, cfg: Any) -> bool:
-        return bool(cfg.remap.enable)
 
     def patch(self, cfg: Any) -> None:
         core = self.resolve("vllm.v1.engine.core")

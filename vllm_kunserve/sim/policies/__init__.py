@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Policy
+from .base import DEFAULT_DISPATCH, DISPATCH, Policy
 from .baselines import InferceptPolicy, LlumnixPolicy, OraclePolicy, VllmPolicy
 from .kunserve import KunServePolicy
 
@@ -11,7 +11,7 @@ POLICIES = ("vllm", "infercept", "llumnix", "mell", "kunserve", "oneiros", "orac
             "kunserve-nolookahead", "kunserve-noexchange", "kunserve-norestore")
 
 
-def build_policy(name: str, dispatch: str = "least-load", config=None, cost_model=None) -> Policy:
+def build_policy(name: str, dispatch: str = DEFAULT_DISPATCH, config=None, cost_model=None) -> Policy:
     key = name.lower()
     if key == "vllm":
         return VllmPolicy(dispatch)
@@ -36,4 +36,4 @@ def build_policy(name: str, dispatch: str = "least-load", config=None, cost_mode
     raise ValueError(f"policy {name!r}: unknown; one of {', '.join(POLICIES)}")
 
 
-__all__ = ["Policy", "POLICIES", "build_policy"]
+__all__ = ["DEFAULT_DISPATCH", "DISPATCH", "Policy", "POLICIES", "build_policy"]

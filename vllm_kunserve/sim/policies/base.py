@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-DISPATCH = ("least-load", "round-robin", "least-work")
+DISPATCH = ("least-work", "least-load", "round-robin")
+DEFAULT_DISPATCH = "least-work"  # queue-aware: what a serving engineer deploys; same for every policy
 
 
 def queued_work(s) -> int:
@@ -19,7 +20,7 @@ class Policy:
     infinite_memory = False
     tick_s: float | None = None  # period of on_tick (None: no monitor)
 
-    def __init__(self, dispatch: str = "least-load"):
+    def __init__(self, dispatch: str = DEFAULT_DISPATCH):
         if dispatch not in DISPATCH:
             raise ValueError(f"dispatch {dispatch!r}: one of {', '.join(DISPATCH)}")
         self.dispatch_mode = dispatch
@@ -36,7 +37,7 @@ class Policy:
                 fits = s.demand_blocks() + s.blocks_for(req.prompt) <= s.capacity
                 return (not fits, queued_work(s) / s.k if fits else s.load(), s.load(), s.sid)
             return min(live, key=key)
-        # least-load: KV demand (used + queued blocks) as a share of capacity
+        # least-load: KV demand (used + queued blocks) as a share of capacity, blind to compute
         return min(live, key=lambda s: (s.load(), len(s.running) + len(s.waiting), s.sid))
 
     def on_tick(self, sim) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Policy
+from .base import DEFAULT_DISPATCH, Policy
 
 
 class VllmPolicy(Policy):
@@ -34,7 +34,7 @@ class LlumnixPolicy(Policy):
 
     name = "llumnix"
 
-    def __init__(self, dispatch: str = "least-load", tick_s: float = 0.1, gap: float = 0.1,
+    def __init__(self, dispatch: str = DEFAULT_DISPATCH, tick_s: float = 0.1, gap: float = 0.1,
                  max_per_tick: int = 4, downtime_share: float = 0.1):
         super().__init__(dispatch)
         self.tick_s = tick_s

@@ -23,13 +23,13 @@ from vllm_kunserve.policy.overload import assess_overload
 from vllm_kunserve.policy.restore import RestoreState, decide_restore
 
 from .. import adapters
-from .base import Policy
+from .base import DEFAULT_DISPATCH, Policy
 
 
 class KunServePolicy(Policy):
     name = "kunserve"
 
-    def __init__(self, config: KunServeConfig | None = None, dispatch: str = "least-load",
+    def __init__(self, config: KunServeConfig | None = None, dispatch: str = DEFAULT_DISPATCH,
                  lookahead: bool = True, exchange: bool = True, restore: bool = True,
                  cost_model=None, history_s: float = 20.0):
         super().__init__(dispatch)

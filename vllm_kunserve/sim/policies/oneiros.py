@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from vllm_kunserve.policy.remap import ModelLayers, RemapInput, RemapState, decide_remap
 
-from .base import Policy
+from .base import DEFAULT_DISPATCH, Policy
 
 
 class OneirosPolicy(Policy):
     name = "oneiros"
 
-    def __init__(self, config=None, dispatch: str = "least-load", tick_s: float = 0.25):
+    def __init__(self, config=None, dispatch: str = DEFAULT_DISPATCH, tick_s: float = 0.25):
         super().__init__(dispatch)
         from vllm_kunserve.config import RemapConfig
 
