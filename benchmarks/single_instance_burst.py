@@ -30,6 +30,8 @@ VARIANTS = {
     "small": ["--preset", "small"],
     "light": ["--preset", "small", "--hidden", "256", "--heads", "4", "--intermediate", "768"],
 }
+#: per-request decode / prefill speeds the KV-demand estimator assumes (from a light run's TPOT/TTFT)
+SPEEDS = {"small": ("20", "2000"), "light": ("60", "4000")}
 
 #: remap may take up to 7 of 8 layers (2 slots): the burst needs ~0.3x more KV = ~0.5x the weights
 REMAP = {"remap": {"enable": True, "max_fraction": 0.875, "revert_hold_s": 2.0}}
@@ -40,13 +42,14 @@ def kv_bytes(model: Path) -> int:
     return int(1.6 * meta["weight_bytes"])
 
 
-def compare_argv(model: Path, out: Path, repeat: int) -> list[str]:
+def compare_argv(model: Path, out: Path, repeat: int, variant: str) -> list[str]:
     return ["compare", "--model", str(model), "--systems", "vllm,kunserve,oracle", "--repeat", str(repeat),
             "--kunserve-config", json.dumps(REMAP), "--kv-cache-bytes", str(kv_bytes(model)),
             "--block-size", "32", "--engine-arg=--enforce-eager",
             "--trace", str(TRACE), "--format", "azure", "--window-offset", "auto", "--window-duration", "30",
             "--length-scale", "0.25", "--max-total-len", "2048", "--target-kv-share", "1.3",
-            "--kv-share-stat", "peak", "--decode-tps", "20", "--prefill-tps", "2000", "--out", str(out)]
+            "--kv-share-stat", "peak", "--decode-tps", SPEEDS[variant][0], "--prefill-tps", SPEEDS[variant][1],
+            "--out", str(out)]
 
 
 def _m(agg: dict, system: str, key: str) -> float:
@@ -121,7 +124,7 @@ def main() -> int:
     doc = ROOT / f"docs/benchmarks/single_instance_burst_{a.variant}.md"
     if not model.exists() and kmain(["make-model", str(model), *VARIANTS[a.variant]]) != 0:
         return 1
-    argv = compare_argv(model, out, a.repeat)
+    argv = compare_argv(model, out, a.repeat, a.variant)
     if not a.render_only:
         rc = kmain(argv)
         if rc:

@@ -1,10 +1,14 @@
 """Touchpoint: ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm``.
 
 On CPU, vLLM moves each unquantized linear weight into a closure (a oneDNN handle or a packed
-copy) and empties ``layer.weight`` (``remove_weight=True``). Layers whose weights kunserve moves
-(released to KV, streamed through slots, restored) must compute from ``layer.weight`` as it is at
-call time, so with memory features on we keep the weight and use ``torch.nn.functional.linear``,
-which vLLM itself uses as its fallback. GPU paths never call this function.
+copy) and empties ``layer.weight`` (``remove_weight=True``). kunserve needs the weight itself: it
+packs it into the memory pool, releases it to the KV cache and streams it through slots. So with
+memory features on we call vLLM's dispatch with ``remove_weight=False``: the module keeps its weight
+*and* vLLM's fast packed kernel, remembered as ``_kunserve_fast_linear``. Resident layers run that
+kernel; while a layer is streamed, ``use_streamed_weights`` switches its linears to
+``torch.nn.functional.linear`` (vLLM's own fallback), which reads ``layer.weight`` (the slot) at call
+time. The packed copies are a CPU-kernel detail outside the pool (on GPU nothing is packed and this
+function is never called).
 """
 
 from __future__ import annotations
@@ -18,6 +22,14 @@ from vllm_kunserve.integration.vllm.base import VllmPatch
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def use_streamed_weights(module: torch.nn.Module, streamed: bool) -> None:
+    """Point every CPU linear under ``module`` at ``layer.weight`` (streamed) or at vLLM's packed kernel."""
+    for m in module.modules():
+        fast = m.__dict__.get("_kunserve_fast_linear")
+        if fast is not None:
+            m.cpu_linear = _linear if streamed else fast
 
 
 class CpuLinearPatch(VllmPatch):
@@ -34,7 +46,8 @@ class CpuLinearPatch(VllmPatch):
             def dispatch_cpu_unquantized_gemm(layer, remove_weight):
                 w = getattr(layer, "weight", None)
                 if remove_weight and w is not None and not w.is_meta and w.ndim == 2:
-                    layer.cpu_linear = _linear
+                    orig(layer, False)  # keep the weight; vLLM still builds its fast kernel
+                    layer._kunserve_fast_linear = layer.cpu_linear
                     return None
                 return orig(layer, remove_weight)
             return dispatch_cpu_unquantized_gemm

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from vllm_kunserve.integration.vllm.cpu_linear import use_streamed_weights
 from vllm_kunserve.memory import MemoryPool, WeightRegion
 from vllm_kunserve.memory.streaming import WeightStreamer
 
@@ -266,6 +267,7 @@ class WorkerMemory:
                 sources={i: self.weights[i] for i in layers},
                 slot_factory=lambda nb: next(slots).view(torch.uint8)[:nb]).install()
             self.remapped = tuple(layers)
+            self._streamed(layers)
             fault, self._inject = self._inject, None
             if fault == "exhausted":
                 from vllm_kunserve.memory import PoolExhaustedError
@@ -302,6 +304,7 @@ class WorkerMemory:
             sources={i: self.weights[i] for i in old},
             slot_factory=lambda nb: next(slots).view(torch.uint8)[:nb]).install()
         self.remapped = tuple(old)
+        self._streamed(old)
 
     def _grow_all(self) -> None:
         """Map every free chunk at the tail of the KV regions, evenly (all-or-nothing)."""
@@ -317,6 +320,12 @@ class WorkerMemory:
                    if k.region.mapped_bytes > blocks * k.page_bytes}
         if targets:
             self.pool.resize_kv(targets)
+
+    def _streamed(self, layers: list[int]) -> None:
+        """CPU: streamed layers compute from their (slot) weights, resident ones use vLLM's kernels."""
+        on = set(layers)
+        for i, layer in enumerate(self.layers):
+            use_streamed_weights(layer, i in on)
 
     def _drain_copies(self) -> None:
         st = self.streamer
@@ -344,6 +353,7 @@ class WorkerMemory:
             self.streamer.uninstall()
         self.streamer = None
         self.remapped = ()
+        self._streamed([])
 
     def revert(self) -> int:
         """Shrink KV back to the base and reload the remapped layers. The scheduler must have
