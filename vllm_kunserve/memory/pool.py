@@ -347,6 +347,16 @@ class MemoryPool:
         del region.chunks[keep:]
         return tail
 
+    def _map_new(self, region: Region, chunks: list[int]) -> None:
+        """Map ``chunks`` into a just-reserved region and register it; on failure give both back."""
+        try:
+            self._map(region, chunks)
+        except Exception:
+            self._give(chunks)
+            self.backend.free_reservation(region.va, region.max_bytes)
+            raise
+        self._add(region)
+
     def _add(self, region: Region) -> None:
         if region.name in self._regions:
             raise ValueError(f"region {region.name!r} already exists")
@@ -382,13 +392,7 @@ class MemoryPool:
                 self._give(chunks)
                 raise
             region = KVRegion(self, name, va, max_b)
-            try:
-                self._map(region, chunks)
-            except Exception:
-                self._give(chunks)
-                self.backend.free_reservation(va, max_b)
-                raise
-            self._add(region)
+            self._map_new(region, chunks)
             return region
 
     def resize_kv(self, targets: Mapping[RegionRef, int]) -> None:
@@ -470,13 +474,7 @@ class MemoryPool:
                 host = torch.empty(image_bytes, dtype=torch.uint8, pin_memory=self.backend.pin_host_copies)
                 layout.pack(entries, [t for *_x, t in items], host)
             region = WeightRegion(self, name, va, max_b, entries, image_bytes, module, host)
-            try:
-                self._map(region, chunks)
-            except Exception:
-                self._give(chunks)
-                self.backend.free_reservation(va, max_b)
-                raise
-            self._add(region)
+            self._map_new(region, chunks)
             base = self.backend.view(va, image_bytes)
             if host is not None:
                 base.copy_(host)
