@@ -152,17 +152,12 @@ class KunServeConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def features(self) -> list[str]:
-        """Names of the features switched on, for the startup log line."""
-        out = []
-        if self.drop.enable:
-            out.append("drop")
-        if self.restore.enable:
-            out.append("restore")
-        if self.remap.enable:
-            out.append("remap")
-        if self.lookahead.enable:
-            out.append("lookahead")
-        out.append(f"placement={self.placement.policy}")
+        """What is switched on, for the startup log line. Drop, restore, lookahead and placement act
+        across instances (``kunserve serve``); on a single engine only remap changes behaviour."""
+        out = ["remap" if self.remap.enable else "remap off"]
+        cluster = [n for n, on in (("drop", self.drop.enable), ("restore", self.restore.enable),
+                                   ("lookahead", self.lookahead.enable)) if on]
+        out.append(f"cluster: {'+'.join(cluster) or 'none'}, placement={self.placement.policy}")
         return out
 
     def to_dict(self) -> dict[str, Any]:
