@@ -60,6 +60,7 @@ class RemapCoordinator:
         self.step_ms: deque[float] = deque(maxlen=64)
         self.backoff_until = 0.0
         self.events: list[dict] = []
+        self._revert_reason = "idle"
         self.engine_label = str(getattr(core.vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
         self.m = metrics.get()
         self._publish()
@@ -238,7 +239,7 @@ class RemapCoordinator:
         self.remapped, self.slots, self.phase = (), 0, "base"
         self._publish()
         return self._event("revert", "ok", time.perf_counter() - t0, len(layers) * self.layer_bytes,
-                           layers=layers, reason=getattr(self, "_revert_reason", "idle"),
+                           layers=layers, reason=self._revert_reason,
                            blocks_after=self.cap.visible)
 
     # -- control API (collective_rpc on the engine) -------------------------------------------------

@@ -51,17 +51,13 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def _shared_owners(layers: list[nn.Module]) -> set[int]:
     """ids of submodules reachable from more than one layer (e.g. a shared rotary embedding)."""
-    seen: dict[int, int] = {}
+    owner: dict[int, int] = {}
+    shared: set[int] = set()
     for i, layer in enumerate(layers):
         for m in layer.modules():
-            if m is layer:
-                continue
-            if id(m) in seen and seen[id(m)] != i:
-                yield_id = id(m)
-                seen[yield_id] = -1
-            else:
-                seen.setdefault(id(m), i)
-    return {k for k, v in seen.items() if v == -1}
+            if m is not layer and owner.setdefault(id(m), i) != i:
+                shared.add(id(m))
+    return shared
 
 
 @contextlib.contextmanager
