@@ -273,16 +273,20 @@ class MellPlacer:
         self._repair(op)
         return OpResult("depart", request_id, None, op.migrations(), tuple(op.new), tuple(op.released))
 
-    def _depart(self, rid: str, op: _Op) -> None:
-        u = self.req.pop(rid, None)
-        if u is None:
-            raise ValueError(f"request {rid!r} is not placed")
+    def _detach(self, rid: str, u) -> int:
+        """Take request ``rid`` out of its unit ``u`` (logical, no data moves); returns its bin."""
         b = u.bin
         self._take(u)
         del u.members[rid]
         if u.members:
             self._put(u, b)
-        self._drop_if_empty(b, op)
+        return b
+
+    def _depart(self, rid: str, op: _Op) -> None:
+        u = self.req.pop(rid, None)
+        if u is None:
+            raise ValueError(f"request {rid!r} is not placed")
+        self._drop_if_empty(self._detach(rid, u), op)
 
     def update(self, request_id: str, size: float) -> OpResult:
         op = _Op(self.max_migrations)
@@ -297,12 +301,8 @@ class MellPlacer:
             raise ValueError(f"request {rid!r} is not placed")
         if not 0 < size <= self.cap:
             raise ValueError(f"request {rid!r}: size {size} must be in (0, capacity={self.cap}]")
-        b = u.bin
-        # take the request out of its unit (logical, no data moves) and re-insert it resized
-        self._take(u)
-        del u.members[rid]
-        if u.members:
-            self._put(u, b)
+        # take the request out of its unit and re-insert it resized
+        b = self._detach(rid, u)
         if self.load[b] + size <= self.cap + 1e-9:
             self._insert(rid, size, b)
             return
