@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vllm_kunserve.memory import LayerReleasedError, MemoryPool
+from vllm_kunserve.memory import streaming
 from vllm_kunserve.memory.streaming import WeightStreamer, install_streaming
 
 transformers = pytest.importorskip("transformers")
@@ -46,15 +47,18 @@ def _layer_params(layer):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("copier", ["thread", "inline"])
 @pytest.mark.parametrize("num_slots", [1, 2])
 @pytest.mark.parametrize("alpha", range(1, NUM_LAYERS // 2 + 1))
-def test_streamed_outputs_identical_to_resident(llama, alpha, num_slots):
+def test_streamed_outputs_identical_to_resident(llama, alpha, num_slots, copier, monkeypatch):
     model, ids, (ref_logits, ref_toks) = llama
     layers = model.model.layers
     remapped = _evenly_spaced(NUM_LAYERS, alpha)
     originals = {i: _layer_params(layers[i]) for i in remapped}
+    monkeypatch.setattr(streaming, "_spare_core", lambda: copier == "thread")
     streamer = install_streaming(layers, remapped, num_slots)
     try:
+        assert type(streamer._copier).__name__ == {"thread": "_ThreadCopier", "inline": "_InlineCopier"}[copier]
         slot_ptrs = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in streamer.slots]
         for i in remapped:  # the remapped layers really compute from the shared slots
             for n, p in _layer_params(layers[i]).items():

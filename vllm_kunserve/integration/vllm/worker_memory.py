@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from vllm_kunserve.integration.vllm.cpu_linear import use_streamed_weights
+from vllm_kunserve.integration.vllm.cpu_linear import PackedSlots
 from vllm_kunserve.memory import MemoryPool, WeightRegion
 from vllm_kunserve.memory.streaming import WeightStreamer
 
@@ -158,6 +158,7 @@ class WorkerMemory:
         self._zero_mapped()
         self.h2d_bytes_per_s = self._measure_h2d()
         self._inject: str | None = None
+        self.packed = PackedSlots(self.layers)  # CPU: streamed linears keep oneDNN's packed kernel
         self._event("setup", time.perf_counter() - t0, capacity,
                     layers=len(self.layers), chunk_bytes=chunk, base_blocks=self.base_blocks,
                     max_blocks=self.max_blocks)
@@ -201,6 +202,7 @@ class WorkerMemory:
             "free_chunks": st.free_chunks, "total_chunks": st.total_chunks,
             "layer_bytes": self.layer_bytes(), "num_layers": len(self.layers),
             "stream": (vars(self.streamer.stats) if self.streamer else None),
+            "streamed_linear": self.packed.kind(),
             "block_bytes": sum(k.page_bytes for k in self.kv),
             "h2d_bytes_per_s": self.h2d_bytes_per_s,
             "events": self.events[-20:],
@@ -252,16 +254,14 @@ class WorkerMemory:
                 self.streamer.uninstall()  # remapped layers keep their released-guards
                 self.streamer = None
             for i in new:
+                self.packed.prepare(i)  # while the weights are still resident
+            for i in new:
                 self.pool.release_layer(self.weights[i])
                 released.append(i)
             if not old:
                 for s in range(num_slots):
                     self.slot_regions.append(self.pool.create_kv_region(f"slot{s}", slot_bytes, slot_bytes))
-            slots = iter(self.slot_regions)
-            self.streamer = WeightStreamer(
-                self.layers, layers, num_slots=num_slots, device=self.pool.device,
-                sources={i: self.weights[i] for i in layers},
-                slot_factory=lambda nb: next(slots).view(torch.uint8)[:nb]).install()
+            self.streamer = self._streamer(layers)
             self.remapped = tuple(layers)
             self._streamed(layers)
             fault, self._inject = self._inject, None
@@ -294,13 +294,17 @@ class WorkerMemory:
         for i in released:
             if self.weights[i].released:
                 self.pool.reload_layer(self.weights[i])
-        slots = iter(self.slot_regions)
-        self.streamer = WeightStreamer(
-            self.layers, old, num_slots=len(self.slot_regions), device=self.pool.device,
-            sources={i: self.weights[i] for i in old},
-            slot_factory=lambda nb: next(slots).view(torch.uint8)[:nb]).install()
+        self.streamer = self._streamer(old)
         self.remapped = tuple(old)
         self._streamed(old)
+
+    def _streamer(self, layers: list[int]) -> WeightStreamer:
+        slots = iter(self.slot_regions)
+        plan = self.packed.copy_plan([w.entries for w in self.weights]) if self.packed.enabled else None
+        return WeightStreamer(
+            self.layers, layers, num_slots=len(self.slot_regions), device=self.pool.device,
+            sources={i: self.weights[i] for i in layers}, copy_plan=plan,
+            slot_factory=lambda nb: next(slots).view(torch.uint8)[:nb]).install()
 
     def _grow_all(self) -> None:
         """Map every free chunk at the tail of the KV regions, evenly (all-or-nothing)."""
@@ -318,10 +322,10 @@ class WorkerMemory:
             self.pool.resize_kv(targets)
 
     def _streamed(self, layers: list[int]) -> None:
-        """CPU: streamed layers compute from their (slot) weights, resident ones use vLLM's kernels."""
+        """CPU: streamed layers compute from their slot, resident ones use vLLM's packed kernels."""
         on = set(layers)
-        for i, layer in enumerate(self.layers):
-            use_streamed_weights(layer, i in on)
+        for i in range(len(self.layers)):
+            self.packed.point(i, self.streamer.slot_of(i) if i in on else None)
 
     def _drain_copies(self) -> None:
         st = self.streamer
@@ -350,6 +354,7 @@ class WorkerMemory:
         self.streamer = None
         self.remapped = ()
         self._streamed([])
+        self.packed.drop_slots()
 
     def revert(self) -> int:
         """Shrink KV back to the base and reload the remapped layers. The scheduler must have
