@@ -92,3 +92,31 @@ def test_spaced_layers_even_on_ring():
     for n, m in [(32, 5), (7, 3), (80, 9)]:
         g = gaps(spaced_layers(n, m), n)
         assert len(set(spaced_layers(n, m))) == m and max(g) - min(g) <= 1
+
+
+def test_further_remap_keeps_the_slot_count_in_use():
+    # remapped with 1 slot already: the 2-slot bound (larger here) must not be used with 1 slot
+    cfg = RemapConfig(max_fraction=1.0)
+    bw = 2.5e12  # t_x / t_c ~ 0.21: one slot needs gaps of 2 layers, two slots of 1
+    m = model(remapped_alpha=2, slots=1)
+    plan, _ = decide_remap(RemapInput((m,), bw, kv_shortage_bytes=100 * GB), cfg)
+    (r,) = plan.models
+    assert r.slots == 1
+    assert r.alpha + 1 == max_remapped(32, (GB // 2) / bw * 1e3, 1) == 16  # Eq. 4 bound, 1 slot
+    fresh, _ = decide_remap(RemapInput((model(),), bw, kv_shortage_bytes=100 * GB), cfg)
+    assert fresh.models[0].slots == 2 and fresh.models[0].alpha > r.alpha  # from scratch 2 slots reach further
+
+
+def test_inline_copies_use_one_slot_and_a_step_budget():
+    # 0.5 GiB layers at 100 GB/s: t_x = 5.4 ms; 4 ms/layer on 32 layers: 128 ms a step
+    cfg = RemapConfig(max_fraction=1.0)
+    inp = RemapInput((model(decode_ms=4.0),), 100e9, kv_shortage_bytes=100 * GB, copy_overlap=False)
+    (r,) = decide_remap(inp, cfg)[0].models
+    assert r.slots == 1 and not r.hidden
+    t_x = (GB // 2) / 100e9 * 1e3
+    m = r.alpha + r.slots
+    assert m * t_x <= 0.25 * 32 * 4.0 < (m + 1) * t_x  # copies stay within a quarter of the step
+    # a fast link: the cap binds, not the budget, and still one slot
+    fast = RemapInput((model(decode_ms=4.0),), 10e12, kv_shortage_bytes=100 * GB, copy_overlap=False)
+    (r2,) = decide_remap(fast, cfg)[0].models
+    assert r2.slots == 1 and r2.alpha + 1 == 31

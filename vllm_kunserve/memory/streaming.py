@@ -91,6 +91,12 @@ def _spare_core() -> bool:
     return cores > torch.get_num_threads()
 
 
+def copy_overlaps(device: torch.device | str) -> bool:
+    """Whether streaming copies on ``device`` run beside compute (CUDA side stream, or a CPU copy
+    thread with a core of its own) rather than inline before each streamed layer."""
+    return torch.device(device).type == "cuda" or _spare_core()
+
+
 class _InlineCopier:
     """CPU without a spare core: copy in the compute thread when the layer needs its weights.
 

@@ -12,6 +12,15 @@ layer. Our reading of the paper's Eq. 4/5:
 * two slots (Eq. 5): loads alternate between slots and overlap the previous remapped layer too; the
   link then only has to keep up with one layer per gap: ``t_x <= d * t_c``, with ``m = alpha + 2``.
 
+Hosts whose copies cannot overlap compute (``copy_overlap=False``: a CPU whose cores all run
+compute threads, so each layer's copy runs inline just before it) hide nothing: every streamed layer
+costs ``t_x`` per step whatever the spacing, and a second slot buys no overlap. There one slot is
+used and ``m`` is bounded so that the copies cost at most ``INLINE_COPY_BUDGET`` of a step's compute
+(``m * t_x <= budget * L * t_c``).
+
+Once layers are remapped the slot count is fixed (the slots hold live layers), so a further remap
+only considers that count.
+
 ``slots="auto"`` takes the fewest slots that reach the needed ``alpha`` (less traffic), else the
 choice with the larger reachable ``alpha``. Active models use the decode time (the shortest
 compute, the worst case); inactive models do not compute, so only the caps apply. Caps:
@@ -31,6 +40,9 @@ from dataclasses import dataclass, replace
 
 from vllm_kunserve.config import RemapConfig
 from vllm_kunserve.policy._schema import check_unknown, get, need_list, need_mapping
+
+#: hosts without overlapping copies: the most of a step's compute the inline copies may add
+INLINE_COPY_BUDGET = 0.25
 
 
 @dataclass(frozen=True)
@@ -69,12 +81,13 @@ class RemapInput:
     kv_free_bytes: float = 0.0  # KV currently free (what reverting may take back)
     demand_ratio: float = 0.0  # KV demand / base (unremapped) capacity
     now_s: float = 0.0
+    copy_overlap: bool = True  # copies run beside compute (copy engine / spare core); False: inline
 
     @classmethod
     def from_dict(cls, d, where="remap"):
         d = need_mapping(d, where)
         check_unknown(d, {"models", "h2d_bytes_per_s", "kv_shortage_bytes", "kv_free_bytes", "demand_ratio",
-                          "now_s", "config", "state"}, where)
+                          "now_s", "copy_overlap", "config", "state"}, where)
         models = tuple(ModelLayers.from_dict(m, f"{where}.models[{k}]")
                        for k, m in enumerate(need_list(get(d, "models", list, where), f"{where}.models")))
         if not models:
@@ -82,7 +95,8 @@ class RemapInput:
         return cls(models, get(d, "h2d_bytes_per_s", float, where, lo=1.0),
                    get(d, "kv_shortage_bytes", float, where, 0.0, lo=0.0),
                    get(d, "kv_free_bytes", float, where, 0.0, lo=0.0),
-                   get(d, "demand_ratio", float, where, 0.0, lo=0.0), get(d, "now_s", float, where, 0.0))
+                   get(d, "demand_ratio", float, where, 0.0, lo=0.0), get(d, "now_s", float, where, 0.0),
+                   get(d, "copy_overlap", bool, where, True))
 
 
 @dataclass(frozen=True)
@@ -137,15 +151,23 @@ def _cap(m: ModelLayers, cfg: RemapConfig) -> int:
     return max(0, cap)
 
 
-def _options(m: ModelLayers, bw: float, cfg: RemapConfig) -> list[tuple[int, int, bool]]:
+def _options(m: ModelLayers, bw: float, cfg: RemapConfig, overlap: bool = True) -> list[tuple[int, int, bool]]:
     """(slots, alpha_bound, hidden) per allowed slot count."""
     t_x = m.layer_bytes / bw * 1e3
     t_c = min(m.decode_ms, m.prefill_ms) if m.active else math.inf
     out = []
-    for s in ((1, 2) if cfg.slots == "auto" else (int(cfg.slots),)):
+    counts = (1, 2) if cfg.slots == "auto" else (int(cfg.slots),)
+    if m.slots:
+        counts = (m.slots,)  # the slots hold live layers: a further remap keeps them
+    elif not overlap and cfg.slots == "auto":
+        counts = (1,)  # nothing overlaps: a second slot only costs memory
+    for s in counts:
         mm = _cap(m, cfg)
-        hidden = True
-        if m.active:
+        hidden = overlap
+        if m.active and not overlap:
+            budget = INLINE_COPY_BUDGET * m.num_layers * t_c
+            mm = min(mm, int(budget // t_x) if t_x > 0 else mm)
+        elif m.active:
             bound = max_remapped(m.num_layers, t_x / t_c if t_c > 0 else math.inf, s) if t_c > 0 else 0
             mm = min(mm, bound)
         else:
@@ -186,7 +208,7 @@ def _remap(inp: RemapInput, cfg: RemapConfig) -> RemapPlan:
     for m in _order(inp.models):
         if need <= 0:
             break
-        opts = _options(m, inp.h2d_bytes_per_s, cfg)
+        opts = _options(m, inp.h2d_bytes_per_s, cfg, inp.copy_overlap)
         want = m.remapped_alpha + math.ceil(need / m.layer_bytes)
         reach = [o for o in opts if o[1] >= want]
         s, bound, hidden = min(reach, key=lambda o: o[0]) if reach else max(opts, key=lambda o: (o[1], -o[0]))

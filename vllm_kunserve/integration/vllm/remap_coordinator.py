@@ -52,6 +52,7 @@ class RemapCoordinator:
         bw = cfg.remap.h2d_bandwidth_gbps * 1e9 if cfg.remap.h2d_bandwidth_gbps else min(
             s["h2d_bytes_per_s"] for s in states)
         self.h2d_bytes_per_s = bw
+        self.copy_overlap = all(s.get("copy_overlap", True) for s in states)
         self.phase = "base"          # base | remapped | draining
         self.remapped: tuple[int, ...] = ()
         self.slots = 0
@@ -65,8 +66,8 @@ class RemapCoordinator:
         self.m = metrics.get()
         self._publish()
         logger.info("kunserve remap ready: %d layers of %.1f MB, KV base %d blocks (max %d), "
-                    "host link %.1f GB/s", self.num_layers, self.layer_bytes / 1e6, base_blocks,
-                    self.cap.max_blocks, bw / 1e9)
+                    "host link %.1f GB/s, copies %s", self.num_layers, self.layer_bytes / 1e6, base_blocks,
+                    self.cap.max_blocks, bw / 1e9, "overlap compute" if self.copy_overlap else "inline")
 
     # -- helpers --------------------------------------------------------------------------------
     def _workers(self, method: str, *args, **kwargs) -> list:
@@ -164,7 +165,8 @@ class RemapCoordinator:
                          kv_shortage_bytes=shortage * self.block_bytes,
                          kv_free_bytes=max(0, capacity - demand - (self.cap.visible - self.cap.base)) * self.block_bytes
                          if self.phase == "remapped" else free_blocks * self.block_bytes,
-                         demand_ratio=demand / max(1, self.cap.base - 1), now_s=time.monotonic())
+                         demand_ratio=demand / max(1, self.cap.base - 1), now_s=time.monotonic(),
+                         copy_overlap=self.copy_overlap)
         plan, self.policy_state = decide_remap(inp, self.cfg.remap, self.policy_state)
         if plan.action == "remap":
             target = plan.models[0]
@@ -252,7 +254,7 @@ class RemapCoordinator:
                     "kv_blocks_max": st.max_blocks, "free_blocks": st.free, "draining": st.draining,
                     "used_blocks": used, "demand_blocks": demand, "auto": self.auto,
                     "num_layers": self.num_layers, "layer_bytes": self.layer_bytes,
-                    "h2d_bytes_per_s": self.h2d_bytes_per_s, "events": list(self.events[-20:]),
+                    "h2d_bytes_per_s": self.h2d_bytes_per_s, "copy_overlap": self.copy_overlap, "events": list(self.events[-20:]),
                     "workers": self._workers("kunserve_memory_state")}
         if method == "kunserve_remap":
             alpha = int(kwargs.get("alpha", args[0] if args else 1))

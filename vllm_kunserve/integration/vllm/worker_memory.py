@@ -24,7 +24,7 @@ from torch import nn
 
 from vllm_kunserve.integration.vllm.cpu_linear import PackedSlots
 from vllm_kunserve.memory import MemoryPool, WeightRegion
-from vllm_kunserve.memory.streaming import WeightStreamer
+from vllm_kunserve.memory.streaming import WeightStreamer, copy_overlaps
 
 logger = logging.getLogger("vllm.kunserve")
 
@@ -203,6 +203,7 @@ class WorkerMemory:
             "layer_bytes": self.layer_bytes(), "num_layers": len(self.layers),
             "stream": (vars(self.streamer.stats) if self.streamer else None),
             "streamed_linear": self.packed.kind(),
+            "copy_overlap": copy_overlaps(self.pool.device),
             "block_bytes": sum(k.page_bytes for k in self.kv),
             "h2d_bytes_per_s": self.h2d_bytes_per_s,
             "events": self.events[-20:],
