@@ -110,13 +110,27 @@ def test_further_remap_keeps_the_slot_count_in_use():
 def test_inline_copies_use_one_slot_and_a_step_budget():
     # 0.5 GiB layers at 100 GB/s: t_x = 5.4 ms; 4 ms/layer on 32 layers: 128 ms a step
     cfg = RemapConfig(max_fraction=1.0)
-    inp = RemapInput((model(decode_ms=4.0),), 100e9, kv_shortage_bytes=100 * GB, copy_overlap=False)
+    inp = RemapInput((model(decode_ms=4.0),), 100e9, kv_shortage_bytes=2 * GB, copy_overlap=False)
     (r,) = decide_remap(inp, cfg)[0].models
-    assert r.slots == 1 and not r.hidden
+    assert r.slots == 1 and not r.hidden and r.alpha == r.alpha_bound == 4
     t_x = (GB // 2) / 100e9 * 1e3
     m = r.alpha + r.slots
     assert m * t_x <= 0.25 * 32 * 4.0 < (m + 1) * t_x  # copies stay within a quarter of the step
     # a fast link: the cap binds, not the budget, and still one slot
-    fast = RemapInput((model(decode_ms=4.0),), 10e12, kv_shortage_bytes=100 * GB, copy_overlap=False)
+    fast = RemapInput((model(decode_ms=4.0),), 10e12, kv_shortage_bytes=15 * GB, copy_overlap=False)
     (r2,) = decide_remap(fast, cfg)[0].models
     assert r2.slots == 1 and r2.alpha + 1 == 31
+
+
+def test_inline_copies_remap_only_when_the_shortage_is_covered():
+    cfg = RemapConfig(max_fraction=1.0)
+    m = model(decode_ms=4.0)
+    within = RemapInput((m,), 100e9, kv_shortage_bytes=GB, copy_overlap=False)  # 2 layers cover it
+    plan, _ = decide_remap(within, cfg)
+    assert plan.action == "remap" and plan.shortfall_bytes == 0
+    beyond = RemapInput((m,), 100e9, kv_shortage_bytes=100 * GB, copy_overlap=False)
+    plan, _ = decide_remap(beyond, cfg)
+    assert plan.action == "hold" and not plan.models and plan.shortfall_bytes > 0
+    # with overlapping copies a partial remap still helps (streaming is hidden): it is made
+    plan, _ = decide_remap(RemapInput((m,), 100e9, kv_shortage_bytes=100 * GB), cfg)
+    assert plan.action == "remap" and plan.shortfall_bytes > 0

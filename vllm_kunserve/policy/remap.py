@@ -16,7 +16,9 @@ Hosts whose copies cannot overlap compute (``copy_overlap=False``: a CPU whose c
 compute threads, so each layer's copy runs inline just before it) hide nothing: every streamed layer
 costs ``t_x`` per step whatever the spacing, and a second slot buys no overlap. There one slot is
 used and ``m`` is bounded so that the copies cost at most ``INLINE_COPY_BUDGET`` of a step's compute
-(``m * t_x <= budget * L * t_c``).
+(``m * t_x <= budget * L * t_c``). There a remap that cannot cover the whole shortage is not made
+at all: it would only slow every step (and a larger batch buys no throughput on a compute-bound
+host), so the engine queues as it would without kunserve.
 
 Once layers are remapped the slot count is fixed (the slots hold live layers), so a further remap
 only considers that count.
@@ -220,6 +222,10 @@ def _remap(inp: RemapInput, cfg: RemapConfig) -> RemapPlan:
         freed_total += gained
         out.append(ModelRemap(m.name, alpha, s, spaced_layers(m.num_layers, alpha + s), alpha * m.layer_bytes,
                               hidden, bound))
+    if out and need > 0 and not inp.copy_overlap:
+        # Streaming is not free here (inline copies take compute time) and a bigger batch buys no
+        # throughput on a compute-bound host: remap only when it resolves the shortage.
+        return RemapPlan("hold", (), 0, max(0.0, need))
     return RemapPlan("remap" if out else "hold", tuple(out), freed_total, max(0.0, need))
 
 
