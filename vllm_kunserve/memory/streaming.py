@@ -46,26 +46,38 @@ class StreamStats:
     copy_s: float = 0.0        # time spent copying (profile=True; CUDA: side-stream event time)
 
 
-class _ThreadCopier:
-    """CPU: a single copy thread plays the side stream."""
+class _HostCopier:
+    """CPU copies: plain ``Tensor.copy_`` of each pair, timed when profiling."""
 
     def __init__(self, profile: bool = False) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kunserve-stream")
         self.profile = profile
         self.copy_s = 0.0
 
-    def _run(self, pairs: Pairs) -> None:
-        t0 = time.perf_counter()
+    def copy_now(self, pairs: Pairs) -> None:
         for dst, src in pairs:
             dst.copy_(src)
-        if self.profile:
-            self.copy_s += time.perf_counter() - t0
 
-    def copy_async(self, pairs: Pairs) -> Future:
-        return self._pool.submit(self._run, pairs)
+    def _run(self, pairs: Pairs) -> float:
+        t0 = time.perf_counter()
+        self.copy_now(pairs)
+        dt = time.perf_counter() - t0
+        if self.profile:
+            self.copy_s += dt
+        return dt
 
     def copy_seconds(self) -> float:
         return self.copy_s
+
+
+class _ThreadCopier(_HostCopier):
+    """CPU with a spare core: a single copy thread plays the side stream."""
+
+    def __init__(self, profile: bool = False) -> None:
+        super().__init__(profile)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kunserve-stream")
+
+    def copy_async(self, pairs: Pairs) -> Future:
+        return self._pool.submit(self._run, pairs)
 
     def wait(self, ticket) -> float:
         if ticket is None:
@@ -73,10 +85,6 @@ class _ThreadCopier:
         t0 = time.perf_counter()
         ticket.result()
         return time.perf_counter() - t0
-
-    def copy_now(self, pairs: Pairs) -> None:
-        for dst, src in pairs:
-            dst.copy_(src)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -97,7 +105,7 @@ def copy_overlaps(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" or _spare_core()
 
 
-class _InlineCopier:
+class _InlineCopier(_HostCopier):
     """CPU without a spare core: copy in the compute thread when the layer needs its weights.
 
     A copy thread only helps when it has a core of its own; beside OpenMP compute threads that
@@ -105,28 +113,11 @@ class _InlineCopier:
     costs more than the copy (a few hundred microseconds per layer at memory bandwidth).
     """
 
-    def __init__(self, profile: bool = False) -> None:
-        self.profile = profile
-        self.copy_s = 0.0
-
     def copy_async(self, pairs: Pairs) -> Pairs:
-        return pairs
-
-    def copy_seconds(self) -> float:
-        return self.copy_s
+        return pairs  # the ticket: copied when the layer is about to run
 
     def wait(self, ticket) -> float:
-        if ticket is None:
-            return 0.0
-        t0 = time.perf_counter()
-        self.copy_now(ticket)
-        dt = time.perf_counter() - t0
-        self.copy_s += dt
-        return dt
-
-    def copy_now(self, pairs: Pairs) -> None:
-        for dst, src in pairs:
-            dst.copy_(src)
+        return 0.0 if ticket is None else self._run(ticket)
 
     def close(self) -> None:
         pass
