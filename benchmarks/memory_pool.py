@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -28,6 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._doc import cpu_device, doc_header  # noqa: E402
 from vllm_kunserve.memory import MemoryPool, cuda_available  # noqa: E402
 
 GB = 1 << 30
@@ -36,9 +35,7 @@ GB = 1 << 30
 def device_name(pool: MemoryPool) -> str:
     if pool.device.type == "cuda":
         return f"{torch.cuda.get_device_name(pool.device)} (cuda backend)"
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.processor())
-    return f"{cpu}, {torch.get_num_threads()} threads (host backend, CPU, no GPU lent)"
+    return cpu_device("host backend, CPU, no GPU lent")
 
 
 def sync(pool: MemoryPool) -> None:
@@ -93,16 +90,14 @@ def run_one(backend: str, gb: float, chunk_mb: int, layers: int, reps: int) -> d
 
 
 def write_md(results: list[dict], path: Path, json_path: Path) -> None:
-    lines = ["# Memory pool: moving weight chunks into a KV region", "",
-             f"Produced by `python benchmarks/memory_pool.py` on **{results[0]['device']}**; "
-             f"raw numbers in `{json_path.as_posix()}`.", "",
-             "*to KV* = release the layers' weight regions (unmap) + grow one KV region by the freed "
-             "bytes (map + access); no data is copied. *back* = shrink the KV region + reload the "
-             "layers from their host copies (map + copy). Median of the repetitions.", "",
-             f"Machine load (1-min load average at the end, {os.cpu_count()} cores): {os.getloadavg()[0]:.1f}; 2 shared cores, so repeat on a quiet machine before trusting small differences.", "",
-             "| backend | GB moved | chunk MiB | chunks | release ms | grow ms | to KV ms | to KV ms per 10 GB | "
-             "shrink ms | reload ms (incl. copy) | reload GB/s | weights intact |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = doc_header("Memory pool: moving weight chunks into a KV region", "memory_pool.py", results[0]["device"],
+                       json_path,
+                       "*to KV* = release the layers' weight regions (unmap) + grow one KV region by the freed "
+                       "bytes (map + access); no data is copied. *back* = shrink the KV region + reload the "
+                       "layers from their host copies (map + copy). Median of the repetitions.")
+    lines += ["| backend | GB moved | chunk MiB | chunks | release ms | grow ms | to KV ms | to KV ms per 10 GB | "
+              "shrink ms | reload ms (incl. copy) | reload GB/s | weights intact |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         m = r["median"]
         lines.append(f"| {r['backend']} | {r['gb_moved']:.2f} | {r['chunk_mb']} | {r['chunks_moved']} | "
@@ -142,7 +137,7 @@ def main(argv=None) -> int:
         print(json.dumps(res))
         results.append(res)
     args.out.write_text(json.dumps({"benchmark": "memory_pool", "results": results}, indent=2) + "\n")
-    write_md(results, args.md, args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out)
+    write_md(results, args.md, args.out)
     return 0
 
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
 import threading
@@ -31,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._doc import cpu_device, doc_header  # noqa: E402
 from vllm_kunserve.transfer import TransferError, connect, make_store  # noqa: E402
 
 STOP = 999
@@ -73,9 +72,7 @@ def peer(port: int, out: str) -> int:
 
 
 def cpu_name() -> str:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.processor())
-    return f"{cpu}, {torch.get_num_threads()} threads (CPU, gloo over loopback, no GPU lent)"
+    return cpu_device("CPU, gloo over loopback, no GPU lent")
 
 
 def run_phase(ch, tag: int, args, bulk: torch.Tensor | None, chunk_bytes: int) -> dict:
@@ -156,16 +153,12 @@ def main(argv=None) -> int:
     res = {"benchmark": "transfer", "device": cpu_name(), "act_kb": args.act_kb, "gap_ms": args.gap_ms,
            "bulk_mb": args.bulk_mb, "rows": rows}
     args.out.write_text(json.dumps(res, indent=2) + "\n")
-    rel = args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out
-    lines = ["# Transfer: activation latency beside bulk transfers", "",
-             f"Produced by `python benchmarks/transfer.py` on **{res['device']}**; raw numbers in "
-             f"`{rel.as_posix()}`.", "",
-             f"{args.acts} activations of {args.act_kb} KiB per phase, one every {args.gap_ms} ms; during the "
-             f"bulk phases a feeder keeps {args.bulk_mb} MiB bulk transfers going back to back. One-way "
-             "latency from `send_activation` to delivery on the peer.", "",
-             f"Machine load (1-min load average at the end, {os.cpu_count()} cores): {os.getloadavg()[0]:.1f}; 2 shared cores, so repeat on a quiet machine before trusting small differences.", "",
-             "| phase | p50 ms | p99 ms | max ms | p99 / idle p99 | bulk GB/s meanwhile |",
-             "|---|---|---|---|---|---|"]
+    lines = doc_header("Transfer: activation latency beside bulk transfers", "transfer.py", res["device"], args.out,
+                       f"{args.acts} activations of {args.act_kb} KiB per phase, one every {args.gap_ms} ms; during "
+                       f"the bulk phases a feeder keeps {args.bulk_mb} MiB bulk transfers going back to back. "
+                       "One-way latency from `send_activation` to delivery on the peer.")
+    lines += ["| phase | p50 ms | p99 ms | max ms | p99 / idle p99 | bulk GB/s meanwhile |",
+              "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['phase']} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['max_ms']:.2f} | "
                      f"{r['p99_vs_idle']:.1f}x | {r['bulk_gbps']:.2f} |")

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -29,15 +27,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._doc import cpu_device, doc_header  # noqa: E402
 from vllm_kunserve.memory.streaming import install_streaming  # noqa: E402
 
 
 def device_name(dev: torch.device) -> str:
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.processor())
-    return f"{cpu}, {torch.get_num_threads()} threads (CPU, no GPU lent)"
+    return cpu_device("CPU, no GPU lent")
 
 
 def sync(dev):
@@ -140,22 +137,19 @@ def main(argv=None) -> int:
            "resident_step_ms": statistics.median(resident_all) * 1e3,
            "rows": rows}
     args.out.write_text(json.dumps(res, indent=2) + "\n")
-    rel = args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out
-    lines = ["# Weight streaming: decode step with streamed layers", "",
-             f"Produced by `python benchmarks/weight_streaming.py` on **{res['device']}**; raw numbers in "
-             f"`{rel.as_posix()}`.", "",
-             f"Llama from a random config: {args.layers} layers, hidden {args.hidden}, {res['dtype']}, "
-             f"{res['layer_mb']:.1f} MB per decoder layer; decode step = batch {args.batch} x 1 token "
-             f"over {args.context} cached tokens; median of {args.steps} steps.", "",
-             f"Machine load (1-min load average at the end, {os.cpu_count()} cores): {os.getloadavg()[0]:.1f}; 2 shared cores, so repeat on a quiet machine before trusting small differences.", "",
-             f"Resident step (median over all pairs): **{res['resident_step_ms']:.2f} ms**. Plain copy peak "
-             f"({'pinned host to device' if dev.type == 'cuda' else 'host memcpy, one thread'}): "
-             f"**{peak:.2f} GB/s**.", "",
-             "Each configuration is timed with its steps interleaved with steps of an identical "
-             "resident model (paired, so load from other jobs hits both); *x resident* is the ratio "
-             "of the two medians.", "",
-             "| slots | alpha | remapped layers | step ms | resident ms | x resident | copy GB/s | % of peak | "
-             "copies | out-of-order loads |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = doc_header("Weight streaming: decode step with streamed layers", "weight_streaming.py", res["device"],
+                       args.out,
+                       f"Llama from a random config: {args.layers} layers, hidden {args.hidden}, {res['dtype']}, "
+                       f"{res['layer_mb']:.1f} MB per decoder layer; decode step = batch {args.batch} x 1 token "
+                       f"over {args.context} cached tokens; median of {args.steps} steps.")
+    lines += [f"Resident step (median over all pairs): **{res['resident_step_ms']:.2f} ms**. Plain copy peak "
+              f"({'pinned host to device' if dev.type == 'cuda' else 'host memcpy, one thread'}): "
+              f"**{peak:.2f} GB/s**.", "",
+              "Each configuration is timed with its steps interleaved with steps of an identical "
+              "resident model (paired, so load from other jobs hits both); *x resident* is the ratio "
+              "of the two medians.", "",
+              "| slots | alpha | remapped layers | step ms | resident ms | x resident | copy GB/s | % of peak | "
+              "copies | out-of-order loads |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['slots']} | {r['alpha']} | {r['remapped']} | {r['step_ms']:.2f} | "
                      f"{r['resident_step_ms']:.2f} | "
@@ -166,10 +160,10 @@ def main(argv=None) -> int:
               "Targets (GPU): copy >= 80% of peak; step <= 1.05x resident for alpha within the "
               "controller's bound."]
     if dev.type == "cpu":
-        lines += ["", "CPU run, no GPU lent: the \"side stream\" is a copy thread sharing the same 2 cores "
-                  "and memory bus as the compute, so copies cannot hide behind compute the way H2D "
-                  "DMA does on a GPU; the figures show the mechanism's overhead and correctness, not "
-                  "the GPU overlap."]
+        lines += ["", "CPU run, no GPU lent: copies share the cores and memory bus with the compute (a copy "
+                  "thread when a core is spare, else inline before each streamed layer), so they cannot "
+                  "hide behind compute the way H2D DMA does on a GPU; the figures show the mechanism's "
+                  "overhead and correctness, not the GPU overlap."]
     args.md.write_text("\n".join(lines) + "\n")
     return 0
 

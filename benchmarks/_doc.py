@@ -1,0 +1,34 @@
+"""What the mechanism benchmarks' docs share: the machine's name, the raw file's path, the header."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cpu_device(what: str) -> str:
+    """``<CPU model>, <n> threads (<what>)`` for a benchmark run without a GPU."""
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+               platform.processor())
+    return f"{cpu}, {torch.get_num_threads()} threads ({what})"
+
+
+def rel(path: Path) -> str:
+    """``path`` relative to the repository when inside it (as written in the docs)."""
+    return (path.relative_to(ROOT) if path.is_relative_to(ROOT) else path).as_posix()
+
+
+def doc_header(title: str, script: str, device: str, raw: Path, *paragraphs: str) -> list[str]:
+    """Title, provenance, the given paragraphs and the machine-load caveat, as markdown lines."""
+    lines = [f"# {title}", "",
+             f"Produced by `python benchmarks/{script}` on **{device}**; raw numbers in `{rel(raw)}`.", ""]
+    for p in paragraphs:
+        lines += [p, ""]
+    lines += [f"Machine load (1-min load average at the end, {os.cpu_count()} cores): {os.getloadavg()[0]:.1f}; "
+              "2 shared cores, so repeat on a quiet machine before trusting small differences.", ""]
+    return lines
