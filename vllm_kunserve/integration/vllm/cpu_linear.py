@@ -20,15 +20,12 @@ of this runs (the slot weights are read by cuBLAS directly).
 from __future__ import annotations
 
 import ctypes
-import logging
 from typing import Any
 
 import torch
 from torch import nn
 
 from vllm_kunserve.integration.vllm.base import VllmPatch
-
-logger = logging.getLogger("vllm.kunserve")
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -111,30 +108,31 @@ class PackedSlots:
         self._host[i] = blobs
         return sum(b.numel() for b in blobs.values())
 
-    def _slot_tensor(self, slot: int, name: str, like: torch.Tensor) -> torch.Tensor:
+    def _slot_tensor(self, slot: int, name: str, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(packed tensor, uint8 alias)`` of linear ``name`` in ``slot`` (created on first use)."""
         key = (slot, name)
         if key not in self._slot:
             packed = _pack(torch.zeros(like.shape, dtype=like.dtype))
             self._slot[key] = (packed, _bytes_of(packed))
-        return self._slot[key][0]
+        return self._slot[key]
 
     def copy_plan(self, entries: list[Any]):
         """The streamer's ``copy_plan`` for layers whose region entries are ``entries[i]``."""
         def plan(i: int, slot: int, slot_tensor: torch.Tensor, host: torch.Tensor):
             if i not in self._host:
                 return [(slot_tensor[:host.numel()], host)]
-            twins = {id(m) for _, m in _twin_linears(self.layers[i])}
+            twins = _twin_linears(self.layers[i])
+            ids = {id(m) for _, m in twins}
             skip = [(e.offset, e.offset + e.nbytes) for e in entries[i]
-                    if e.attr == "weight" and id(e.owner) in twins]
+                    if e.attr == "weight" and id(e.owner) in ids]
             pairs = []
             lo = 0
             for a, b in sorted(skip) + [(host.numel(), host.numel())]:
                 if a > lo:
                     pairs.append((slot_tensor[lo:a], host[lo:a]))
                 lo = max(lo, b)
-            for name, m in _twin_linears(self.layers[i]):
-                self._slot_tensor(slot, name, m.weight)
-                dst = self._slot[(slot, name)][1]
+            for name, m in twins:
+                dst = self._slot_tensor(slot, name, m.weight)[1]
                 src = self._host[i][name]
                 if dst.numel() != src.numel():
                     raise RuntimeError(f"layer {i} {name}: packed size {src.numel()} != slot {dst.numel()}")
@@ -144,22 +142,18 @@ class PackedSlots:
 
     def point(self, i: int, slot: int | None) -> None:
         """Layer ``i``'s linears compute from ``slot`` (streamed) or their resident kernel (None)."""
-        layer = self.layers[i]
-        for m in layer.modules():
+        packed = i in self._host
+        for name, m in self.layers[i].named_modules():
             fast = m.__dict__.get("_kunserve_fast_linear")
             if fast is None:
                 continue
             if slot is None:
                 m.cpu_linear = fast
-            elif i in self._host and m.__dict__.get("_kunserve_onednn"):
+            elif packed and m.__dict__.get("_kunserve_onednn"):
                 n, k = m.weight.shape
-                m.cpu_linear = _packed_linear(self._slot_tensor(slot, self._name(layer, m), m.weight), n, k)
+                m.cpu_linear = _packed_linear(self._slot_tensor(slot, name, m.weight)[0], n, k)
             else:
                 m.cpu_linear = _linear  # vLLM's own fallback: reads the slot weights at call time
-
-    @staticmethod
-    def _name(layer: nn.Module, module: nn.Module) -> str:
-        return next(n for n, m in layer.named_modules() if m is module)
 
     def drop_slots(self) -> None:
         self._slot.clear()

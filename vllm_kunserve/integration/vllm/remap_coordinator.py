@@ -254,7 +254,8 @@ class RemapCoordinator:
                     "kv_blocks_max": st.max_blocks, "free_blocks": st.free, "draining": st.draining,
                     "used_blocks": used, "demand_blocks": demand, "auto": self.auto,
                     "num_layers": self.num_layers, "layer_bytes": self.layer_bytes,
-                    "h2d_bytes_per_s": self.h2d_bytes_per_s, "copy_overlap": self.copy_overlap, "events": list(self.events[-20:]),
+                    "h2d_bytes_per_s": self.h2d_bytes_per_s, "copy_overlap": self.copy_overlap,
+                    "events": list(self.events[-20:]),
                     "workers": self._workers("kunserve_memory_state")}
         if method == "kunserve_remap":
             alpha = int(kwargs.get("alpha", args[0] if args else 1))
