@@ -81,8 +81,6 @@ class RemapConfig:
         lo=0, hi=1 << 20)
     h2d_bandwidth_gbps: float = _opt(
         0.0, "Host-to-device bandwidth in GB/s (0: measure at startup).", lo=0.0, hi=10000.0)
-    priority: int = _opt(0, "Model priority when several models share a GPU (lower gives memory first).",
-                         lo=-1000, hi=1000)
 
 
 @dataclass(frozen=True)
@@ -91,8 +89,6 @@ class LookaheadConfig:
 
     enable: bool = _opt(True, "Split queued work into cost-balanced microbatches (else token-count chunks).")
     min_tokens: int = _opt(64, "Least work per microbatch: the cost of this many prefill tokens (lookahead splits no further).", lo=1, hi=1 << 20)
-    max_microbatches: int = _opt(0, "Cap on microbatches per step (0: the pipeline depth).", lo=0, hi=1024)
-    cost_model: str = _opt("", "Path of a fitted cost model JSON (empty: fit online from step timings).")
 
 
 @dataclass(frozen=True)
@@ -101,18 +97,16 @@ class PlacementConfig:
 
     policy: str = _opt("mell", "Placement policy.", choices=("mell", "best_fit", "worst_fit", "llumnix"))
     max_migrations: int = _opt(10, "Migrations allowed per placement operation.", lo=0, hi=1000)
-    link_gbps: float = _opt(
-        0.0, "Inter-instance link bandwidth budget in GB/s for KV migration (0: measure).", lo=0.0, hi=10000.0)
 
 
 @dataclass(frozen=True)
-class TransferConfig:
-    """Chunked prioritized transfers (KV exchange, weights, activations)."""
+class ControlConfig:
+    """The engine's control port (state and operations over HTTP, for the cluster and for people)."""
 
-    backend: str = _opt("auto", "Point-to-point transport.", choices=("auto", "gloo", "nccl"))
-    chunk_bytes: int = _opt(
-        0, "Bulk chunk size in bytes (0: sized so one chunk takes about one pipeline stage).", lo=0, hi=1 << 34)
-    timeout_s: float = _opt(30.0, "Peer timeout; a silent peer fails the transfer after this.", lo=0.1, hi=3600.0)
+    enable: bool = _opt(True, "Serve the control port from the engine-core process (engines with remap on).")
+    host: str = _opt("127.0.0.1", "Address to bind; anything but loopback is reachable from other machines.")
+    port: int = _opt(0, "TCP port (0: a free port, logged at startup and shown in the engine state).", lo=0, hi=65535)
+    token: str = _opt("", "Bearer token callers must send (empty: env KUNSERVE_CONTROL_TOKEN, else none).")
 
 
 @dataclass(frozen=True)
@@ -134,8 +128,8 @@ _SECTIONS: dict[str, type] = {
     "remap": RemapConfig,
     "lookahead": LookaheadConfig,
     "placement": PlacementConfig,
-    "transfer": TransferConfig,
     "memory": MemoryConfig,
+    "control": ControlConfig,
 }
 
 
@@ -148,17 +142,16 @@ class KunServeConfig:
     remap: RemapConfig = field(default_factory=RemapConfig)
     lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
-    transfer: TransferConfig = field(default_factory=TransferConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
 
     def features(self) -> list[str]:
-        """What is switched on, for the startup log line. Drop, restore, lookahead and placement act
-        across instances (``kunserve serve``); on a single engine only remap changes behaviour."""
-        out = ["remap" if self.remap.enable else "remap off"]
-        cluster = [n for n, on in (("drop", self.drop.enable), ("restore", self.restore.enable),
-                                   ("lookahead", self.lookahead.enable)) if on]
-        out.append(f"cluster: {'+'.join(cluster) or 'none'}, placement={self.placement.policy}")
-        return out
+        """What runs on this engine, for the startup log line. The drop, restore, lookahead and
+        placement sections configure the cluster controller (``kunserve serve``) and are not named
+        here: a single engine does not run them."""
+        if not self.remap.enable:
+            return ["plugin only (no memory feature enabled)"]
+        return ["remap", "control port" if self.control.enable else "no control port"]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -266,6 +259,11 @@ def config_from_additional(additional_config: Any) -> KunServeConfig | None:
     if not isinstance(additional_config, Mapping) or CONFIG_KEY not in additional_config:
         return None
     return parse_config(additional_config[CONFIG_KEY])
+
+
+def engine_config(vllm_config: Any) -> KunServeConfig | None:
+    """The kunserve configuration of the engine ``vllm_config`` belongs to (None: not enabled)."""
+    return config_from_additional(getattr(vllm_config, "additional_config", None))
 
 
 def render_docs() -> str:

@@ -1,4 +1,7 @@
+"""The plugin's activation gate (vLLM's EngineArgs class is imported; no engine is built)."""
+
 import sys
+import types
 
 import pytest
 
@@ -6,69 +9,64 @@ from vllm_kunserve import plugin
 
 pytestmark = pytest.mark.unit
 
-
-class EngineArgs:  # same class name vLLM uses; register() recognises its caller by it
-    def __init__(self, additional_config):
-        self.model = "m"
-        self.additional_config = additional_config
-        self.worker_extension_cls = ""
-        self.seen = _load_general_plugins()
+EngineArgs = pytest.importorskip("vllm.engine.arg_utils").EngineArgs
 
 
-def _load_general_plugins():
-    return plugin.find_additional_config(start_depth=2)
+@pytest.fixture
+def gate(monkeypatch):
+    """A fresh gate over a stand-in ``create_engine_config`` (restored afterwards)."""
+    made = []
+
+    def create_engine_config(self, *a, **kw):
+        cfg = types.SimpleNamespace(additional_config=self.additional_config, model_config=None,
+                                    parallel_config=types.SimpleNamespace(worker_extension_cls=""))
+        made.append(cfg)
+        return cfg
+
+    monkeypatch.setattr(EngineArgs, "create_engine_config", create_engine_config)
+    monkeypatch.setitem(plugin._state, "gate", None)
+    monkeypatch.setitem(plugin._state, "patches", [])
+    monkeypatch.delenv(plugin.ENV_PATCHES, raising=False)
+    monkeypatch.delenv(plugin.ENV_FEATURES, raising=False)
+    plugin.register()
+    yield made
+    from vllm_kunserve.integration.vllm import revert_all
+
+    revert_all()
 
 
-def _engine_core(vllm_config):
-    return _load_general_plugins()
+def _args(additional):
+    return types.SimpleNamespace(additional_config=additional, worker_extension_cls="", enforce_eager=False)
 
 
-class _VllmConfig:
-    model = "m"
-
-    def __init__(self, additional_config):
-        self.additional_config = additional_config
-
-
-def test_finds_engine_args_config():
-    args = EngineArgs({"kunserve": {"remap": {"enable": True}}})
-    found, additional, holder = args.seen
-    assert found and holder is args and additional == {"kunserve": {"remap": {"enable": True}}}
-
-
-def test_finds_vllm_config_local():
-    cfg = _VllmConfig({"kunserve": {}})
-    found, additional, holder = _engine_core(cfg)
-    assert found and holder is cfg and additional == {"kunserve": {}}
-
-
-def test_no_engine_in_stack_means_not_found():
-    assert plugin.find_additional_config(start_depth=1)[0] is False
-
-
-def test_register_is_inert_without_kunserve_key(monkeypatch):
+def test_register_installs_only_the_gate_and_imports_nothing(gate, monkeypatch):
     monkeypatch.delitem(sys.modules, "vllm_kunserve.integration.vllm", raising=False)
-
-    class EngineArgs:  # noqa: D401 - shadows on purpose
-        def __init__(self):
-            self.model = "m"
-            self.additional_config = {"someone_else": 1}
-            plugin.register()
-
-    EngineArgs()
-    assert plugin.active_config() is None
+    assert getattr(EngineArgs.create_engine_config, "__kunserve_gate__", False)
+    out = EngineArgs.create_engine_config(_args({"someone_else": 1}))
+    assert out is gate[-1] and out.parallel_config.worker_extension_cls == ""
     assert plugin.applied_patches() == []
     assert "vllm_kunserve.integration.vllm" not in sys.modules
 
 
-def test_register_rejects_bad_config():
+def test_gate_rejects_bad_config_naming_the_key(gate):
     from vllm_kunserve.config import KunServeConfigError
 
-    class EngineArgs:
-        def __init__(self):
-            self.model = "m"
-            self.additional_config = {"kunserve": {"bogus": 1}}
-            plugin.register()
+    with pytest.raises(KunServeConfigError, match="kunserve.bogus"):
+        EngineArgs.create_engine_config(_args({"kunserve": {"bogus": 1}}))
+    assert gate == []  # vLLM's config was never built
 
-    with pytest.raises(KunServeConfigError, match="bogus"):
-        EngineArgs()
+
+def test_gate_activates_per_engine_and_exports_patches(gate, monkeypatch):
+    a = _args({"kunserve": {}})
+    EngineArgs.create_engine_config(a)
+    assert a.worker_extension_cls.endswith("KunServeWorkerExtension")
+    assert plugin.applied_patches() == ["worker_extension"]
+    import os
+
+    assert os.environ[plugin.ENV_PATCHES] == "worker_extension"
+    stock = EngineArgs.create_engine_config(_args(None))  # a later stock engine stays stock
+    assert stock.parallel_config.worker_extension_cls == ""
+    b = _args({"kunserve": {"remap": {"enable": True}}})
+    EngineArgs.create_engine_config(b)
+    assert b.enforce_eager is True
+    assert set(os.environ[plugin.ENV_PATCHES].split(",")) >= {"worker_extension", "kv_plan", "engine_core"}

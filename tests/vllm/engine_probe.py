@@ -37,7 +37,7 @@ if __name__ == "__main__":
         "n_tokens": [len(o.outputs[0].token_ids) for o in outs],
         "worker_info": info,
         "main_patches": plugin.applied_patches(),
-        "main_active": plugin.active_config() is not None,
+        "main_active": bool(plugin.applied_patches()),
         "integration_imported": "vllm_kunserve.integration.vllm" in sys.modules,
         "worker_extension_cls": llm.llm_engine.vllm_config.parallel_config.worker_extension_cls,
     }

@@ -3,7 +3,9 @@
 Usage: python remap_probe.py MODEL SCENARIO KV_BYTES [ADDITIONAL_CONFIG_JSON|none]
 Scenarios: identity (greedy outputs with remap forced at several alpha/slots vs off),
            burst (16 requests at once; preemptions, capacity before/after),
-           fault-map / fault-exhausted (a burst whose remap fails while growing).
+           fault-<step> (a burst whose automatic remap fails at <step>),
+           faults (every step of remap and revert fails once, in turn; outputs compared),
+           controller (the policy raises mid-burst).
 """
 
 import json
@@ -43,6 +45,15 @@ if __name__ == "__main__":
     sp = SamplingParams(max_tokens=OUTPUT, temperature=0, ignore_eos=True)
     res: dict = {"scenario": scenario}
     rpc = llm.collective_rpc
+    def state():
+        st = rpc("kunserve_state")[0]
+        st["kv_blocks_total"] = st["capacity"]["blocks_total"]
+        st["kv_blocks_base"] = st["capacity"]["blocks_base"]
+        return st
+
+    def outcomes(st):
+        return [(e["event"], e["outcome"]) for e in st["events"] if e["outcome"] != "draining"]
+
     if scenario == "identity":
         rpc("kunserve_auto", args=(False,))
         ps = prompts(vocab)[:4]
@@ -50,7 +61,7 @@ if __name__ == "__main__":
         runs = []
         for alpha, slots in ((1, 1), (2, 1), (2, 2), (3, 2)):
             ev = rpc("kunserve_remap", kwargs={"alpha": alpha, "slots": slots})[0]
-            st = rpc("kunserve_state")[0]
+            st = state()
             from prometheus_client import REGISTRY
 
             gauges = {k: REGISTRY.get_sample_value(f"kunserve:{k}", {"engine": "0"})
@@ -58,29 +69,67 @@ if __name__ == "__main__":
             ngb = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
             usage = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.get_usage()
             out = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
-            w_gen = rpc("kunserve_state")[0]["workers"][0]
+            w_gen = state()["workers"][0]
             rev = rpc("kunserve_revert")[0]
-            st2 = rpc("kunserve_state")[0]
+            st2 = state()
             runs.append({"alpha": alpha, "slots": slots, "remap": ev["outcome"], "revert": rev["outcome"],
                          "layers": st["remapped_layers"], "blocks": st["kv_blocks_total"],
                          "blocks_after": st2["kv_blocks_total"], "same": out == base, "gauges": gauges,
-                         "usage_idle": usage,
-                         "num_gpu_blocks": ngb,
+                         "usage_idle": usage, "num_gpu_blocks": ngb,
                          "copies": w_gen["stream"]["copies"] if w_gen["stream"] else 0,
-                         "streamed_linear": w_gen["streamed_linear"]})
+                         "streamed_linear": w_gen["streamed_linear"],
+                         "problems": rpc("kunserve_check")[0]["problems"]})
         res.update(runs=runs, base_blocks=st2["kv_blocks_base"])
+    elif scenario == "faults":
+        rpc("kunserve_auto", args=(False,))
+        ps = prompts(vocab)[:4]
+        base = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+        steps = []
+        remap_steps = ("rpc", "pack", "release", "slot_create", "streamer_install", "copy_plan", "map", "exhausted")
+        for step in remap_steps:
+            rpc("kunserve_inject_fault", args=(step,))
+            ev = rpc("kunserve_remap", kwargs={"alpha": 2, "slots": 2})[0]
+            out = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+            st = state()
+            steps.append({"op": "remap", "step": step, "outcome": ev["outcome"], "same": out == base,
+                          "phase": st["phase"], "problems": rpc("kunserve_check")[0]["problems"],
+                          "blocks": st["kv_blocks_total"], "base": st["kv_blocks_base"]})
+        for step in ("kv_shrink", "streamer_uninstall", "slot_destroy", "reload", "rpc"):
+            ok = rpc("kunserve_remap", kwargs={"alpha": 2, "slots": 2})[0]
+            rpc("kunserve_inject_fault", args=(step,))
+            ev = rpc("kunserve_revert")[0]
+            out = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+            st = state()
+            rec = {"op": "revert", "step": step, "remap": ok["outcome"], "outcome": ev["outcome"],
+                   "same": out == base, "phase": st["phase"], "problems": rpc("kunserve_check")[0]["problems"]}
+            rec["revert_after"] = rpc("kunserve_revert")[0]["outcome"]
+            rec["phase_after"] = state()["phase"]
+            steps.append(rec)
+        final = rpc("kunserve_remap", kwargs={"alpha": 3, "slots": 1})[0]["outcome"]
+        out = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+        res.update(steps=steps, final_remap=final, final_same=out == base,
+                   final_revert=rpc("kunserve_revert")[0]["outcome"], final_phase=state()["phase"],
+                   final_problems=rpc("kunserve_check")[0]["problems"])
     else:
         if scenario.startswith("fault-"):
             rpc("kunserve_inject_fault", args=(scenario.split("-", 1)[1],))
-        st0 = rpc("kunserve_state")[0] if extra != "none" else None
+        if scenario == "controller":
+            rpc("kunserve_inject_fault", args=("policy",), kwargs={"after": 3})
+        st0 = state() if extra != "none" else None
         outs = llm.generate(prompts(vocab), sp, use_tqdm=False)
         res.update(completed=sum(1 for o in outs if len(o.outputs[0].token_ids) == OUTPUT),
+                   tokens=[list(o.outputs[0].token_ids) for o in outs],
                    preemptions=preemptions(llm),
                    num_gpu_blocks=llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
         if st0 is not None:
-            st1 = rpc("kunserve_state")[0]
+            st1 = state()
+            from prometheus_client import REGISTRY
+
             res.update(blocks_before=st0["kv_blocks_total"], blocks_after=st1["kv_blocks_total"],
-                       phase_after=st1["phase"], events=[(e["event"], e["outcome"]) for e in st1["events"]],
+                       phase_after=st1["phase"], events=outcomes(st1), errors=st1["errors"],
+                       controller_errors=REGISTRY.get_sample_value(
+                           "kunserve:controller_errors_total", {"engine": "0", "where": "tick"}),
                        max_blocks_seen=max([e.get("blocks_after", 0) for e in st1["events"]] + [0]),
-                       layers_resident=all(not w["remapped_layers"] for w in st1["workers"]))
+                       layers_resident=all(not w["remapped_layers"] for w in st1["workers"]),
+                       problems=rpc("kunserve_check")[0]["problems"])
     print("PROBE_RESULT " + json.dumps(res), flush=True)

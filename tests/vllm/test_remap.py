@@ -28,6 +28,7 @@ def test_greedy_outputs_identical_with_remap_forced(burst_model):
         assert r["gauges"] == {"remapped_layers": r["alpha"] + r["slots"], "kv_blocks_total": r["blocks"],
                                "kv_blocks_base": base}
         assert r["num_gpu_blocks"] == r["blocks"] and r["usage_idle"] == 0.0
+        assert r["problems"] == []  # scheduler and worker agree; every tensor where its state says
 
 
 def test_burst_completes_without_preemption_while_stock_preempts(burst_model):
@@ -46,6 +47,7 @@ def test_burst_completes_without_preemption_while_stock_preempts(burst_model):
     assert remap["phase_after"] == "base" and remap["layers_resident"]
     assert remap["blocks_after"] == base == remap["num_gpu_blocks"]
     assert remap["events"][:2] == [["remap", "ok"], ["revert", "ok"]]
+    assert remap["problems"] == []
 
 
 @pytest.mark.parametrize("fault", ["map", "exhausted"])
@@ -55,3 +57,35 @@ def test_failure_while_growing_keeps_serving_at_old_capacity(burst_model, fault)
     assert res["events"][0] == ["remap", "failed"]
     assert res["blocks_before"] == res["num_gpu_blocks"]
     assert res["phase_after"] == "base" and res["layers_resident"]
+    assert res["problems"] == []
+
+
+def test_fault_at_every_step_of_remap_and_revert_rolls_back(burst_model):
+    """Each step of remap and revert fails once in turn, in a real engine: the transition rolls
+    back, greedy outputs stay token-identical, the invariants hold, and the engine can still remap
+    and revert afterwards."""
+    res = run_remap_probe(burst_model, "faults", REMAP)
+    steps = {(s["op"], s["step"]) for s in res["steps"]}
+    assert {("remap", k) for k in ("rpc", "pack", "release", "slot_create", "streamer_install", "copy_plan",
+                                   "map", "exhausted")} <= steps
+    assert {("revert", k) for k in ("kv_shrink", "streamer_uninstall", "slot_destroy", "reload", "rpc")} <= steps
+    for s in res["steps"]:
+        assert s["outcome"] == "failed", s
+        assert s["same"], f"greedy tokens changed after a failed {s['op']} at {s['step']}"
+        assert s["problems"] == [], s
+        if s["op"] == "remap":
+            assert s["phase"] == "base" and s["blocks"] == s["base"]
+        else:
+            assert s["remap"] == "ok" and s["phase"] == "remapped"
+            assert s["revert_after"] == "ok" and s["phase_after"] == "base"
+    assert res["final_remap"] == res["final_revert"] == "ok" and res["final_same"]
+    assert res["final_phase"] == "base" and res["final_problems"] == []
+
+
+def test_controller_error_mid_burst_keeps_serving(burst_model):
+    clean = run_remap_probe(burst_model, "burst", REMAP)
+    res = run_remap_probe(burst_model, "controller", REMAP)
+    assert res["completed"] == 16 and res["tokens"] == clean["tokens"]
+    assert ["controller_error", "failed"] in res["events"]
+    assert res["errors"] >= 1 and res["controller_errors"] >= 1
+    assert res["problems"] == []

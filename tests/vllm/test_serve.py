@@ -84,3 +84,57 @@ def test_serve_remap_burst_metrics_and_idle_revert(burst_model, tmp_path):
     assert metric(after, 'kunserve:memory_events_total{engine="0",kind="revert",outcome="ok"}') >= 1
     log = (tmp_path / "serve.log").read_text()
     assert "kunserve remap ok" in log and "kunserve revert ok" in log and "'reason': 'idle'" in log
+
+
+def test_control_port_under_vllm_serve(burst_model, tmp_path):
+    """State read and operations requested from outside the engine process; wrong token and bad
+    requests are refused with a clear error and change nothing."""
+    import urllib.error
+
+    import socket
+
+    from tests.vllm.conftest import BURST_KV_BYTES
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kc = {"kunserve": {"remap": {"enable": True, "revert_hold_s": 0, "h2d_bandwidth_gbps": 50.0},
+                       "control": {"port": port, "token": "s3cret"}}}
+    srv = VllmServer(str(burst_model), ["--served-model-name", "m", "--dtype", "float32", "--block-size", "32",
+                                        "--kv-cache-memory-bytes", str(BURST_KV_BYTES), "--max-model-len", "512",
+                                        "--enforce-eager"], kc, log_path=tmp_path / "serve.log")
+    ctl = f"http://127.0.0.1:{port}"
+
+    def call(path, body=None, token="s3cret"):
+        req = urllib.request.Request(ctl + path, body, {"Content-Type": "application/json"} |
+                                     ({"Authorization": f"Bearer {token}"} if token else {}),
+                                     method="POST" if body is not None else "GET")
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    with srv:
+        code, st = call("/state")
+        assert code == 200 and st["phase"] == "base" and st["capacity"]["blocks_total"] == st["capacity"]["blocks_base"]
+        assert len(st["layers"]) == 8 and {x["state"] for x in st["layers"]} == {"resident"}
+        base = st["capacity"]["blocks_total"]
+        refused = [call("/state", token=None), call("/state", token="nope"), call("/ops/remap", b"{not json"),
+                   call("/ops/remap", b"[1]"), call("/ops/explode", b"{}"), call("/ops/remap", b'{"alpha": 99}')]
+        assert [c for c, _ in refused] == [401, 403, 400, 400, 400, 400]
+        assert all(b["error"]["message"] for _, b in refused)
+        assert "token" in refused[0][1]["error"]["message"] and "explode" in refused[4][1]["error"]["message"]
+        code, st = call("/state")
+        assert st["phase"] == "base" and st["capacity"]["blocks_total"] == base  # unchanged
+        code, ev = call("/ops/remap", json.dumps({"alpha": 2, "slots": 1}).encode())
+        assert code == 200 and ev["outcome"] == "ok"
+        code, st = call("/state")
+        assert st["phase"] == "remapped" and st["capacity"]["blocks_total"] > base
+        assert sum(x["state"] == "streamed" for x in st["layers"]) == 3
+        assert _complete(srv.url, "the memory cache")["usage"]["completion_tokens"] == 5
+        code, ev = call("/ops/revert", b"")
+        assert code == 200 and ev["outcome"] == "ok"
+        code, st = call("/state")
+        assert st["phase"] == "base" and st["capacity"]["blocks_total"] == base
+        assert [e["event"] for e in st["events"]][-3:] == ["remap", "revert", "revert"]

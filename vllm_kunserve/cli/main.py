@@ -23,7 +23,7 @@ COMMANDS: dict[str, str] = {
     "bench": "replay a trace against an OpenAI-compatible endpoint",
     "compare": "run stock vLLM, kunserve and the oracle on the same trace, side by side",
     "simulate": "discrete-event cluster simulation of a trace under several policies",
-    "serve": "serve N vLLM instances behind one OpenAI endpoint",
+    "status": "print an engine's (or a kunserve front end's) state from its control port as a table",
 }
 
 

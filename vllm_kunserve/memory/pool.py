@@ -236,6 +236,27 @@ class MemoryPool:
         self._regions: dict[str, Region] = {}
         self.closed = False
 
+    def add_chunks(self, n: int) -> int:
+        """Create ``n`` more physical chunks (free). Lets a caller grow the pool step by step, e.g.
+        one layer at a time while the framework's own copy of that layer is freed, so the peak
+        never holds two copies of the weights. Returns the new chunk count."""
+        with self._lock:
+            self._open()
+            made = []
+            try:
+                for _ in range(int(n)):
+                    made.append(self.backend.create_chunk(len(self._handles) + len(made), self.chunk_bytes))
+            except Exception as exc:
+                for h in made:
+                    self.backend.release_chunk(h, self.chunk_bytes)
+                raise MemoryPoolError(f"could not add {n} chunks of {self.chunk_bytes} bytes: {exc}") from exc
+            first = len(self._handles)
+            self._handles.extend(made)
+            self._owner.extend([None] * len(made))
+            # pop() hands out low ids first: new (higher) ids go to the bottom of the stack
+            self._free[:0] = list(range(first + len(made) - 1, first - 1, -1))
+            return len(self._handles)
+
     # ---- accounting -------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:

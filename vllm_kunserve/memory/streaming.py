@@ -257,51 +257,64 @@ class WeightStreamer:
         self.slots = [make(slot_bytes) for _ in range(S)]
         self._copier = (_CudaCopier(self.device, self.profile) if self.device.type == "cuda"
                         else _ThreadCopier(self.profile) if _spare_core() else _InlineCopier(self.profile))
-        # Point each remapped layer's tensors at its slot (fresh objects; the originals are saved).
-        for L in self._layers.values():
-            base = self.slots[L.slot]
-            views: dict[int, torch.Tensor] = {}
-            for e in L.entries:
-                store = e.owner._parameters if e.kind == "param" else e.owner._buffers
-                L.saved.append((e.owner, e.attr, e.kind, store[e.attr]))
-                v = views.setdefault(e.offset, e.view(base))
-                store[e.attr] = nn.Parameter(v, requires_grad=False) if e.kind == "param" else v
-        # Initial fill: the first S remapped layers own the slots.
         self._slot_holder = [-1] * S
         self._plans: dict[int, Pairs] = {}
         self._ticket: dict[int, object] = {}
-        for i in self.remapped[:S]:
-            self._load_now(i)
         self._hooks = []
-        for L in self._layers.values():
-            self._hooks.append(L.module.register_forward_pre_hook(self._make_pre(L.index)))
-            self._hooks.append(L.module.register_forward_hook(self._make_post(L.index)))
+        try:
+            # Point each remapped layer's tensors at its slot (fresh objects; the originals saved).
+            for L in self._layers.values():
+                base = self.slots[L.slot]
+                views: dict[int, torch.Tensor] = {}
+                for e in L.entries:
+                    store = e.owner._parameters if e.kind == "param" else e.owner._buffers
+                    L.saved.append((e.owner, e.attr, e.kind, store[e.attr]))
+                    v = views.setdefault(e.offset, e.view(base))
+                    store[e.attr] = nn.Parameter(v, requires_grad=False) if e.kind == "param" else v
+            # Initial fill: the first S remapped layers own the slots.
+            for i in self.remapped[:S]:
+                self._load_now(i)
+            for L in self._layers.values():
+                self._hooks.append(L.module.register_forward_pre_hook(self._make_pre(L.index)))
+                self._hooks.append(L.module.register_forward_hook(self._make_post(L.index)))
+        except BaseException:
+            # all or nothing: no layer is left pointing at a slot, no hook stays installed
+            self._restore_saved(force=True)
+            raise
         self.installed = True
         return self
+
+    def _restore_saved(self, force: bool = False) -> None:
+        """Put every saved tensor back, remove the hooks and close the copier."""
+        for L in self._layers.values():
+            for owner, attr, kind, orig in reversed(L.saved):
+                if isinstance(orig, guard.ReleasedTensor) and guard.released_region_of(orig._kun_original) is None:
+                    orig = orig._kun_original  # its region was reloaded meanwhile
+                (owner._parameters if kind == "param" else owner._buffers)[attr] = orig
+            L.saved.clear()
+        for h in self._hooks:
+            h.remove()
+        try:
+            self._copier.close()
+            self.stats.copy_s = self._copier.copy_seconds()
+        except Exception:
+            if not force:
+                raise
+        self._hooks, self.slots, self._ticket, self._plans = [], [], {}, {}
 
     def uninstall(self) -> None:
         """Remove the hooks and restore the layers' own tensors (refuses if they are unmapped)."""
         if not self.installed:
             return
-        restore = []
         for L in self._layers.values():
             for owner, attr, kind, orig in L.saved:
-                if isinstance(orig, guard.ReleasedTensor) and guard.released_region_of(orig._kun_original) is None:
-                    orig = orig._kun_original  # its region was reloaded meanwhile
-                elif not isinstance(orig, guard.ReleasedTensor):
+                if not isinstance(orig, guard.ReleasedTensor):
                     key = guard.released_region_of(orig)
                     if key is not None:
                         raise LayerReleasedError(
                             f"cannot uninstall streaming: layer {L.index}'s {attr!r} lives in released "
                             f"region {key!r}; reload the layer first")
-                restore.append((owner, attr, kind, orig))
-        self._copier.close()
-        self.stats.copy_s = self._copier.copy_seconds()
-        for h in self._hooks:
-            h.remove()
-        for owner, attr, kind, orig in restore:
-            (owner._parameters if kind == "param" else owner._buffers)[attr] = orig
-        self._hooks, self.slots, self._ticket, self._plans = [], [], {}, {}
+        self._restore_saved()
         self.installed = False
 
     def __enter__(self) -> "WeightStreamer":
@@ -309,6 +322,13 @@ class WeightStreamer:
 
     def __exit__(self, *exc) -> None:
         self.uninstall()
+
+    def drain(self) -> None:
+        """Wait for every copy in flight (before slot or layer memory is touched)."""
+        if self.installed:
+            for ticket in list(self._ticket.values()):
+                self._copier.wait(ticket)
+            self._ticket.clear()
 
     def prefetch_copy_seconds(self) -> float:
         """Total time the side stream spent in prefetch copies (needs ``profile=True``)."""

@@ -1,16 +1,15 @@
 """vLLM touchpoints. Each is one small, version-gated :class:`VllmPatch` (see ``patches/``).
 
-``apply_all`` runs once per process when the plugin activates; ``on_engine_config`` runs for each
-engine configuration the plugin sees (EngineArgs in the main process, VllmConfig in the engine core
-and worker processes).
+The plugin's activation gate applies the touchpoints an engine's configuration needs
+(``apply_named``), once per process; each touchpoint then reads the configuration of the engine it
+is serving from the objects vLLM passes it, so engines without kunserve pass through unchanged.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
-from vllm_kunserve.integration.vllm.base import VllmPatch, vllm_version
+from vllm_kunserve.integration.vllm.base import PatchShapeError, VllmPatch, vllm_version
 from vllm_kunserve.integration.vllm.cpu_linear import CpuLinearPatch
 from vllm_kunserve.integration.vllm.engine_hooks import EngineCorePatch
 from vllm_kunserve.integration.vllm.kv_alloc import KVAllocationPatch
@@ -26,37 +25,36 @@ PATCH_CLASSES: list[type[VllmPatch]] = [
 _instances: dict[str, VllmPatch] = {}
 
 
-def apply_all(cfg: Any) -> list[str]:
-    """Apply every supported touchpoint once; unsupported vLLM versions are skipped with a warning."""
-    applied = []
+def apply_named(names: list[str]) -> list[str]:
+    """Apply the named touchpoints once each (in ``PATCH_CLASSES`` order). A touchpoint whose vLLM
+    version range does not include the running vLLM is skipped with a warning; one whose vLLM
+    symbol changed shape refuses with :class:`PatchShapeError`. Returns every applied name."""
     version = vllm_version()
     for cls in PATCH_CLASSES:
-        inst = _instances.get(cls.name)
-        if inst is None:
-            inst = cls()
-            if not inst.wanted(cfg):
-                continue
-            if not inst.supported(version):
-                logger.warning("kunserve: patch %s supports vllm%s, not %s: skipped",
-                               cls.name, cls.versions, version)
-                continue
-            inst.patch(cfg)
-            _instances[cls.name] = inst
-        applied.append(cls.name)
-    return applied
+        if cls.name not in names or cls.name in _instances:
+            continue
+        inst = cls()
+        if not inst.supported(version):
+            logger.warning("kunserve: patch %s supports vllm%s, not %s: skipped", cls.name, cls.versions, version)
+            continue
+        inst.patch()
+        _instances[cls.name] = inst
+    return applied()
 
 
-def on_engine_config(cfg: Any, holder: Any) -> None:
-    """Let each applied touchpoint adjust the engine configuration (EngineArgs or VllmConfig)."""
-    for inst in _instances.values():
-        inst.configure(cfg, holder)
+def applied() -> list[str]:
+    return [c.name for c in PATCH_CLASSES if c.name in _instances]
+
+
+def instances() -> list[VllmPatch]:
+    return [_instances[c.name] for c in PATCH_CLASSES if c.name in _instances]
 
 
 def revert_all() -> None:
     """Undo every patch in this process (tests)."""
-    for inst in reversed(list(_instances.values())):
+    for inst in reversed(instances()):
         inst.revert()
     _instances.clear()
 
 
-__all__ = ["PATCH_CLASSES", "apply_all", "on_engine_config", "revert_all", "VllmPatch"]
+__all__ = ["PATCH_CLASSES", "PatchShapeError", "VllmPatch", "applied", "apply_named", "instances", "revert_all"]

@@ -9,6 +9,7 @@ attribute is tagged and never wrapped twice. ``revert`` restores the originals (
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 from typing import Any, Callable, ClassVar
 
@@ -18,6 +19,10 @@ from packaging.version import Version
 logger = logging.getLogger("vllm.kunserve")
 
 _TAG = "__kunserve_patch__"
+
+
+class PatchShapeError(RuntimeError):
+    """A vLLM symbol kunserve replaces no longer has the shape the touchpoint was written for."""
 
 
 def vllm_version() -> str:
@@ -58,13 +63,29 @@ class VllmPatch:
             obj = getattr(obj, part)
         return obj
 
-    def replace(self, owner: Any, attr: str, make: Callable[[Any], Any]) -> bool:
-        """Replace ``owner.attr`` by ``make(original)`` unless already done. Returns True if replaced."""
+    def replace(self, owner: Any, attr: str, make: Callable[[Any], Any], params: tuple[str, ...] | None = None
+                ) -> bool:
+        """Replace ``owner.attr`` by ``make(original)`` unless already done. Returns True if replaced.
+
+        ``params``: the parameter names the original must start with (checked first: a vLLM release
+        that changed the symbol refuses to start with :class:`PatchShapeError` naming it)."""
         current = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
         if current is None:
-            current = getattr(owner, attr)
+            current = getattr(owner, attr, None)
+        where = f"{getattr(owner, '__module__', '')}.{getattr(owner, '__qualname__', getattr(owner, '__name__', owner))}.{attr}"
+        if current is None:
+            raise PatchShapeError(f"kunserve patch {self.name}: vLLM {vllm_version()} has no {where}")
         if getattr(current, _TAG, None) == self.name:
             return False
+        if params is not None:
+            try:
+                got = tuple(inspect.signature(current).parameters)
+            except (TypeError, ValueError):
+                got = ()
+            if got[:len(params)] != params:
+                raise PatchShapeError(
+                    f"kunserve patch {self.name}: {where} has parameters {got}, expected {params} "
+                    f"(verified on vllm{self.versions}); refusing to start")
         new = make(current)
         try:
             setattr(new, _TAG, self.name)
@@ -82,8 +103,8 @@ class VllmPatch:
         """Whether this touchpoint is needed for the configured features (see ``requires``)."""
         return any(getattr(cfg, section).enable for section in self.requires) if self.requires else True
 
-    def patch(self, cfg: Any) -> None:
-        """Process-wide changes (monkeypatches). Must be idempotent. Default: none."""
+    def patch(self) -> None:
+        """Process-wide changes (monkeypatches), inert for engines without kunserve. Idempotent."""
 
     def configure(self, cfg: Any, holder: Any) -> None:
         """Per-engine changes to ``holder`` (an ``EngineArgs`` or a ``VllmConfig``). Default: none."""

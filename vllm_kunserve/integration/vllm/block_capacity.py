@@ -74,7 +74,10 @@ class BlockCapacity:
             raise ValueError(f"grow({n}) exceeds the planned maximum {self.max_blocks} (visible {self.visible})")
         new = self.pool.blocks[self.visible:self.visible + n]
         for b in new:
-            assert b.ref_cnt == 1 and b.block_hash is None, f"block {b.block_id} was not hidden"
+            if b.ref_cnt != 1 or b.block_hash is not None:
+                raise RuntimeError(f"block {b.block_id} was not hidden (ref_cnt {b.ref_cnt}); capacity "
+                                   "bookkeeping is inconsistent")
+        for b in new:
             b.ref_cnt = 0
         self.pool.free_block_queue.append_n(new)
         self._set_visible(self.visible + n)
@@ -113,6 +116,15 @@ class BlockCapacity:
             if b.block_id in self.draining and b.ref_cnt == 0:
                 self._hide(b)
                 self.draining.discard(b.block_id)
+
+    def reap(self) -> int:
+        """Hide draining blocks that became free by any path (``free_blocks`` is hooked, but vLLM
+        also frees through ``unpin_blocks`` and may add others). Returns how many were hidden."""
+        if not self.draining:
+            return 0
+        freed = [self.pool.blocks[i] for i in self.draining if self.pool.blocks[i].ref_cnt == 0]
+        self.on_freed(freed)
+        return len(freed)
 
     # -- internals ----------------------------------------------------------------------------
     def _hide(self, b: Any) -> None:

@@ -19,13 +19,19 @@ of this runs (the slot weights are read by cuBLAS directly).
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
 from typing import Any
 
 import torch
 from torch import nn
 
+from vllm_kunserve.config import engine_config
 from vllm_kunserve.integration.vllm.base import VllmPatch
+from vllm_kunserve.memory.residency import SlotAdapter
+
+#: set while a runner of an engine that moves its weights (remap) loads its model
+_KEEP_WEIGHTS: contextvars.ContextVar[bool] = contextvars.ContextVar("kunserve_keep_weights", default=False)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -74,7 +80,7 @@ def _twin_linears(layer: nn.Module) -> list[tuple[str, nn.Module]]:
             if m.__dict__.get("_kunserve_onednn") and getattr(m, "weight", None) is not None]
 
 
-class PackedSlots:
+class PackedSlots(SlotAdapter):
     """CPU: oneDNN-packed host copies and slots for the linears of streamed layers.
 
     ``prepare(i)`` packs layer ``i``'s linear weights while they are resident (kept across remaps);
@@ -84,6 +90,7 @@ class PackedSlots:
     """
 
     def __init__(self, layers: list[nn.Module]) -> None:
+        super().__init__()
         self.layers = layers
         self.enabled = packed_kernel_available() and any(_twin_linears(layer) for layer in layers)
         self._host: dict[int, dict[str, torch.Tensor]] = {}
@@ -166,13 +173,24 @@ class CpuLinearPatch(VllmPatch):
     requires = ("remap",)
 
 
-    def patch(self, cfg: Any) -> None:
+    def patch(self) -> None:
         utils = self.resolve("vllm.model_executor.layers.utils")
+        runner = self.resolve("vllm.v1.worker.cpu_model_runner:CPUModelRunner")
+
+        def make_load(orig):
+            def load_model(self, *args, **kwargs):
+                kcfg = engine_config(self.vllm_config)
+                token = _KEEP_WEIGHTS.set(bool(kcfg is not None and kcfg.remap.enable))
+                try:
+                    return orig(self, *args, **kwargs)
+                finally:
+                    _KEEP_WEIGHTS.reset(token)
+            return load_model
 
         def make(orig):
             def dispatch_cpu_unquantized_gemm(layer, remove_weight):
                 w = getattr(layer, "weight", None)
-                if remove_weight and w is not None and not w.is_meta and w.ndim == 2:
+                if _KEEP_WEIGHTS.get() and remove_weight and w is not None and not w.is_meta and w.ndim == 2:
                     orig(layer, False)  # keep the weight; vLLM still builds its fast kernel
                     layer._kunserve_fast_linear = layer.cpu_linear
                     layer._kunserve_onednn = _uses_onednn_handle(layer.cpu_linear)
@@ -180,4 +198,5 @@ class CpuLinearPatch(VllmPatch):
                 return orig(layer, remove_weight)
             return dispatch_cpu_unquantized_gemm
 
-        self.replace(utils, "dispatch_cpu_unquantized_gemm", make)
+        self.replace(runner, "load_model", make_load, params=("self",))
+        self.replace(utils, "dispatch_cpu_unquantized_gemm", make, params=("layer", "remove_weight"))

@@ -1,58 +1,57 @@
 """Touchpoint: ``vllm.v1.engine.core.EngineCore`` (engine-core process).
 
-- ``_initialize_effective_attention_block_size``: called by ``EngineCore.__init__`` right after the
-  scheduler is built (and before the ready handshake reports ``num_gpu_blocks``); we attach the
-  :class:`RemapCoordinator`, which hides the KV blocks above the base. (``__init__`` itself cannot
-  be wrapped: vLLM loads plugins from inside it.)
-- ``step`` / ``step_with_batch_queue``: run the coordinator's control tick before scheduling and
-  time the step (the controller's compute estimate).
-- ``collective_rpc``: method names in ``ENGINE_METHODS`` (``kunserve_state``, ``kunserve_remap``,
-  ``kunserve_revert``, ...) are answered by the coordinator, since remap/revert must move the
-  scheduler and the workers together. Everything else goes to the workers as before.
+- ``_initialize_effective_attention_block_size``: ``EngineCore.__init__`` calls it right after the
+  scheduler is built (before the ready handshake reports ``num_gpu_blocks``). For an engine whose
+  own config enables remap we attach the :class:`~vllm_kunserve.engine.agent.EngineAgent` (with
+  the scheduler view that hides the KV blocks above the base) and start its control port.
+  (``__init__`` itself cannot be wrapped: vLLM loads plugins from inside it.)
+- ``step`` / ``step_with_batch_queue``: run under the agent (control operations between steps, the
+  control tick, step timing).
+- ``collective_rpc``: names in ``ENGINE_METHODS`` are answered by the agent (they move scheduler
+  and workers together); everything else goes to the workers as before.
+- ``shutdown``: stops the control port.
 
-Engines without a kunserve remap configuration pass straight through.
+Engines without an agent pass straight through every wrapper.
 """
 
 from __future__ import annotations
 
 import logging
-import time
+import threading
 from typing import Any
 
+from vllm_kunserve.config import KunServeConfigError, engine_config
 from vllm_kunserve.integration.vllm.base import VllmPatch
 
 logger = logging.getLogger("vllm.kunserve")
 
 
-def _coordinator(core: Any):
+def agent_of(core: Any):
     return core.__dict__.get("_kunserve")
 
 
 class EngineCorePatch(VllmPatch):
     name = "engine_core"
     versions = ">=0.32,<0.34"
-    summary = "attach the remap coordinator to the engine core, tick it every step, route kunserve RPCs"
+    summary = "attach the engine agent and its control port, run steps under it, route kunserve RPCs"
     requires = ("remap",)
-
 
     def configure(self, cfg: Any, holder: Any) -> None:
         """Streaming uses forward hooks and side copies, which need eager execution."""
         if not cfg.remap.enable:
             return
-        if type(holder).__name__ in ("EngineArgs", "AsyncEngineArgs"):
+        if hasattr(holder, "enforce_eager"):  # EngineArgs: still time to switch it on
             if not holder.enforce_eager:
                 logger.info("kunserve: remap streams layers with forward hooks; enabling enforce_eager")
                 holder.enforce_eager = True
             return
         model_config = getattr(holder, "model_config", None)
         if model_config is not None and not model_config.enforce_eager:
-            from vllm_kunserve.config import KunServeConfigError
-
             raise KunServeConfigError(
                 "kunserve.remap.enable=true: weight streaming needs eager execution; "
                 "start vLLM with --enforce-eager (or LLM(..., enforce_eager=True))")
 
-    def patch(self, cfg: Any) -> None:
+    def patch(self) -> None:
         EngineCore = self.resolve("vllm.v1.engine.core:EngineCore")
 
         def make_init_hook(orig):
@@ -64,43 +63,136 @@ class EngineCorePatch(VllmPatch):
 
         def make_step(orig):
             def step(core, *a, **kw):
-                coord = _coordinator(core)
-                if coord is None:
+                agent = agent_of(core)
+                if agent is None:
                     return orig(core, *a, **kw)
-                coord.tick()
-                t0 = time.perf_counter()
-                out = orig(core, *a, **kw)
-                if out[1]:  # the model ran
-                    coord.note_step((time.perf_counter() - t0) * 1e3)
-                if core.scheduler.get_num_unfinished_requests() == 0:
-                    coord.on_idle()
-                return out
+                return agent.run_step(lambda: orig(core, *a, **kw))
             return step
 
         def make_rpc(orig):
             def collective_rpc(core, method, timeout=None, args=(), kwargs=None):
-                from vllm_kunserve.integration.vllm.remap_coordinator import ENGINE_METHODS
+                from vllm_kunserve.engine.agent import ENGINE_METHODS
 
-                coord = _coordinator(core)
+                agent = agent_of(core)
                 if isinstance(method, str) and method in ENGINE_METHODS:
-                    if coord is None:
+                    if agent is None:
                         raise RuntimeError(f"{method}: kunserve remap is not enabled on this engine")
-                    return [coord.call(method, *(args or ()), **(kwargs or {}))]
-                return orig(core, method, timeout, args, kwargs)
+                    return [_engine_method(agent, method, args or (), kwargs or {})]
+                if agent is None:
+                    return orig(core, method, timeout, args, kwargs)
+                with agent.lock:  # never beside a transition's worker RPCs
+                    return orig(core, method, timeout, args, kwargs)
             return collective_rpc
 
-        self.replace(EngineCore, "_initialize_effective_attention_block_size", make_init_hook)
-        self.replace(EngineCore, "step", make_step)
-        self.replace(EngineCore, "step_with_batch_queue", make_step)
-        self.replace(EngineCore, "collective_rpc", make_rpc)
+        def make_shutdown(orig):
+            def shutdown(core, *a, **kw):
+                core._kunserve_stopped = True
+                srv = core.__dict__.pop("_kunserve_control", None)
+                if srv is not None:
+                    srv.stop()
+                return orig(core, *a, **kw)
+            return shutdown
+
+        self.replace(EngineCore, "_initialize_effective_attention_block_size", make_init_hook, params=("self",))
+        self.replace(EngineCore, "step", make_step, params=("self",))
+        self.replace(EngineCore, "step_with_batch_queue", make_step, params=("self",))
+        self.replace(EngineCore, "collective_rpc", make_rpc, params=("self", "method", "timeout", "args", "kwargs"))
+        self.replace(EngineCore, "shutdown", make_shutdown, params=("self",))
+
+
+def _engine_method(agent: Any, method: str, args: tuple, kwargs: dict) -> Any:
+    """``collective_rpc("kunserve_*")`` in process: the same operations as the control port."""
+    op = method[len("kunserve_"):]
+    if op == "state":
+        with agent.lock:
+            agent._publish()
+            st = dict(agent.control_state())
+            st["workers"] = agent._workers("kunserve_memory_state")
+            return st
+    if op == "remap":
+        params = dict(kwargs)
+        if args:
+            params.setdefault("alpha", args[0])
+        if len(args) > 1:
+            params.setdefault("slots", args[1])
+    elif op == "auto":
+        params = {"enable": bool(args[0] if args else kwargs.get("enable", True))}
+    elif op == "inject_fault":
+        params = {"step": args[0] if args else kwargs.get("step"), **{k: v for k, v in kwargs.items() if k != "step"}}
+    else:
+        params = dict(kwargs)
+    with agent.lock:
+        return agent.call(op, params)
 
 
 def _attach(core: Any) -> None:
-    from vllm_kunserve.integration.vllm.kv_plan import BASE_BLOCKS, engine_cfg
-    from vllm_kunserve.integration.vllm.remap_coordinator import RemapCoordinator
+    from vllm_kunserve.integration.vllm import metrics
+    from vllm_kunserve.integration.vllm.kv_plan import base_blocks
+    from vllm_kunserve.integration.vllm.scheduler_view import SchedulerView
 
-    cfg = engine_cfg(core.vllm_config)
-    base = BASE_BLOCKS.get(id(core.vllm_config))
+    vc = core.vllm_config
+    cfg = engine_config(vc)
+    base = base_blocks(getattr(core.scheduler, "kv_cache_config", None))
     if cfg is None or not cfg.remap.enable or base is None:
         return
-    core._kunserve = RemapCoordinator(core, cfg, base)
+    from vllm_kunserve.engine.agent import EngineAgent
+
+    label = str(getattr(vc.parallel_config, "data_parallel_rank", 0) or 0)
+    view = SchedulerView(core.scheduler, base, vc.cache_config, cfg.remap.growth_tokens)
+
+    def workers(method: str, *args, **kwargs) -> list:
+        return core.model_executor.collective_rpc(method, args=args, kwargs=kwargs)
+
+    agent = EngineAgent(cfg, view, workers, label=label, metrics=metrics.get(), wake=lambda: _wake(core),
+                        info={"model": str(vc.model_config.model)})
+    core._kunserve = agent
+    _start_control(core, agent, cfg)
+    _idle_ticker(core, agent, cfg)
+
+
+def _start_control(core: Any, agent: Any, cfg: Any) -> None:
+    if not cfg.control.enable:
+        return
+    from vllm_kunserve.engine.control import ControlServer
+
+    srv = ControlServer(agent, host=cfg.control.host, port=cfg.control.port, token=cfg.control.token or None)
+    url = srv.start()
+    core._kunserve_control = srv
+    agent.info["control_url"] = url
+    agent._publish()
+    logger.info("kunserve control port: %s (engine %s)", url, agent.label)
+
+
+def _wake(core: Any) -> None:
+    """Make an idle ``EngineCoreProc`` loop run once (it blocks on its input queue while idle)."""
+    queue_ = getattr(core, "input_queue", None)
+    if queue_ is None:
+        return
+    from vllm.v1.engine import EngineCoreRequestType
+
+    queue_.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+
+def _idle_ticker(core: Any, agent: Any, cfg: Any) -> None:
+    """While the engine is idle and layers are streamed, tick the agent now and then (an idle
+    ``EngineCoreProc`` never steps, so the revert hold time would never expire otherwise). The
+    tick runs on the engine thread through ``_idle_state_callbacks``."""
+    callbacks = getattr(core, "_idle_state_callbacks", None)
+    if callbacks is None or getattr(core, "input_queue", None) is None:
+        return
+    period = max(0.05, cfg.remap.revert_hold_s / 4)
+
+    def idle_tick(c: Any) -> None:
+        if c.scheduler.get_num_unfinished_requests() == 0:
+            with agent.lock:
+                agent.tick()
+                agent._publish()
+
+    def loop() -> None:
+        while not core.__dict__.get("_kunserve_stopped"):
+            threading.Event().wait(period)
+            if agent.phase != "base" and agent.auto and core.scheduler.get_num_unfinished_requests() == 0:
+                callbacks.append(idle_tick)
+                _wake(core)
+
+    threading.Thread(target=loop, name="kunserve-idle", daemon=True).start()

@@ -1,43 +1,30 @@
-"""Touchpoint: ``allocate_kv_cache`` as imported by the model runners.
+"""Touchpoint: ``allocate_kv_cache`` as the model runners call it.
 
-``GPUModelRunner.initialize_kv_cache_tensors`` (V1 runner; the CPU runner inherits it) and the V2
-runner's ``attn_utils.init_kv_cache`` call ``allocate_kv_cache`` by module-level name. When the
-engine core planned a growable KV cache (``kv_plan.py`` tags the config with
-``kunserve_base_blocks``), we allocate it in kunserve's memory pool instead: one region per layer,
-reserved for the planned maximum, mapped for the base (``WorkerMemory``). Otherwise the original
-runs unchanged.
+``GPUModelRunner.initialize_kv_cache_tensors`` (V1 runner; the CPU runner inherits it) calls
+``allocate_kv_cache`` by module-level name. We wrap ``initialize_kv_cache_tensors`` to note which
+runner is allocating (a context variable: explicit, per call) and ``allocate_kv_cache`` to build
+kunserve's memory for that runner when the engine core planned a growable KV cache for it
+(``kv_plan.py`` tags the config with ``kunserve_base_blocks``): weights move into the pool layer by
+layer and every layer's KV cache gets its own growable region (``worker_memory.py``). Otherwise the
+original runs unchanged.
+
+The GPU V2 runner (``vllm.v1.worker.gpu``) is not wrapped: its module needs Triton, so it could not
+be run here; an engine that plans a growable KV cache on it refuses with a clear message.
 """
 
 from __future__ import annotations
 
-import importlib
+import contextvars
 import logging
-import sys
 from typing import Any
 
+from vllm_kunserve.config import engine_config
 from vllm_kunserve.integration.vllm.base import VllmPatch
+from vllm_kunserve.integration.vllm.kv_plan import base_blocks
 
 logger = logging.getLogger("vllm.kunserve")
 
-TARGET_MODULES = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.attn_utils")
-
-#: WorkerMemory objects created in this process (one per worker)
-WORKER_MEMORY: list[Any] = []
-
-
-def _find_runner(max_frames: int = 8) -> Any:
-    """The model runner that is allocating (a caller frame's ``self`` with a ``model``)."""
-    import torch
-
-    frame = sys._getframe(2)
-    for _ in range(max_frames):
-        if frame is None:
-            break
-        obj = frame.f_locals.get("self")
-        if obj is not None and isinstance(getattr(obj, "model", None), torch.nn.Module):
-            return obj
-        frame = frame.f_back
-    raise RuntimeError("kunserve: could not find the model runner allocating the KV cache")
+_RUNNER: contextvars.ContextVar[Any] = contextvars.ContextVar("kunserve_kv_runner", default=None)
 
 
 class KVAllocationPatch(VllmPatch):
@@ -46,29 +33,35 @@ class KVAllocationPatch(VllmPatch):
     summary = "allocate a growable KV cache (per-layer pool regions) when the engine planned one"
     requires = ("remap",)
 
+    def patch(self) -> None:
+        mod = self.resolve("vllm.v1.worker.gpu_model_runner")
+        runner_cls = self.resolve("vllm.v1.worker.gpu_model_runner:GPUModelRunner")
 
-    def patch(self, cfg: Any) -> None:
-        for modname in TARGET_MODULES:
-            try:
-                mod = importlib.import_module(modname)
-            except Exception as e:  # e.g. the V2 runner needs Triton, absent on CPU
-                logger.debug("kunserve: %s not importable (%s); skipping", modname, e)
-                continue
-            if hasattr(mod, "allocate_kv_cache"):
-                self.replace(mod, "allocate_kv_cache", self._make)
+        def make_init(orig):
+            def initialize_kv_cache_tensors(runner, kv_cache_config, *args, **kwargs):
+                token = _RUNNER.set(runner)
+                try:
+                    return orig(runner, kv_cache_config, *args, **kwargs)
+                finally:
+                    _RUNNER.reset(token)
+            return initialize_kv_cache_tensors
 
-    @staticmethod
-    def _make(orig):
-        def allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes=None):
-            if getattr(kv_cache_config, "kunserve_base_blocks", None) is None:
-                return orig(kv_cache_config, device, layout, kernel_block_sizes)
-            from vllm_kunserve import plugin
-            from vllm_kunserve.integration.vllm.worker_memory import WorkerMemory
+        def make_alloc(orig):
+            def allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes=None):
+                if base_blocks(kv_cache_config) is None:
+                    return orig(kv_cache_config, device, layout, kernel_block_sizes)
+                runner = _RUNNER.get()
+                if runner is None:
+                    raise RuntimeError("kunserve: a growable KV cache was planned but the allocating model "
+                                       "runner is not one kunserve supports (V1 GPUModelRunner / CPUModelRunner)")
+                from vllm_kunserve.integration.vllm.worker_memory import build_worker_memory
 
-            runner = _find_runner()
-            wm = WorkerMemory(runner.model, kv_cache_config, device, layout, kernel_block_sizes,
-                              plugin.active_config())
-            runner._kunserve_memory = wm
-            WORKER_MEMORY.append(wm)
-            return dict(wm.kv_caches)
-        return allocate_kv_cache
+                res, views = build_worker_memory(runner.model, kv_cache_config, device, layout, kernel_block_sizes,
+                                                 engine_config(runner.vllm_config))
+                runner._kunserve_memory = res
+                return views
+            return allocate_kv_cache
+
+        self.replace(runner_cls, "initialize_kv_cache_tensors", make_init, params=("self", "kv_cache_config"))
+        self.replace(mod, "allocate_kv_cache", make_alloc,
+                     params=("kv_cache_config", "device", "layout", "kernel_block_sizes"))

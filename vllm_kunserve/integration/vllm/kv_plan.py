@@ -1,8 +1,11 @@
 """Touchpoint: ``get_kv_cache_configs`` as imported by ``vllm.v1.engine.core``.
 
-For a growable KV cache the engine is planned at ``memory.max_kv_ratio`` times the normal KV
-memory (the most the KV regions may reach), and the normal block count is remembered as the base:
-the worker maps only the base, the scheduler hides the rest (``block_capacity.py``).
+For an engine with a growable KV cache (``remap.enable`` in *its* configuration) the engine is
+planned at ``memory.max_kv_ratio`` times the normal KV memory (the most the KV regions may reach),
+and the normal block count is remembered on each returned ``KVCacheConfig`` as
+``kunserve_base_blocks`` (pickled with it to the workers; the scheduler holds the same object): the
+workers map only the base, the scheduler hides the rest (``block_capacity.py``). Other engines get
+vLLM's plan unchanged.
 """
 
 from __future__ import annotations
@@ -10,18 +13,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from vllm_kunserve.config import engine_config
 from vllm_kunserve.integration.vllm.base import VllmPatch
 
 logger = logging.getLogger("vllm.kunserve")
 
-#: id(vllm_config) -> base block count, for the engine core to pick up after planning
-BASE_BLOCKS: dict[int, int] = {}
 
-
-def engine_cfg(vllm_config: Any):
-    from vllm_kunserve.config import config_from_additional
-
-    return config_from_additional(getattr(vllm_config, "additional_config", None))
+def base_blocks(kv_cache_config: Any) -> int | None:
+    """The base block count of a growable KV plan (None: vLLM's own plan)."""
+    return getattr(kv_cache_config, "kunserve_base_blocks", None)
 
 
 class KVPlanPatch(VllmPatch):
@@ -30,14 +30,13 @@ class KVPlanPatch(VllmPatch):
     summary = "plan the KV cache at its maximum size and remember the base block count"
     requires = ("remap",)
 
-
-    def patch(self, cfg: Any) -> None:
+    def patch(self) -> None:
         core = self.resolve("vllm.v1.engine.core")
 
         def make(orig):
             def get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory):
                 configs = orig(vllm_config, kv_cache_specs, available_memory)
-                kcfg = engine_cfg(vllm_config)
+                kcfg = engine_config(vllm_config)
                 if kcfg is None or not kcfg.remap.enable or not configs:
                     return configs
                 base = min(c.num_blocks for c in configs)
@@ -52,10 +51,9 @@ class KVPlanPatch(VllmPatch):
                     cache.num_gpu_blocks_override = override
                 for c in big:
                     c.kunserve_base_blocks = base
-                BASE_BLOCKS[id(vllm_config)] = base
                 logger.info("kunserve: KV planned for up to %d blocks, base %d (max_kv_ratio %.2f)",
                             min(c.num_blocks for c in big), base, ratio)
                 return big
             return get_kv_cache_configs
 
-        self.replace(core, "get_kv_cache_configs", make)
+        self.replace(core, "get_kv_cache_configs", make, params=("vllm_config", "kv_cache_specs", "available_memory"))

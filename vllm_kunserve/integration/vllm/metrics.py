@@ -31,6 +31,8 @@ def get() -> dict[str, Any]:
                            ["engine", "kind", "outcome"]),
             event_seconds=Histogram("kunserve:memory_event_seconds", "Duration of remap/revert operations",
                                     ["engine", "kind"], buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5)),
+            controller_errors=Counter("kunserve:controller_errors", "Errors caught by the engine agent's "
+                                      "exception boundary (the engine kept serving)", ["engine", "where"]),
             event_bytes=Counter("kunserve:memory_event_bytes", "Weight bytes moved by remap/revert",
                                 ["engine", "kind"]),
         )

@@ -1,9 +1,14 @@
 """Touchpoint: ``parallel_config.worker_extension_cls``.
 
 vLLM mixes the named class into its worker class (``WorkerWrapperBase.init_worker``), which makes
-our methods reachable with ``LLM.collective_rpc("kunserve_...")`` / ``engine.collective_rpc``
-in every worker process. No vLLM function is replaced. If the user already set their own
-extension class we leave it and log that kunserve's worker methods are unavailable.
+our methods reachable with ``collective_rpc("kunserve_...")`` in every worker process. No vLLM
+function is replaced. If the user already set their own extension class we leave it and log that
+kunserve's worker methods are unavailable.
+
+The memory methods are the worker half of the engine agent's two-phase transitions:
+``kunserve_prepare`` runs a residency transition and keeps its undo log, ``kunserve_commit`` drops
+it, ``kunserve_abort`` undoes it (a no-op where nothing is prepared, e.g. on the worker that
+failed, which rolled itself back).
 """
 
 from __future__ import annotations
@@ -42,44 +47,68 @@ class KunServeWorkerExtension:
 
     def kunserve_info(self) -> dict:
         """State of this worker as seen by kunserve: process, model layers, KV cache."""
-        from vllm_kunserve import plugin
+        from vllm_kunserve.config import engine_config
+        from vllm_kunserve.integration.vllm import applied
+        from vllm_kunserve.integration.vllm.worker_memory import decoder_layers
 
         runner = getattr(self, "model_runner", None)
-        layers = _decoder_layers(getattr(runner, "model", None))
         kv = getattr(runner, "kv_caches", None) or []
         kv_bytes = sum(int(t.numel() * t.element_size()) for t in kv if hasattr(t, "numel"))
-        return {
-            "pid": os.getpid(),
-            "active": plugin.active_config() is not None,
-            "patches": plugin.applied_patches(),
-            "num_layers": len(layers),
-            "kv_cache_tensors": len(kv),
-            "kv_cache_bytes": kv_bytes,
-        }
+        return {"pid": os.getpid(), "active": engine_config(self.vllm_config) is not None,
+                "patches": applied(), "num_layers": len(decoder_layers(getattr(runner, "model", None))),
+                "kv_cache_tensors": len(kv), "kv_cache_bytes": kv_bytes}
 
-
-    # -- memory (remap) control: called by the engine core's RemapCoordinator ------------------
+    # -- memory: the worker half of the engine agent's transitions ------------------------------
     def _kunserve_memory(self):
-        wm = getattr(getattr(self, "model_runner", None), "_kunserve_memory", None)
-        if wm is None:
+        res = getattr(getattr(self, "model_runner", None), "_kunserve_memory", None)
+        if res is None:
             raise RuntimeError("kunserve memory is not set up on this worker (remap not enabled?)")
-        return wm
+        return res
+
+    def _kunserve_rank(self) -> int:
+        return int(getattr(self, "rank", 0) or 0)
 
     def kunserve_memory_state(self) -> dict:
-        return {"pid": os.getpid(), **self._kunserve_memory().state()}
+        res = self._kunserve_memory()
+        return {"pid": os.getpid(), "rank": self._kunserve_rank(), **res.state(), "kv_regions": len(res.kv),
+                "h2d_bytes_per_s": res.h2d_bytes_per_s, "copy_overlap": res.copy_overlap}
 
-    def kunserve_remap(self, layers: list, slots: int) -> int:
-        """Release ``layers`` to the KV cache and stream them; returns the mapped block count."""
-        return self._kunserve_memory().remap(list(layers), int(slots))
+    def kunserve_prepare(self, op: str, params: dict) -> int:
+        """Run a transition and keep it prepared; returns the mapped block count."""
+        res = self._kunserve_memory()
+        res.faults.check("rpc")
+        if op == "remap":
+            return res.remap(list(params["layers"]), int(params["slots"]), commit=False)
+        if op == "revert":
+            return res.revert(kv_blocks=int(params["kv_blocks"]), keep=list(params.get("keep", ())), commit=False)
+        raise ValueError(f"unknown kunserve transition {op!r}")
 
-    def kunserve_revert(self) -> int:
-        return self._kunserve_memory().revert()
+    def kunserve_commit(self) -> None:
+        self._kunserve_memory().commit()
 
-    def kunserve_inject_fault(self, kind: str) -> dict:
-        return self._kunserve_memory().inject_fault(kind)
+    def kunserve_abort(self) -> list:
+        return self._kunserve_memory().abort()
 
+    def kunserve_check(self) -> dict:
+        res = self._kunserve_memory()
+        return {"mapped_blocks": res.mapped_blocks, "remapped_layers": list(res.streamed),
+                "problems": res.check_invariants()}
 
-def _decoder_layers(model: Any) -> list:
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    return list(layers) if layers is not None else []
+    def kunserve_inject_fault(self, step: str, after: int = 0, rank: int | None = None) -> dict:
+        """Test hook: the next time ``step`` runs on this worker (or only on ``rank``) it fails.
+        Steps: ``rpc`` (the next prepare fails before doing anything), ``map`` (a chunk map while
+        growing KV), ``exhausted`` (growing KV), or a residency step name (``memory.residency.STEPS``)."""
+        from vllm_kunserve.memory.residency import STEPS
+
+        res = self._kunserve_memory()
+        if rank is not None and rank != self._kunserve_rank():
+            return {"rank": self._kunserve_rank(), "armed": None}
+        if step == "map":
+            res.pool.faults.fail_map(after=1 + after)
+        elif step == "exhausted":
+            res.faults.arm("kv_grow", after)
+        elif step in STEPS or step == "rpc":
+            res.faults.arm(step, after)
+        else:
+            raise ValueError(f"fault step must be one of map, exhausted, rpc, {', '.join(STEPS)}; got {step!r}")
+        return {"rank": self._kunserve_rank(), "armed": step}

@@ -1,0 +1,219 @@
+"""``kunserve status --url URL``: an engine's state, read from its control port, as a table.
+
+``--json`` prints the raw state. The token comes from ``--token`` or env ``KUNSERVE_CONTROL_TOKEN``.
+A control port that cannot be reached or answers with an error is one line on stderr and exit 1.
+Stdlib only (urllib): no vLLM, no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+TOKEN_ENV = "KUNSERVE_CONTROL_TOKEN"  # same as vllm_kunserve.engine.control.TOKEN_ENV (kept import-free)
+LAYER_LETTERS = {"resident": "R", "streamed": "S", "dropped": "D"}
+_EVENT_KEYS = ("time", "event", "outcome", "ms", "bytes")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="print an engine's (or a kunserve front end's) state from its control "
+                                      "port as a table")
+    p.add_argument("--url", required=True, help="control port base URL, e.g. http://127.0.0.1:PORT")
+    p.add_argument("--token", default=None, help=f"bearer token (default: env {TOKEN_ENV})")
+    p.add_argument("--json", action="store_true", help="print the raw state as JSON")
+    p.add_argument("--events", type=int, default=10, metavar="N", help="show the last N events (default 10)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer (default 10)")
+    p.set_defaults(func=run)
+
+
+class StatusError(Exception):
+    """The control port could not be read; the message is one line for stderr."""
+
+
+def fetch_state(url: str, token: str | None, timeout: float = 10.0) -> dict:
+    """GET ``url``/state; raises StatusError with a one-line reason."""
+    base = url.rstrip("/")
+    if "://" not in base:
+        base = "http://" + base
+    req = urllib.request.Request(base + "/state", headers={"Accept": "application/json"})
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            body = resp.read()
+    except urllib.error.HTTPError as e:
+        if e.code == 401:
+            raise StatusError(f"{base}: the control port needs a token and none was given "
+                              f"(--token or env {TOKEN_ENV})") from None
+        if e.code == 403:
+            raise StatusError(f"{base}: wrong token (--token or env {TOKEN_ENV})") from None
+        raise StatusError(f"{base}/state: HTTP {e.code}: {_error_message(e)}") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise StatusError(f"cannot reach the control port at {base}: {reason}") from None
+    try:
+        state = json.loads(body)
+    except ValueError:
+        raise StatusError(f"{base}/state did not answer JSON (is this a kunserve control port?)") from None
+    if not isinstance(state, dict):
+        raise StatusError(f"{base}/state answered {type(state).__name__}, not a JSON object")
+    return state
+
+
+def _error_message(e: urllib.error.HTTPError) -> str:
+    try:
+        return str(json.loads(e.read())["error"]["message"])
+    except Exception:
+        return str(e.reason)
+
+
+def run(args: argparse.Namespace) -> int:
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
+    try:
+        state = fetch_state(args.url, token, args.timeout)
+    except StatusError as e:
+        print(f"kunserve status: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(state, indent=2, sort_keys=True, default=str))
+    else:
+        print(render(state, events=args.events))
+    return 0
+
+
+# -- rendering ------------------------------------------------------------------------------------------
+def _v(d: Any, *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d
+
+
+def _s(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    if isinstance(v, float):
+        return f"{v:.1f}"
+    return str(v)
+
+
+def human_bytes(n: Any) -> str:
+    if not isinstance(n, (int, float)) or isinstance(n, bool):
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return "-"  # unreachable
+
+
+def _compact(v: Any, width: int) -> str:
+    text = json.dumps(v, separators=(",", ":"), default=str) if not isinstance(v, str) else v
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _pairs(d: Any, keys: tuple[str, ...]) -> str:
+    return "  ".join(f"{k} {_s(_v(d, k))}" for k in keys)
+
+
+def _operation(op: Any, now: float) -> str:
+    if not op:
+        return "none"
+    if not isinstance(op, dict):
+        return str(op)
+    text = str(op.get("op", "?"))
+    started = op.get("started")
+    if isinstance(started, (int, float)):
+        text += f" ({max(0.0, now - started):.1f} s)"
+    if op.get("params"):
+        text += " " + _compact(op["params"], 40)
+    return text
+
+
+def _layers(layers: Any) -> list[str]:
+    if not isinstance(layers, list) or not layers:
+        return ["layers     -"]
+    states = [str(x.get("state", "?")) if isinstance(x, dict) else str(x) for x in layers]
+    letters = [LAYER_LETTERS.get(s, s[:1].upper() or "?") for s in states]
+    rows = [" ".join(letters[i:i + 32]) for i in range(0, len(letters), 32)]
+    out = [f"layers     {rows[0]}"] + [f"           {r}" for r in rows[1:]]
+    counts: dict[str, int] = {}
+    for s in states:
+        counts[s] = counts.get(s, 0) + 1
+    legend = {**{v: k for k, v in LAYER_LETTERS.items()},
+              **{LAYER_LETTERS.get(s, s[:1].upper() or "?"): s for s in states}}
+    out.append(f"           {len(states)} layers: " + ", ".join(f"{n} {s}" for s, n in counts.items())
+               + "   (" + " ".join(f"{k}={v}" for k, v in legend.items()) + ")")
+    return out
+
+
+def _event_details(ev: dict) -> str:
+    parts = []
+    for key in ("inputs", "decision"):
+        if ev.get(key) is not None:
+            parts.append(f"{key} {_compact(ev[key], 50)}")
+    rest = {k: v for k, v in ev.items() if k not in _EVENT_KEYS + ("inputs", "decision", "error")}
+    if rest:
+        parts.append(_compact(rest, 50))
+    if ev.get("error"):
+        parts.append(f"error {_compact(ev['error'], 60)}")
+    return "; ".join(parts) or "-"
+
+
+def _events(events: Any, n: int) -> list[str]:
+    if not isinstance(events, list) or not events or n <= 0:
+        return ["events     none"]
+    shown = [e for e in events[-n:] if isinstance(e, dict)]
+    rows = [("time", "event", "outcome", "ms", "bytes", "inputs / decision")]
+    for ev in shown:
+        t = ev.get("time")
+        ms = ev.get("ms")
+        rows.append((time.strftime("%H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "-",
+                     _s(ev.get("event")), _s(ev.get("outcome")),
+                     f"{ms:.1f}" if isinstance(ms, (int, float)) else "-",
+                     human_bytes(ev.get("bytes")), _event_details(ev)))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    head = f"events (last {len(shown)} of {len(events)})"
+    return [head] + ["  " + "  ".join(c.rjust(w) if i in (3, 4) else c.ljust(w)
+                                      for i, (c, w) in enumerate(zip(r[:5], widths))) + "  " + r[5]
+                     for r in rows]
+
+
+def render_engine(state: dict, events: int = 10, now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    eng = state.get("engine") if isinstance(state.get("engine"), dict) else {}
+    cap, blocks = state.get("capacity"), state.get("blocks")
+    block = ""
+    if _v(cap, "block_size") is not None or _v(cap, "block_bytes") is not None:
+        block = f"   (block: {_s(_v(cap, 'block_size'))} tokens, {human_bytes(_v(cap, 'block_bytes'))})"
+    lines = [
+        f"engine {_s(eng.get('label'))}  pid {_s(eng.get('pid'))}  model {_s(eng.get('model'))}"
+        f"  vllm {_s(eng.get('vllm'))}",
+        f"phase {_s(state.get('phase'))}  operation {_operation(state.get('operation'), now)}"
+        f"  auto {_s(state.get('auto'))}  errors {_s(state.get('errors'))}",
+        "blocks     total {}  base {}  max {}{}".format(_s(_v(cap, "blocks_total")), _s(_v(cap, "blocks_base")),
+                                                        _s(_v(cap, "blocks_max")), block),
+        "           " + _pairs(blocks, ("used", "free", "queued", "demand", "draining")),
+        "requests   " + _pairs(state.get("requests"), ("waiting", "running")),
+    ]
+    return "\n".join(lines + _layers(state.get("layers")) + _events(state.get("events"), events))
+
+
+def render(state: dict, events: int = 10, now: float | None = None) -> str:
+    """The state as text: one engine, or (a front end's state) each of its ``engines``."""
+    engines = state.get("engines")
+    if isinstance(engines, list) and engines and all(isinstance(e, dict) for e in engines):
+        head = {k: v for k, v in state.items() if k != "engines" and not isinstance(v, (dict, list))}
+        parts = ["  ".join(f"{k} {_s(v)}" for k, v in head.items()) or f"{len(engines)} engines"]
+        parts += [render_engine(e, events, now) for e in engines]
+        return "\n\n".join(parts)
+    return render_engine(state, events, now)

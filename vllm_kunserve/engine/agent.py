@@ -1,0 +1,471 @@
+"""The engine agent: one per engine, in the engine-core process. It owns the engine's block
+capacity and the worker RPCs, and runs every memory transition (remap, further remap, revert) as
+one state machine:
+
+    base --remap--> remapped --revert(begin)--> draining --revert(finish)--> base
+                        ^  \\--further remap--/      |--partial revert--> remapped
+                        \\------ cancel (demand came back) ----/
+
+Transitions move the scheduler and every worker together: each worker *prepares* the change
+(``LayerResidency`` with ``commit=False``), and only when all did does the scheduler change and the
+workers commit; if any worker fails, all workers abort (undo), so tensor-parallel ranks never
+disagree on their layer sets. Remap grows the workers first and the scheduler last; revert
+retires blocks in the scheduler first (draining live ones) and shrinks the workers last, so a step
+never sees a block that is not mapped on every worker.
+
+Every control decision runs behind an exception boundary: an error in the policy or the
+bookkeeping is logged as an event, counted in ``kunserve:controller_errors_total`` and backed off;
+the engine keeps serving. Invariants (scheduler blocks == every worker's mapped blocks; every
+layer's tensors where its state says) are checked at startup and after each transition.
+
+The agent implements the control port's handler (``engine.control``): state reads and operation
+requests from outside the engine process. Operations from the port run between engine steps: the
+step and every operation hold ``self.lock``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+from vllm_kunserve.engine.control import ControlConflict, ControlRequestError
+from vllm_kunserve.memory.transaction import StepFaults
+from vllm_kunserve.policy.inputs import EngineLoad, remap_input
+from vllm_kunserve.policy.remap import ModelLayers, RemapState, decide_remap, spaced_layers
+
+logger = logging.getLogger("vllm.kunserve")
+
+#: methods the engine core answers itself when called through ``collective_rpc``
+ENGINE_METHODS = ("kunserve_state", "kunserve_remap", "kunserve_revert", "kunserve_inject_fault",
+                  "kunserve_auto", "kunserve_check")
+
+#: operations of the control port: name -> parameters
+OPERATIONS = {
+    "remap": "alpha (int >= 1, default 1), slots (1|2, default 1), or layers (list of layer indices)",
+    "revert": "no parameters: return every streamed layer (drains blocks above the base first)",
+    "auto": "enable (bool): let the agent remap and revert by itself",
+    "inject_fault": "step (str), after (int, default 0), rank (int, optional): test hook",
+    "check": "no parameters: check the invariants now",
+}
+
+#: faults the agent itself can be armed with (the rest go to the workers' residency)
+AGENT_FAULTS = ("policy", "bookkeeping")
+
+_FAILURE_BACKOFF_S = 5.0
+
+
+class AgentError(RuntimeError):
+    pass
+
+
+class EngineAgent:
+    """Memory transitions and control of one engine.
+
+    ``sched``: the scheduler view (capacity and demand); ``workers(method, *args, **kwargs)`` calls
+    a method on every worker and returns their answers; ``wake``: optional callable that makes an
+    idle engine loop run one more iteration (``EngineCoreProc``)."""
+
+    def __init__(self, cfg: Any, sched: Any, workers: Callable[..., list], label: str = "0",
+                 metrics: dict | None = None, wake: Callable[[], None] | None = None, info: dict | None = None):
+        self.cfg = cfg
+        self.sched = sched
+        self._workers = workers
+        self.label = label
+        self.m = metrics
+        self.wake = wake
+        self.info = dict(info or {})
+        self.lock = threading.RLock()
+        self._waiting_ops = 0
+        self._ops_done = threading.Condition()
+        states = workers("kunserve_memory_state")
+        self.num_layers = states[0]["num_layers"]
+        self.layer_bytes = max(max(s["layer_bytes"]) for s in states)
+        self.layer_bytes_each = states[0]["layer_bytes"]
+        self.chunk_bytes = states[0]["chunk_bytes"]
+        self.block_bytes = max(s["block_bytes"] for s in states)
+        self.num_kv = states[0].get("kv_regions", 1)
+        self.h2d_bytes_per_s = (cfg.remap.h2d_bandwidth_gbps * 1e9 if cfg.remap.h2d_bandwidth_gbps
+                                else min(s["h2d_bytes_per_s"] for s in states))
+        self.copy_overlap = all(s.get("copy_overlap", True) for s in states)
+        self.phase = "base"          # base | remapped | draining
+        self.remapped: tuple[int, ...] = ()
+        self.slots = 0
+        self._revert_target: tuple[int, ...] = ()
+        self._revert_reason = "idle"
+        self.auto = True
+        self.policy_state = RemapState()
+        self.step_ms: deque[float] = deque(maxlen=64)
+        self.backoff_until = 0.0
+        self.events: list[dict] = []
+        self.errors = 0
+        self.operation: dict | None = None
+        self.faults = StepFaults()
+        self._state: dict = {}
+        problems = self.invariant_problems()
+        if problems:
+            raise AgentError(f"kunserve: engine {label} starts inconsistent: {problems}")
+        self._publish()
+        logger.info("kunserve agent ready (engine %s): %d layers of %.1f MB, KV base %d blocks (max %d), "
+                    "host link %.1f GB/s, copies %s", label, self.num_layers, self.layer_bytes / 1e6,
+                    self.sched.state().base, self.sched.state().max_blocks, self.h2d_bytes_per_s / 1e9,
+                    "overlap compute" if self.copy_overlap else "inline")
+
+    # -- the engine loop's entry points ---------------------------------------------------------------
+    def run_step(self, step: Callable[[], Any]) -> Any:
+        """Run one engine step under the agent: waiting control operations go first, then the
+        control tick, then the step itself (timed)."""
+        with self._ops_done:
+            while self._waiting_ops:
+                self._ops_done.wait(0.5)
+        with self.lock:
+            self.tick()
+            t0 = time.perf_counter()
+            out = step()
+            if isinstance(out, tuple) and len(out) > 1 and out[1]:  # the model ran
+                self.step_ms.append((time.perf_counter() - t0) * 1e3)
+            if self.sched.unfinished() == 0:
+                self.tick()
+            self._publish()
+            return out
+
+    def tick(self) -> None:
+        """One control decision. Never raises: errors become events, metrics and a back-off."""
+        try:
+            self._tick()
+        except Exception as exc:
+            self._error("tick", exc)
+
+    def _error(self, where: str, exc: BaseException) -> None:
+        self.errors += 1
+        self.backoff_until = time.monotonic() + _FAILURE_BACKOFF_S
+        if self.m:
+            self.m["controller_errors"].labels(self.label, where).inc()
+        logger.exception("kunserve: controller error in %s (engine keeps serving; backing off %.0f s)",
+                         where, _FAILURE_BACKOFF_S)
+        self._event("controller_error", "failed", 0.0, 0, where=where, error=repr(exc))
+
+    # -- demand and decisions ---------------------------------------------------------------------------
+    def load(self) -> EngineLoad:
+        st = self.sched.state()
+        used, queued, growth = self.sched.demand()
+        return EngineLoad(used_blocks=used, queued_blocks=queued, growth_blocks=growth,
+                          capacity_blocks=st.visible - 1, base_blocks=st.base - 1, free_blocks=st.free,
+                          block_bytes=self.block_bytes)
+
+    def _tick(self) -> None:
+        if self.phase == "draining":
+            self._drain_tick()
+            return
+        if not self.auto or time.monotonic() < self.backoff_until:
+            return
+        self.faults.check("policy")
+        load = self.load()
+        sorted_ms = sorted(self.step_ms)
+        step_ms = sorted_ms[len(sorted_ms) // 2] if sorted_ms else 10.0
+        per_layer_ms = max(1e-3, step_ms / self.num_layers)
+        alpha_now = max(0, len(self.remapped) - self.slots)
+        model = ModelLayers("self", self.num_layers, self.layer_bytes, per_layer_ms, per_layer_ms,
+                            active=True, remapped_alpha=alpha_now, slots=self.slots)
+        inp = remap_input(load, model, h2d_bytes_per_s=self.h2d_bytes_per_s,
+                          high_watermark=self.cfg.remap.high_watermark, now_s=time.monotonic(),
+                          copy_overlap=self.copy_overlap)
+        plan, self.policy_state = decide_remap(inp, self.cfg.remap, self.policy_state)
+        decision = {"action": plan.action, **({"alpha": plan.models[0].alpha, "slots": plan.models[0].slots}
+                                              if plan.models else {})}
+        inputs = {"demand": load.demand_blocks, "capacity": load.capacity_blocks, "base": load.base_blocks,
+                  "used": load.used_blocks, "step_ms": round(step_ms, 3)}
+        if plan.action == "remap":
+            target = plan.models[0]
+            if self.phase == "base":
+                self.remap(list(target.layers), target.slots, reason="overload", inputs=inputs, decision=decision)
+            elif target.alpha > alpha_now:
+                self.remap(self._extend(target.alpha + self.slots), self.slots, reason="overload",
+                           inputs=inputs, decision=decision)
+        elif plan.action == "revert" and self.phase == "remapped":
+            target = plan.models[0]
+            keep = self._subset(target.alpha + target.slots) if target.alpha else ()
+            self.begin_revert(keep, reason="idle", inputs=inputs, decision=decision)
+
+    def _extend(self, m: int) -> list[int]:
+        """``m`` layers including the remapped ones, the rest spread over the largest gaps."""
+        chosen = set(self.remapped)
+        while len(chosen) < min(m, self.num_layers - 1):
+            free = [i for i in range(self.num_layers) if i not in chosen]
+
+            def dist(i: int) -> int:
+                return min(min(abs(i - c), self.num_layers - abs(i - c)) for c in chosen)
+            chosen.add(max(free, key=lambda i: (dist(i), -i)))
+        return sorted(chosen)
+
+    def _subset(self, m: int) -> tuple[int, ...]:
+        """``m`` of the remapped layers, evenly spread (what a partial revert keeps)."""
+        cur = list(self.remapped)
+        if m >= len(cur):
+            return tuple(cur)
+        return tuple(sorted({cur[(k * len(cur)) // m] for k in range(m)}))
+
+    # -- transitions ------------------------------------------------------------------------------------
+    def _two_phase(self, op: str, params: dict) -> list[int]:
+        """Prepare ``op`` on every worker; abort all if any fails. Returns their mapped blocks."""
+        try:
+            return self._workers("kunserve_prepare", op, params)
+        except Exception:
+            self._abort_workers()
+            raise
+
+    def _abort_workers(self) -> None:
+        try:
+            self._workers("kunserve_abort")
+        except Exception as exc:  # a worker could not undo: its memory state is unknown
+            self._error("abort", exc)
+            raise AgentError(f"workers could not roll back: {exc!r}") from exc
+
+    def remap(self, layers: list[int], slots: int, reason: str = "forced", inputs: dict | None = None,
+              decision: dict | None = None) -> dict:
+        if self.phase == "draining":
+            raise ControlConflict("a revert is draining; remap after it finishes (or it is cancelled)")
+        t0 = time.perf_counter()
+        st = self.sched.state()
+        before = st.visible
+        self.operation = {"op": "remap", "started": time.time(), "params": {"layers": layers, "slots": slots}}
+        try:
+            mapped = self._two_phase("remap", {"layers": list(layers), "slots": int(slots)})
+            try:
+                self.faults.check("bookkeeping")
+                new_visible = min(min(mapped), st.max_blocks)
+                self.sched.grow(new_visible - st.visible)
+            except Exception:
+                self._abort_workers()
+                raise
+            self._workers("kunserve_commit")
+        except Exception as exc:
+            self.backoff_until = time.monotonic() + _FAILURE_BACKOFF_S
+            return self._event("remap", "failed", time.perf_counter() - t0, 0, layers=list(layers), reason=reason,
+                               error=repr(exc), blocks=before, inputs=inputs, decision=decision)
+        finally:
+            self.operation = None
+        new = [i for i in layers if i not in self.remapped]
+        self.remapped, self.slots, self.phase = tuple(sorted(layers)), int(slots), "remapped"
+        self._after_transition()
+        return self._event("remap", "ok", time.perf_counter() - t0, len(new) * self.layer_bytes,
+                           layers=list(self.remapped), slots=self.slots, reason=reason, blocks_before=before,
+                           blocks_after=self.sched.state().visible, inputs=inputs, decision=decision)
+
+    def begin_revert(self, keep: tuple[int, ...] = (), reason: str = "forced", inputs: dict | None = None,
+                     decision: dict | None = None) -> dict:
+        if self.phase != "remapped":
+            return {"event": "revert", "outcome": "noop", "phase": self.phase}
+        st = self.sched.state()
+        back = [i for i in self.remapped if i not in keep]
+        if keep:
+            # blocks whose chunks the reloaded layers need, plus one chunk of rounding per KV region
+            need = sum(self.layer_bytes_each[i] for i in back) + self.num_kv * self.chunk_bytes
+            target = max(st.base, st.visible - -(-need // self.block_bytes))
+        else:
+            target = st.base
+        self.sched.begin_shrink(st.visible - target)
+        self.phase = "draining"
+        self._revert_target, self._revert_reason = tuple(keep), reason
+        self._event("revert", "draining", 0.0, 0, keep=list(keep), blocks_target=target,
+                    draining=self.sched.state().draining, reason=reason, inputs=inputs, decision=decision)
+        if self.sched.state().draining == 0:
+            return self._finish_revert()
+        return {"event": "revert", "outcome": "draining", "draining": self.sched.state().draining}
+
+    def _drain_tick(self) -> None:
+        if self.sched.state().draining == 0:
+            self._finish_revert()
+            return
+        load = self.load()
+        if load.demand_blocks > self.cfg.remap.high_watermark * load.base_blocks:
+            n = self._regrow()
+            self.phase = "remapped"
+            self._event("revert", "cancelled", 0.0, 0, blocks_returned=n, demand=load.demand_blocks)
+
+    def _regrow(self) -> int:
+        """Give the scheduler back every block the workers still map (a cancelled or failed
+        revert). Returns how many blocks came back."""
+        before = self.sched.state().visible
+        self.sched.cancel_shrink()
+        mapped = min(w["mapped_blocks"] for w in self._workers("kunserve_check"))
+        st = self.sched.state()
+        self.sched.grow(min(mapped, st.max_blocks) - st.visible)
+        return self.sched.state().visible - before
+
+    def _finish_revert(self) -> dict:
+        t0 = time.perf_counter()
+        st = self.sched.state()
+        keep = self._revert_target
+        back = [i for i in self.remapped if i not in keep]
+        self.operation = {"op": "revert", "started": time.time(), "params": {"keep": list(keep)}}
+        try:
+            self._two_phase("revert", {"kv_blocks": st.visible, "keep": list(keep)})
+            self._workers("kunserve_commit")
+        except Exception as exc:
+            # workers keep streaming (aborted); the scheduler gets the retired blocks back
+            self.phase = "remapped"
+            self._regrow()
+            self.backoff_until = time.monotonic() + _FAILURE_BACKOFF_S
+            self._publish()
+            return self._event("revert", "failed", time.perf_counter() - t0, 0, error=repr(exc))
+        finally:
+            self.operation = None
+        self.remapped = tuple(keep)
+        self.slots = self.slots if keep else 0
+        self.phase = "remapped" if keep else "base"
+        self._after_transition()
+        return self._event("revert", "ok", time.perf_counter() - t0, len(back) * self.layer_bytes,
+                           layers=back, kept=list(keep), reason=self._revert_reason,
+                           blocks_after=self.sched.state().visible)
+
+    # -- invariants -------------------------------------------------------------------------------------
+    def invariant_problems(self) -> list[str]:
+        """The scheduler never uses a block a worker has not mapped; after a grow it uses all of
+        them (up to the planned maximum); every worker streams the layers the agent expects and
+        its own residency checks pass."""
+        st = self.sched.state()
+        workers = self._workers("kunserve_check")
+        problems = []
+        for rank, w in enumerate(workers):
+            if w["mapped_blocks"] < st.visible:
+                problems.append(f"worker {rank} maps {w['mapped_blocks']} blocks, the scheduler uses {st.visible}")
+            if list(w["remapped_layers"]) != list(self.remapped):
+                problems.append(f"worker {rank} streams {w['remapped_layers']}, the agent expects {list(self.remapped)}")
+            problems += [f"worker {rank}: {p}" for p in w["problems"]]
+        low = min(min(w["mapped_blocks"] for w in workers), st.max_blocks)
+        if self.phase == "remapped" and st.draining == 0 and low != st.visible:
+            problems.append(f"the scheduler uses {st.visible} blocks, the workers map {low}")
+        return problems
+
+    def _after_transition(self) -> None:
+        problems = self.invariant_problems()
+        self._publish()
+        if problems:
+            self._error("invariants", AgentError("; ".join(problems)))
+
+    # -- events, metrics, published state ---------------------------------------------------------------
+    def _event(self, kind: str, outcome: str, seconds: float, nbytes: int, **extra) -> dict:
+        ev = {"event": kind, "outcome": outcome, "ms": round(seconds * 1e3, 3), "bytes": int(nbytes),
+              "time": time.time(), **{k: v for k, v in extra.items() if v is not None}}
+        self.events.append(ev)
+        del self.events[:-100]
+        if self.m:
+            self.m["events"].labels(self.label, kind, outcome).inc()
+            self.m["event_seconds"].labels(self.label, kind).observe(seconds)
+            if nbytes:
+                self.m["event_bytes"].labels(self.label, kind).inc(nbytes)
+        (logger.warning if outcome == "failed" else logger.info)("kunserve %s %s: %s", kind, outcome, ev)
+        self._publish()
+        return ev
+
+    def _publish(self) -> None:
+        st = self.sched.state()
+        used, queued, growth = self.sched.demand()
+        waiting, running = self.sched.requests()
+        layers = ["streamed" if i in self.remapped else "resident" for i in range(self.num_layers)]
+        self._state = {
+            "engine": {"label": self.label, "pid": os.getpid(), **self.info},
+            "phase": self.phase, "operation": self.operation, "auto": self.auto, "errors": self.errors,
+            "capacity": {"blocks_total": st.visible, "blocks_base": st.base, "blocks_max": st.max_blocks,
+                         "block_size": self.sched.block_size, "block_bytes": self.block_bytes},
+            "blocks": {"used": used, "free": st.free, "queued": queued, "demand": used + queued + growth,
+                       "draining": st.draining},
+            "requests": {"waiting": waiting, "running": running},
+            "layers": [{"index": i, "state": s, "bytes": self.layer_bytes_each[i]} for i, s in enumerate(layers)],
+            "remapped_layers": list(self.remapped), "slots": self.slots,
+            "h2d_bytes_per_s": self.h2d_bytes_per_s, "copy_overlap": self.copy_overlap,
+            "events": list(self.events[-20:]),
+        }
+        if self.m:
+            self.m["remapped_layers"].labels(self.label).set(len(self.remapped))
+            self.m["kv_blocks_total"].labels(self.label).set(st.visible)
+            self.m["kv_blocks_base"].labels(self.label).set(st.base)
+
+    # -- operations (collective_rpc and the control port) -----------------------------------------------
+    def call(self, op: str, params: dict) -> dict:
+        """Run a control operation now (the caller holds ``self.lock``)."""
+        if op == "remap":
+            layers = params.get("layers")
+            slots = _int(params, "slots", self.slots or 1, lo=1, hi=2)
+            if layers is None:
+                alpha = _int(params, "alpha", 1, lo=1, hi=self.num_layers - 2)
+                layers = (self._extend(alpha + self.slots) if self.remapped
+                          else list(spaced_layers(self.num_layers, alpha + slots)))
+            elif not isinstance(layers, list) or not all(isinstance(i, int) and 0 <= i < self.num_layers
+                                                         for i in layers) or not layers:
+                raise ControlRequestError(f"remap: layers must be a non-empty list of layer indices "
+                                          f"0..{self.num_layers - 1}, got {layers!r}")
+            if self.remapped and not set(self.remapped) <= set(layers):
+                raise ControlRequestError(f"remap: layers {sorted(layers)} must include the streamed {list(self.remapped)}")
+            if len(set(layers)) >= self.num_layers or slots > len(set(layers)):
+                raise ControlRequestError(f"remap: {len(set(layers))} layers with {slots} slot(s) is not possible "
+                                          f"on a {self.num_layers}-layer model")
+            return self.remap(sorted(set(layers)), self.slots or slots, reason="forced")
+        if op == "revert":
+            return self.begin_revert((), reason="forced")
+        if op == "auto":
+            if not isinstance(params.get("enable"), bool):
+                raise ControlRequestError(f"auto: 'enable' must be true or false, got {params.get('enable')!r}")
+            self.auto = params["enable"]
+            self._publish()
+            return {"auto": self.auto}
+        if op == "inject_fault":
+            return self.inject_fault(params)
+        if op == "check":
+            return {"problems": self.invariant_problems()}
+        raise ControlRequestError(f"unknown operation {op!r}; known: {', '.join(OPERATIONS)}")
+
+    def inject_fault(self, params: dict) -> dict:
+        step = params.get("step")
+        after = _int(params, "after", 0, lo=0, hi=1000)
+        if step in AGENT_FAULTS:
+            self.faults.arm(step, after)
+            return {"armed": step, "where": "agent"}
+        if not isinstance(step, str) or not step:
+            raise ControlRequestError(f"inject_fault: step must be a string, got {step!r}")
+        rank = params.get("rank")
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)):
+            raise ControlRequestError(f"inject_fault: rank must be an integer, got {rank!r}")
+        out = self._workers("kunserve_inject_fault", step, after, rank)
+        return {"armed": step, "where": "workers", "workers": out}
+
+    # -- ControlHandler (engine.control) ---------------------------------------------------------------
+    def control_state(self) -> dict:
+        return self._state
+
+    def control_operations(self) -> dict[str, str]:
+        return dict(OPERATIONS)
+
+    def control_submit(self, op: str, params: dict, timeout_s: float) -> dict:
+        if op not in OPERATIONS:
+            raise ControlRequestError(f"unknown operation {op!r}; known: {', '.join(OPERATIONS)}")
+        with self._ops_done:
+            self._waiting_ops += 1
+        try:
+            if self.wake is not None:
+                self.wake()
+            if not self.lock.acquire(timeout=timeout_s):
+                raise TimeoutError(f"{op}: the engine did not reach a step boundary within {timeout_s:.0f} s")
+            try:
+                if self.operation is not None:
+                    raise ControlConflict(f"{self.operation['op']} is in progress")
+                out = self.call(op, params)
+                self._publish()
+                return out
+            finally:
+                self.lock.release()
+        finally:
+            with self._ops_done:
+                self._waiting_ops -= 1
+                self._ops_done.notify_all()
+
+
+def _int(params: dict, key: str, default: int, lo: int, hi: int) -> int:
+    v = params.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ControlRequestError(f"'{key}' must be an integer in [{lo}, {hi}], got {v!r}")
+    return v

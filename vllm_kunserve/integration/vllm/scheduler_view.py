@@ -1,0 +1,64 @@
+"""The engine agent's view of vLLM's scheduler: growable block capacity and KV demand.
+
+Everything the agent needs from vLLM's scheduler goes through this one class, so the agent itself
+(``vllm_kunserve.engine.agent``) stays free of vLLM internals.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_kunserve.integration.vllm.block_capacity import BlockCapacity, CapacityState
+
+
+class SchedulerView:
+    def __init__(self, scheduler: Any, base_blocks: int, cache_config: Any, growth_tokens: int) -> None:
+        self.scheduler = scheduler
+        self.pool = scheduler.kv_cache_manager.block_pool
+        self.block_size = int(cache_config.block_size)
+        self.growth_tokens = int(growth_tokens)
+        self.cap = BlockCapacity(self.pool, base_blocks, cache_config)
+        orig_free = self.pool.free_blocks
+
+        def free_blocks(ordered_blocks):
+            blocks = list(ordered_blocks)
+            orig_free(blocks)
+            self.cap.on_freed(blocks)
+        self.pool.free_blocks = free_blocks  # instance attribute: this engine's pool only
+
+    # -- capacity -------------------------------------------------------------------------------
+    def state(self) -> CapacityState:
+        self.cap.reap()  # draining blocks freed by any path (free_blocks, unpin_blocks, ...)
+        return self.cap.state()
+
+    def grow(self, n: int) -> None:
+        self.cap.grow(n)
+
+    def begin_shrink(self, n: int) -> bool:
+        return self.cap.begin_shrink(n)
+
+    def cancel_shrink(self) -> int:
+        return self.cap.cancel_shrink()
+
+    # -- demand ---------------------------------------------------------------------------------
+    def demand(self) -> tuple[int, int, int]:
+        """(used, queued, growth) blocks: in use now; what queued requests need to start; what
+        running and queued requests need for their next ``growth_tokens`` outputs."""
+        sched, bs, horizon = self.scheduler, self.block_size, self.growth_tokens
+
+        def ahead(r) -> int:
+            max_tokens = getattr(r, "max_tokens", None) or horizon
+            left = max(0, max_tokens - getattr(r, "num_output_tokens", 0))
+            return r.num_tokens + min(left, horizon)
+
+        queued = sum(-(-r.num_tokens // bs) for r in sched.waiting)
+        growth = (sum(-(-ahead(r) // bs) - -(-r.num_tokens // bs) for r in sched.waiting)
+                  + sum(max(0, -(-ahead(r) // bs) - -(-r.num_tokens // bs)) for r in sched.running))
+        return self.state().used, queued, growth
+
+    def requests(self) -> tuple[int, int]:
+        """(waiting, running) request counts."""
+        return len(self.scheduler.waiting), len(self.scheduler.running)
+
+    def unfinished(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()

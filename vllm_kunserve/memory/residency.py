@@ -1,0 +1,442 @@
+"""Layer residency: where each decoder layer's weights live, and the transitions between states.
+
+Each layer is one of:
+
+* ``resident``: its weights are mapped in its own weight region of the pool;
+* ``streamed`` (Oneiros remap): its region's chunks went to the KV cache; it computes from a shared
+  slot, refilled from its host copy just before it runs (:class:`~.streaming.WeightStreamer`);
+* ``dropped`` (KunServe): its region's chunks went to the KV cache and it does not run on this
+  engine at all (a pipeline peer runs it); its tensors are guards that raise if touched.
+
+KV regions grow into the chunks weights give up and shrink before weights come back. Every
+transition is a :class:`~.transaction.Transaction`: each step records its undo and a failure at any
+step restores the state before the transition, so no layer is ever left computing from unmapped
+memory. Transitions can be kept *prepared* (``commit=False``) until :meth:`commit` or :meth:`abort`,
+which lets an engine move several workers together.
+
+Nothing here knows vLLM: the engine integration passes the layers, the pool regions and an optional
+:class:`SlotAdapter` (how a backend's kernels read a slot, e.g. oneDNN-packed weights on CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from . import guard
+from .pool import KVRegion, MemoryPool, WeightRegion
+from .streaming import WeightStreamer
+from .transaction import StepFaults, Transaction
+
+logger = logging.getLogger("vllm.kunserve")
+
+#: fault points, in the order transitions reach them (``StepFaults.arm(name)``)
+STEPS = ("pack", "streamer_uninstall", "release", "slot_create", "streamer_install", "copy_plan",
+         "kv_grow", "kv_shrink", "slot_destroy", "reload")
+
+
+class LayerState(str, Enum):
+    RESIDENT = "resident"
+    STREAMED = "streamed"
+    DROPPED = "dropped"
+
+
+class SlotAdapter:
+    """How streamed layers compute from a slot. The default (GPU) needs nothing: kernels read the
+    slot tensors the streamer points the parameters at."""
+
+    def kind(self) -> str:
+        return "slot_weights"
+
+    def prepare(self, i: int) -> int:
+        """Called while layer ``i`` is still resident, before it is first streamed."""
+        return 0
+
+    def copy_plan(self, entries: list[Any]) -> Callable | None:
+        return None
+
+    def point(self, i: int, slot: int | None) -> None:
+        """Layer ``i`` computes from ``slot`` (streamed) or from its own region (None)."""
+
+    def drop_slots(self) -> None:
+        """The slots are gone (everything resident again)."""
+
+
+@dataclass
+class KVPlace:
+    name: str
+    region: KVRegion
+    page_bytes: int  # bytes of one KV block of this layer
+
+
+class LayerResidency:
+    """The residency state machine of one engine's decoder layers over one memory pool."""
+
+    def __init__(self, pool: MemoryPool, layers: Sequence[nn.Module], weights: Sequence[WeightRegion],
+                 kv: Sequence[KVPlace], max_blocks: int, base_blocks: int,
+                 adapter: SlotAdapter | None = None, faults: StepFaults | None = None) -> None:
+        if len(layers) != len(weights):
+            raise ValueError(f"{len(layers)} layers but {len(weights)} weight regions")
+        self.pool = pool
+        self.layers = list(layers)
+        self.weights = list(weights)
+        self.kv = list(kv)
+        self.max_blocks = int(max_blocks)
+        self.base_blocks = int(base_blocks)
+        self.adapter = adapter or SlotAdapter()
+        self.faults = faults or StepFaults()
+        self.states = [LayerState.RESIDENT] * len(self.layers)
+        self.streamer: WeightStreamer | None = None
+        self.slot_regions: list[KVRegion] = []
+        self.pending: Transaction | None = None
+        self.events: list[dict] = []
+
+    # -- queries --------------------------------------------------------------------------------
+    def _in(self, state: LayerState) -> tuple[int, ...]:
+        return tuple(i for i, s in enumerate(self.states) if s is state)
+
+    @property
+    def streamed(self) -> tuple[int, ...]:
+        return self._in(LayerState.STREAMED)
+
+    @property
+    def dropped(self) -> tuple[int, ...]:
+        return self._in(LayerState.DROPPED)
+
+    @property
+    def mapped_blocks(self) -> int:
+        """Blocks mapped in every KV region (what the scheduler may use)."""
+        return min(min(k.region.mapped_bytes // k.page_bytes, self.max_blocks) for k in self.kv)
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(k.page_bytes for k in self.kv)
+
+    def layer_bytes(self) -> list[int]:
+        return [w.image_bytes for w in self.weights]
+
+    def state(self) -> dict:
+        st = self.pool.stats()
+        return {"layers": [s.value for s in self.states], "remapped_layers": list(self.streamed),
+                "dropped_layers": list(self.dropped), "slots": len(self.slot_regions),
+                "mapped_blocks": self.mapped_blocks, "base_blocks": self.base_blocks,
+                "max_blocks": self.max_blocks, "block_bytes": self.block_bytes,
+                "layer_bytes": self.layer_bytes(), "num_layers": len(self.layers),
+                "chunk_bytes": st.chunk_bytes, "free_chunks": st.free_chunks, "total_chunks": st.total_chunks,
+                "pending": self.pending.name if self.pending else None,
+                "stream": vars(self.streamer.stats) if self.streamer else None,
+                "streamed_linear": self.adapter.kind(), "faults_armed": self.faults.armed,
+                "events": self.events[-20:]}
+
+    def check_invariants(self) -> list[str]:
+        """Every chunk accounted for, every layer's tensors where its state says, KV >= base."""
+        problems = []
+        try:
+            self.pool.check()
+        except Exception as exc:
+            problems.append(f"pool: {exc}")
+        slots = [(r.va, r.va + r.mapped_bytes) for r in self.slot_regions]
+        for i, (st, w) in enumerate(zip(self.states, self.weights)):
+            if w.released != (st is not LayerState.RESIDENT):
+                problems.append(f"layer {i} is {st.value} but its region is {'released' if w.released else 'mapped'}")
+            for e in w.entries:
+                t = (e.owner._parameters if e.kind == "param" else e.owner._buffers).get(e.attr)
+                if t is None or t.numel() == 0:
+                    continue
+                guarded = isinstance(t, guard.ReleasedTensor)
+                ptr = t.data_ptr() if not guarded else -1
+                if st is LayerState.RESIDENT:
+                    ok = not guarded and w.va <= ptr < w.va + w.mapped_bytes
+                elif st is LayerState.STREAMED:
+                    ok = not guarded and any(lo <= ptr < hi for lo, hi in slots)
+                else:
+                    ok = guarded
+                if not ok:
+                    problems.append(f"layer {i} ({st.value}) {e.name}: "
+                                    f"{'guard' if guarded else hex(ptr)} is not where its state says")
+        want = self.streamed
+        have = tuple(self.streamer.remapped) if self.streamer is not None and self.streamer.installed else ()
+        if want != have:
+            problems.append(f"streamed layers {list(want)} but the streamer runs {list(have)}")
+        if self.mapped_blocks < self.base_blocks:
+            problems.append(f"KV maps {self.mapped_blocks} blocks, below the base {self.base_blocks}")
+        return problems
+
+    # -- two-phase use ----------------------------------------------------------------------------
+    def commit(self) -> None:
+        if self.pending is not None:
+            self.pending.commit()
+            self.pending = None
+
+    def abort(self) -> list[str]:
+        """Undo the prepared transition (no-op when none is pending). Returns the undone steps."""
+        tx, self.pending = self.pending, None
+        if tx is None:
+            return []
+        self._drain()
+        undone = tx.rollback()
+        self._event(f"{tx.name}_aborted", 0.0, 0, undone=undone)
+        return undone
+
+    # -- transitions ---------------------------------------------------------------------------------
+    def remap(self, layers: Sequence[int], num_slots: int, commit: bool = True) -> int:
+        """Stream ``layers`` through ``num_slots`` slots; their memory grows the KV cache.
+
+        From no streaming any resident layers work; with layers already streamed the new set must
+        contain them and keep the slot count (the KV cache above the old size is in use).
+        Returns the new mapped block count."""
+        T = self._check_layers(layers, "remap")
+        C = self.streamed
+        if not T or len(T) + len(self.dropped) >= len(self.layers):
+            raise ValueError("remap needs 1..L-1 layers and at least one resident layer left")
+        if any(self.states[i] is LayerState.DROPPED for i in T):
+            raise ValueError(f"remap layers {list(T)}: some are dropped on this engine")
+        if num_slots not in (1, 2) or num_slots > len(T):
+            raise ValueError(f"num_slots={num_slots}: must be 1 or 2 and at most the remapped layers")
+        slot_bytes = max(self.weights[i].image_bytes for i in T)
+        if C and (not set(C) <= set(T) or num_slots != len(self.slot_regions)):
+            raise ValueError(f"layers {list(C)} are streamed with {len(self.slot_regions)} slot(s); a further "
+                             f"remap must keep them and the slot count (got {list(T)}, {num_slots})")
+        if C and slot_bytes > self.slot_regions[0].mapped_bytes:
+            raise ValueError("a newly remapped layer is larger than the existing slots")
+        new = [i for i in T if i not in C]
+        if not new:
+            return self.mapped_blocks
+
+        def body(tx: Transaction) -> None:
+            for i in new:
+                tx.step("pack", lambda i=i: self.adapter.prepare(i))
+            if C:
+                self._t_uninstall(tx, C)
+            for i in new:
+                self._t_release(tx, i, LayerState.STREAMED)
+            if not C:
+                self._t_slots_create(tx, num_slots, slot_bytes)
+            self._t_install(tx, T)
+            self._t_kv(tx, "kv_grow", None)
+        return self._run("remap", body, commit, layers=list(T), new_layers=new, slots=num_slots,
+                         nbytes=sum(self.weights[i].max_bytes for i in new))
+
+    def revert(self, kv_blocks: int | None = None, keep: Sequence[int] = (), commit: bool = True) -> int:
+        """Stop streaming every layer not in ``keep`` (which must be streamed now): KV shrinks to
+        ``kv_blocks`` (default the base) first, then those layers are reloaded from their host
+        copies. The blocks above ``kv_blocks`` must be unused. Returns the mapped block count."""
+        C = self.streamed
+        K = set(self._check_layers(keep, "revert keep")) if keep else set()
+        if not K <= set(C):
+            raise ValueError(f"revert keep={sorted(K)}: not all of them are streamed ({list(C)})")
+        if not C or K == set(C):
+            return self.mapped_blocks
+        T = tuple(sorted(K))
+        back = [i for i in C if i not in K]
+        blocks = self.base_blocks if kv_blocks is None else int(kv_blocks)
+
+        def body(tx: Transaction) -> None:
+            self._t_kv(tx, "kv_shrink", blocks)
+            self._t_uninstall(tx, C)
+            if not T:
+                self._t_slots_destroy(tx)
+            for i in back:
+                self._t_reload(tx, i)
+            if T:
+                self._t_install(tx, T)
+        out = self._run("revert", body, commit, layers=back, kept=list(T),
+                        nbytes=sum(self.weights[i].max_bytes for i in back))
+        if not T and self.pending is None:
+            self.adapter.drop_slots()
+        return out
+
+    def drop(self, layers: Sequence[int], commit: bool = True) -> int:
+        """Give resident ``layers``' memory to the KV cache; they no longer run on this engine."""
+        D = self._check_layers(layers, "drop")
+        if any(self.states[i] is not LayerState.RESIDENT for i in D):
+            raise ValueError(f"drop {list(D)}: only resident layers can be dropped (states "
+                             f"{[self.states[i].value for i in D]})")
+        if len(D) + len(self.dropped) + len(self.streamed) >= len(self.layers):
+            raise ValueError("drop would leave no resident layer on this engine")
+
+        def body(tx: Transaction) -> None:
+            for i in D:
+                self._t_release(tx, i, LayerState.DROPPED)
+            self._t_kv(tx, "kv_grow", None)
+        return self._run("drop", body, commit, layers=list(D), nbytes=sum(self.weights[i].max_bytes for i in D))
+
+    def restore(self, layers: Sequence[int], kv_blocks: int | None = None,
+                images: dict[int, torch.Tensor] | None = None, commit: bool = True) -> int:
+        """Bring dropped ``layers`` back: KV shrinks to ``kv_blocks`` (default the base) first, then
+        each layer is reloaded from ``images[i]`` (bytes received from a peer) or its host copy."""
+        R = self._check_layers(layers, "restore")
+        if any(self.states[i] is not LayerState.DROPPED for i in R):
+            raise ValueError(f"restore {list(R)}: only dropped layers can be restored")
+        blocks = self.base_blocks if kv_blocks is None else int(kv_blocks)
+        images = images or {}
+
+        def body(tx: Transaction) -> None:
+            self._t_kv(tx, "kv_shrink", blocks)
+            for i in R:
+                self._t_reload(tx, i, images.get(i))
+        return self._run("restore", body, commit, layers=list(R), nbytes=sum(self.weights[i].max_bytes for i in R),
+                         source="peer" if images else "host")
+
+    # -- machinery -------------------------------------------------------------------------------------
+    def _check_layers(self, layers: Sequence[int], what: str) -> tuple[int, ...]:
+        out = tuple(sorted(set(int(i) for i in layers)))
+        if out and (out[0] < 0 or out[-1] >= len(self.layers)):
+            raise ValueError(f"{what} layers {list(out)} outside 0..{len(self.layers) - 1}")
+        return out
+
+    def _run(self, name: str, body: Callable[[Transaction], None], commit: bool, nbytes: int = 0,
+             **info) -> int:
+        if self.pending is not None:
+            raise RuntimeError(f"{name}: a prepared {self.pending.name} is not committed or aborted yet")
+        t0 = time.perf_counter()
+        before = self.mapped_blocks
+        tx = Transaction(name, self.faults)
+        try:
+            body(tx)
+        except Exception as exc:
+            self._drain()
+            undone = tx.rollback()  # raises RollbackError if an undo fails
+            self._event(f"{name}_failed", time.perf_counter() - t0, 0, error=repr(exc), at=len(tx.steps),
+                        undone=undone, **info)
+            raise
+        if commit:
+            tx.commit()
+        else:
+            self.pending = tx
+        self._event(name, time.perf_counter() - t0, nbytes, blocks_before=before,
+                    blocks_after=self.mapped_blocks, **info)
+        return self.mapped_blocks
+
+    def _event(self, kind: str, seconds: float, nbytes: int, **extra) -> None:
+        ev = {"event": kind, "ms": round(seconds * 1e3, 3), "bytes": int(nbytes), "time": time.time(), **extra}
+        self.events.append(ev)
+        del self.events[:-100]
+        logger.info("kunserve worker %s: %s", kind, ev)
+
+    def _drain(self) -> None:
+        if self.streamer is not None:
+            self.streamer.drain()
+        self.pool.backend.synchronize()
+
+    def _set_state(self, i: int, st: LayerState) -> Callable[[], None]:
+        old = self.states[i]
+        self.states[i] = st
+
+        def undo() -> None:
+            self.states[i] = old
+        return undo
+
+    def _t_release(self, tx: Transaction, i: int, to: LayerState) -> None:
+        w = self.weights[i]
+
+        def undo() -> None:
+            self.pool.reload_layer(w)
+            self.states[i] = LayerState.RESIDENT
+        tx.step("release", lambda: (self.pool.release_layer(w), self._set_state(i, to)), undo)
+
+    def _t_reload(self, tx: Transaction, i: int, image: torch.Tensor | None = None) -> None:
+        w, old = self.weights[i], self.states[i]
+
+        def undo() -> None:
+            self.pool.release_layer(w)
+            self.states[i] = old
+        tx.step("reload", lambda: (self.pool.reload_layer(w, image), self._set_state(i, LayerState.RESIDENT)), undo)
+
+    def _streamer_for(self, layers: Sequence[int]) -> WeightStreamer:
+        slots = iter(self.slot_regions)
+        plan = self.adapter.copy_plan([w.entries for w in self.weights])
+        faults = self.faults
+
+        def copy_plan(i, slot, slot_tensor, host):
+            faults.check("copy_plan")
+            return plan(i, slot, slot_tensor, host) if plan else [(slot_tensor[:host.numel()], host)]
+        return WeightStreamer(self.layers, layers, num_slots=len(self.slot_regions), device=self.pool.device,
+                              sources={i: self.weights[i] for i in layers}, copy_plan=copy_plan,
+                              slot_factory=lambda nb: next(slots).view(torch.uint8)[:nb])
+
+    def _install(self, layers: Sequence[int]) -> None:
+        """Stream ``layers`` (their kernels then read the slots)."""
+        st = self._streamer_for(layers)
+        st.install()  # all or nothing (streaming.py restores the layers if it fails)
+        self.streamer = st
+        try:
+            self._point(layers)
+        except BaseException:
+            self._uninstall()
+            raise
+
+    def _uninstall(self) -> None:
+        """Stop streaming: every layer's kernels read its own region again."""
+        if self.streamer is not None:
+            self.streamer.drain()
+            self._point(())
+            self.streamer.uninstall()
+            self.streamer = None
+
+    def _t_install(self, tx: Transaction, layers: Sequence[int]) -> None:
+        tx.step("streamer_install", lambda: self._install(layers), self._uninstall)
+
+    def _t_uninstall(self, tx: Transaction, layers: Sequence[int]) -> None:
+        tx.step("streamer_uninstall", self._uninstall, lambda: self._install(layers))
+
+    def _slots_create(self, n: int, nbytes: int) -> None:
+        for s in range(n):
+            self.slot_regions.append(self.pool.create_kv_region(f"slot{s}", nbytes, nbytes))
+
+    def _slots_destroy(self) -> None:
+        while self.slot_regions:
+            self.pool.destroy_region(self.slot_regions.pop())
+
+    def _t_slots_create(self, tx: Transaction, n: int, nbytes: int) -> None:
+        tx.step("slot_create", lambda: self._slots_create(n, nbytes), self._slots_destroy)
+
+    def _t_slots_destroy(self, tx: Transaction) -> None:
+        n, nbytes = len(self.slot_regions), self.slot_regions[0].mapped_bytes
+        tx.step("slot_destroy", self._slots_destroy, lambda: self._slots_create(n, nbytes))
+
+    def _point(self, layers: Sequence[int]) -> None:
+        on = set(layers)
+        for i in range(len(self.layers)):
+            if self.states[i] is not LayerState.DROPPED:
+                self.adapter.point(i, self.streamer.slot_of(i) if i in on else None)
+
+    def _resize(self, targets: dict[KVRegion, int]) -> None:
+        if targets:
+            self.pool.resize_kv(targets)
+
+    def _t_kv(self, tx: Transaction, step: str, blocks: int | None) -> None:
+        """``kv_grow`` (blocks None: map every free chunk, evenly) or ``kv_shrink`` to ``blocks``."""
+        prev = {k.region: k.region.mapped_bytes for k in self.kv}
+        before = self.mapped_blocks
+        if blocks is None:
+            per = self.pool.num_free_chunks // len(self.kv)
+            targets = {k.region: min(k.region.mapped_bytes + per * self.pool.chunk_bytes, k.region.max_bytes)
+                       for k in self.kv} if per > 0 else {}
+        else:
+            if blocks < self.base_blocks and step == "kv_shrink":
+                raise ValueError(f"KV cannot shrink below the base ({blocks} < {self.base_blocks})")
+            targets = {k.region: blocks * k.page_bytes for k in self.kv
+                       if k.region.mapped_bytes > blocks * k.page_bytes}
+
+        def do() -> None:
+            self._drain()
+            self._resize(targets)
+            self._zero(before)
+        tx.step(step, do, lambda: self._resize(prev))
+
+    def _zero(self, lo_block: int = 0) -> None:
+        """Zero newly mapped KV blocks (fresh chunks may hold old data)."""
+        for k in self.kv:
+            n = min(k.region.mapped_bytes // k.page_bytes, self.max_blocks)
+            if n > lo_block:
+                k.region.view(torch.uint8)[lo_block * k.page_bytes:n * k.page_bytes].zero_()
+
+
+__all__ = ["KVPlace", "LayerResidency", "LayerState", "STEPS", "SlotAdapter"]
