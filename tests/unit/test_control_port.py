@@ -332,5 +332,16 @@ def test_status_http_error_names_the_reason(engine, server, capsys):
 def test_serve_is_not_listed_until_built(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
-    out = capsys.readouterr().out
-    assert "status" in out and "serve " not in out
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("    ")]
+    assert "status" in listed and "serve" not in listed
+
+
+def test_render_long_models_and_front_end_states():
+    from vllm_kunserve.cli.status import render
+
+    layers = [{"index": i, "state": "streamed" if i % 10 == 0 else "resident"} for i in range(40)]
+    lines = render({"layers": layers}).splitlines()
+    assert lines[5].startswith("layers   0 S R") and lines[6].startswith("        32 R R")
+    assert "40 layers: 36 resident, 4 streamed" in lines[7]
+    out = render({"instances": 2, "engines": [{"engine": {"label": "a"}}, {"engine": {"label": "b"}}]})
+    assert out.startswith("instances 2") and "engine a" in out and "engine b" in out

@@ -144,9 +144,12 @@ def _layers(layers: Any) -> list[str]:
         return ["layers     -"]
     states = [str(x.get("state", "?")) if isinstance(x, dict) else str(x) for x in layers]
     letters = [LAYER_LETTERS.get(s, s[:1].upper() or "?") for s in states]
-    rows = [" ".join(letters[i:i + 32]) for i in range(0, len(letters), 32)]
-    out = [f"layers     {rows[0]}"] + [f"           {r}" for r in rows[1:]]
-    counts: dict[str, int] = {}
+    rows = [(i, " ".join(letters[i:i + 32])) for i in range(0, len(letters), 32)]
+    if len(rows) == 1:
+        out = [f"layers     {rows[0][1]}"]
+    else:  # long models: each row starts with its first layer's index
+        out = [f"{'layers' if i == 0 else '':<7}{i:>3} {r}" for i, r in rows]
+    counts: dict[str, int] = {s: 0 for s in LAYER_LETTERS if s in states}  # known states first
     for s in states:
         counts[s] = counts.get(s, 0) + 1
     legend = {**{v: k for k, v in LAYER_LETTERS.items()},

@@ -19,8 +19,8 @@ that conflicts with one in progress -> 409; one that did not reach a step bounda
 any other failure -> 500. Errors are ``{"error": {"message", "type", "code"}}``. See docs/control.md.
 """
 
-from __future__ import annotations
-
+# no ``from __future__ import annotations``: FastAPI must see the real ``Request`` annotations
+# of the endpoints, whose types are imported lazily inside build_app.
 import asyncio
 import hmac
 import ipaddress
@@ -209,7 +209,7 @@ class _QuietControlThreads(logging.Filter):
     so a process that also runs ``vllm serve`` keeps its own uvicorn logging untouched."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or not record.threadName.startswith(_THREAD)
+        return record.levelno >= logging.WARNING or not (record.threadName or "").startswith(_THREAD)
 
 
 _quiet_installed = False
