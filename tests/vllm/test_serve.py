@@ -127,6 +127,7 @@ def test_control_port_under_vllm_serve(burst_model, tmp_path):
         assert "token" in refused[0][1]["error"]["message"] and "explode" in refused[4][1]["error"]["message"]
         code, st = call("/state")
         assert st["phase"] == "base" and st["capacity"]["blocks_total"] == base  # unchanged
+        assert call("/ops/auto", b'{"enable": false}') == (200, {"auto": False})  # no idle revert in between
         code, ev = call("/ops/remap", json.dumps({"alpha": 2, "slots": 1}).encode())
         assert code == 200 and ev["outcome"] == "ok"
         code, st = call("/state")

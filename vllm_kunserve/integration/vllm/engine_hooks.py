@@ -177,9 +177,6 @@ def _idle_ticker(core: Any, agent: Any, cfg: Any) -> None:
     """While the engine is idle and layers are streamed, tick the agent now and then (an idle
     ``EngineCoreProc`` never steps, so the revert hold time would never expire otherwise). The
     tick runs on the engine thread through ``_idle_state_callbacks``."""
-    callbacks = getattr(core, "_idle_state_callbacks", None)
-    if callbacks is None or getattr(core, "input_queue", None) is None:
-        return
     period = max(0.05, cfg.remap.revert_hold_s / 4)
 
     def idle_tick(c: Any) -> None:
@@ -191,6 +188,11 @@ def _idle_ticker(core: Any, agent: Any, cfg: Any) -> None:
     def loop() -> None:
         while not core.__dict__.get("_kunserve_stopped"):
             threading.Event().wait(period)
+            # EngineCore.__init__ creates these after the agent is attached; in-process engines
+            # (no input queue) have no idle loop to wake
+            callbacks = getattr(core, "_idle_state_callbacks", None)
+            if callbacks is None or getattr(core, "input_queue", None) is None:
+                continue
             if agent.phase != "base" and agent.auto and core.scheduler.get_num_unfinished_requests() == 0:
                 callbacks.append(idle_tick)
                 _wake(core)
