@@ -30,6 +30,7 @@ from vllm_kunserve.policy import (ClusterSnapshot, DropPlan, InstanceSnapshot, M
                                   RequestSnapshot, assess_overload, default_model, fit_with_holdout,
                                   lookahead_microbatches, lower_bound_l2, make_placer, pipeline_bubble,
                                   plan_drop, token_count_microbatches, work_from_requests)
+from vllm_kunserve.bench.traces import load_azure  # noqa: E402
 from vllm_kunserve.config import DropConfig  # noqa: E402
 from vllm_kunserve.policy import costmodel as pc  # noqa: E402
 from vllm_kunserve.policy.costmodel import load_vidur_mlp  # noqa: E402
@@ -47,19 +48,12 @@ def timed(fn, repeat):
 
 
 def load_trace(data: Path):
+    """(path, [(arrival_s, prompt, output)]) of the Azure conversation trace, read by the harness."""
     p = data / "traces" / "azure_llm_2023_conv.csv"
     if not p.exists():
         p = ROOT / "tests" / "data" / "azure_conv_slice.csv"
-    rows = []
-    with open(p, newline="") as f:
-        t0 = None
-        for r in csv.DictReader(f):
-            ts = r["TIMESTAMP"]
-            hh, mm, ss = ts.split(" ")[1].split(":")
-            t = int(hh) * 3600 + int(mm) * 60 + float(ss)
-            t0 = t if t0 is None else t0
-            rows.append((t - t0, int(r["ContextTokens"]), int(r["GeneratedTokens"])))
-    return str(p), rows
+    tr = load_azure(p)
+    return str(p), list(zip(tr.arrival_s.tolist(), tr.prompt_len.tolist(), tr.output_len.tolist()))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -122,7 +122,7 @@ def main() -> int:
         f"Command: `{cmd}`", "",
         f"Qwen-2.5-14B (bf16, {cfg.model.param_bytes / 1e9:.1f} GB weights) on 8 x H100 80 GB "
         f"(gpu_memory_utilization 0.9, {cfg.base_kv_blocks() * cfg.block_size:,} KV tokens per instance), "
-        f"NVLink link fitted to Vidur's h100_dgx send_recv profile, PCIe {cfg.pcie.bw / 1e9:.0f} GB/s, "
+        f"NVLink link fitted to Vidur's h100_dgx send_recv profile, PCIe {cfg.pcie.bandwidth_bytes_per_s / 1e9:.0f} GB/s, "
         f"max_num_batched_tokens {cfg.max_tokens}, max_num_seqs {cfg.max_seqs}. "
         "Each window of the Azure LLM conversation trace 2023 is upscaled (inter-arrival times divided, "
         "TraceUpscaler-style) until the infinite-memory oracle's mean KV demand over the arrival period "

@@ -20,34 +20,11 @@ Engine limits default to ``vllm serve``'s on CPU (max_num_batched_tokens 2048, m
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-
-def load_requests(path: str):
-    from vllm_kunserve.sim.trace import TraceRequest
-
-    if not os.path.isfile(path):
-        raise SystemExit(f"{path}: not found")
-    out = []
-    with open(path, newline="") as f:
-        for line, row in enumerate(csv.DictReader(f), start=2):
-            try:
-                if row.get("ok", "True") in ("False", "false", "0"):
-                    continue
-                t = float(row.get("send_s") or row["arrival_s"])
-                p = int(float(row.get("server_prompt_tokens") or row["prompt_len"]))
-                o = int(float(row.get("output_tokens") or row["output_len"]))
-            except (KeyError, ValueError) as e:
-                raise SystemExit(f"{path}:{line}: bad row ({e})")
-            out.append((t, p, max(o, 1)))
-    out.sort()
-    t0 = out[0][0]
-    return [TraceRequest(i, t - t0, p, o) for i, (t, p, o) in enumerate(out)]
 
 
 def kv_blocks_from(summary: dict, block_size: int) -> int | None:
@@ -88,7 +65,7 @@ def main() -> int:
     from vllm_kunserve.policy import costmodel as pc
     from vllm_kunserve.sim.adapters import eq_from_costmodel
     from vllm_kunserve.sim.engine import SimConfig
-    from vllm_kunserve.sim.harness import discover_runs, stalled_seconds
+    from vllm_kunserve.sim.harness import discover_runs, run_trace, stalled_seconds
     from vllm_kunserve.sim.hardware import get_gpu
     from vllm_kunserve.sim.models import load_model_spec
     from vllm_kunserve.sim.runner import simulate
@@ -117,7 +94,7 @@ def main() -> int:
     for label, summ_path, req_path, policy, group in specs:
         with open(summ_path, encoding="utf-8") as f:
             summary = json.load(f)
-        trace = load_requests(req_path)
+        trace = run_trace(req_path)
         cache = summary.get("server_cache_config") or {}
         bs = a.block_size or int(float(cache.get("block_size") or 128))
         kv = a.kv_blocks or kv_blocks_from(summary, bs)

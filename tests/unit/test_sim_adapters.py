@@ -3,7 +3,6 @@ cost-balanced microbatches of decode-heavy pipeline steps."""
 
 import pytest
 
-from vllm_kunserve.policy import microbatch as mb
 from vllm_kunserve.policy.costmodel import CostModel
 from vllm_kunserve.sim import adapters
 from vllm_kunserve.sim.hardware import get_gpu
@@ -56,7 +55,7 @@ def test_decode_heavy_microbatches_are_cost_balanced(gpu_st):
     cm = adapters.lookahead_costmodel(gpu_st)
 
     def spread(model):
-        mbs = adapters.policy_microbatches(mb, pairs, 2, model, 64)
+        mbs = adapters.policy_microbatches(pairs, 2, model, 64)
         assert sorted(p for m in mbs for p in m if p[1] == 1) == sorted(p for p in pairs if p[1] == 1)
         assert sum(c for m in mbs for _, c in m) == sum(c for _, c in pairs)  # every token once
         costs = [gpu_st.batch_time(m) for m in mbs]

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from vllm_kunserve.sim.harness import (Interval, discover_runs, load_run_requests, solo_profile_rows,
+from vllm_kunserve.sim.harness import (Interval, discover_runs, load_run_requests, run_trace, solo_profile_rows,
                                        stalled_seconds)
 
 pytestmark = pytest.mark.unit
@@ -24,6 +24,16 @@ def test_solo_rows_only_from_requests_alone():
         ("prefill", [[0, 400]]), ("decode", [[405, 1]]), ("prefill", [[0, 100]]), ("prefill", [[0, 600]])]
     assert rows[0]["ms"] == pytest.approx(200.0)
     assert rows[1]["ms"] == pytest.approx(90.0)
+
+
+def test_run_trace_replays_completed_requests_from_the_first_send(tmp_path):
+    p = tmp_path / "requests.csv"
+    p.write_text(HEAD + "0,0,2.5,10,4,1,,0.2,0.05,0.4,,0,30\n1,1,1.5,10,4,0,boom,,,,,0,\n"
+                 "2,2,1.0,20,8,1,,0.1,0.05,0.9,,8,21\n")
+    assert [(r.id, r.arrival_s, r.prompt, r.output) for r in run_trace(str(p))] == [(0, 0.0, 21, 8), (1, 1.5, 30, 1)]
+    p.write_text(HEAD)
+    with pytest.raises(ValueError, match="no completed request"):
+        run_trace(str(p))
 
 
 def test_solo_rows_ignore_input_order():

@@ -61,7 +61,7 @@ def test_trace_reader_window_scale(tmp_path):
     assert s[-1].arrival_s == pytest.approx(reqs[-1].arrival_s / 4)
     bad = tmp_path / "bad.csv"
     bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1000,12,3\n2000,x,4\n")
-    with pytest.raises(ValueError, match=r"bad.csv:3, column ContextTokens"):
+    with pytest.raises(ValueError, match=r"bad.csv:3:2: column 'ContextTokens'"):
         read_trace_csv(str(bad))
 
 

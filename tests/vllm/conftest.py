@@ -40,9 +40,9 @@ BURST_KV_BYTES = 22 << 20
 
 @pytest.fixture(scope="session")
 def burst_model(tmp_path_factory) -> Path:
-    from vllm_kunserve.tools.make_model import ModelSpec, build_model
+    from vllm_kunserve.tools.make_model import CheckpointSpec, build_model
 
-    return build_model(tmp_path_factory.mktemp("models") / "burst8", ModelSpec(**BURST_SPEC))
+    return build_model(tmp_path_factory.mktemp("models") / "burst8", CheckpointSpec(**BURST_SPEC))
 
 
 def run_remap_probe(model: Path, scenario: str, additional, timeout=600) -> dict:

@@ -17,8 +17,8 @@ import numpy as np
 from vllm_kunserve.bench import metrics as M
 from vllm_kunserve.bench import report
 from vllm_kunserve.bench.runner import BenchRun
-from vllm_kunserve.bench.server import ServerProcess, free_port
 from vllm_kunserve.bench.systems import LAUNCHERS, CommonArgs, SystemSpec
+from vllm_kunserve.cluster.launcher import ServerProcess, free_port
 
 # (key in the table, label, getter from a summary, scale for display)
 METRICS: list[tuple[str, str, Callable[[dict], Any], float]] = [

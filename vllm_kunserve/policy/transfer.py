@@ -5,7 +5,8 @@ take about one pipeline stage on the wire: large enough to amortise the per-mess
 enough that an activation never waits behind more than one stage's worth of bulk data.
 
 Links are modelled as ``time = latency + bytes / bandwidth``; :func:`fit_link` recovers both from
-measured (bytes, seconds) points such as Vidur's ``network/*/send_recv.csv``.
+measured (bytes, seconds) points, :func:`load_vidur_send_recv` from Vidur's ``network/*/send_recv.csv``.
+:class:`Link` is the project's one link model: the simulator times its instance link and PCIe with it.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ from vllm_kunserve.policy.costmodel import nnls
 
 @dataclass(frozen=True)
 class Link:
+    """Point-to-point link: ``time_s(nbytes) = latency_s + nbytes / bandwidth`` (0 for nothing)."""
+
     bandwidth_bytes_per_s: float
     latency_s: float = 0.0
+    name: str = ""
 
     def time_s(self, nbytes: float) -> float:
-        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+        return 0.0 if nbytes <= 0 else self.latency_s + nbytes / self.bandwidth_bytes_per_s
 
 
 def chunk_bytes(link: Link, stage_time_s: float, align: int = 1, min_bytes: int = 64 << 10,
@@ -45,7 +49,7 @@ def chunk_bytes(link: Link, stage_time_s: float, align: int = 1, min_bytes: int 
     return max(align, n - n % align)
 
 
-def fit_link(sizes_bytes, times_s) -> Link:
+def fit_link(sizes_bytes, times_s, name: str = "") -> Link:
     """Non-negative least squares of ``time = latency + bytes / bandwidth``."""
     x = np.asarray(sizes_bytes, float)
     y = np.asarray(times_s, float)
@@ -56,20 +60,30 @@ def fit_link(sizes_bytes, times_s) -> Link:
     coef = nnls(np.column_stack([np.ones_like(x), x]) * w[:, None], y * w)
     if coef[1] <= 0:
         raise ValueError("fit_link: times do not grow with size; cannot infer a bandwidth")
-    return Link(bandwidth_bytes_per_s=1.0 / coef[1], latency_s=float(coef[0]))
+    return Link(bandwidth_bytes_per_s=float(1.0 / coef[1]), latency_s=float(coef[0]), name=name)
 
 
-def load_vidur_send_recv(path: str | Path, devices_per_node: int | None = None) -> Link:
-    """Fit a :class:`Link` from a Vidur ``send_recv.csv`` (median ms by ``size`` in bytes)."""
+def load_vidur_send_recv(path: str | Path, devices_per_node: int | None = None, name: str = "") -> Link:
+    """Fit a :class:`Link` from a Vidur ``send_recv.csv`` (median ms by ``size`` in bytes).
+
+    ``devices_per_node`` keeps only those rows: 2 is two GPUs in one node (NVLink), 1 is one GPU per
+    node (the inter-node network); None keeps every row. Bad rows raise naming the line."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{path}: no such file")
+    sizes, times = [], []
     with open(p, newline="", encoding="utf-8") as f:
-        rows = list(csv.DictReader(f))
-    if not rows or "size" not in rows[0] or "time_stats.send_recv.median" not in rows[0]:
-        raise ValueError(f"{p}: not a Vidur send_recv.csv (needs size and time_stats.send_recv.median)")
-    if devices_per_node is not None:
-        rows = [r for r in rows if int(r["devices_per_node"]) == devices_per_node]
-    sizes = [float(r["size"]) for r in rows]
-    times = [float(r["time_stats.send_recv.median"]) / 1e3 for r in rows]
-    return fit_link(sizes, times)
+        reader = csv.DictReader(f)
+        if not {"size", "time_stats.send_recv.median"} <= set(reader.fieldnames or ()):
+            raise ValueError(f"{p}: not a Vidur send_recv.csv (needs size and time_stats.send_recv.median)")
+        for line, r in enumerate(reader, start=2):
+            try:
+                if devices_per_node is not None and int(r["devices_per_node"]) != devices_per_node:
+                    continue
+                sizes.append(float(r["size"]))
+                times.append(float(r["time_stats.send_recv.median"]) / 1e3)
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"{p}:{line}: bad send_recv row ({e})") from None
+    if len(sizes) < 2:
+        raise ValueError(f"{p}: fewer than 2 rows with devices_per_node={devices_per_node}")
+    return fit_link(sizes, times, name=name or f"vidur:{p.parent.name}")

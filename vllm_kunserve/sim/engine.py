@@ -9,19 +9,24 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
-from .hardware import GpuSpec, Link
-from .models import ModelSpec
+from vllm_kunserve.policy.transfer import Link
+
+from .hardware import GpuSpec
+from .models import ModelArch
 from .request import Req
 from .server import INF_BLOCKS, Server
 from .steptime import StepTime
 from .trace import TraceRequest
 
+if TYPE_CHECKING:
+    from .policies.base import Policy
+
 
 @dataclass
 class SimConfig:
-    model: ModelSpec
+    model: ModelArch
     gpu: GpuSpec
     step_time: StepTime
     instances: int = 8
@@ -31,8 +36,8 @@ class SimConfig:
     max_seqs: int = 1024            # max_num_seqs per instance
     kv_blocks: int | None = None    # per-instance KV capacity override (replaying a measured engine)
     runtime_reserve_bytes: int = int(1.5e9)  # CUDA graphs, workspaces, allocator slack
-    link: Link = field(default_factory=lambda: Link("nvlink", 8e-6, 360e9))
-    pcie: Link = field(default_factory=lambda: Link("pcie", 10e-6, 25e9))
+    link: Link = field(default_factory=lambda: Link(360e9, 8e-6, "nvlink"))
+    pcie: Link = field(default_factory=lambda: Link(25e9, 10e-6, "pcie"))
     timeline_dt: float = 1.0
     max_sim_s: float = 1e7          # hard stop (a policy that cannot drain its queue)
 
@@ -60,7 +65,7 @@ class SimConfig:
 
 
 class Simulator:
-    def __init__(self, cfg: SimConfig, policy: Any, trace: list[TraceRequest]):
+    def __init__(self, cfg: SimConfig, policy: Policy, trace: list[TraceRequest]):
         if cfg.instances < 1:
             raise ValueError(f"instances={cfg.instances}: need at least 1")
         self.cfg = cfg
@@ -95,22 +100,21 @@ class Simulator:
 
     # ---- servers -----------------------------------------------------------------------------
     def capacity_blocks(self, instances: tuple[int, ...]) -> int:
-        if getattr(self.policy, "infinite_memory", False):
+        if self.policy.infinite_memory:
             return INF_BLOCKS
         m = self.cfg.model
         held = sum(self.layer_range[i][1] - self.layer_range[i][0] for i in instances)
         freed = (len(instances) * m.layers - held) * m.layer_bytes
-        extra = sum(self.policy.extra_blocks(self, i) for i in instances) if hasattr(self.policy, "extra_blocks") else 0
-        return len(instances) * self.base_blocks + int(freed // self.cfg.block_bytes) + extra
+        return len(instances) * self.base_blocks + int(freed // self.cfg.block_bytes)
 
     def new_server(self, instances: tuple[int, ...]) -> Server:
         c = self.cfg
         s = Server(next(self._sid), instances, self.capacity_blocks(instances), c.block_size, c.max_tokens,
-                   c.max_seqs, c.step_time, getattr(self.policy, "preempt_mode", "recompute"))
+                   c.max_seqs, c.step_time, self.policy.preempt_mode)
         act = c.model.activation_bytes_per_token()
-        s.hop_time = lambda tokens: c.link.time(tokens * act)
-        s.swap_time = lambda blocks: c.pcie.time(blocks * c.block_bytes)
-        s.microbatcher = getattr(self.policy, "microbatch", None)
+        s.hop_time = lambda tokens: c.link.time_s(tokens * act)
+        s.swap_time = lambda blocks: c.pcie.time_s(blocks * c.block_bytes)
+        s.microbatcher = self.policy.microbatch
         return s
 
     def kick(self, s: Server) -> None:
@@ -162,10 +166,8 @@ class Simulator:
         if finished:
             fin = set(map(id, finished))
             s.running = [r for r in s.running if id(r) not in fin]
-            fin_hook = getattr(self.policy, "on_finish", None)
             for r in finished:
-                if fin_hook:
-                    fin_hook(self, r)
+                self.policy.on_finish(self, r)
                 s.used -= r.blocks
                 r.blocks = 0
                 r.finish_t = now
@@ -174,9 +176,7 @@ class Simulator:
                 self.done += 1
         s.busy = False
         s.inflight = []
-        hook = getattr(self.policy, "on_step_done", None)
-        if hook:
-            hook(self, s)
+        self.policy.on_step_done(self, s)
         if s.frozen:
             self._maybe_transition()
         else:
@@ -276,10 +276,9 @@ class Simulator:
         self.reqs = [Req(t) for t in self.trace]
         for r in self.reqs:
             self.at(r.arrival, self._arrive, r)
-        if hasattr(self.policy, "setup"):
-            self.policy.setup(self)
+        self.policy.setup(self)
         self.at(0.0, self._sample)
-        if getattr(self.policy, "tick_s", None):
+        if self.policy.tick_s:
             self.at(0.0, self._tick)
         heap = self._heap
         while heap:

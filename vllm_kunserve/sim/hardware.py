@@ -2,17 +2,17 @@
 
 GPU peak figures are vendor datasheet numbers (dense bf16 tensor FLOP/s, HBM bandwidth); the
 ``*_eff`` factors are the achievable share used for the attention term (linear layers use Vidur's
-measured times instead). Link times come from Vidur's measured ``send_recv.csv`` profiles
-(Microsoft Vidur, MIT license) fitted to ``t = latency + bytes / bandwidth``.
+measured times instead). Links are ``policy.transfer.Link``; NVLink and InfiniBand come from Vidur's
+measured ``send_recv.csv`` profiles (Microsoft Vidur, MIT license) fitted by
+``policy.transfer.load_vidur_send_recv`` to ``t = latency + bytes / bandwidth``.
 """
 
 from __future__ import annotations
 
-import csv
 import os
 from dataclasses import dataclass, replace
 
-import numpy as np
+from vllm_kunserve.policy.transfer import Link, load_vidur_send_recv
 
 DEFAULT_DATA = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data"))
 
@@ -54,52 +54,12 @@ def get_gpu(name: str, mem_gb: float | None = None) -> GpuSpec:
     return g
 
 
-@dataclass(frozen=True)
-class Link:
-    """Point-to-point link: ``time(bytes) = latency_s + bytes / bw``."""
-
-    name: str
-    latency_s: float
-    bw: float  # bytes/s
-
-    def time(self, nbytes: float) -> float:
-        return 0.0 if nbytes <= 0 else self.latency_s + nbytes / self.bw
-
-
 LINKS = {  # fallbacks when the Vidur profile is absent (datasheet-level figures)
-    "nvlink": Link("nvlink", 10e-6, 300e9),
-    "ib": Link("ib", 20e-6, 40e9),
-    "pcie": Link("pcie", 10e-6, 25e9),
-    "local": Link("local", 0.0, 1e15),
+    "nvlink": Link(300e9, 10e-6, "nvlink"),
+    "ib": Link(40e9, 20e-6, "ib"),
+    "pcie": Link(25e9, 10e-6, "pcie"),
+    "local": Link(1e15, 0.0, "local"),
 }
-
-
-def fit_send_recv(path: str, intra_node: bool = True) -> Link:
-    """Fit ``latency + bytes/bw`` (least squares on the medians) to a Vidur send_recv.csv.
-
-    ``intra_node`` keeps rows with ``devices_per_node == 2`` (both GPUs in one node: NVLink),
-    otherwise ``== 1`` (one GPU per node: the inter-node network).
-    """
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"network profile {path} not found")
-    xs, ys = [], []
-    with open(path, newline="") as f:
-        for i, row in enumerate(csv.DictReader(f), start=2):
-            try:
-                dpn = int(row["devices_per_node"])
-                if (dpn == 2) != intra_node:
-                    continue
-                xs.append(float(row["size"]))
-                ys.append(float(row["time_stats.send_recv.median"]) * 1e-3)
-            except (KeyError, ValueError) as e:
-                raise ValueError(f"{path}:{i}: bad send_recv row ({e})") from None
-    if len(xs) < 2:
-        raise ValueError(f"{path}: fewer than 2 usable rows for intra_node={intra_node}")
-    a = np.vstack([np.ones(len(xs)), np.asarray(xs)]).T
-    (lat, inv_bw), *_ = np.linalg.lstsq(a, np.asarray(ys), rcond=None)
-    lat, inv_bw = max(lat, 0.0), max(inv_bw, 1e-15)
-    return Link(f"vidur:{os.path.basename(os.path.dirname(path))}:{'intra' if intra_node else 'inter'}",
-                float(lat), float(1.0 / inv_bw))
 
 
 def get_link(name: str) -> Link:
@@ -109,7 +69,8 @@ def get_link(name: str) -> Link:
     if key in ("nvlink", "ib"):
         path = os.path.join(data_dir(), "profiles", "vidur", "network", "h100_dgx", "send_recv.csv")
         if os.path.isfile(path):
-            return fit_send_recv(path, intra_node=(key == "nvlink"))
+            return load_vidur_send_recv(path, devices_per_node=2 if key == "nvlink" else 1,
+                                        name=f"vidur:h100_dgx:{'intra' if key == 'nvlink' else 'inter'}")
     if key not in LINKS:
         raise ValueError(f"--link {name!r}: unknown; one of {', '.join(LINKS)}")
     return LINKS[key]

@@ -1,7 +1,7 @@
 """Read measured harness runs (``kunserve bench``/``compare`` output) for simulator validation.
 
 * :func:`load_run_requests` - the completed requests of a ``requests.csv`` as intervals (send, first
-  token, end, prompt and output tokens, TPOT);
+  token, end, prompt and output tokens, TPOT); :func:`run_trace` - the same as a simulator trace;
 * :func:`solo_profile_rows` - step-time profile rows from the requests that ran alone: the harness
   logs no per-step timing, but a request with nothing else in flight from its send to its first
   token is one prefill step ``[[0, prompt]]`` (its TTFT, API overhead included), and one that
@@ -17,6 +17,8 @@ import csv
 import os
 import re
 from dataclasses import dataclass
+
+from .trace import TraceRequest
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,15 @@ def load_run_requests(path: str) -> list[Interval]:
             except (KeyError, ValueError) as e:
                 raise ValueError(f"{path}:{line}: bad request row ({e})") from None
     return out
+
+
+def run_trace(path: str) -> list[TraceRequest]:
+    """The completed requests of a ``requests.csv`` as a trace: sent when they were sent (from the
+    first), with the server-counted prompt and at least one output token."""
+    reqs = sorted((r.send, r.prompt, max(r.output, 1)) for r in load_run_requests(path))
+    if not reqs:
+        raise ValueError(f"{path}: no completed request")
+    return [TraceRequest(i, t - reqs[0][0], p, o) for i, (t, p, o) in enumerate(reqs)]
 
 
 def solo_profile_rows(reqs: list[Interval], min_output: int = 3) -> list[dict]:

@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
-import numpy as np
+from vllm_kunserve.bench.metrics import percentiles
 
-PCTS = (50, 90, 99)
-
-
-def percentiles(values, pcts=PCTS) -> dict:
-    """``{"p50": .., "p90": .., "p99": .., "mean": ..}`` (numpy's linear interpolation); empty -> None."""
-    a = np.asarray(list(values), float)
-    if a.size == 0:
-        return {f"p{p}": None for p in pcts} | {"mean": None}
-    out = {f"p{p}": float(np.percentile(a, p)) for p in pcts}
-    out["mean"] = float(a.mean())
-    return out
+PCTS = (50, 90, 99)  # percentiles() also gives the mean and the max
 
 
 def summarize(sim) -> dict:
@@ -29,9 +19,9 @@ def summarize(sim) -> dict:
     return {
         "requests": len(sim.reqs), "completed": len(recs), "failed": len(sim.failed),
         "unfinished": len(sim.reqs) - len(recs) - len(sim.failed),
-        "ttft_s": percentiles(x["ttft_s"] for x in recs),
-        "tpot_s": percentiles(tpots),
-        "latency_s": percentiles(x["latency_s"] for x in recs),
+        "ttft_s": percentiles((x["ttft_s"] for x in recs), PCTS),
+        "tpot_s": percentiles(tpots, PCTS),
+        "latency_s": percentiles((x["latency_s"] for x in recs), PCTS),
         "preemptions": int(sum(x["preemptions"] for x in recs)),
         "migrations": int(sum(x["migrations"] for x in recs)),
         "drops": sum(1 for e in sim.events if e["kind"] == "drop"),

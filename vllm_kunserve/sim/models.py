@@ -1,8 +1,9 @@
-"""Model memory and FLOP figures from a HuggingFace config.
+"""Model architecture figures from a HuggingFace config: :class:`ModelArch`.
 
 Only the numbers the simulator needs: parameter bytes (whole model and per decoder layer), KV bytes
 per token, and linear FLOPs per token. Built-in configs cover the models the project benchmarks;
-any decoder-only HF ``config.json`` with the usual Llama/Qwen keys also works.
+any decoder-only HF ``config.json`` with the usual Llama/Qwen keys also works. The policies see the
+model through its memory shape only (``policy.snapshot.ModelSpec``, from :meth:`ModelArch.policy_spec`).
 """
 
 from __future__ import annotations
@@ -11,12 +12,16 @@ import json
 import os
 from dataclasses import dataclass
 
+from vllm_kunserve.policy.snapshot import ModelSpec
+
 DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "float16": 2, "half": 2,
                "bf16": 2, "fp16": 2, "float8": 1, "fp8": 1, "int8": 1}
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelArch:
+    """A decoder-only transformer's shape (what a HF ``config.json`` says)."""
+
     name: str
     hidden: int
     layers: int
@@ -92,29 +97,34 @@ class ModelSpec:
         """Hidden state passed between pipeline stages, per token."""
         return self.hidden * self.dtype_bytes
 
+    def policy_spec(self, block_size: int) -> ModelSpec:
+        """The memory shape the policies size drops and remaps with (blocks of ``block_size`` tokens)."""
+        return ModelSpec(num_layers=self.layers, layer_bytes=self.layer_bytes,
+                         block_bytes=block_size * self.kv_bytes_per_token, block_size=block_size)
+
     def summary(self) -> dict:
         return {"name": self.name, "params": self.params, "param_bytes": self.param_bytes,
                 "layer_bytes": self.layer_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "layers": self.layers, "dtype_bytes": self.dtype_bytes}
 
 
-BUILTIN: dict[str, ModelSpec] = {
+BUILTIN: dict[str, ModelArch] = {
     # Qwen/Qwen2.5-14B-Instruct config.json
-    "qwen2.5-14b": ModelSpec("qwen2.5-14b", hidden=5120, layers=48, heads=40, kv_heads=8,
+    "qwen2.5-14b": ModelArch("qwen2.5-14b", hidden=5120, layers=48, heads=40, kv_heads=8,
                              intermediate=13824, vocab=152064, dtype_bytes=2, qkv_bias=True),
     # meta-llama/Llama-2-7b-hf, Llama-2-70b-hf config.json
-    "llama2-7b": ModelSpec("llama2-7b", hidden=4096, layers=32, heads=32, kv_heads=32,
+    "llama2-7b": ModelArch("llama2-7b", hidden=4096, layers=32, heads=32, kv_heads=32,
                            intermediate=11008, vocab=32000, dtype_bytes=2),
-    "llama2-70b": ModelSpec("llama2-70b", hidden=8192, layers=80, heads=64, kv_heads=8,
+    "llama2-70b": ModelArch("llama2-70b", hidden=8192, layers=80, heads=64, kv_heads=8,
                             intermediate=28672, vocab=32000, dtype_bytes=2),
     # the project's tiny random-weight model (kunserve make-model)
-    "small": ModelSpec("small", hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1024,
+    "small": ModelArch("small", hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1024,
                        vocab=4096, dtype_bytes=4),
 }
 
 
-def spec_from_hf_config(cfg: dict, name: str = "custom", dtype: str | None = None) -> ModelSpec:
-    """Build a :class:`ModelSpec` from a parsed HF ``config.json``; raises ValueError naming a missing key."""
+def spec_from_hf_config(cfg: dict, name: str = "custom", dtype: str | None = None) -> ModelArch:
+    """Build a :class:`ModelArch` from a parsed HF ``config.json``; raises ValueError naming a missing key."""
     need = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     missing = [k for k in need if k not in cfg]
     if missing:
@@ -123,7 +133,7 @@ def spec_from_hf_config(cfg: dict, name: str = "custom", dtype: str | None = Non
     if str(dt) not in DTYPE_BYTES:
         raise ValueError(f"HF config {name}: dtype {dt!r} unknown; one of {', '.join(DTYPE_BYTES)}")
     mt = str(cfg.get("model_type", ""))
-    return ModelSpec(
+    return ModelArch(
         name=name, hidden=int(cfg["hidden_size"]), layers=int(cfg["num_hidden_layers"]),
         heads=int(cfg["num_attention_heads"]),
         kv_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
@@ -135,7 +145,7 @@ def spec_from_hf_config(cfg: dict, name: str = "custom", dtype: str | None = Non
     )
 
 
-def load_model_spec(name_or_path: str, dtype: str | None = None) -> ModelSpec:
+def load_model_spec(name_or_path: str, dtype: str | None = None) -> ModelArch:
     """A built-in name (``qwen2.5-14b``, ``llama2-7b``, ``llama2-70b``, ``small``), a HF model
     directory or a ``config.json`` path."""
     key = name_or_path.lower()
@@ -144,7 +154,7 @@ def load_model_spec(name_or_path: str, dtype: str | None = None) -> ModelSpec:
         if dtype:
             if dtype not in DTYPE_BYTES:
                 raise ValueError(f"dtype {dtype!r} unknown; one of {', '.join(DTYPE_BYTES)}")
-            spec = ModelSpec(**{**spec.__dict__, "dtype_bytes": DTYPE_BYTES[dtype]})
+            spec = ModelArch(**{**spec.__dict__, "dtype_bytes": DTYPE_BYTES[dtype]})
         return spec
     path = name_or_path
     if os.path.isdir(path):

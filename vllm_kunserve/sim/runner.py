@@ -78,5 +78,5 @@ def config_summary(cfg: SimConfig) -> dict:
             "instances": cfg.instances, "block_size": cfg.block_size, "max_tokens": cfg.max_tokens,
             "max_seqs": cfg.max_seqs, "kv_blocks_per_instance": cfg.base_kv_blocks(),
             "kv_tokens_per_instance": cfg.base_kv_blocks() * cfg.block_size,
-            "link": {"name": cfg.link.name, "bw": cfg.link.bw, "latency_s": cfg.link.latency_s},
-            "pcie_bw": cfg.pcie.bw, "step_time": cfg.step_time.describe()}
+            "link": {"name": cfg.link.name, "bw": cfg.link.bandwidth_bytes_per_s, "latency_s": cfg.link.latency_s},
+            "pcie_bw": cfg.pcie.bandwidth_bytes_per_s, "step_time": cfg.step_time.describe()}

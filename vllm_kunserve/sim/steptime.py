@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .hardware import GpuSpec, data_dir
-from .models import ModelSpec
+from .models import ModelArch
 
 Pair = tuple[int, int]  # (prefix tokens already in KV, chunk tokens computed now)
 
@@ -102,7 +102,7 @@ def _ref_linear_flops(d: dict) -> float:
 
 
 class GpuStepTime(StepTime):
-    def __init__(self, model: ModelSpec, gpu: GpuSpec, vidur_root: str | None = None):
+    def __init__(self, model: ModelArch, gpu: GpuSpec, vidur_root: str | None = None):
         self.model, self.gpu = model, gpu
         root = vidur_root or os.path.join(data_dir(), "profiles", "vidur")
         self.source = "analytic"

@@ -16,9 +16,13 @@ import random
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from vllm_kunserve.sim.models import DTYPE_BYTES, ModelArch
+
 
 @dataclass(frozen=True)
-class ModelSpec:
+class CheckpointSpec:
+    """A random-weight Llama checkpoint to build (its shape, dtype, context and seed)."""
+
     layers: int
     hidden: int
     heads: int
@@ -47,20 +51,23 @@ class ModelSpec:
         if self.vocab < 300:
             raise ValueError(f"--vocab {self.vocab} too small for a byte-level BPE tokenizer (>= 300)")
 
+    def arch(self) -> ModelArch:
+        """The simulator's architecture figures of this checkpoint (untied embeddings, no bias)."""
+        return ModelArch("checkpoint", hidden=self.hidden, layers=self.layers, heads=self.heads,
+                         kv_heads=self.kv_heads, intermediate=self.intermediate, vocab=self.vocab,
+                         dtype_bytes=DTYPE_BYTES[self.dtype])
+
     def weight_bytes(self) -> int:
-        """Parameter bytes (embeddings and LM head untied, fp32)."""
-        h, i, kvd = self.hidden, self.intermediate, self.kv_heads * self.head_dim
-        per_layer = h * h * 2 + h * kvd * 2 + 3 * h * i + 2 * h
-        total = per_layer * self.layers + 2 * self.vocab * h + h
-        return total * (4 if self.dtype == "float32" else 2)
+        """Parameter bytes (embeddings and LM head untied)."""
+        return self.arch().param_bytes
 
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * (4 if self.dtype == "float32" else 2)
+        return self.arch().kv_bytes_per_token
 
 
-PRESETS: dict[str, ModelSpec] = {
-    "tiny": ModelSpec(layers=2, hidden=64, heads=2, kv_heads=2, intermediate=128, vocab=512),
-    "small": ModelSpec(layers=8, hidden=512, heads=8, kv_heads=2, intermediate=1024, vocab=4096),
+PRESETS: dict[str, CheckpointSpec] = {
+    "tiny": CheckpointSpec(layers=2, hidden=64, heads=2, kv_heads=2, intermediate=128, vocab=512),
+    "small": CheckpointSpec(layers=8, hidden=512, heads=8, kv_heads=2, intermediate=1024, vocab=4096),
 }
 
 _WORDS = (
@@ -86,7 +93,7 @@ def _corpus(seed: int, n_lines: int = 4000):
         yield " ".join(words) + rng.choice([".", ",", "?", "!", ""])
 
 
-def build_tokenizer(out: Path, spec: ModelSpec):
+def build_tokenizer(out: Path, spec: CheckpointSpec):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -112,7 +119,7 @@ def build_tokenizer(out: Path, spec: ModelSpec):
     return fast
 
 
-def build_model(out: str | Path, spec: ModelSpec) -> Path:
+def build_model(out: str | Path, spec: CheckpointSpec) -> Path:
     """Write a loadable HF model directory (config, safetensors weights, tokenizer) to ``out``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -153,7 +160,7 @@ def build_model(out: str | Path, spec: ModelSpec) -> Path:
     return out
 
 
-def spec_from_args(preset: str, **overrides) -> ModelSpec:
+def spec_from_args(preset: str, **overrides) -> CheckpointSpec:
     if preset not in PRESETS:
         raise ValueError(f"--preset {preset!r}: choose one of {', '.join(PRESETS)}")
     given = {k: v for k, v in overrides.items() if v is not None}

@@ -1,47 +1,57 @@
-"""Policy base: dispatch and the hooks the engine calls."""
+"""Policy base: the hooks the simulator calls, each with its default (stock vLLM behaviour).
+
+Dispatch is ``policy.dispatch.choose_instance`` over the servers' :class:`InstanceLoad` snapshots
+(``sim.adapters.instance_loads``); a policy overrides :meth:`Policy.dispatch` only to place requests
+its own way (MELL).
+"""
 
 from __future__ import annotations
 
 import itertools
+from typing import Callable, Sequence
 
-DISPATCH = ("least-work", "least-load", "round-robin")
-DEFAULT_DISPATCH = "least-work"  # queue-aware: what a serving engineer deploys; same for every policy
+from vllm_kunserve.policy.dispatch import DEFAULT_DISPATCH, DISPATCH, check_mode, choose_instance
 
+from .. import adapters
+from ..steptime import Pair
 
-def queued_work(s) -> int:
-    """Prefill tokens a server still has to compute before a new arrival's prefill is done:
-    waiting requests' tokens plus the unfinished prefill of running ones."""
-    return sum(r.need for r in s.waiting) + sum(r.need for r in s.running if r.need > 1)
+__all__ = ["DEFAULT_DISPATCH", "DISPATCH", "Policy", "move_request"]
 
 
 class Policy:
     name = "base"
-    preempt_mode = "recompute"   # what the server does when a running request needs a block
+    #: what a server does when a running request needs a block: "recompute" or "swap"
+    preempt_mode = "recompute"
+    #: every server has unbounded KV (the oracle)
     infinite_memory = False
-    tick_s: float | None = None  # period of on_tick (None: no monitor)
+    #: period of :meth:`on_tick` in simulated seconds (None: no monitor)
+    tick_s: float | None = None
+    #: splits a pipeline group's step into microbatches: ``(server, [(prefix, tokens)]) -> [[...]]``;
+    #: None runs the step as one microbatch
+    microbatch: Callable[[object, Sequence[Pair]], list[list[Pair]]] | None = None
 
     def __init__(self, dispatch: str = DEFAULT_DISPATCH):
-        if dispatch not in DISPATCH:
-            raise ValueError(f"dispatch {dispatch!r}: one of {', '.join(DISPATCH)}")
-        self.dispatch_mode = dispatch
+        self.dispatch_mode = check_mode(dispatch)
         self._rr = itertools.count()
 
+    def setup(self, sim) -> None:
+        """Called once before the first event."""
+
     def dispatch(self, sim, req):
-        live = [s for s in sim.servers if s.alive and not s.frozen] or sim.servers
-        if self.dispatch_mode == "round-robin":
-            return live[next(self._rr) % len(live)]
-        if self.dispatch_mode == "least-work":
-            # queue-aware: among servers whose memory takes the prompt, the least queued prefill per
-            # instance of compute (a pipeline group of k has k GPUs); else the least memory share
-            def key(s):
-                fits = s.demand_blocks() + s.blocks_for(req.prompt) <= s.capacity
-                return (not fits, queued_work(s) / s.k if fits else s.load(), s.load(), s.sid)
-            return min(live, key=key)
-        # least-load: KV demand (used + queued blocks) as a share of capacity, blind to compute
-        return min(live, key=lambda s: (s.load(), len(s.running) + len(s.waiting), s.sid))
+        """The server that takes the arriving request ``req``."""
+        units = adapters.instance_loads(sim)
+        sid = choose_instance(units, self.dispatch_mode, prompt_blocks=-(-req.prompt // sim.cfg.block_size),
+                              turn=next(self._rr) if self.dispatch_mode == "round-robin" else 0)
+        return next(s for s in sim.servers if s.sid == sid)
 
     def on_tick(self, sim) -> None:
-        pass
+        """Every :attr:`tick_s` while requests remain."""
+
+    def on_step_done(self, sim, server) -> None:
+        """After ``server`` finished a step (finished requests already removed)."""
+
+    def on_finish(self, sim, req) -> None:
+        """When ``req`` produced its last token, before its blocks are freed."""
 
     def describe(self) -> dict:
         return {"name": self.name, "preempt": self.preempt_mode, "dispatch": self.dispatch_mode}
@@ -63,7 +73,7 @@ def move_request(sim, r, src, dst, downtime_share: float = 0.1, kind: str = "mig
         src.used -= r.blocks
         dst.used += r.blocks
         dst.running.append(r)
-        copy = sim.cfg.link.time(r.blocks * sim.cfg.block_bytes)
+        copy = sim.cfg.link.time_s(r.blocks * sim.cfg.block_bytes)
         dst.pending_io += copy * downtime_share
         r.migrations += 1
         sim.log(kind, req=r.id, src=src.sid, dst=dst.sid, blocks=r.blocks, copy_s=round(copy, 6))

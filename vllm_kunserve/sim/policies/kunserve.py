@@ -1,10 +1,9 @@
 """KunServe: drop replicated parameters under overload, run merged instances as pipeline groups,
 exchange KV instead of recomputing it, restore weights when demand falls.
 
-Every decision is the policy package's: ``policy.overload.assess_overload`` (demand vs capacity,
-forecast), ``policy.drop.plan_drop`` (greedy merge of the smallest groups), ``policy.restore.
-decide_restore`` (hysteresis, hold time, no re-trigger) and the lookahead microbatcher. The
-simulator only times the mechanisms:
+Every decision is the policy package's: ``policy.monitor.monitor_tick`` (demand history, then
+``assess_overload`` and ``plan_drop`` or ``decide_restore``: hysteresis, hold time, no re-trigger)
+and the lookahead microbatcher. The simulator only times the mechanisms:
 
 * drop: weights are unmapped at once; every running request's KV for the layers an instance gives up
   moves to the new owner over the instance link. With coordinated exchange the group keeps running
@@ -18,9 +17,7 @@ simulator only times the mechanisms:
 from __future__ import annotations
 
 from vllm_kunserve.config import KunServeConfig
-from vllm_kunserve.policy.drop import plan_drop
-from vllm_kunserve.policy.overload import assess_overload
-from vllm_kunserve.policy.restore import RestoreState, decide_restore
+from vllm_kunserve.policy.monitor import MonitorState, monitor_tick
 
 from .. import adapters
 from .base import DEFAULT_DISPATCH, Policy
@@ -40,18 +37,14 @@ class KunServePolicy(Policy):
         self.restore_on = restore and self.cfg.restore.enable
         self.cost_model = cost_model  # policy CostModel the microbatcher balances (None: from step time)
         self._cm_fitted = None
-        self.history: list[tuple[float, float]] = []
         self.history_s = history_s
-        self.rstate = RestoreState()
+        self.mstate = MonitorState()
         self.microbatch = self._microbatch
-        self.lookahead_impl = adapters.lookahead_impl()
 
     # ---- microbatches ----------------------------------------------------------------------------
     def _microbatch(self, server, pairs):
-        if self.lookahead_impl is None:  # policy.microbatch absent: token-count fallback
-            return adapters.token_count_microbatches(pairs, server.k)
-        return adapters.policy_microbatches(self.lookahead_impl, pairs, server.k, self._cm(server),
-                                            self.cfg.lookahead.min_tokens, self.lookahead)
+        return adapters.policy_microbatches(pairs, server.k, self._cm(server), self.cfg.lookahead.min_tokens,
+                                            self.lookahead)
 
     def _cm(self, server):
         if self._cm_fitted is None:
@@ -62,22 +55,14 @@ class KunServePolicy(Policy):
     def on_tick(self, sim) -> None:
         if sim._pending is not None:
             return
-        demand = float(sum(s.demand_blocks() for s in sim.servers))
-        self.history.append((sim.now, demand))
-        while self.history and self.history[0][0] < sim.now - self.history_s:
-            self.history.pop(0)
-        snap = adapters.cluster_snapshot(sim, self.history)
-        rep = assess_overload(snap, self.cfg.drop)
-        if rep.overloaded and self.cfg.drop.enable:
-            self.rstate = RestoreState()
-            self._drop(sim, snap, rep.need_bytes)
-        elif self.restore_on and any(s.k > 1 for s in sim.servers):
-            dec, self.rstate = decide_restore(snap, self.rstate, self.cfg.restore, self.cfg.drop)
-            if dec.restore:
-                self._restore(sim, dec)
+        dec, self.mstate = monitor_tick(adapters.cluster_snapshot(sim), self.mstate, self.cfg.drop,
+                                        self.cfg.restore, history_s=self.history_s, allow_restore=self.restore_on)
+        if dec.action == "drop":
+            self._drop(sim, dec.drop, dec.overload.need_bytes)
+        elif dec.action == "restore":
+            self._restore(sim, dec.restore)
 
-    def _drop(self, sim, snap, need_bytes: float) -> None:
-        plan = plan_drop(snap, need_bytes, self.cfg.drop.max_group_size)
+    def _drop(self, sim, plan, need_bytes: float) -> None:
         changed = [g for g in plan.groups if getattr(g, "changed", True)]
         if not changed:
             return
@@ -98,12 +83,12 @@ class KunServePolicy(Policy):
                 satisfied=plan.satisfied, exchange_bytes=send)
 
     def _exchange_stall(self, sim, nbytes: float, k: int) -> float:
-        full = sim.cfg.link.time(nbytes)
+        full = sim.cfg.link.time_s(nbytes)
         if not self.exchange or nbytes <= 0:
             return full
         stage = adapters.typical_stage_time(sim, k)
         chunk = adapters.transfer_chunk_bytes(sim.cfg.link, stage)
-        return min(full, sim.cfg.link.time(chunk))
+        return min(full, sim.cfg.link.time_s(chunk))
 
     def _restore(self, sim, dec) -> None:
         by_inst = {i: s for s in sim.servers for i in s.instances}
@@ -115,7 +100,7 @@ class KunServePolicy(Policy):
             s.capacity = max(s.used, min(s.capacity, base))
             per_inst = max(g.restored_bytes / s.k, 0.0)
             link = sim.cfg.pcie if g.source == "host" else sim.cfg.link
-            load_s = link.time(per_inst)
+            load_s = link.time_s(per_inst)
             kv = s.used * sim.cfg.block_bytes * (1 - 1 / s.k) / s.k
             stall = self._exchange_stall(sim, kv, s.k)
             layers = {i: (0, sim.cfg.model.layers) for i in s.instances}
@@ -133,6 +118,5 @@ class KunServePolicy(Policy):
 
     def describe(self) -> dict:
         return {**super().describe(), "lookahead": self.lookahead,
-                "microbatcher": ("policy.microbatch." + ("lookahead" if self.lookahead else "token_count"))
-                if self.lookahead_impl else "sim token-count fallback",
+                "microbatcher": "policy.microbatch." + ("lookahead" if self.lookahead else "token_count"),
                 "exchange": self.exchange, "restore": self.restore_on}

@@ -2,7 +2,8 @@
 layers stream from pinned host memory into shared slots just before they run.
 
 Decisions are ``policy.remap.decide_remap``'s (how many layers, one or two slots, evenly spaced,
-reverted when demand stays low). The simulator times the mechanism: the remapped layers' loads
+reverted when demand stays low), over the input ``policy.inputs.remap_input`` builds from the
+server's load, exactly as the engine agent builds it. The simulator times the mechanism: the remapped layers' loads
 must hide behind the compute of the resident layers between them. Per step, a load of ``t_x``
 (layer bytes over PCIe) hides behind ``gap`` layer-times of the step being run (``gap = L//m - 1``
 with one slot, ``L//m`` with two); what does not hide is added to the step.
@@ -10,8 +11,10 @@ with one slot, ``L//m`` with two); what does not hide is added to the step.
 
 from __future__ import annotations
 
-from vllm_kunserve.policy.remap import ModelLayers, RemapInput, RemapState, decide_remap
+from vllm_kunserve.policy.inputs import remap_input
+from vllm_kunserve.policy.remap import ModelLayers, RemapState, decide_remap
 
+from .. import adapters
 from .base import DEFAULT_DISPATCH, Policy
 
 
@@ -34,16 +37,14 @@ class OneirosPolicy(Policy):
                            sim.now, alpha, slots)
 
     def on_tick(self, sim) -> None:
-        bb = sim.cfg.block_bytes
         for s in sim.servers:
             alpha, slots, rs = self.state.get(s.sid, (0, 0, RemapState()))
-            demand = s.demand_blocks()
-            base = s.capacity - s.extra_blocks
-            inp = RemapInput(models=(self._layers(sim, s, alpha, slots),), h2d_bytes_per_s=sim.cfg.pcie.bw,
-                             kv_shortage_bytes=max(0.0, (demand - s.capacity) * bb),
-                             kv_free_bytes=max(0.0, s.free * bb), demand_ratio=demand / max(base, 1),
-                             now_s=sim.now)
+            load = adapters.engine_load(sim, s)
+            inp = remap_input(load, self._layers(sim, s, alpha, slots),
+                              h2d_bytes_per_s=sim.cfg.pcie.bandwidth_bytes_per_s,
+                              high_watermark=self.rcfg.high_watermark, now_s=sim.now)
             plan, rs = decide_remap(inp, self.rcfg, rs)
+            base = load.base_blocks
             if plan.models:
                 mr = plan.models[0]
                 alpha, slots = mr.alpha, mr.slots
@@ -61,7 +62,7 @@ class OneirosPolicy(Policy):
             return
         mcount = alpha + slots
         gap = m.layers // mcount - (1 if slots == 1 else 0)
-        t_x = sim.cfg.pcie.time(m.layer_bytes)
+        t_x = sim.cfg.pcie.time_s(m.layer_bytes)
         L = m.layers
 
         def penalty(step_s: float, mcount=mcount, gap=gap, t_x=t_x, L=L) -> float:
