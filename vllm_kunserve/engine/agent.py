@@ -56,6 +56,8 @@ OPERATIONS = {
 AGENT_FAULTS = ("policy", "bookkeeping")
 
 _FAILURE_BACKOFF_S = 5.0
+#: how stale the published state may get while the engine steps (transitions publish at once)
+_PUBLISH_EVERY_S = 0.05
 
 
 class AgentError(RuntimeError):
@@ -87,10 +89,10 @@ class EngineAgent:
         self.layer_bytes_each = states[0]["layer_bytes"]
         self.chunk_bytes = states[0]["chunk_bytes"]
         self.block_bytes = max(s["block_bytes"] for s in states)
-        self.num_kv = states[0].get("kv_regions", 1)
+        self.num_kv = states[0]["kv_regions"]
         self.h2d_bytes_per_s = (cfg.remap.h2d_bandwidth_gbps * 1e9 if cfg.remap.h2d_bandwidth_gbps
                                 else min(s["h2d_bytes_per_s"] for s in states))
-        self.copy_overlap = all(s.get("copy_overlap", True) for s in states)
+        self.copy_overlap = all(s["copy_overlap"] for s in states)
         self.phase = "base"          # base | remapped | draining
         self.remapped: tuple[int, ...] = ()
         self.slots = 0
@@ -105,6 +107,7 @@ class EngineAgent:
         self.operation: dict | None = None
         self.faults = StepFaults()
         self._state: dict = {}
+        self._published_at = 0.0
         problems = self.invariant_problems()
         if problems:
             raise AgentError(f"kunserve: engine {label} starts inconsistent: {problems}")
@@ -129,7 +132,8 @@ class EngineAgent:
                 self.step_ms.append((time.perf_counter() - t0) * 1e3)
             if self.sched.unfinished() == 0:
                 self.tick()
-            self._publish()
+            if time.monotonic() - self._published_at >= _PUBLISH_EVERY_S:  # O(requests): not every step
+                self._publish()
             return out
 
     def tick(self) -> None:
@@ -310,7 +314,6 @@ class EngineAgent:
             self.phase = "remapped"
             self._regrow()
             self.backoff_until = time.monotonic() + _FAILURE_BACKOFF_S
-            self._publish()
             return self._event("revert", "failed", time.perf_counter() - t0, 0, error=repr(exc))
         finally:
             self.operation = None
@@ -363,6 +366,7 @@ class EngineAgent:
         return ev
 
     def _publish(self) -> None:
+        self._published_at = time.monotonic()
         st = self.sched.state()
         used, queued, growth = self.sched.demand()
         waiting, running = self.sched.requests()

@@ -96,6 +96,9 @@ class LayerResidency:
         self.slot_regions: list[KVRegion] = []
         self.pending: Transaction | None = None
         self.events: list[dict] = []
+        #: the streaming link as the engine measured it (reported in ``state()``)
+        self.h2d_bytes_per_s = 0.0
+        self.copy_overlap = True
 
     # -- queries --------------------------------------------------------------------------------
     def _in(self, state: LayerState) -> tuple[int, ...]:
@@ -132,6 +135,8 @@ class LayerResidency:
                 "pending": self.pending.name if self.pending else None,
                 "stream": vars(self.streamer.stats) if self.streamer else None,
                 "streamed_linear": self.adapter.kind(), "faults_armed": self.faults.armed,
+                "kv_regions": len(self.kv), "h2d_bytes_per_s": self.h2d_bytes_per_s,
+                "copy_overlap": self.copy_overlap,
                 "events": self.events[-20:]}
 
     def check_invariants(self) -> list[str]:
@@ -181,7 +186,7 @@ class LayerResidency:
             return []
         self._drain()
         undone = tx.rollback()
-        self._event(f"{tx.name}_aborted", 0.0, 0, undone=undone)
+        self.event(f"{tx.name}_aborted", 0.0, 0, undone=undone)
         return undone
 
     # -- transitions ---------------------------------------------------------------------------------
@@ -303,18 +308,18 @@ class LayerResidency:
         except Exception as exc:
             self._drain()
             undone = tx.rollback()  # raises RollbackError if an undo fails
-            self._event(f"{name}_failed", time.perf_counter() - t0, 0, error=repr(exc), at=len(tx.steps),
+            self.event(f"{name}_failed", time.perf_counter() - t0, 0, error=repr(exc), at=len(tx.steps),
                         undone=undone, **info)
             raise
         if commit:
             tx.commit()
         else:
             self.pending = tx
-        self._event(name, time.perf_counter() - t0, nbytes, blocks_before=before,
+        self.event(name, time.perf_counter() - t0, nbytes, blocks_before=before,
                     blocks_after=self.mapped_blocks, **info)
         return self.mapped_blocks
 
-    def _event(self, kind: str, seconds: float, nbytes: int, **extra) -> None:
+    def event(self, kind: str, seconds: float, nbytes: int, **extra) -> None:
         ev = {"event": kind, "ms": round(seconds * 1e3, 3), "bytes": int(nbytes), "time": time.time(), **extra}
         self.events.append(ev)
         del self.events[:-100]
@@ -428,10 +433,10 @@ class LayerResidency:
         def do() -> None:
             self._drain()
             self._resize(targets)
-            self._zero(before)
+            self.zero_kv(before)
         tx.step(step, do, lambda: self._resize(prev))
 
-    def _zero(self, lo_block: int = 0) -> None:
+    def zero_kv(self, lo_block: int = 0) -> None:
         """Zero newly mapped KV blocks (fresh chunks may hold old data)."""
         for k in self.kv:
             n = min(k.region.mapped_bytes // k.page_bytes, self.max_blocks)

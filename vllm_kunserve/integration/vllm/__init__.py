@@ -14,6 +14,8 @@ from vllm_kunserve.integration.vllm.cpu_linear import CpuLinearPatch
 from vllm_kunserve.integration.vllm.engine_hooks import EngineCorePatch
 from vllm_kunserve.integration.vllm.kv_alloc import KVAllocationPatch
 from vllm_kunserve.integration.vllm.kv_plan import KVPlanPatch
+from vllm_kunserve.integration.vllm.registry import APPLIED as _instances
+from vllm_kunserve.integration.vllm.registry import applied
 from vllm_kunserve.integration.vllm.worker_extension import WorkerExtensionPatch
 
 logger = logging.getLogger("vllm.kunserve")
@@ -21,9 +23,6 @@ logger = logging.getLogger("vllm.kunserve")
 #: every touchpoint, in application order
 PATCH_CLASSES: list[type[VllmPatch]] = [
     WorkerExtensionPatch, KVPlanPatch, EngineCorePatch, KVAllocationPatch, CpuLinearPatch]
-
-_instances: dict[str, VllmPatch] = {}
-
 
 def apply_named(names: list[str]) -> list[str]:
     """Apply the named touchpoints once each (in ``PATCH_CLASSES`` order). A touchpoint whose vLLM
@@ -40,10 +39,6 @@ def apply_named(names: list[str]) -> list[str]:
         inst.patch()
         _instances[cls.name] = inst
     return applied()
-
-
-def applied() -> list[str]:
-    return [c.name for c in PATCH_CLASSES if c.name in _instances]
 
 
 def instances() -> list[VllmPatch]:

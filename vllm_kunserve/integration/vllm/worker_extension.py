@@ -48,7 +48,7 @@ class KunServeWorkerExtension:
     def kunserve_info(self) -> dict:
         """State of this worker as seen by kunserve: process, model layers, KV cache."""
         from vllm_kunserve.config import engine_config
-        from vllm_kunserve.integration.vllm import applied
+        from vllm_kunserve.integration.vllm.registry import applied
         from vllm_kunserve.integration.vllm.worker_memory import decoder_layers
 
         runner = getattr(self, "model_runner", None)
@@ -69,9 +69,7 @@ class KunServeWorkerExtension:
         return int(getattr(self, "rank", 0) or 0)
 
     def kunserve_memory_state(self) -> dict:
-        res = self._kunserve_memory()
-        return {"pid": os.getpid(), "rank": self._kunserve_rank(), **res.state(), "kv_regions": len(res.kv),
-                "h2d_bytes_per_s": res.h2d_bytes_per_s, "copy_overlap": res.copy_overlap}
+        return {"pid": os.getpid(), "rank": self._kunserve_rank(), **self._kunserve_memory().state()}
 
     def kunserve_prepare(self, op: str, params: dict) -> int:
         """Run a transition and keep it prepared; returns the mapped block count."""

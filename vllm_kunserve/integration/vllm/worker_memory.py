@@ -149,10 +149,10 @@ def build_worker_memory(model: nn.Module, kv_cache_config: Any, device: torch.de
         kv.append(KVPlace(name, region, page))
     res = LayerResidency(pool, layers, weights, kv, max_blocks, base_blocks,
                          adapter=PackedSlots(layers))  # CPU: streamed linears keep oneDNN's packed kernel
-    res._zero()
+    res.zero_kv()
     res.h2d_bytes_per_s = measure_h2d(res)
     res.copy_overlap = copy_overlaps(pool.device)
-    res._event("setup", time.perf_counter() - t0, pool.capacity_bytes, layers=len(layers), chunk_bytes=chunk,
+    res.event("setup", time.perf_counter() - t0, pool.capacity_bytes, layers=len(layers), chunk_bytes=chunk,
                base_blocks=base_blocks, max_blocks=max_blocks, peak_extra_chunks=max(map(chunks, layer_bytes)))
     return res, views
 
