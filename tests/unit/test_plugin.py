@@ -26,8 +26,10 @@ def gate(monkeypatch):
     monkeypatch.setattr(EngineArgs, "create_engine_config", create_engine_config)
     monkeypatch.setitem(plugin._state, "gate", None)
     monkeypatch.setitem(plugin._state, "patches", [])
-    monkeypatch.delenv(plugin.ENV_PATCHES, raising=False)
-    monkeypatch.delenv(plugin.ENV_FEATURES, raising=False)
+    # setenv (not delenv) so that teardown removes what activate() exports: it must not leak into
+    # engines this test process starts later (they would apply the touchpoints)
+    monkeypatch.setenv(plugin.ENV_PATCHES, "")
+    monkeypatch.setenv(plugin.ENV_FEATURES, "")
     plugin.register()
     yield made
     from vllm_kunserve.integration.vllm import revert_all
