@@ -15,6 +15,7 @@ import dataclasses
 import json
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 CONFIG_KEY = "kunserve"
@@ -95,8 +96,20 @@ class LookaheadConfig:
 class PlacementConfig:
     """Request placement and migration (MELL)."""
 
-    policy: str = _opt("mell", "Placement policy.", choices=("mell", "best_fit", "worst_fit", "llumnix"))
-    max_migrations: int = _opt(10, "Migrations allowed per placement operation.", lo=0, hi=1000)
+    policy: str = _opt("mell", "Placement policy of `kunserve plan placement` (elastic bin packing).",
+                       choices=("mell", "best_fit", "worst_fit", "llumnix"))
+    max_migrations: int = _opt(
+        10, "Migrations allowed per placement operation (`kunserve serve --dispatch mell`: per monitor period).",
+        lo=0, hi=1000)
+    max_migration_bytes: int = _opt(
+        4 << 30, "KV bytes migrations may send per operation (per monitor period), all instance pairs together; "
+        "a move over budget re-prefills instead or waits (0: never send KV).", lo=0, hi=1 << 50)
+    max_reprefill_ms: float = _opt(
+        1000.0, "Prefill time (cost model, ms) each destination may spend per operation re-prefilling migrated "
+        "requests (0: never re-prefill).", lo=0.0, hi=3.6e6)
+    high_watermark: float = _opt(
+        0.9, "Fixed-cluster MELL: migrate requests off an instance whose KV demand (used + queued blocks) "
+        "exceeds this share of its capacity; a destination must stay at or below it.", lo=0.0, hi=1.0, lo_open=True)
 
 
 @dataclass(frozen=True)
@@ -245,6 +258,27 @@ def parse_config(raw: Any) -> KunServeConfig:
             raise KunServeConfigError(
                 f"kunserve.{key}: unknown key (value {raw[key]!r}); allowed sections: {', '.join(_SECTIONS)}")
     return KunServeConfig(**{name: _parse_section(name, cls, raw.get(name)) for name, cls in _SECTIONS.items()})
+
+
+def parse_kunserve_config(text: str | None) -> dict[str, Any]:
+    """A ``--kunserve-config`` value (``kunserve compare``, ``kunserve serve``): inline JSON or a path
+    to a JSON file, with or without the outer ``{"kunserve": ...}``; validated, returned as a dict."""
+    if not text:
+        return {}
+    src = "--kunserve-config"
+    if not text.lstrip().startswith("{"):
+        path = Path(text)
+        if not path.is_file():
+            raise FileNotFoundError(f"--kunserve-config: not JSON and no such file: {text}")
+        text, src = path.read_text(), str(path)
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{src}: not valid JSON ({e})") from None
+    if isinstance(raw, dict) and CONFIG_KEY in raw and len(raw) == 1:
+        raw = raw[CONFIG_KEY]  # accept {"kunserve": {...}} as well as the inner object
+    parse_config(raw)
+    return raw
 
 
 def config_from_additional(additional_config: Any) -> KunServeConfig | None:

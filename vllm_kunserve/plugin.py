@@ -11,6 +11,11 @@ being built, so register() decides nothing from the engine config itself. Instea
   startup with a message naming it), applies the touchpoints this engine needs, lets them adjust
   this engine's arguments and config, and exports the touchpoint names to the processes vLLM starts
   next (``KUNSERVE_PATCHES``), whose register() applies them before building anything.
+* The export describes exactly the engine whose configuration passed the gate last, i.e. the one
+  whose processes vLLM starts next: a kunserve engine replaces it with its own touchpoints, a stock
+  engine removes it. Otherwise a stock engine built after a kunserve engine in the same process
+  would inherit the variables, and its engine-core and worker processes would apply touchpoints
+  (and announce kunserve) although their engine has no ``kunserve`` key.
 * Every touchpoint reads the configuration of the engine it is serving from the objects vLLM hands
   it (``vllm_config.additional_config``), never from process-wide state, so two engines with
   different configurations in one process each behave as configured; an engine without a
@@ -67,6 +72,7 @@ def _install_gate() -> None:
     def create_engine_config(self, *args, **kwargs):
         cfg = config_from_additional(getattr(self, "additional_config", None))  # raises on bad options
         if cfg is None:
+            _export([], "")  # this engine's processes are stock, whatever engines came before
             return orig(self, *args, **kwargs)
         patches = activate(cfg)
         for p in patches:
@@ -83,8 +89,9 @@ def _install_gate() -> None:
 
 
 def activate(cfg: KunServeConfig | dict | None = None) -> list:
-    """Apply the touchpoints ``cfg`` needs in this process (idempotent) and export them to the
-    processes vLLM starts next. Returns the patch instances that adjust an engine's config."""
+    """Apply the touchpoints ``cfg`` needs in this process (idempotent) and export exactly them to
+    the processes vLLM starts next (this engine's). Returns the patch instances that adjust an
+    engine's config."""
     if cfg is None or isinstance(cfg, dict):
         cfg = parse_config(cfg or {})
     from vllm_kunserve.integration.vllm import PATCH_CLASSES, instances
@@ -92,10 +99,18 @@ def activate(cfg: KunServeConfig | dict | None = None) -> list:
     names = [c.name for c in PATCH_CLASSES if c().wanted(cfg)]
     features = ", ".join(cfg.features())
     _apply(names, features)
-    exported = set(filter(None, os.environ.get(ENV_PATCHES, "").split(",")))
-    os.environ[ENV_PATCHES] = ",".join(n for n in (c.name for c in PATCH_CLASSES) if n in exported | set(names))
-    os.environ.setdefault(ENV_FEATURES, features)
+    _export(names, features)
     return [p for p in instances() if p.name in names]
+
+
+def _export(names: list[str], features: str) -> None:
+    """What the processes vLLM starts next apply: this engine's touchpoints (none: unset)."""
+    if names:
+        os.environ[ENV_PATCHES] = ",".join(names)
+        os.environ[ENV_FEATURES] = features
+    else:
+        os.environ.pop(ENV_PATCHES, None)
+        os.environ.pop(ENV_FEATURES, None)
 
 
 def _apply(names: list[str], features: str) -> None:

@@ -8,6 +8,8 @@ import textwrap
 import numpy as np
 import pytest
 
+from vllm_kunserve.config import parse_kunserve_config
+
 from vllm_kunserve.bench import systems as S
 from vllm_kunserve.bench.compare import aggregate, compare, ratio, table, write_compare
 from vllm_kunserve.bench.prompts import PromptFactory
@@ -51,16 +53,16 @@ def test_vllm_serve_plan():
 
 
 def test_parse_kunserve_config(tmp_path):
-    assert S.parse_kunserve_config('{"remap": {"enable": true}}') == {"remap": {"enable": True}}
-    assert S.parse_kunserve_config('{"kunserve": {"drop": {}}}') == {"drop": {}}
+    assert parse_kunserve_config('{"remap": {"enable": true}}') == {"remap": {"enable": True}}
+    assert parse_kunserve_config('{"kunserve": {"drop": {}}}') == {"drop": {}}
     p = tmp_path / "k.json"
     p.write_text('{"remap": {"enable": tru}')
     with pytest.raises(ValueError, match="k.json: not valid JSON"):
-        S.parse_kunserve_config(str(p))
+        parse_kunserve_config(str(p))
     with pytest.raises(FileNotFoundError):
-        S.parse_kunserve_config("nofile.json")
+        parse_kunserve_config("nofile.json")
     with pytest.raises(ValueError, match="unknown key"):
-        S.parse_kunserve_config('{"remapp": {}}')
+        parse_kunserve_config('{"remapp": {}}')
 
 
 def _summary(ttft50, ttft99, pre, done=10):

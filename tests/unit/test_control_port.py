@@ -329,11 +329,29 @@ def test_status_http_error_names_the_reason(engine, server, capsys):
     assert "HTTP 500" in capsys.readouterr().err
 
 
-def test_serve_is_not_listed_until_built(capsys):
+def test_serve_and_status_are_listed(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("    ")]
-    assert "status" in listed and "serve" not in listed
+    assert "status" in listed and "serve" in listed
+
+
+def test_render_fleet_status():
+    from vllm_kunserve.cli.status import render
+
+    st = {"dispatch": "least-work", "served_models": ["m"], "max_model_len": 256, "inflight": 3,
+          "instances": [{"instance": 0, "state": "ready", "restarts": 1, "inflight": 2, "url": "http://a",
+                         "kv": {"capacity_blocks": 88, "used_blocks": 10, "source": "control",
+                                "engine": {"phase": "base", "layers": [{"state": "resident"}, {"state": "dropped"}]}}},
+                        {"instance": 1, "state": "restarting", "restarts": 0, "inflight": 1, "kv": {}}],
+          "events": [{"t": 2.0, "event": "restarted", "instance": 0}, {"t": 1.0, "event": "dead", "instance": 0}]}
+    out = render(st)
+    lines = out.splitlines()
+    assert lines[0].startswith("front end  dispatch least-work")
+    assert lines[2].split()[:6] == ["0", "ready", "1", "2", "88", "10"]
+    assert lines[3].split()[:2] == ["1", "restarting"]
+    assert "layers     R D" in out
+    assert out.index(" dead ") < out.index(" restarted ")   # events in time order
 
 
 def test_render_long_models_and_front_end_states():

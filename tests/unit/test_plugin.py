@@ -68,6 +68,7 @@ def test_gate_activates_per_engine_and_exports_patches(gate, monkeypatch):
     assert os.environ[plugin.ENV_PATCHES] == "worker_extension"
     stock = EngineArgs.create_engine_config(_args(None))  # a later stock engine stays stock
     assert stock.parallel_config.worker_extension_cls == ""
+    assert plugin.ENV_PATCHES not in os.environ  # and its processes apply nothing
     b = _args({"kunserve": {"remap": {"enable": True}}})
     EngineArgs.create_engine_config(b)
     assert b.enforce_eager is True

@@ -58,3 +58,42 @@ def test_bad_mode_and_empty_cluster():
         choose_instance(units(), "fastest")
     with pytest.raises(ValueError, match="no instance"):
         choose_instance([], "least-load")
+
+
+# ---- mell: MELL's placement on a fixed cluster (every instance an open bin: spread by KV headroom)
+
+def test_mell_is_least_load_on_identical_instances():
+    import random
+
+    rnd = random.Random(7)
+    for _ in range(200):
+        us = [InstanceLoad(i, rnd.randint(0, 90), rnd.randint(0, 30), 100, requests=rnd.randint(0, 9),
+                           alive=rnd.random() > 0.1) for i in range(rnd.randint(1, 8))]
+        b = rnd.randint(0, 20)
+        fits = [u for u in us if u.alive and u.fits(b)]
+        if fits and any(u.alive for u in us):
+            # the prompt fits somewhere: the same unit as least-load, which then fits too
+            assert choose_instance(us, "mell", prompt_blocks=b) == choose_instance(us, "least-load", prompt_blocks=b)
+
+
+def test_mell_never_packs_and_prefers_a_unit_the_prompt_fits():
+    # packing (best fit) would take the fullest unit that fits; on a fixed cluster MELL spreads
+    us = [InstanceLoad(0, 70, 0, 100), InstanceLoad(1, 10, 0, 100), InstanceLoad(2, 40, 0, 100)]
+    assert choose_instance(us, "mell", prompt_blocks=5) == 1
+    # heterogeneous units: least-load takes the lowest share even where the prompt does not fit
+    big = InstanceLoad(0, 25, 0, 100)  # share 0.25, but 80 blocks do not fit
+    group = InstanceLoad(1, 120, 0, 400, k=2)  # share 0.30, 280 blocks free
+    assert choose_instance([big, group], "least-load", prompt_blocks=80) == 0
+    assert choose_instance([big, group], "mell", prompt_blocks=80) == 1
+    # the share after placement decides between units that both take it
+    a, b = InstanceLoad(0, 20, 0, 100), InstanceLoad(1, 45, 0, 200)
+    assert choose_instance([a, b], "mell", prompt_blocks=40) == 1  # 0.425 < 0.60
+    # nothing fits: the lowest demand share, dead units skipped
+    full = [InstanceLoad(0, 99, 0, 100), InstanceLoad(1, 90, 0, 100), InstanceLoad(2, 0, 0, 100, alive=False)]
+    assert choose_instance(full, "mell", prompt_blocks=50) == 1
+
+
+def test_mell_is_a_dispatch_mode():
+    from vllm_kunserve.policy.dispatch import DISPATCH, check_mode
+
+    assert "mell" in DISPATCH and check_mode("mell") == "mell"

@@ -9,7 +9,7 @@ from vllm_kunserve.sim.engine import SimConfig
 from vllm_kunserve.sim.hardware import get_gpu
 from vllm_kunserve.sim.models import BUILTIN, load_model_spec, spec_from_hf_config
 from vllm_kunserve.sim.steptime import EqStepTime
-from vllm_kunserve.sim.trace import read_trace_csv, scale_rate, window
+from vllm_kunserve.sim.trace import compress_time, read_trace_csv, window
 
 pytestmark = pytest.mark.unit
 DATA = os.path.join(os.path.dirname(__file__), "..", "data", "sim")
@@ -57,7 +57,7 @@ def test_trace_reader_window_scale(tmp_path):
     assert all(b.arrival_s >= a.arrival_s for a, b in zip(reqs, reqs[1:]))
     w = window(reqs, 10.0, 20.0)
     assert all(0 <= r.arrival_s < 20.0 for r in w)
-    s = scale_rate(reqs, 4.0)
+    s = compress_time(reqs, 4.0)
     assert s[-1].arrival_s == pytest.approx(reqs[-1].arrival_s / 4)
     bad = tmp_path / "bad.csv"
     bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1000,12,3\n2000,x,4\n")

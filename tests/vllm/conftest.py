@@ -16,15 +16,20 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_model(tmp_path_factory.mktemp("models") / "tiny", PRESETS["tiny"])
 
 
-def run_probe(model: Path, mode: str, additional, env_extra=None, timeout=300) -> tuple[dict, str]:
+def run_script(script: str, args: list, env_extra=None, timeout=300) -> tuple[dict, str]:
+    """Run ``tests/vllm/<script>`` in a fresh process; returns its ``PROBE_RESULT`` JSON and its log."""
     env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", **(env_extra or {}))
-    extra = "none" if additional is None else json.dumps(additional)
-    r = subprocess.run([sys.executable, str(HERE / "engine_probe.py"), str(model), mode, extra],
+    r = subprocess.run([sys.executable, str(HERE / script), *map(str, args)],
                        capture_output=True, text=True, timeout=timeout, env=env)
     log = r.stdout + r.stderr
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("PROBE_RESULT ")]
-    assert r.returncode == 0 and lines, f"engine probe failed (rc={r.returncode}):\n{log[-4000:]}"
+    assert r.returncode == 0 and lines, f"{script} failed (rc={r.returncode}):\n{log[-4000:]}"
     return json.loads(lines[-1][len("PROBE_RESULT "):]), log
+
+
+def run_probe(model: Path, mode: str, additional, env_extra=None, timeout=300) -> tuple[dict, str]:
+    extra = "none" if additional is None else json.dumps(additional)
+    return run_script("engine_probe.py", [model, mode, extra], env_extra, timeout)
 
 
 @pytest.fixture
@@ -46,10 +51,5 @@ def burst_model(tmp_path_factory) -> Path:
 
 
 def run_remap_probe(model: Path, scenario: str, additional, timeout=600) -> dict:
-    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1")
     extra = "none" if additional is None else json.dumps(additional)
-    r = subprocess.run([sys.executable, str(HERE / "remap_probe.py"), str(model), scenario,
-                        str(BURST_KV_BYTES), extra], capture_output=True, text=True, timeout=timeout, env=env)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("PROBE_RESULT ")]
-    assert r.returncode == 0 and lines, f"remap probe failed (rc={r.returncode}):\n{(r.stdout + r.stderr)[-4000:]}"
-    return json.loads(lines[-1][len("PROBE_RESULT "):])
+    return run_script("remap_probe.py", [model, scenario, BURST_KV_BYTES, extra], timeout=timeout)[0]

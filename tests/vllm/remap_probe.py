@@ -5,7 +5,9 @@ Scenarios: identity (greedy outputs with remap forced at several alpha/slots vs 
            burst (16 requests at once; preemptions, capacity before/after),
            fault-<step> (a burst whose automatic remap fails at <step>),
            faults (every step of remap and revert fails once, in turn; outputs compared),
-           controller (the policy raises mid-burst).
+           controller (the policy raises mid-burst),
+           liveness (a large forced remap, a burst that uses the grown capacity, then demand cut to
+           and held at ~0.4x the base KV: when each revert completes, outputs vs a run without remap).
 """
 
 import json
@@ -13,6 +15,10 @@ import os
 import sys
 
 N_REQ, PROMPT, OUTPUT = 16, 160, 80
+#: liveness: net layers remapped (6 of 8 streamed with one slot), output tokens per request (each
+#: then needs 7 blocks of 32 tokens), requests held after the cut (5 x 7 blocks: ~0.4x the 87 usable
+#: base blocks), requests that replace finished ones, and the longest wait for the revert
+LIVE_ALPHA, LIVE_OUTPUT, LIVE_HELD, LIVE_STEADY, LIVE_WAIT_S = 5, 40, 5, 32, 60.0
 
 
 def prompts(vocab: int):
@@ -110,6 +116,90 @@ if __name__ == "__main__":
         res.update(steps=steps, final_remap=final, final_same=out == base,
                    final_revert=rpc("kunserve_revert")[0]["outcome"], final_phase=state()["phase"],
                    final_problems=rpc("kunserve_check")[0]["problems"])
+    elif scenario == "liveness":
+        import random
+        import time
+
+        core = llm.llm_engine.engine_core.engine_core
+        agent, eng = core._kunserve, llm.llm_engine
+        kcm, bs = core.scheduler.kv_cache_manager, llm.llm_engine.vllm_config.cache_config.block_size
+        rng = random.Random(11)
+        everything = prompts(vocab) + [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(PROMPT)]}
+                                       for _ in range(LIVE_STEADY)]
+        sp = SamplingParams(max_tokens=LIVE_OUTPUT, temperature=0, ignore_eos=True)
+        rpc("kunserve_auto", args=(False,))
+        # the reference: the same prompts on the same engine before any remap (batches that fit)
+        ref = [list(o.outputs[0].token_ids) for k in range(0, len(everything), 8)
+               for o in llm.generate(everything[k:k + 8], sp, use_tqdm=False)]
+        llm.reset_prefix_cache()
+        base = state()["kv_blocks_base"]
+        remap = rpc("kunserve_remap", kwargs={"alpha": LIVE_ALPHA, "slots": 1})[0]
+        rpc("kunserve_auto", args=(True,))
+        internal, added, finished, out = {}, {}, {}, {}  # by request id "r<k>"
+
+        def add(k):
+            p = everything[k % len(everything)]  # prompts come round again if the engine is fast
+            internal[f"r{k}"], added[f"r{k}"] = eng.add_request(f"r{k}", p, sp), time.monotonic()
+
+        def step():
+            for o in eng.step():
+                if o.finished:
+                    out[o.request_id], finished[o.request_id] = list(o.outputs[0].token_ids), time.monotonic()
+
+        def top_blocks():
+            return {rid: max(kcm.get_block_ids(i)[0], default=-1)
+                    for rid, i in internal.items() if rid not in finished}
+
+        for k in range(N_REQ):
+            add(k)
+        # the burst runs in the grown capacity until enough requests hold blocks above the base
+        while sum(b >= base for b in top_blocks().values()) < LIVE_HELD:
+            step()
+        peak = state()
+        # cut demand to ~0.4x the base, keeping the requests with the highest blocks (they drain last)
+        top = top_blocks()
+        ranked = sorted(top, key=lambda rid: -top[rid])
+        keep, cut = ranked[:LIVE_HELD], ranked[LIVE_HELD:]
+        eng.abort_request([internal[rid] for rid in cut], internal=True)
+        t0, wall0 = time.monotonic(), time.time()
+        nxt, ratios, agent_ratios, t_base = N_REQ, [], [], None
+        while time.monotonic() - t0 < LIVE_WAIT_S:
+            step()
+            live = [rid for rid in internal if rid not in finished and rid not in cut]
+            for _ in range(LIVE_HELD - len(live)):  # hold demand: replace each finished request
+                add(nxt)
+                nxt += 1
+            # demand: blocks the live requests need to finish (the agent's own count misses
+            # blocks that are draining), over the usable base
+            reqs = list(core.scheduler.running) + list(core.scheduler.waiting)
+            ratios.append(sum(-(-(r.num_prompt_tokens + r.max_tokens) // bs) for r in reqs) / (base - 1))
+            agent_ratios.append(agent.load().demand_blocks / (base - 1))
+            if agent.phase == "base" and not agent.remapped:
+                t_base = time.monotonic() - t0
+                break
+        while eng.has_unfinished_requests():  # serve the rest at base capacity
+            step()
+        st = state()
+        reverts, begin = [], None
+        for e in agent.events:
+            if e["event"] == "revert" and e["outcome"] == "draining":
+                begin = e
+            elif e["event"] == "revert" and e["outcome"] == "ok":
+                reverts.append({"begin": round(begin["time"] - wall0, 3), "end": round(e["time"] - wall0, 3),
+                                "draining_blocks": begin["draining"], "returned": len(e["layers"]),
+                                "kept": len(e["kept"]), "transition_ms": e["ms"]})
+        lifetimes = [finished[rid] - added[rid] for rid in finished]
+        res.update(remap=remap["outcome"], remapped=len(remap["layers"]), base=base,
+                   blocks_peak=peak["kv_blocks_total"], held_top_blocks=[top[rid] for rid in keep],
+                   hold_s=agent.cfg.remap.revert_hold_s, t_base=t_base, reverts=reverts,
+                   events=[e for e in outcomes(st) if e[0] != "remap"], errors=st["errors"],
+                   ratio_min=min(ratios), ratio_max=max(ratios), agent_ratio_min=min(agent_ratios),
+                   max_lifetime_s=max(lifetimes),
+                   step_ms=sorted(agent.step_ms)[len(agent.step_ms) // 2], served=sorted(out),
+                   aborted=sorted(cut), same=all(out[rid] == ref[int(rid[1:]) % len(ref)] for rid in out),
+                   complete=all(len(t) == LIVE_OUTPUT for t in out.values()), phase_after=st["phase"],
+                   blocks_after=st["kv_blocks_total"], problems=rpc("kunserve_check")[0]["problems"],
+                   preemptions=preemptions(llm))
     else:
         if scenario.startswith("fault-"):
             rpc("kunserve_inject_fault", args=(scenario.split("-", 1)[1],))

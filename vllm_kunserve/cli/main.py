@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "bench": "replay a trace against an OpenAI-compatible endpoint",
     "compare": "run stock vLLM, kunserve and the oracle on the same trace, side by side",
     "simulate": "discrete-event cluster simulation of a trace under several policies",
+    "serve": "serve N vLLM engines behind one OpenAI-compatible endpoint (front end, monitor, dispatch)",
     "status": "print an engine's (or a kunserve front end's) state from its control port as a table",
 }
 
@@ -44,13 +45,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             # only import the module actually asked for; list the others by name
             sub.add_parser(_cmd_name(module), help=COMMANDS[module])
             continue
-        try:
-            mod = importlib.import_module(f"vllm_kunserve.cli.{module}")
-        except ModuleNotFoundError as e:
-            if e.name == f"vllm_kunserve.cli.{module}":
-                continue  # command not built yet
-            raise
-        mod.add_parser(sub)
+        importlib.import_module(f"vllm_kunserve.cli.{module}").add_parser(sub)
     return parser
 
 

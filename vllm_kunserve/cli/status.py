@@ -24,7 +24,8 @@ _EVENT_KEYS = ("time", "event", "outcome", "ms", "bytes")
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="print an engine's (or a kunserve front end's) state from its control "
                                       "port as a table")
-    p.add_argument("--url", required=True, help="control port base URL, e.g. http://127.0.0.1:PORT")
+    p.add_argument("--url", required=True, help="an engine's control port or a kunserve serve front end, "
+                                                "e.g. http://127.0.0.1:PORT")
     p.add_argument("--token", default=None, help=f"bearer token (default: env {TOKEN_ENV})")
     p.add_argument("--json", action="store_true", help="print the raw state as JSON")
     p.add_argument("--events", type=int, default=10, metavar="N", help="show the last N events (default 10)")
@@ -41,7 +42,22 @@ def fetch_state(url: str, token: str | None, timeout: float = 10.0) -> dict:
     base = url.rstrip("/")
     if "://" not in base:
         base = "http://" + base
-    req = urllib.request.Request(base + "/state", headers={"Accept": "application/json"})
+    try:
+        return _get_json(base, "/state", token, timeout)
+    except _NotFound:  # not an engine's control port: a kunserve serve front end?
+        try:
+            return _get_json(base, "/kunserve/status", token, timeout)
+        except _NotFound:
+            raise StatusError(f"{base}: neither an engine control port (/state) nor a kunserve front end "
+                              f"(/kunserve/status)") from None
+
+
+class _NotFound(Exception):
+    pass
+
+
+def _get_json(base: str, path: str, token: str | None, timeout: float) -> dict:
+    req = urllib.request.Request(base + path, headers={"Accept": "application/json"})
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:
@@ -53,16 +69,18 @@ def fetch_state(url: str, token: str | None, timeout: float = 10.0) -> dict:
                               f"(--token or env {TOKEN_ENV})") from None
         if e.code == 403:
             raise StatusError(f"{base}: wrong token (--token or env {TOKEN_ENV})") from None
-        raise StatusError(f"{base}/state: HTTP {e.code}: {_error_message(e)}") from None
+        if e.code == 404:
+            raise _NotFound(path) from None
+        raise StatusError(f"{base}{path}: HTTP {e.code}: {_error_message(e)}") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
         raise StatusError(f"cannot reach the control port at {base}: {reason}") from None
     try:
         state = json.loads(body)
     except ValueError:
-        raise StatusError(f"{base}/state did not answer JSON (is this a kunserve control port?)") from None
+        raise StatusError(f"{base}{path} did not answer JSON (is this a kunserve control port?)") from None
     if not isinstance(state, dict):
-        raise StatusError(f"{base}/state answered {type(state).__name__}, not a JSON object")
+        raise StatusError(f"{base}{path} answered {type(state).__name__}, not a JSON object")
     return state
 
 
@@ -211,8 +229,31 @@ def render_engine(state: dict, events: int = 10, now: float | None = None) -> st
     return "\n".join(lines + _layers(state.get("layers")) + _events(state.get("events"), events))
 
 
+def render_fleet(state: dict, events: int = 10) -> str:
+    """A ``kunserve serve`` front end's ``/kunserve/status``: one row per instance, then events."""
+    lines = [f"front end  dispatch {_s(state.get('dispatch'))}  models {','.join(state.get('served_models') or [])}"
+             f"  max_model_len {_s(state.get('max_model_len'))}  inflight {_s(state.get('inflight'))}"]
+    rows = [("inst", "state", "restarts", "inflight", "blocks", "used", "queued", "running", "waiting", "via", "url")]
+    for i in state.get("instances") or []:
+        kv = i.get("kv") or {}
+        rows.append((_s(i.get("instance")), _s(i.get("state")), _s(i.get("restarts")), _s(i.get("inflight")),
+                     _s(kv.get("capacity_blocks")), _s(kv.get("used_blocks")), _s(kv.get("queued_blocks")),
+                     _s(kv.get("running")), _s(kv.get("waiting")), _s(kv.get("source")), _s(i.get("url"))))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    for i in state.get("instances") or []:
+        eng = (i.get("kv") or {}).get("engine")
+        if isinstance(eng, dict) and eng.get("layers"):
+            lines += [f"instance {i.get('instance')}: phase {_s(eng.get('phase'))}"] + _layers(eng["layers"])
+    evs = [{**e, "time": e.get("t")} for e in state.get("events") or [] if isinstance(e, dict)]
+    evs.sort(key=lambda e: e.get("time") or 0)
+    return "\n".join(lines + _events(evs, events))
+
+
 def render(state: dict, events: int = 10, now: float | None = None) -> str:
-    """The state as text: one engine, or (a front end's state) each of its ``engines``."""
+    """The state as text: one engine, a ``kunserve serve`` front end, or each of ``engines``."""
+    if isinstance(state.get("instances"), list) and "dispatch" in state:
+        return render_fleet(state, events)
     engines = state.get("engines")
     if isinstance(engines, list) and engines and all(isinstance(e, dict) for e in engines):
         head = {k: v for k, v in state.items() if k != "engines" and not isinstance(v, (dict, list))}

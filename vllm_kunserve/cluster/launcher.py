@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["LaunchPlan", "ServerProcess", "VllmServer", "cpu_env", "free_port", "serve_argv"]
+__all__ = ["KunserveCluster", "LaunchPlan", "ServerProcess", "VllmServer", "cluster_argv", "cpu_env", "free_port",
+           "serve_argv"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,19 @@ def serve_argv(model: str, host: str, port: int, args: Sequence[str] = (),
     if additional_config:
         argv += ["--additional-config", json.dumps(additional_config)]
     return argv + list(args)
+
+
+def cluster_argv(model: str, host: str, port: int, instances: int, args: Sequence[str] = (),
+                 kunserve: dict[str, Any] | None = None, dispatch: str | None = None, backend: str = "local",
+                 extra: Sequence[str] = ()) -> list[str]:
+    """``kunserve serve MODEL --instances N ...`` in this interpreter (engine ``args`` last)."""
+    argv = [sys.executable, "-m", "vllm_kunserve.cli.main", "serve", model, "--instances", str(instances),
+            "--host", host, "--port", str(port), "--backend", backend]
+    if dispatch:
+        argv += ["--dispatch", dispatch]
+    if kunserve is not None:
+        argv += ["--kunserve-config", json.dumps(kunserve)]
+    return argv + list(extra) + list(args)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -182,3 +196,19 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass
+class KunserveCluster(VllmServer):
+    """``kunserve serve`` with ``instances`` engines behind one front end (tests, demo, benchmarks).
+    ``additional_config`` is the kunserve section itself here (None: stock engines)."""
+
+    instances: int = 2
+    dispatch: str | None = None
+    backend: str = "local"
+    extra: list[str] = field(default_factory=list)   # front-end options (e.g. --monitor-interval)
+
+    def plan(self) -> LaunchPlan:
+        return LaunchPlan(cluster_argv(self.model, self.host, self.port, self.instances, self.args,
+                                       self.additional_config, self.dispatch, self.backend, self.extra),
+                          {**cpu_env(), **self.env})

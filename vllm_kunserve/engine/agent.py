@@ -33,6 +33,7 @@ from collections import deque
 from typing import Any, Callable
 
 from vllm_kunserve.engine.control import ControlConflict, ControlRequestError
+from vllm_kunserve.engine.migration import MIGRATION_OPERATIONS, KVMigration
 from vllm_kunserve.memory.transaction import StepFaults
 from vllm_kunserve.policy.inputs import EngineLoad, remap_input
 from vllm_kunserve.policy.remap import ModelLayers, RemapState, decide_remap, spaced_layers
@@ -41,7 +42,7 @@ logger = logging.getLogger("vllm.kunserve")
 
 #: methods the engine core answers itself when called through ``collective_rpc``
 ENGINE_METHODS = ("kunserve_state", "kunserve_remap", "kunserve_revert", "kunserve_inject_fault",
-                  "kunserve_auto", "kunserve_check")
+                  "kunserve_auto", "kunserve_check", *(f"kunserve_{op}" for op in MIGRATION_OPERATIONS))
 
 #: operations of the control port: name -> parameters
 OPERATIONS = {
@@ -50,6 +51,7 @@ OPERATIONS = {
     "auto": "enable (bool): let the agent remap and revert by itself",
     "inject_fault": "step (str), after (int, default 0), rank (int, optional): test hook",
     "check": "no parameters: check the invariants now",
+    **MIGRATION_OPERATIONS,  # KV migration between engines (engine/migration.py)
 }
 
 #: faults the agent itself can be armed with (the rest go to the workers' residency)
@@ -307,7 +309,7 @@ class EngineAgent:
         back = [i for i in self.remapped if i not in keep]
         self.operation = {"op": "revert", "started": time.time(), "params": {"keep": list(keep)}}
         try:
-            self._two_phase("revert", {"kv_blocks": st.visible, "keep": list(keep)})
+            mapped = self._two_phase("revert", {"kv_blocks": st.visible, "keep": list(keep)})
             self._workers("kunserve_commit")
         except Exception as exc:
             # workers keep streaming (aborted); the scheduler gets the retired blocks back
@@ -320,6 +322,8 @@ class EngineAgent:
         self.remapped = tuple(keep)
         self.slots = self.slots if keep else 0
         self.phase = "remapped" if keep else "base"
+        if keep:  # KV shrinks in whole chunks: the workers may still map a few blocks above the target
+            self.sched.grow(min(min(mapped), st.max_blocks) - self.sched.state().visible)
         self._after_transition()
         return self._event("revert", "ok", time.perf_counter() - t0, len(back) * self.layer_bytes,
                            layers=back, kept=list(keep), reason=self._revert_reason,
@@ -421,7 +425,17 @@ class EngineAgent:
             return self.inject_fault(params)
         if op == "check":
             return {"problems": self.invariant_problems()}
+        if op in MIGRATION_OPERATIONS:
+            return self.kv_migration().call(op, params)
         raise ControlRequestError(f"unknown operation {op!r}; known: {', '.join(OPERATIONS)}")
+
+    def kv_migration(self) -> KVMigration:
+        """The KV migration operations (``engine.migration``), made on first use."""
+        mig = self.__dict__.get("_kv_migration")
+        if mig is None:
+            mig = self._kv_migration = KVMigration(self.sched, self._workers, self.control_submit, self._event,
+                                                   self.info, self.label)
+        return mig
 
     def inject_fault(self, params: dict) -> dict:
         step = params.get("step")

@@ -2,7 +2,10 @@
 
 * ``best_fit``: the fullest instance the request fits in; a grown request that no longer fits
   moves to the best fit elsewhere (one migration); never consolidates.
-* ``worst_fit``: the emptiest instance (spreads load, maximises per-request headroom).
+* ``worst_fit``: the emptiest instance (spreads load, maximises per-request headroom): least-load
+  dispatch in an elastic cluster.
+* ``round_robin``: the next open instance in turn that the request fits in (round-robin dispatch
+  in an elastic cluster).
 * ``llumnix``: least-loaded placement plus Llumnix-style load balancing: after every operation, if
   the most and least loaded instances differ by more than ``imbalance`` x C, migrate the smallest
   request that narrows the gap (one migration per operation).
@@ -17,7 +20,7 @@ from typing import Sequence
 
 from vllm_kunserve.policy.placement import Migration, OpResult
 
-POLICIES = ("best_fit", "worst_fit", "llumnix")
+POLICIES = ("best_fit", "worst_fit", "llumnix", "round_robin")
 
 
 class GreedyPlacer:
@@ -33,6 +36,7 @@ class GreedyPlacer:
         self.load: dict[int, float] = {}
         self.req: dict[str, int] = {}
         self._bid = itertools.count()
+        self._turn = 0
 
     def instances_used(self) -> int:
         return len(self.bins)
@@ -46,6 +50,12 @@ class GreedyPlacer:
             return None
         if self.policy == "best_fit":
             return max(fits, key=lambda b: (self.load[b], -b))
+        if self.policy == "round_robin":
+            order = sorted(self.load)
+            start = self._turn % len(order)
+            self._turn += 1
+            ok = set(fits)
+            return next(b for b in order[start:] + order[:start] if b in ok)
         return min(fits, key=lambda b: (self.load[b], b))
 
     def _open(self, new: list) -> int:
@@ -145,7 +155,7 @@ class GreedyPlacer:
 
 
 def make_placer(policy: str, capacity: float, max_migrations: int = 10):
-    """``mell`` or one of the baselines, all with allocate/update/depart/apply_batch."""
+    """``mell`` or one of the baselines (:data:`POLICIES`), all with allocate/update/depart/apply_batch."""
     if policy == "mell":
         from vllm_kunserve.policy.placement import MellPlacer
 

@@ -25,7 +25,18 @@ def policy_model(sim) -> ps.ModelSpec:
 def queued_work(s) -> int:
     """Prefill tokens a server still has to compute before a new arrival's prefill is done:
     waiting requests' tokens plus the unfinished prefill of running ones."""
-    return sum(r.need for r in s.waiting) + sum(r.need for r in s.running if r.need > 1)
+    # the running part changes only when the server schedules or ends a step, or its running set
+    # changes (every mover changes its length or its used blocks); it is read for every server at
+    # every arrival, so it is cached on that key
+    key = (s.version, len(s.running), s.used)
+    if s.work_cache is None or s.work_cache[0] != key:
+        w = 0
+        for r in s.running:  # Req.need, inlined
+            n = r.prompt + r.generated - r.computed
+            if n > 1:
+                w += n
+        s.work_cache = (key, w)
+    return s.waiting.need + s.work_cache[1]
 
 
 def instance_loads(sim) -> list[InstanceLoad]:

@@ -11,9 +11,9 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from vllm_kunserve.policy.transfer import Link
+from vllm_kunserve.policy.transfer import Link, SharedLink
 
-from .hardware import GpuSpec
+from .hardware import GpuSpec, UnmapCost
 from .models import ModelArch
 from .request import Req
 from .server import INF_BLOCKS, Server
@@ -40,6 +40,10 @@ class SimConfig:
     pcie: Link = field(default_factory=lambda: Link(25e9, 10e-6, "pcie"))
     timeline_dt: float = 1.0
     max_sim_s: float = 1e7          # hard stop (a policy that cannot drain its queue)
+    # concurrent bulk transfers leaving one instance share its port (policy.transfer.SharedLink);
+    # False: every transfer has the whole link (the earlier model)
+    contention: bool = False
+    unmap: UnmapCost | None = None  # cost of unmapping dropped weights (None: free)
 
     @property
     def block_bytes(self) -> int:
@@ -88,6 +92,8 @@ class Simulator:
         # (sum of bubble fractions, steps, idle stage-seconds, stage-seconds) of past groups
         self.group_steps: list[tuple[float, int, float, float]] = []
         self._arrived = 0
+        # one port per instance (its NIC or NVLink port) when transfers contend
+        self.ports = {i: SharedLink(cfg.link) for i in range(cfg.instances)} if cfg.contention else None
         for i in range(cfg.instances):
             self.servers.append(self.new_server((i,)))
 
@@ -97,6 +103,32 @@ class Simulator:
 
     def log(self, kind: str, **kw) -> None:
         self.events.append({"t": round(self.now, 6), "kind": kind, **kw})
+
+    # ---- transfers -------------------------------------------------------------------------------
+    def bulk_time(self, src: int, nbytes: float) -> float:
+        """Duration of a bulk transfer of ``nbytes`` leaving instance ``src``, started now: on its
+        port, shared equally with the transfers already on it (``cfg.contention``; this one then
+        slows them too), else alone on the link."""
+        if nbytes <= 0:
+            return 0.0
+        if self.ports is None:
+            return self.cfg.link.time_s(nbytes)
+        return self.ports[src].time_s(self.now, nbytes)
+
+    def chunk_time(self, src: int, nbytes: float) -> float:
+        """Time of one ``nbytes`` message from ``src`` at the share it would get now (starts nothing)."""
+        if self.ports is None:
+            return self.cfg.link.time_s(nbytes)
+        return self.ports[src].chunk_time_s(self.now, nbytes)
+
+    def server_bulk_time(self, s: "Server", nbytes: float) -> float:
+        """A transfer of ``nbytes`` held by server ``s``: a group's members each send their 1/k."""
+        if self.ports is None or s.k == 1:
+            return self.bulk_time(s.instances[0], nbytes)
+        return max(self.bulk_time(i, nbytes / s.k) for i in s.instances)
+
+    def unmap_time(self, nbytes: float) -> float:
+        return self.cfg.unmap.time_s(nbytes) if self.cfg.unmap is not None else 0.0
 
     # ---- servers -----------------------------------------------------------------------------
     def capacity_blocks(self, instances: tuple[int, ...]) -> int:
@@ -152,6 +184,7 @@ class Simulator:
 
     def _step_done(self, s: Server, batch) -> None:
         now = self.now
+        s.version += 1
         finished = []
         for r, n in batch:
             r.computed += n
@@ -195,8 +228,10 @@ class Simulator:
 
     def transition(self, old: list[Server], new_groups: list[tuple[int, ...]],
                    layers: dict[int, tuple[int, int]],
-                   stall_s: float, kind: str) -> None:
-        """Replace ``old`` servers by servers over ``new_groups`` once every old one ends its step."""
+                   stall_s: float | Callable[[], float], kind: str) -> None:
+        """Replace ``old`` servers by servers over ``new_groups`` once every old one ends its step.
+        ``stall_s`` (seconds the new servers wait before their first step) may be a callable,
+        evaluated at that moment (so transfers it starts begin when the transition happens)."""
         if self._pending is not None:
             return
         if any(s.frozen or not s.alive for s in old):
@@ -213,6 +248,8 @@ class Simulator:
         if any(s.inflight for s in old):
             return  # a step is still running; the last _step_done calls back here
         self._pending = None
+        if callable(stall):
+            stall = stall()
         running = sorted((r for s in old for r in s.running), key=lambda r: r.arrival)
         waiting = [r for s in old for r in s.waiting]
         swapped = [r for r in waiting if r.swapped]

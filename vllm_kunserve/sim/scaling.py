@@ -1,42 +1,59 @@
-"""Upscale a trace so its memory demand is a chosen share of the cluster's KV capacity.
+"""Scale a trace's rate so its memory demand is a chosen share of the cluster's KV capacity.
 
-TraceUpscaler-style: inter-arrival times are divided by a factor, keeping the burst pattern.
 The factor is found by simulating the infinite-memory oracle (the demand the trace *would* put on
-memory if nothing queued) and iterating ``factor *= target / measured`` on the mean KV demand over
-the arrival period until it is within ``tol``.
+memory if nothing queued) and iterating on the mean KV demand over the measured period until it is
+within ``tol`` of the target (:func:`fit_rate`, over any ``factor -> trace`` builder). Two ways to
+apply a factor (``method``):
+
+* ``upscale`` (``bench.traces.upscale``, TraceUpscaler's approach): factor x the arrivals over the
+  same span, so bursts keep their height, length and timing against request lifetimes;
+* ``compress`` (``bench.traces.compress_time``): timestamps divided by the factor. A burst of B s
+  becomes B/factor s, shorter than the requests it holds, so KV demand averages it away; kept as
+  the default of :func:`scale_to_mem_share` only so earlier runs (``kunserve simulate
+  --target-mem-share``, ``benchmarks/sim_paper_scale.py``) reproduce.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 
 from .engine import SimConfig, Simulator
 from .policies.base import DEFAULT_DISPATCH
 from .policies.baselines import OraclePolicy
-from .trace import TraceRequest, scale_rate
+from .trace import TraceRequest, compress_time, upscale
+
+METHODS = ("compress", "upscale")
 
 
-def oracle_demand_share(cfg: SimConfig, trace: list[TraceRequest],
-                        dispatch: str = DEFAULT_DISPATCH) -> tuple[float, float]:
-    """(mean, peak) oracle KV use during the arrival period as a share of cluster capacity, with
-    the oracle routing by ``dispatch`` (the simulator's default router unless told otherwise)."""
+def oracle_demand_share(cfg: SimConfig, trace: list[TraceRequest], dispatch: str = DEFAULT_DISPATCH,
+                        span: tuple[float, float] | None = None) -> tuple[float, float]:
+    """(mean, peak) oracle KV use as a share of cluster capacity over ``span`` (default: the arrival
+    period, ``[0, last arrival]``), with the oracle routing by ``dispatch``."""
     sim = Simulator(cfg, OraclePolicy(dispatch), trace).run()
     cap = cfg.base_kv_blocks() * cfg.instances
-    end = trace[-1].arrival_s
-    used = np.array([p["kv_used_blocks"] for p in sim.timeline if p["t"] <= end] or [0.0], float)
+    lo, hi = span if span is not None else (0.0, trace[-1].arrival_s)
+    used = np.array([p["kv_used_blocks"] for p in sim.timeline if lo <= p["t"] <= hi] or [0.0], float)
     return float(used.mean() / cap), float(used.max() / cap)
 
 
-def scale_to_mem_share(cfg: SimConfig, trace: list[TraceRequest], target: float, tol: float = 0.05,
-                       max_iter: int = 8, dispatch: str = DEFAULT_DISPATCH) -> tuple[list[TraceRequest], dict]:
-    """Scale ``trace``'s rate until the oracle's mean KV demand is ``target`` x capacity (one trace
-    for every policy and router that is compared on it; the oracle routes with ``dispatch``)."""
+def fit_rate(cfg: SimConfig, make: Callable[[float], list[TraceRequest]], target: float, tol: float = 0.05,
+             max_iter: int = 8, dispatch: str = DEFAULT_DISPATCH, span: tuple[float, float] | None = None,
+             start: float = 1.0, linear: bool = False) -> tuple[list[TraceRequest], dict]:
+    """The trace ``make(factor)`` whose oracle mean KV demand over ``span`` is ``target`` x capacity
+    (within ``tol``, else the closest of ``max_iter`` tries), and the fit's numbers. Until the
+    target is bracketed the factor moves by ``(target / measured) ** 0.8`` (at most 4x a step), or
+    with ``linear`` (demand about proportional to the factor, as when upscaling over a fixed span)
+    by ``target / measured`` (at most 16x); once bracketed, by geometric bisection (``linear``: the proportional step while it
+    stays inside the bracket)."""
     if not target > 0:
         raise ValueError(f"target memory share {target}: must be positive")
-    factor, lo, hi, best = 1.0, None, None, None
+    factor, lo, hi, best, tries = start, None, None, None, []
     for _ in range(max_iter):
-        scaled = scale_rate(trace, factor)
-        mean, peak = oracle_demand_share(cfg, scaled, dispatch)
+        scaled = make(factor)
+        mean, peak = oracle_demand_share(cfg, scaled, dispatch, span)
+        tries.append((round(factor, 6), round(mean, 6)))
         if best is None or abs(mean - target) < abs(best[2] - target):
             best = (factor, scaled, mean, peak)
         if mean > 0 and abs(mean / target - 1) <= tol:
@@ -45,14 +62,30 @@ def scale_to_mem_share(cfg: SimConfig, trace: list[TraceRequest], target: float,
             lo = factor
         else:
             hi = factor
+        prop = factor * target / mean if mean > 0 else None
         if lo is not None and hi is not None:
-            factor = (lo * hi) ** 0.5  # bracketed: geometric bisection
+            # bracketed: geometric bisection, or the proportional step when linear and inside
+            factor = prop if linear and prop is not None and lo < prop < hi else (lo * hi) ** 0.5
         else:
-            step = target / mean if mean > 0 else 4.0
-            factor *= float(np.clip(step, 0.25, 4.0)) ** 0.8
+            cap = 16.0 if linear else 4.0
+            step = float(np.clip(target / mean if mean > 0 else cap, 1 / cap, cap))
+            factor *= step if linear else step ** 0.8
     factor, scaled, mean, peak = best
     return scaled, {"scale": factor, "target_share": target, "mean_share": mean, "peak_share": peak,
-                    "oracle_dispatch": dispatch}
+                    "oracle_dispatch": dispatch, "tries": tries}
+
+
+def scale_to_mem_share(cfg: SimConfig, trace: list[TraceRequest], target: float, tol: float = 0.05,
+                       max_iter: int = 8, dispatch: str = DEFAULT_DISPATCH, method: str = "compress",
+                       seed: int = 0) -> tuple[list[TraceRequest], dict]:
+    """Scale ``trace``'s rate until the oracle's mean KV demand over the arrival period is ``target``
+    x capacity (one trace for every policy and router that is compared on it; the oracle routes
+    with ``dispatch``). ``method``: ``compress`` (default, for the earlier runs) or ``upscale``."""
+    if method not in METHODS:
+        raise ValueError(f"rate scaling method {method!r}: one of {', '.join(METHODS)}")
+    make = (lambda f: compress_time(trace, f)) if method == "compress" else (lambda f: upscale(trace, f, seed))
+    scaled, info = fit_rate(cfg, make, target, tol, max_iter, dispatch, linear=method == "upscale")
+    return scaled, {**info, "method": method}
 
 
 def arrival_peak_to_mean(reqs: list[TraceRequest], bucket_s: float = 30.0, weight: str = "tokens") -> float:
@@ -87,7 +120,7 @@ def scan_windows(cfg: SimConfig, reqs: list[TraceRequest], duration_s: float, st
         if len(win) >= min_requests:
             t0 = win[0].arrival_s
             win = [TraceRequest(i, r.arrival_s - t0, r.prompt, r.output) for i, r in enumerate(win)]
-            mean, peak = oracle_demand_share(cfg, scale_rate(win, rate_scale))
+            mean, peak = oracle_demand_share(cfg, compress_time(win, rate_scale))
             out.append({"window": f"{off:g}:{duration_s:g}", "requests": len(win),
                         "arrival_peak_to_mean_tokens": arrival_peak_to_mean(win, 30.0, "tokens"),
                         "arrival_peak_to_mean_requests": arrival_peak_to_mean(win, 30.0, "requests"),

@@ -24,6 +24,64 @@ from .steptime import Pair, StepTime
 INF_BLOCKS = 1 << 60
 
 
+class WaitQueue(deque):
+    """The waiting queue, keeping the sums dispatch reads at every arrival (KV blocks to start every
+    request, prefill tokens to compute) so they cost O(1) instead of O(queue). Each request's
+    share is recorded when it enters and taken back when it leaves: the simulator changes a
+    request's ``computed`` / ``generated`` only while it runs or before it is queued."""
+
+    def __init__(self, block_size: int):
+        super().__init__()
+        self.block_size = block_size
+        self.blocks = 0
+        self.need = 0
+        self._share: dict[int, tuple[int, int]] = {}
+
+    def _add(self, r: Req) -> None:
+        b, n = -(-r.length // self.block_size), r.need
+        self._share[id(r)] = (b, n)
+        self.blocks += b
+        self.need += n
+
+    def _drop(self, r: Req) -> Req:
+        b, n = self._share.pop(id(r))
+        self.blocks -= b
+        self.need -= n
+        return r
+
+    def append(self, r: Req) -> None:
+        self._add(r)
+        super().append(r)
+
+    def appendleft(self, r: Req) -> None:
+        self._add(r)
+        super().appendleft(r)
+
+    def extend(self, rs) -> None:
+        for r in rs:
+            self.append(r)
+
+    def pop(self) -> Req:
+        return self._drop(super().pop())
+
+    def popleft(self) -> Req:
+        return self._drop(super().popleft())
+
+    def remove(self, r: Req) -> None:
+        super().remove(r)
+        self._drop(r)
+
+    def clear(self) -> None:
+        super().clear()
+        self._share.clear()
+        self.blocks = self.need = 0
+
+    def _unsupported(self, *a, **k):
+        raise NotImplementedError("WaitQueue keeps running sums: use append/appendleft/pop/popleft/remove")
+
+    insert = extendleft = rotate = __setitem__ = __delitem__ = __iadd__ = _unsupported
+
+
 class Server:
     def __init__(self, sid: int, instances: tuple[int, ...], capacity_blocks: int, block_size: int,
                  max_tokens: int, max_seqs: int, step_time: StepTime, preempt_mode: str = "recompute"):
@@ -37,7 +95,7 @@ class Server:
         self.preempt_mode = preempt_mode  # "recompute" | "swap"
         self.used = 0
         self.running: list[Req] = []
-        self.waiting: deque[Req] = deque()
+        self.waiting: WaitQueue = WaitQueue(block_size)
         self.busy = False
         self.alive = True
         self.frozen = False          # set while a group change waits for this step to end
@@ -55,6 +113,8 @@ class Server:
         self.hop_time: Callable[[int], float] = lambda tokens: 0.0
         self.swap_time: Callable[[int], float] = lambda blocks: 0.0
         self.inflight: list[tuple[Req, int]] = []
+        self.version = 0             # bumped whenever running requests' progress may change
+        self.work_cache = None       # adapters.queued_work's running part, keyed on the version
 
     # ---- memory ------------------------------------------------------------------------------
     @property
@@ -70,6 +130,8 @@ class Server:
 
     def queued_blocks(self, horizon: int = 0) -> int:
         """Blocks the waiting requests need to start (all of them when horizon=0)."""
+        if not horizon:
+            return self.waiting.blocks
         tot = 0
         for i, r in enumerate(self.waiting):
             if horizon and i >= horizon:
@@ -103,15 +165,19 @@ class Server:
         self.waiting.appendleft(victim)
 
     def schedule(self) -> list[tuple[Req, int]]:
+        self.version += 1
         budget = self.max_tokens * self.k
         max_seqs = self.max_seqs * self.k
         out: list[tuple[Req, int]] = []
         preempted = False
         bs = self.block_size
         i = 0
-        while i < len(self.running) and budget > 0:
-            r = self.running[i]
-            n = min(r.need, budget)
+        running = self.running
+        while i < len(running) and budget > 0:
+            r = running[i]
+            n = r.prompt + r.generated - r.computed  # Req.need, inlined (hot loop)
+            if n > budget:
+                n = budget
             extra = -(-(r.computed + n) // bs) - r.blocks
             lost = False
             while extra > self.capacity - self.used:

@@ -4,13 +4,18 @@ Files are read by the benchmark harness's loader (``vllm_kunserve.bench.traces.l
 Azure LLM inference CSV ``TIMESTAMP, ContextTokens, GeneratedTokens``, "Azure LLM inference trace
 2023, Microsoft Azure, used in Splitwise (Patel et al., ISCA 2024)", CC BY 4.0, or the BurstGPT
 CSV; errors name the line and column), so the simulator and the harness replay the same requests.
+Rate scaling is the harness's too (``bench.traces.upscale``, ``bench.traces.compress_time``): the
+functions here only convert between its :class:`~vllm_kunserve.bench.traces.Trace` and
+:class:`TraceRequest` lists.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_kunserve.bench.traces import load_csv
+import numpy as np
+
+from vllm_kunserve.bench import traces as T
 
 
 @dataclass(frozen=True)
@@ -21,14 +26,26 @@ class TraceRequest:
     output: int
 
 
+def from_trace(tr: T.Trace) -> list[TraceRequest]:
+    """A harness :class:`Trace` as simulator requests (ids in arrival order)."""
+    return [TraceRequest(i, a, p, o) for i, (a, p, o) in
+            enumerate(zip(tr.arrival_s.tolist(), tr.prompt_len.tolist(), tr.output_len.tolist()))]
+
+
+def to_trace(reqs: list[TraceRequest], name: str = "sim") -> T.Trace:
+    """Simulator requests as a harness :class:`Trace` (timestamps kept as they are)."""
+    n = len(reqs)
+    return T.Trace(np.array([r.arrival_s for r in reqs], np.float64), np.array([r.prompt for r in reqs], np.int64),
+                   np.array([r.output for r in reqs], np.int64), np.zeros(n, np.int64), name=name)
+
+
 def read_trace_csv(path: str) -> list[TraceRequest]:
     """Azure or BurstGPT CSV (BurstGPT's failed requests, with no response, are skipped); arrivals
     start at 0."""
-    tr = load_csv(path)
+    tr = T.load_csv(path)
     if len(tr) == 0:
         raise ValueError(f"{path}: no requests")
-    return [TraceRequest(i, a, p, o) for i, (a, p, o) in
-            enumerate(zip(tr.arrival_s.tolist(), tr.prompt_len.tolist(), tr.output_len.tolist()))]
+    return from_trace(tr)
 
 
 def window(reqs: list[TraceRequest], offset_s: float = 0.0, duration_s: float | None = None) -> list[TraceRequest]:
@@ -42,11 +59,16 @@ def window(reqs: list[TraceRequest], offset_s: float = 0.0, duration_s: float | 
     return [TraceRequest(i, r.arrival_s - offset_s, r.prompt, r.output) for i, r in enumerate(out)]
 
 
-def scale_rate(reqs: list[TraceRequest], factor: float) -> list[TraceRequest]:
-    """Multiply the arrival rate by ``factor`` keeping the temporal pattern (inter-arrival times / factor)."""
-    if not factor > 0:
-        raise ValueError(f"rate scale {factor} must be positive")
-    return [TraceRequest(r.id, r.arrival_s / factor, r.prompt, r.output) for r in reqs]
+def compress_time(reqs: list[TraceRequest], factor: float) -> list[TraceRequest]:
+    """``bench.traces.compress_time``: every timestamp divided by ``factor`` (the same requests in
+    1/factor of the time; distorts bursts against request lifetimes, see there)."""
+    a = T.compress_time(to_trace(reqs), factor).arrival_s.tolist()
+    return [TraceRequest(r.id, t, r.prompt, r.output) for r, t in zip(reqs, a)]
+
+
+def upscale(reqs: list[TraceRequest], factor: float, seed: int = 0) -> list[TraceRequest]:
+    """``bench.traces.upscale``: ``factor`` x the requests over the same span, pattern kept."""
+    return from_trace(T.upscale(to_trace(reqs), factor, seed=seed))
 
 
 def clip_lengths(reqs: list[TraceRequest], max_model_len: int) -> list[TraceRequest]:
@@ -60,9 +82,11 @@ def clip_lengths(reqs: list[TraceRequest], max_model_len: int) -> list[TraceRequ
 
 def load_trace(path: str, offset_s: float = 0.0, duration_s: float | None = None,
                rate_scale: float = 1.0) -> list[TraceRequest]:
+    """Read, window and (``rate_scale`` != 1) compress time, as ``kunserve simulate --rate-scale``
+    documents; paper-scale workloads are built by ``sim.workload`` with :func:`upscale`."""
     reqs = read_trace_csv(path)
     if offset_s or duration_s is not None:
         reqs = window(reqs, offset_s, duration_s)
     if rate_scale != 1.0:
-        reqs = scale_rate(reqs, rate_scale)
+        reqs = compress_time(reqs, rate_scale)
     return reqs

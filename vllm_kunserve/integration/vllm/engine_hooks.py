@@ -8,10 +8,13 @@
 - ``step`` / ``step_with_batch_queue``: run under the agent (control operations between steps, the
   control tick, step timing).
 - ``collective_rpc``: names in ``ENGINE_METHODS`` are answered by the agent (they move scheduler
-  and workers together); everything else goes to the workers as before.
+  and workers together); everything else goes to the workers as before. An engine without a
+  ``kunserve`` key refuses every ``kunserve_*`` name as if its workers had none: vLLM mixes the
+  worker extension into the worker *class* (``WorkerWrapperBase.init_worker``), so once a kunserve
+  engine started in a process, the workers of every later engine there carry our methods too.
 - ``shutdown``: stops the control port.
 
-Engines without an agent pass straight through every wrapper.
+Engines without an agent pass straight through every wrapper but that refusal.
 """
 
 from __future__ import annotations
@@ -74,6 +77,10 @@ class EngineCorePatch(VllmPatch):
                 from vllm_kunserve.engine.agent import ENGINE_METHODS
 
                 agent = agent_of(core)
+                if isinstance(method, str) and method.startswith("kunserve_") and agent is None \
+                        and engine_config(core.vllm_config) is None:
+                    raise AttributeError(f"{method}: kunserve is not enabled on this engine "
+                                         "(no 'kunserve' key in its additional_config)")
                 if isinstance(method, str) and method in ENGINE_METHODS:
                     if agent is None:
                         raise RuntimeError(f"{method}: kunserve remap is not enabled on this engine")

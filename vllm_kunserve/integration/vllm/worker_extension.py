@@ -17,6 +17,7 @@ import logging
 import os
 from typing import Any
 
+from vllm_kunserve.integration.vllm import kv_migration  # noqa: F401  (registers the KV migration view)
 from vllm_kunserve.integration.vllm.base import VllmPatch
 
 logger = logging.getLogger("vllm.kunserve")
@@ -110,3 +111,26 @@ class KunServeWorkerExtension:
         else:
             raise ValueError(f"fault step must be one of map, exhausted, rpc, {', '.join(STEPS)}; got {step!r}")
         return {"rank": self._kunserve_rank(), "armed": step}
+
+    # -- KV migration (issue 12): the worker half of engine/migration.py -------------------------
+    def kunserve_kv_layout(self) -> dict:
+        """Per layer: block shape, dtype and bytes per block of this worker's KV cache."""
+        return kv_migration.worker_kv(self).layout()
+
+    def kunserve_kv_read(self, xfer: dict) -> dict:
+        """Source: read ``xfer["block_ids"]`` of every layer and send them over a transfer channel
+        to this rank's receiver on the target (blocks until sent)."""
+        return kv_migration.worker_kv(self).send(xfer)
+
+    def kunserve_kv_open(self, xfer: dict) -> dict:
+        """Target: start receiving ``xfer["num_blocks"]`` blocks in the background; returns this
+        rank's rendezvous (host, port)."""
+        return kv_migration.worker_kv(self).open(xfer)
+
+    def kunserve_kv_write(self, xfer: dict) -> dict:
+        """Target: wait for the receive, write the blocks into ``xfer["block_ids"]``."""
+        return kv_migration.worker_kv(self).write(xfer)
+
+    def kunserve_kv_close(self, xfer_id: str) -> bool:
+        """Target: abort a staged receive (idempotent)."""
+        return kv_migration.worker_kv(self).close(xfer_id)

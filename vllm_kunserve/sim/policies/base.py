@@ -73,7 +73,7 @@ def move_request(sim, r, src, dst, downtime_share: float = 0.1, kind: str = "mig
         src.used -= r.blocks
         dst.used += r.blocks
         dst.running.append(r)
-        copy = sim.cfg.link.time_s(r.blocks * sim.cfg.block_bytes)
+        copy = sim.server_bulk_time(src, r.blocks * sim.cfg.block_bytes)
         dst.pending_io += copy * downtime_share
         r.migrations += 1
         sim.log(kind, req=r.id, src=src.sid, dst=dst.sid, blocks=r.blocks, copy_s=round(copy, 6))

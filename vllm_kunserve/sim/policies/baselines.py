@@ -69,7 +69,7 @@ class LlumnixPolicy(Policy):
             dst.running.append(r)
             r.server = dst
             r.migrations += 1
-            copy = sim.cfg.link.time_s(r.blocks * sim.cfg.block_bytes)
+            copy = sim.server_bulk_time(src, r.blocks * sim.cfg.block_bytes)
             dst.pending_io += copy * self.downtime_share
             sim.log("migrate", req=r.id, src=src.sid, dst=dst.sid, blocks=r.blocks, copy_s=round(copy, 6))
             sim.kick(src)

@@ -69,26 +69,49 @@ class KunServePolicy(Policy):
         by_inst = {i: s for s in sim.servers for i in s.instances}
         old = list({id(by_inst[i]): by_inst[i] for g in changed for i in g.instances}.values())
         layers = {st.instance_id: (st.layer_start, st.layer_end) for g in changed for st in g.stages}
-        # KV exchange: each instance sends its requests' KV of the layers it gives up
+        # KV exchange: each instance sends its requests' KV of the layers it gives up; it unmaps
+        # the weights of the layers it drops (those it held before and does not keep)
         L = sim.cfg.model.layers
-        send = 0.0
+        sends, unmapped = {}, {}
         for s in old:
             per_inst = s.used * sim.cfg.block_bytes / s.k
             for i in s.instances:
                 lo, hi = layers[i]
-                send = max(send, per_inst * (1 - (hi - lo) / L))
-        stall = self._exchange_stall(sim, send, max(len(g.instances) for g in changed))
+                sends[i] = per_inst * (1 - (hi - lo) / L)
+                plo, phi = sim.layer_range[i]
+                kept = max(0, min(hi, phi) - max(lo, plo))
+                unmapped[i] = (phi - plo - kept) * sim.cfg.model.layer_bytes
+        send = max(sends.values(), default=0.0)
+        k = max(len(g.instances) for g in changed)
+
+        def stall() -> float:  # evaluated when the old servers have ended their steps
+            return (max(map(sim.unmap_time, unmapped.values()), default=0.0)
+                    + self._exchange_stall(sim, sends, k))
+
         sim.transition(old, [tuple(g.instances) for g in changed], layers, stall, "drop")
         sim.log("drop_plan", need_bytes=need_bytes, freed_bytes=plan.freed_bytes,
-                satisfied=plan.satisfied, exchange_bytes=send)
+                satisfied=plan.satisfied, exchange_bytes=send,
+                unmap_bytes=max(unmapped.values(), default=0.0))
 
-    def _exchange_stall(self, sim, nbytes: float, k: int) -> float:
-        full = sim.cfg.link.time_s(nbytes)
-        if not self.exchange or nbytes <= 0:
+    def _exchange_stall(self, sim, sends: dict[int, float], k: int) -> float:
+        """Stall of a KV exchange where instance ``i`` sends ``sends[i]`` bytes, all starting now:
+        the whole exchange without coordination; with it, the KV streams in chunks of about one
+        pipeline stage and only the first chunk stalls (the rest keeps the ports busy)."""
+        sends = {i: b for i, b in sends.items() if b > 0}
+        if not sends:
+            return 0.0
+        if not self.exchange:
+            full = max(sim.bulk_time(i, b) for i, b in sends.items())
+            sim.log("exchange", bytes_per_instance=round(max(sends.values())), full_s=round(full, 6),
+                    stall_s=round(full, 6))
             return full
         stage = adapters.typical_stage_time(sim, k)
         chunk = adapters.transfer_chunk_bytes(sim.cfg.link, stage)
-        return min(full, sim.cfg.link.time_s(chunk))
+        first = max(sim.chunk_time(i, min(b, chunk)) for i, b in sends.items())
+        full = max(sim.bulk_time(i, b) for i, b in sends.items())  # the stream occupies the ports
+        sim.log("exchange", bytes_per_instance=round(max(sends.values())), full_s=round(full, 6),
+                stall_s=round(min(full, first), 6))
+        return min(full, first)
 
     def _restore(self, sim, dec) -> None:
         by_inst = {i: s for s in sim.servers for i in s.instances}
@@ -99,10 +122,14 @@ class KunServePolicy(Policy):
             base = s.k * sim.base_blocks
             s.capacity = max(s.used, min(s.capacity, base))
             per_inst = max(g.restored_bytes / s.k, 0.0)
-            link = sim.cfg.pcie if g.source == "host" else sim.cfg.link
-            load_s = link.time_s(per_inst)
+            if g.source == "host":
+                load_s = sim.cfg.pcie.time_s(per_inst)
+            else:  # each member receives the layers it lacks from the others (all-to-all)
+                load_s = max(sim.bulk_time(i, per_inst) for i in s.instances)
+            load_s += sim.unmap_time(per_inst)  # mapping the pages back as weights
             kv = s.used * sim.cfg.block_bytes * (1 - 1 / s.k) / s.k
-            stall = self._exchange_stall(sim, kv, s.k)
+            k = s.k
+            stall = lambda: self._exchange_stall(sim, {i: kv for i in s.instances}, k)  # noqa: E731
             layers = {i: (0, sim.cfg.model.layers) for i in s.instances}
             sim.log("restore_start", instances=list(s.instances), source=g.source, load_s=round(load_s, 6))
             sim.at(sim.now + load_s, self._split, sim, s, layers, stall)

@@ -1,0 +1,212 @@
+"""Front-end overhead: the same engine, the same requests, straight to the engine vs through
+``kunserve serve``'s front end, at 1, 32 and 200 concurrent streams.
+
+One ``kunserve serve --instances 1`` runs one engine; the benchmark reads the engine's own URL from
+``/kunserve/status`` and, for each concurrency level and repetition, sends one wave of streamed
+greedy completions straight to the engine and one through the front end, alternating which goes
+first. Per wave: P50/P99 time to first token, P50/P99 inter-token time, output tokens per second,
+and the client's send lag (how late each request left the client: a late client is not a slow
+server). Paired ratios (proxy / direct, same repetition) with their spread. Target (issue 12):
+<= 2 ms added P50 TTFT, no throughput lost at 200 streams.
+
+    python benchmarks/front_end.py [--reps 3] [--levels 1 32 200] [--output-len 32]
+        [--out docs/benchmarks/front_end.json] [--md docs/benchmarks/front_end.md]
+
+All processes (client, front end, engine) share this machine's cores: on 2 cores the proxy's CPU
+time competes with the engine's, which a deployment with a core for the front end would not see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._doc import cpu_device, doc_header, rel  # noqa: E402
+from vllm_kunserve.cluster.launcher import KunserveCluster  # noqa: E402
+
+ENGINE_ARGS = ["--dtype", "float32", "--block-size", "32", "--kv-cache-memory-bytes", str(64 << 20),
+               "--max-model-len", "512", "--enforce-eager", "--served-model-name", "m", "--max-num-seqs", "256"]
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+async def one(session: aiohttp.ClientSession, url: str, prompt: str, n: int, t_plan: float) -> dict:
+    body = {"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True}
+    t_send = time.perf_counter()
+    times = []
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            if line.startswith(b"data:") and not line.startswith(b"data: [DONE]"):
+                times.append(time.perf_counter())
+    return {"send_lag_ms": (t_send - t_plan) * 1e3, "ttft_ms": (times[0] - t_send) * 1e3,
+            "itl_ms": [(b - a) * 1e3 for a, b in zip(times, times[1:])], "tokens": len(times),
+            "end": times[-1]}
+
+
+async def wave(url: str, concurrency: int, n: int) -> dict:
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=1800)) as s:
+        await one(s, url, "warm up the connection", 2, time.perf_counter())
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(one(s, url, f"request {i}: the cache holds blocks and", n, t0)
+                                     for i in range(concurrency)))
+    ttft = [r["ttft_ms"] for r in res]
+    itl = [x for r in res for x in r["itl_ms"]]
+    span = max(r["end"] for r in res) - t0
+    return {"ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99), "itl_p50_ms": pct(itl, 50),
+            "itl_p99_ms": pct(itl, 99), "tokens_per_s": sum(r["tokens"] for r in res) / span,
+            "send_lag_p99_ms": pct([r["send_lag_ms"] for r in res], 99), "requests": concurrency}
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    out = []
+    for level in sorted({r["concurrency"] for r in rows}):
+        pairs = [(r["direct"], r["proxy"]) for r in rows if r["concurrency"] == level]
+        s = {"concurrency": level, "reps": len(pairs)}
+        for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tokens_per_s"):
+            d = [a[key] - b[key] for b, a in pairs]     # proxy - direct
+            ratio = [a[key] / b[key] for b, a in pairs if b[key] > 0]
+            s[key] = {"direct": statistics.median(b[key] for b, _ in pairs),
+                      "proxy": statistics.median(a[key] for _, a in pairs),
+                      "added_median": statistics.median(d), "added_min": min(d), "added_max": max(d),
+                      "ratio_median": statistics.median(ratio) if ratio else None,
+                      "ratio_min": min(ratio) if ratio else None, "ratio_max": max(ratio) if ratio else None}
+        s["send_lag_p99_ms_max"] = max(max(b["send_lag_p99_ms"], a["send_lag_p99_ms"]) for b, a in pairs)
+        s["frontend_cpu_us_per_token"] = statistics.median(a["frontend_cpu_us_per_token"] for _, a in pairs)
+        out.append(s)
+    return out
+
+
+def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args, device: str) -> None:
+    lines = doc_header("Front-end overhead: straight to the engine vs through kunserve serve", "front_end.py",
+                       device, raw,
+                       f"Command: `python benchmarks/front_end.py --reps {args.reps} --levels "
+                       f"{' '.join(map(str, args.levels))} --output-len {args.output_len}`. One engine (the tiny "
+                       "random Llama, fp32) behind `kunserve serve --instances 1`; each repetition sends the same "
+                       "wave of streamed greedy completions to the engine directly and through the front end, "
+                       "alternating which goes first. `added` = proxy - direct in the same repetition (median, "
+                       "[min, max] over repetitions); throughput as the paired ratio proxy / direct.",
+                       "Client, front end and engine share the machine's 2 cores, so the front end's CPU time "
+                       "is taken from the engine and the client here: where the proxy loses throughput, compare "
+                       "its CPU per relayed token (last column, measured from /proc) with the engine's step time. "
+                       "The target is <= 2 ms added P50 TTFT and no throughput lost at 200 streams, for a front "
+                       "end with cores of its own.")
+    lines += ["| streams | TTFT P50 direct / proxy (ms) | added P50 TTFT (ms) | added P99 TTFT (ms) | "
+              "ITL P50 direct / proxy (ms) | added P50 ITL (ms) | throughput proxy/direct | client send lag P99 (ms) | "
+              "front-end CPU per token (µs) |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in summary:
+        t, t99, i, tp = s["ttft_p50_ms"], s["ttft_p99_ms"], s["itl_p50_ms"], s["tokens_per_s"]
+        lines.append(f"| {s['concurrency']} | {t['direct']:.1f} / {t['proxy']:.1f} | {t['added_median']:+.2f} "
+                     f"[{t['added_min']:+.2f}, {t['added_max']:+.2f}] | {t99['added_median']:+.1f} | "
+                     f"{i['direct']:.2f} / {i['proxy']:.2f} | {i['added_median']:+.2f} | {tp['ratio_median']:.3f} "
+                     f"[{tp['ratio_min']:.3f}, {tp['ratio_max']:.3f}] | {s['send_lag_p99_ms_max']:.1f} | "
+                     f"{s['frontend_cpu_us_per_token']:.0f} |")
+    if png is not None:
+        lines += ["", f"![added latency]({png.name})"]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(path: Path, summary: list[dict]) -> Path | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
+    xs = [str(s["concurrency"]) for s in summary]
+    for key, label in (("ttft_p50_ms", "P50 TTFT"), ("ttft_p99_ms", "P99 TTFT"), ("itl_p50_ms", "P50 ITL")):
+        med = [s[key]["added_median"] for s in summary]
+        err = [[m - s[key]["added_min"] for m, s in zip(med, summary)], [s[key]["added_max"] - m for m, s in zip(med, summary)]]
+        ax[0].errorbar(xs, med, yerr=err, marker="o", capsize=3, label=label)
+    ax[0].axhline(2.0, color="grey", ls="--", lw=1, label="2 ms target")
+    ax[0].set_xlabel("concurrent streams"), ax[0].set_ylabel("added by the proxy (ms)"), ax[0].legend(fontsize=8)
+    ax[1].bar(xs, [s["tokens_per_s"]["ratio_median"] for s in summary])
+    ax[1].axhline(1.0, color="grey", ls="--", lw=1)
+    ax[1].set_xlabel("concurrent streams"), ax[1].set_ylabel("throughput proxy / direct")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+async def _status(url: str) -> dict:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/kunserve/status") as r:
+            return await r.json()
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run(args, model: str) -> list[dict]:
+    rows = []
+    with KunserveCluster(model, ENGINE_ARGS, None, instances=1, startup_timeout_s=600) as cl:
+        engine = asyncio.run(_status(cl.url))["instances"][0]["url"]
+        front_pid = cl._proc.proc.pid  # the kunserve serve process is the front end
+        for rep in range(args.reps):
+            for level in args.levels:
+                order = [("direct", engine), ("proxy", cl.url)]
+                if rep % 2:
+                    order.reverse()
+                row = {"rep": rep, "concurrency": level}
+                for name, url in order:
+                    c0 = cpu_s(front_pid)
+                    row[name] = asyncio.run(wave(url, level, args.output_len))
+                    if name == "proxy":  # the front end's own CPU per relayed token
+                        chunks = level * (args.output_len + 1)
+                        row[name]["frontend_cpu_us_per_token"] = (cpu_s(front_pid) - c0) * 1e6 / chunks
+                print(json.dumps({k: (v if not isinstance(v, dict) else
+                                      {kk: round(vv, 2) for kk, vv in v.items()}) for k, v in row.items()}), flush=True)
+                rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="model directory (default: make the tiny random Llama)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--levels", type=int, nargs="+", default=[1, 32, 200])
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks/front_end.json")
+    ap.add_argument("--md", type=Path, default=ROOT / "docs/benchmarks/front_end.md")
+    args = ap.parse_args(argv)
+    model = args.model
+    if model is None:
+        from vllm_kunserve.tools.make_model import PRESETS, build_model
+        model = str(build_model(Path(tempfile.mkdtemp()) / "tiny", PRESETS["tiny"]))
+    rows = run(args, model)
+    summary = summarize(rows)
+    device = cpu_device("client, front end and one vLLM-CPU engine on the same cores")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"benchmark": "front_end", "command": sys.argv, "engine_args": ENGINE_ARGS,
+                                    "summary": summary, "rows": rows}, indent=2) + "\n")
+    png = plot(args.md.with_suffix(".png"), summary)
+    write_md(args.md, args.out, png, summary, args, device)
+    print(f"wrote {rel(args.out)} and {rel(args.md)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,413 @@
+"""The front end's relay against fake OpenAI engines (aiohttp servers that stream like vLLM):
+migration and failover never lose or repeat a token, chat chunks are rewritten, bad input is 400,
+metrics merge per instance. The real-engine versions are tests/vllm/test_cluster_serve.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import httpx
+import pytest
+from aiohttp import web
+
+from vllm_kunserve.cluster.fleet import Engine, EngineSpec, Fleet
+from vllm_kunserve.cluster.frontend import FrontEnd, build_app, relabel_metrics
+from vllm_kunserve.cluster.monitor import FlightBook, EngineReport, instance_loads, parse_vllm_metrics
+
+pytestmark = pytest.mark.unit
+
+
+def next_token(ids: list[int]) -> int:
+    """The fake model: greedy, a pure function of the whole sequence (so a continuation from
+    prompt + generated ids reproduces the unmigrated output exactly)."""
+    return (sum(ids) * 31 + len(ids) * 7) % 997 + 3
+
+
+class FakeEngine:
+    """Streams completions and chats like vLLM with return_token_ids; can die after k tokens."""
+
+    def __init__(self, name: int, delay_s: float = 0.002):
+        self.name, self.delay_s = name, delay_s
+        self.die_after: int | None = None
+        self.blocks = 100   # KV blocks of 16 tokens it reports
+        self.requests: list[dict] = []
+        self.alive = True
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", lambda r: self.generate(r, chat=False))
+        app.router.add_post("/v1/chat/completions", lambda r: self.generate(r, chat=True))
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": "m", "max_model_len": 4096}]})
+
+    async def metrics(self, request):
+        return web.Response(text=f'# HELP vllm:num_requests_running r\n# TYPE vllm:num_requests_running gauge\n'
+                                 f'vllm:num_requests_running{{model_name="m"}} 0.0\n'
+                                 f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{self.blocks}"}} 1.0\n')
+
+    async def generate(self, request, chat: bool):
+        body = await request.json()
+        self.requests.append(body)
+        if chat:
+            prompt = [ord(c) % 50 for c in body["messages"][0]["content"]]
+        else:
+            p = body["prompt"]
+            prompt = list(p) if isinstance(p, list) else [ord(c) % 50 for c in p]
+        ids = list(prompt)
+        n = body.get("max_tokens", 16)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-e{self.name}-{len(self.requests)}"
+        if not body.get("stream"):
+            out = []
+            for _ in range(n):
+                out.append(next_token(ids + out))
+            ch = {"index": 0, "finish_reason": "length", "token_ids": out}
+            ch.update({"message": {"role": "assistant", "content": "".join(f"<{t}>" for t in out)}} if chat
+                      else {"text": "".join(f"<{t}>" for t in out)})
+            return web.json_response({"id": rid, "choices": [ch], "usage": {"prompt_tokens": len(prompt)}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for k in range(n):
+            if self.die_after is not None and k >= self.die_after:
+                request.transport.close()   # the engine dies mid-stream
+                return resp
+            t = next_token(ids)
+            ids.append(t)
+            fin = "length" if k == n - 1 else None
+            ch = {"index": 0, "finish_reason": fin, "token_ids": [t]}
+            if chat:
+                ch["delta"] = {"content": f"<{t}>"}
+            else:
+                ch["text"] = f"<{t}>"
+                ch["prompt_token_ids"] = prompt if k == 0 else None
+            ev = {"id": rid, "object": "x", "created": 1, "model": "m", "choices": [ch]}
+            if chat and k == 0:
+                ev["prompt_token_ids"] = prompt
+            await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+            await asyncio.sleep(self.delay_s)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+class StaticBackend:
+    """Fleet backend over already-running fake engines."""
+
+    name = "static"
+
+    def __init__(self, urls, engines):
+        self.urls, self.fakes = urls, engines
+
+    def launch(self, spec, index, engine: Engine):
+        engine.url = self.urls[index]
+
+    def wait_ready(self, engine, timeout_s):
+        pass
+
+    def alive(self, engine):
+        return self.fakes[engine.index].alive
+
+    def kill(self, engine):
+        self.fakes[engine.index].alive = False
+
+    def stop(self, engine):
+        pass
+
+    def close(self):
+        pass
+
+
+async def _stack(n=2, dispatch="round-robin", planner=None, blocks=None):
+    fakes = [FakeEngine(i) for i in range(n)]
+    for f, b in zip(fakes, blocks or ()):
+        f.blocks = b
+    runners, urls = [], []
+    for f in fakes:
+        runner = web.AppRunner(f.app())
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    fleet = Fleet(EngineSpec("m", startup_timeout_s=5), n, StaticBackend(urls, fakes), restart=False,
+                  progress=lambda s: None)
+    for e in fleet.engines:
+        fleet.backend.launch(fleet.spec, e.index, e)
+        e.state = "ready"
+    front = FrontEnd(fleet, dispatch=dispatch, monitor_interval_s=0.05, plan_migrations=planner)
+    await front.start()
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(front)), base_url="http://front")
+    return fakes, front, client, runners
+
+
+@contextlib.asynccontextmanager
+async def _served(front):
+    """The front end on a real uvicorn server (httpx's ASGI transport buffers whole responses, so
+    anything that must happen mid-stream needs a socket)."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(build_app(front), host="127.0.0.1", port=0, log_level="warning",
+                                           lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            yield c
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def _teardown(front, client, runners):
+    await client.aclose()
+    await front.close()
+    for r in runners:
+        await r.cleanup()
+
+
+async def _stream(client, body, path="/v1/completions", on_event=None):
+    ids, texts, events = [], [], []
+    async with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            events.append(ev)
+            for ch in ev.get("choices") or []:
+                ids += ch.get("token_ids") or []
+                texts.append(ch.get("text") if "text" in ch else ch["delta"].get("content", ""))
+            if on_event is not None:
+                await on_event(ev, ids)
+    return ids, "".join(t or "" for t in texts), events
+
+
+def _expected(prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(next_token(ids))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_migration_mid_stream_loses_and_repeats_nothing(chat):
+    async def go():
+        fakes, front, client, runners = await _stack()
+        try:
+            body = {"model": "m", "max_tokens": 40, "stream": True, "return_token_ids": True, "request_id": "r1"}
+            if chat:
+                body["messages"] = [{"role": "user", "content": "hello"}]
+                path = "/v1/chat/completions"
+            else:
+                body["prompt"] = [5, 6, 7]
+                path = "/v1/completions"
+            order = asyncio.ensure_future(client.post("/kunserve/ops/migrate", json={
+                "request_id": "r1", "method": "reprefill", "at_token": 11, "wait_s": 5}))
+            await asyncio.sleep(0.02)
+            ids, text, events = await _stream(client, body, path)
+            res = (await order).json()
+            return fakes, ids, text, events, res, front.status()
+        finally:
+            await _teardown(front, client, runners)
+    fakes, ids, text, events, res, st = asyncio.run(go())
+    prompt = [ord(c) % 50 for c in "hello"] if chat else [5, 6, 7]
+    assert ids == _expected(prompt, 40)
+    assert text == "".join(f"<{t}>" for t in ids)
+    assert {ev["id"] for ev in events} == {events[0]["id"]}           # one id for the client
+    if chat:
+        assert all(ev["object"] == "chat.completion.chunk" for ev in events[11:])
+    dst = fakes[res["to"]]
+    cont = dst.requests[-1]
+    assert cont["prompt"] == prompt + ids[:11] and cont["max_tokens"] == 29   # re-prefill of what was sent
+    assert [e for e in st["events"] if e["event"] == "migration"][0]["dst"] == res["to"]
+
+
+def test_engine_dying_mid_stream_fails_over_without_a_gap():
+    async def go():
+        fakes, front, client, runners = await _stack(dispatch="round-robin")
+        try:
+            fakes[0].die_after = 7
+            ids, _, _ = await _stream(client, {"prompt": [1, 2], "max_tokens": 30, "stream": True})
+            st = front.status()
+            return ids, st
+        finally:
+            await _teardown(front, client, runners)
+    ids, st = asyncio.run(go())
+    assert ids == []  # the client did not ask for token ids: they are stripped
+    assert any(e["event"] == "failover" for e in st["events"])
+
+
+def test_engine_dying_mid_stream_output_equals_unbroken_run():
+    async def go():
+        fakes, front, client, runners = await _stack(dispatch="round-robin")
+        try:
+            fakes[0].die_after = 7
+            fakes[1].die_after = None
+            body = {"prompt": [1, 2], "max_tokens": 30, "stream": True, "return_token_ids": True,
+                    "stream_options": {"include_usage": True}}
+            ids, _, events = await _stream(client, body)
+            return ids, events, fakes
+        finally:
+            await _teardown(front, client, runners)
+    ids, events, fakes = asyncio.run(go())
+    assert ids == _expected([1, 2], 30)
+    assert fakes[1].requests[-1]["prompt"] == [1, 2] + ids[:7]
+
+
+def test_bad_input_never_reaches_an_engine():
+    async def go():
+        fakes, front, client, runners = await _stack()
+        try:
+            out = []
+            for raw in (b"{", b'"x"', b'{"prompt": "a", "max_tokens": 0}', b'{"prompt": "a", "max_tokens": 10000}',
+                        b'{"prompt": "a", "model": "other"}', b'{"prompt": "a", "n": "two"}', b'{"max_tokens": 3}',
+                        b'{"prompt": [1, 2], "max_tokens": 3.5}'):
+                r = await client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+                out.append((r.status_code, r.json()["error"]))
+            r = await client.post("/v1/chat/completions", json={"messages": []})
+            out.append((r.status_code, r.json()["error"]))
+            return out, sum(len(f.requests) for f in fakes)
+        finally:
+            await _teardown(front, client, runners)
+    out, reached = asyncio.run(go())
+    assert reached == 0
+    assert all(code == 400 and err["code"] == 400 and err["message"] for code, err in out), out
+
+
+def test_ops_need_the_token_and_check_their_parameters():
+    async def go():
+        fakes, front, client, runners = await _stack()
+        front.token = "s3cret"
+        try:
+            a = await client.post("/kunserve/ops/kill", json={"instance": 0})
+            b = await client.post("/kunserve/ops/kill", json={"instance": 9}, headers={"authorization": "Bearer s3cret"})
+            c = await client.post("/kunserve/ops/migrate", json={"request_id": "none"},
+                                  headers={"authorization": "Bearer s3cret"})
+            d = await client.post("/kunserve/ops/explode", json={}, headers={"authorization": "Bearer s3cret"})
+            return a.status_code, b.status_code, c.status_code, d.status_code, fakes[0].alive
+        finally:
+            await _teardown(front, client, runners)
+    assert asyncio.run(go()) == (401, 400, 404, 404, True)
+
+
+def test_relabel_metrics_keeps_families_together():
+    a = "# HELP x_total c\n# TYPE x_total counter\nx_total{a=\"1\"} 3.0\ny 1\n"
+    out = relabel_metrics({0: a, 1: a})
+    lines = out.splitlines()
+    assert lines.count("# TYPE x_total counter") == 1
+    i0, i1 = lines.index('x_total{instance="0",a="1"} 3.0'), lines.index('x_total{instance="1",a="1"} 3.0')
+    assert abs(i0 - i1) == 1   # samples of one family adjacent
+    assert 'y{instance="1"} 1' in lines
+
+
+def test_parse_metrics_and_loads_prefer_the_exact_book():
+    m = parse_vllm_metrics('vllm:cache_config_info{block_size="32",num_gpu_blocks="88"} 1.0\n'
+                           'vllm:kv_cache_usage_perc{m="x"} 0.5\nvllm:num_requests_waiting{m="x"} 2\n')
+    assert m["num_gpu_blocks"] == 88 and m["block_size"] == 32 and m["waiting"] == 2 and m["kv_usage"] == 0.5
+    book = FlightBook()
+    book.put(0, "a", 64, 10, True)     # 74 tokens -> 3 blocks of 32
+    book.put(0, "b", 40, 0, False)     # queued: 2 blocks
+    book.put(1, "a", 64, 11, True)     # "a" moved to instance 1
+    engines = [Engine(0, state="ready"), Engine(1, state="dead")]
+    reps = {0: EngineReport(0, ok=True, capacity_blocks=88, block_size=32, used_blocks=1)}
+    u0, u1 = instance_loads(engines, reps, book)
+    # the engine reports 1 used block the book does not know (another client): the larger wins
+    assert (u0.used_blocks, u0.queued_blocks, u0.capacity_blocks, u0.requests) == (1, 2, 88, 1)
+    assert u0.queued_prefill_tokens == 40
+    assert u1.alive is False and u1.requests == 1
+
+
+def test_client_disconnect_aborts_the_engine_request():
+    """Through a real uvicorn server: a client that goes away mid-stream closes the front end's
+    upstream connection (vLLM aborts a request whose connection closes)."""
+    import uvicorn
+
+    async def go():
+        fakes, front, client, runners = await _stack()
+        await client.aclose()
+        for f in fakes:
+            f.delay_s = 0.05
+        cancelled = asyncio.Event()
+        orig = fakes[0].generate
+
+        async def watched(request, chat):
+            try:
+                return await orig(request, chat)
+            except (ConnectionResetError, asyncio.CancelledError):
+                cancelled.set()
+                raise
+        fakes[0].generate = watched
+        fakes[1].generate = watched
+        cfg = uvicorn.Config(build_app(front), host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        server = uvicorn.Server(cfg)
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+                async with c.stream("POST", "/v1/completions",
+                                    json={"prompt": [1], "max_tokens": 200, "stream": True}) as r:
+                    n = 0
+                    async for line in r.aiter_lines():
+                        n += line.startswith("data: ")
+                        if n == 3:
+                            break
+            await asyncio.wait_for(cancelled.wait(), 5)
+            for _ in range(100):
+                if not front.flights:
+                    break
+                await asyncio.sleep(0.02)
+            return len(front.flights), front.m_requests.labels("completion", "aborted")._value.get()
+        finally:
+            server.should_exit = True
+            await task
+            await front.close()
+            for r in runners:
+                await r.cleanup()
+    assert asyncio.run(go()) == (0, 1.0)
+
+
+def test_mell_relieves_an_overfull_engine_by_migrating_a_running_request():
+    """least-load places a 1500-token request on engine 0 (100 blocks of 16; engine 1 has 400);
+    switched to mell at run time, the monitor's next period finds engine 0 over the watermark and
+    moves the request to engine 1, which continues it from prompt + sent tokens."""
+    from vllm_kunserve.cluster.migration import placement_planner
+    from vllm_kunserve.config import PlacementConfig
+
+    async def go():
+        fakes, front, client, runners = await _stack(dispatch="least-load", blocks=(100, 400),
+                                                     planner=placement_planner(PlacementConfig()))
+        for f in fakes:
+            f.delay_s = 0.02
+        await asyncio.sleep(0.2)   # a monitor period: capacities known
+        switched = {}
+
+        async def on_event(ev, ids):
+            if len(ids) == 5 and not switched:
+                switched["r"] = (await client.post("/kunserve/ops/dispatch", json={"mode": "mell"})).json()
+                switched["bad"] = (await client.post("/kunserve/ops/dispatch", json={"mode": "fastest"})).status_code
+        try:
+            async with _served(front) as live:
+                client = live
+                prompt = [i % 50 for i in range(1500)]
+                ids, _, _ = await _stream(live, {"prompt": prompt, "max_tokens": 60, "stream": True,
+                                                 "return_token_ids": True}, on_event=on_event)
+            return switched, prompt, ids, fakes, front.status()
+        finally:
+            await _teardown(front, client, runners)
+    sw, prompt, ids, fakes, st = asyncio.run(go())
+    assert sw["r"] == {"dispatch": "mell", "was": "least-load"} and sw["bad"] == 400
+    assert ids == _expected(prompt, 60)
+    assert len(fakes[0].requests) == 1
+    mig = [e for e in st["events"] if e["event"] == "migration"]
+    assert len(mig) == 1 and mig[0]["src"] == 0 and mig[0]["dst"] == 1 and mig[0]["method"] == "reprefill"
+    cont = fakes[1].requests[-1]
+    k = len(cont["prompt"]) - len(prompt)
+    assert 5 <= k < 60 and cont["prompt"] == prompt + ids[:k] and cont["max_tokens"] == 60 - k

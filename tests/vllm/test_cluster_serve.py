@@ -1,0 +1,232 @@
+"""`kunserve serve` with 2 real vLLM-CPU engines behind the front end: concurrency, bad input,
+migration (re-prefill) token-identical to an unmigrated run, and an engine killed mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+
+import aiohttp
+import pytest
+
+from tests.vllm.cluster_client import complete, op, status
+from vllm_kunserve.cluster.launcher import KunserveCluster
+
+pytestmark = pytest.mark.vllm
+
+ARGS = ["--dtype", "float32", "--block-size", "32", "--kv-cache-memory-bytes", str(32 << 20),
+        "--max-model-len", "256", "--enforce-eager", "--served-model-name", "m"]
+PROMPTS = [f"request {i}: the cache holds {i * 7} blocks and" for i in range(8)]
+
+
+@pytest.fixture(scope="module", params=["local", pytest.param("ray", marks=pytest.mark.ray)])
+def cluster(request, tiny_model, tmp_path_factory):
+    """Two stock engines behind the front end, as local processes and as Ray actors."""
+    log = tmp_path_factory.mktemp(f"cluster-{request.param}") / "serve.log"
+    srv = KunserveCluster(str(tiny_model), ARGS, None, log_path=log, instances=2, startup_timeout_s=400,
+                          backend=request.param, extra=["--monitor-interval", "0.25", "--log-dir", str(log.parent)])
+    with srv:
+        yield srv
+
+
+async def _references(url: str, n_tokens: int) -> dict[str, list[int]]:
+    async with aiohttp.ClientSession() as s:
+        out = {}
+        for p in PROMPTS:
+            a = await complete(s, url, p, max_tokens=n_tokens)
+            assert a.status == 200 and len(a.token_ids) == n_tokens
+            out[p] = a.token_ids
+        return out
+
+
+def test_models_health_metrics_status(cluster):
+    with urllib.request.urlopen(cluster.url + "/health", timeout=10) as r:
+        assert r.status == 200
+    with urllib.request.urlopen(cluster.url + "/v1/models", timeout=10) as r:
+        assert b'"m"' in r.read()
+    with urllib.request.urlopen(cluster.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert 'vllm:request_prompt_tokens_sum{instance="0"' in text and 'vllm:request_prompt_tokens_sum{instance="1"' in text
+    assert "kunserve:engine_up" in text
+    st = asyncio.run(_status(cluster.url))
+    assert [i["state"] for i in st["instances"]] == ["ready", "ready"]
+    assert all(i["kv"]["capacity_blocks"] > 0 for i in st["instances"])
+
+
+async def _status(url):
+    async with aiohttp.ClientSession() as s:
+        return await status(s, url)
+
+
+def test_bad_input_is_400_and_reaches_no_engine(cluster):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            before = await status(s, cluster.url)
+            cases = [
+                (b"{not json", "not valid JSON"),
+                (b'{"model": "nope", "prompt": "x"}', "does not exist"),
+                (b'{"prompt": "x", "max_tokens": -1}', "at least 1"),
+                (b'{"prompt": "x", "max_tokens": 100000000}', "maximum length"),
+                (b'{"prompt": "x", "temperature": "hot"}', "temperature"),
+                (b'{"prompt": "' + b"word " * 400 + b'"}', "maximum context length"),
+                (b'[1, 2]', "JSON object"),
+            ]
+            for raw, needle in cases:
+                async with s.post(cluster.url + "/v1/completions", data=raw,
+                                  headers={"Content-Type": "application/json"}) as r:
+                    body = await r.json()
+                    assert r.status == 400, (raw[:40], r.status, body)
+                    assert needle in body["error"]["message"] and body["error"]["code"] == 400
+            async with s.post(cluster.url + "/v1/chat/completions", json={"messages": "hi"}) as r:
+                assert r.status == 400
+            after = await status(s, cluster.url)
+            good = await complete(s, cluster.url, "still serving", max_tokens=4)
+        return before, after, good
+    before, after, good = asyncio.run(go())
+    dispatched = lambda st: sum(i["inflight"] for i in st["instances"])  # noqa: E731
+    assert dispatched(after) == dispatched(before) == 0
+    assert good.status == 200 and len(good.token_ids) == 4
+
+
+def test_200_concurrent_requests_half_streaming_all_complete(cluster):
+    refs = asyncio.run(_references(cluster.url, 12))
+
+    async def go():
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
+            jobs = [complete(s, cluster.url, PROMPTS[i % len(PROMPTS)], max_tokens=12, stream=i % 2 == 0,
+                             chat=i % 5 == 4) for i in range(200)]
+            return await asyncio.gather(*jobs)
+    answers = asyncio.run(go())
+    assert all(a.status == 200 and a.error is None for a in answers), [a for a in answers if a.status != 200][:3]
+    assert all(len(a.token_ids) == 12 and a.finish_reason == "length" for a in answers)
+    # completions are greedy and deterministic: every answer equals the prompt's reference
+    for i, a in enumerate(answers):
+        if i % 5 != 4:
+            assert a.token_ids == refs[PROMPTS[i % len(PROMPTS)]], i
+    st = asyncio.run(_status(cluster.url))
+    per = {i["instance"]: i for i in st["instances"]}
+    assert st["inflight"] == 0 and set(per) == {0, 1}
+
+
+async def migrate_midway(s, url: str, prompt: str, n: int, chat: bool, method: str, at_token: int = 12):
+    """Send a streamed greedy request with our own request id, and have the front end move it to the
+    other engine once it has sent ``at_token`` tokens. Returns (answer, the migrate op's answer)."""
+    rid = f"mig-{method}-{chat}-{time.monotonic_ns()}"
+    order = asyncio.ensure_future(op(s, url, "migrate", {"request_id": rid, "method": method,
+                                                         "at_token": at_token, "wait_s": 30}))
+    await asyncio.sleep(0.05)  # the order waits in the front end for the request to arrive
+    task = asyncio.ensure_future(complete(s, url, prompt, max_tokens=n, stream=True, chat=chat, request_id=rid))
+    res = await order
+    return await task, res
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_reprefill_migration_is_token_identical(cluster, chat):
+    n = 200
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            ref = await complete(s, cluster.url, PROMPTS[3], max_tokens=n, stream=True, chat=chat)
+            mig, res = await migrate_midway(s, cluster.url, PROMPTS[3], n, chat, "reprefill")
+            return ref, mig, res, await status(s, cluster.url)
+    ref, mig, (code, res), st = asyncio.run(go())
+    assert code == 200, res
+    src = res["from"]
+    assert res["to"] == 1 - src
+    assert mig.error is None and mig.finish_reason == "length"
+    assert mig.token_ids == ref.token_ids and len(mig.token_ids) == n
+    assert mig.text == ref.text
+    evs = [e for e in st["events"] if e["event"] == "migration" and e.get("request") == mig.request_id]
+    assert len(evs) == 1 and evs[0]["method"] == "reprefill" and evs[0]["dst"] == 1 - src
+    assert evs[0]["tokens"] >= 12  # prompt + the tokens sent before the cut
+
+
+def test_engine_killed_mid_run_every_request_completes_and_restarts(cluster):
+    refs = asyncio.run(_references(cluster.url, 40))
+
+    async def go():
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=900)) as s:
+            killed = {}
+
+            async def killer():
+                # wait until both engines hold streamed requests that have produced tokens
+                while True:
+                    st = await status(s, cluster.url)
+                    if all(i["inflight"] >= 3 for i in st["instances"]):
+                        break
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.5)
+                killed["op"] = await op(s, cluster.url, "kill", {"instance": 0})
+            jobs = [complete(s, cluster.url, PROMPTS[i % len(PROMPTS)], max_tokens=40, stream=i % 2 == 0)
+                    for i in range(24)]
+            answers, _ = await asyncio.gather(asyncio.gather(*jobs), killer())
+            return answers, killed
+    answers, killed = asyncio.run(go())
+    assert killed["op"][0] == 200
+    assert all(a.status == 200 and a.error is None for a in answers), [(a.status, a.error) for a in answers][:4]
+    for i, a in enumerate(answers):
+        assert a.token_ids == refs[PROMPTS[i % len(PROMPTS)]], f"request {i} differs after failover"
+    deadline = time.monotonic() + 300
+    while True:
+        st = asyncio.run(_status(cluster.url))
+        inst0 = st["instances"][0]
+        if inst0["state"] == "ready" and inst0["restarts"] >= 1:
+            break
+        assert time.monotonic() < deadline, st["instances"]
+        time.sleep(1)
+    kinds = [e["event"] for e in st["events"]]
+    assert "dead" in kinds and "restarted" in kinds and "failover" in kinds
+    with urllib.request.urlopen(cluster.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert 'kunserve:engine_restarts_total{instance="0"} 1.0' in text
+    # the restarted engine serves again
+    a = asyncio.run(_one(cluster.url))
+    assert a.status == 200 and a.token_ids == refs[PROMPTS[0]][:8]
+
+
+async def _one(url):
+    async with aiohttp.ClientSession() as s:
+        return await complete(s, url, PROMPTS[0], max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def kunserve_cluster(tiny_model, tmp_path_factory):
+    """Two kunserve engines (each with its engine agent and control port: today those come with
+    remap, which never triggers at this load) behind the front end."""
+    log = tmp_path_factory.mktemp("cluster-kunserve") / "serve.log"
+    srv = KunserveCluster(str(tiny_model), ARGS, {"remap": {"enable": True}}, log_path=log, instances=2,
+                          startup_timeout_s=400,
+                          extra=["--monitor-interval", "0.25", "--log-dir", str(log.parent)])
+    with srv:
+        yield srv
+
+
+def test_kv_transfer_migration_is_token_identical_and_hits_the_target_cache(kunserve_cluster):
+    url, n = kunserve_cluster.url, 120
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            st = await status(s, url)
+            # the reference's KV must not sit in either prefix cache under the migrated request's
+            # hashes (it would leave nothing to move): a cache salt keeps it apart
+            ref = await complete(s, url, PROMPTS[5], max_tokens=n, stream=True, cache_salt=f"ref-{time.time_ns()}")
+            mig, res = await migrate_midway(s, url, PROMPTS[5], n, False, "kv", at_token=70)
+            return st, ref, mig, res, await status(s, url)
+    st0, ref, mig, (code, res), st = asyncio.run(go())
+    # the monitor reads kunserve engines through their control ports
+    assert all(i["kv"]["source"] == "control" and i["control_url"] for i in st0["instances"]), st0["instances"]
+    assert code == 200, res
+    assert mig.error is None and mig.token_ids == ref.token_ids and mig.text == ref.text
+    evs = [e for e in st["events"] if e.get("request") == mig.request_id]
+    assert [e["event"] for e in evs] == ["migration"], evs
+    ev = evs[0]
+    # prompt (~12 tokens) + 70 generated: at least two full blocks of 32 moved, and the target's
+    # prefix cache now holds them (the continuation hit them instead of re-prefilling)
+    assert ev["method"] == "kv" and ev["blocks"] >= 2 and ev["bytes"] > 0
+    assert ev["cached_tokens"] == 32 * ev["blocks"] and ev["dst"] == res["to"]
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert 'kunserve:migrations_total{method="kv",outcome="ok"} 1.0' in text

@@ -1,0 +1,152 @@
+"""``kunserve serve MODEL --instances N``: N vLLM engines behind one OpenAI-compatible endpoint.
+
+    kunserve serve MODEL [--instances N] [--backend local|ray] [--host 127.0.0.1] [--port 8000]
+                         [--dispatch least-work|least-load|round-robin|mell]
+                         [--kunserve-config JSON|FILE] [any vLLM engine argument ...]
+
+Everything this command does not know is a vLLM engine argument, checked by vLLM's own ``vllm
+serve`` parser before any engine starts and passed to every engine. With ``--kunserve-config``
+the engines run the kunserve plugin (each with a control port the front end polls); without it
+they are stock vLLM engines (the baseline), still behind the same front end, monitor and dispatch.
+Ctrl-C stops the front end and every engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+_OWN = ("--host", "--port", "--additional-config")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve N vLLM engines behind one OpenAI-compatible endpoint",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="model path or name (as for vllm serve)")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(func=run)
+
+
+def _options() -> argparse.ArgumentParser:
+    from vllm_kunserve.policy.dispatch import DEFAULT_DISPATCH, DISPATCH
+
+    p = argparse.ArgumentParser(prog="kunserve serve MODEL", add_help=False)
+    p.add_argument("--instances", type=int, default=1, help="engines to start (default 1)")
+    p.add_argument("--backend", choices=("local", "ray"), default="local",
+                   help="local: one process per engine on this machine; ray: one Ray actor per engine")
+    p.add_argument("--ray-address", default=None, help="Ray cluster address (default: start a local Ray)")
+    p.add_argument("--ray-num-cpus", type=float, default=1.0, help="CPUs each engine's actor reserves")
+    p.add_argument("--host", default="127.0.0.1", help="front end address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="front end port (default 8000)")
+    p.add_argument("--dispatch", choices=DISPATCH, default=DEFAULT_DISPATCH, help="dispatch policy")
+    p.add_argument("--kunserve-config", default=None, help="the kunserve section: inline JSON or a JSON file")
+    p.add_argument("--monitor-interval", type=float, default=0.5, help="seconds between engine polls")
+    p.add_argument("--max-concurrency", type=int, default=1024, help="requests upstream at once")
+    p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait for a slot")
+    p.add_argument("--request-timeout", type=float, default=3600.0, help="seconds of engine silence before giving up")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds each engine may take to start")
+    p.add_argument("--no-restart", action="store_true", help="do not restart engines that die")
+    p.add_argument("--log-dir", default="", help="engine logs (default: the temp directory)")
+    p.add_argument("--token", default=None, help="bearer token for /kunserve/ops and the engines' control ports "
+                                                 "(default env KUNSERVE_CONTROL_TOKEN)")
+    return p
+
+
+def check_engine_args(model: str, engine_args: list[str]) -> None:
+    """vLLM's own ``vllm serve`` parser over the engine arguments (a clear error, nothing started)."""
+    for a in engine_args:
+        if a.split("=", 1)[0] in _OWN:
+            raise ValueError(f"{a.split('=', 1)[0]}: set by kunserve serve (front end --host/--port; "
+                             f"use --kunserve-config for the kunserve section)")
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+
+    def error(msg: str):
+        raise ValueError(f"engine arguments: {msg}")
+    parser.error = error  # type: ignore[method-assign]
+    parser.parse_args([model, *engine_args])
+
+
+def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
+    opts, engine_args = _options().parse_known_args(args.rest)
+    if opts.instances < 1 or opts.instances > 256:
+        raise ValueError(f"--instances must be 1..256, got {opts.instances}")
+    if not 0 < opts.port < 65536:
+        raise ValueError(f"--port must be 1..65535, got {opts.port}")
+    if opts.monitor_interval <= 0 or opts.max_concurrency < 1:
+        raise ValueError("--monitor-interval must be > 0 and --max-concurrency >= 1")
+    return opts, engine_args
+
+
+def _tokenizer(model: str, engine_args: list[str]):
+    name = model
+    if "--tokenizer" in engine_args:
+        name = engine_args[engine_args.index("--tokenizer") + 1]
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as e:  # the engines still check lengths themselves
+        logging.getLogger("kunserve.serve").warning("no local tokenizer (%s): prompt lengths are checked by the engines", e)
+        return None
+
+
+def build(model: str, opts: argparse.Namespace, engine_args: list[str], progress=None):
+    """The fleet and front end (not started): for ``run`` and for tests and benchmarks."""
+    from vllm_kunserve.cluster.fleet import EngineSpec, Fleet, make_backend
+    from vllm_kunserve.cluster.frontend import FrontEnd
+    from vllm_kunserve.config import parse_config, parse_kunserve_config
+
+    kunserve = parse_kunserve_config(opts.kunserve_config) if opts.kunserve_config is not None else None
+    token = opts.token if opts.token is not None else os.environ.get("KUNSERVE_CONTROL_TOKEN", "")
+    if kunserve is not None and token:
+        kunserve = {**kunserve, "control": {**kunserve.get("control", {}), "token": token}}
+    spec = EngineSpec(model, tuple(engine_args), kunserve, startup_timeout_s=opts.startup_timeout, log_dir=opts.log_dir)
+    backend = make_backend(opts.backend, "127.0.0.1", opts.ray_address, opts.ray_num_cpus)
+    fleet = Fleet(spec, opts.instances, backend, restart=not opts.no_restart, progress=progress)
+    cfg = parse_config(kunserve)
+    from vllm_kunserve.cluster.migration import placement_planner
+
+    # MELL's bounded migrations each period (cluster.migration); also armed for a run-time switch
+    # to mell (/kunserve/ops/dispatch), idle under the other modes
+    planner = placement_planner(cfg.placement)
+    front = FrontEnd(fleet, dispatch=opts.dispatch, monitor_interval_s=opts.monitor_interval,
+                     max_concurrency=opts.max_concurrency, queue_timeout_s=opts.queue_timeout,
+                     request_timeout_s=opts.request_timeout, token=token,
+                     tokenizer=_tokenizer(model, engine_args), plan_migrations=planner)
+    return fleet, front
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from vllm_kunserve.cluster.frontend import build_app
+
+    opts, engine_args = parse(args)
+    check_engine_args(args.model, engine_args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    fleet, front = build(args.model, opts, engine_args)
+    kind = "kunserve" if fleet.spec.kunserve is not None else "stock vLLM"
+    print(f"[kunserve] starting {opts.instances} {kind} engine(s) on the {opts.backend} backend ...", flush=True)
+    fleet.start()
+    try:
+        app = build_app(front)
+        config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning", timeout_keep_alive=30)
+        server = uvicorn.Server(config)
+        print(f"[kunserve] serving {opts.instances} instance(s) at http://{opts.host}:{opts.port} "
+              f"(dispatch {opts.dispatch}; status: kunserve status --url http://{opts.host}:{opts.port})", flush=True)
+        server.run()
+    finally:
+        print("[kunserve] stopping engines ...", flush=True)
+        fleet.stop()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from vllm_kunserve.cli.main import main
+
+    sys.exit(main(["serve", *sys.argv[1:]]))

@@ -1,0 +1,347 @@
+"""The fleet: N vLLM engines started, watched and restarted for one front end.
+
+Each engine is a whole ``vllm serve`` (its own OpenAI server, engine core and, for kunserve engines,
+its control port). Backends decide where the process runs:
+
+* :class:`LocalBackend` (default): a process group on this machine (``cluster.launcher``).
+* :class:`RayBackend`: one Ray actor per engine, which starts the same ``vllm serve`` on its own
+  node (vLLM's Ray executor refuses the CPU platform, so Ray hosts whole engines, not workers).
+
+:class:`Fleet` starts every engine (a progress line per instance as each becomes ready), tells the
+front end which engines accept work, and runs a supervisor thread: an engine whose process died is
+marked dead (dispatch skips it, its requests fail over), restarted, and rejoins when healthy. Every
+start, death and restart is an event (``events``) and a counter the front end exports.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from vllm_kunserve.cluster.launcher import LaunchPlan, ServerProcess, cpu_env, free_port, serve_argv
+
+logger = logging.getLogger("kunserve.fleet")
+
+__all__ = ["EngineSpec", "Engine", "Fleet", "LocalBackend", "RayBackend", "make_backend"]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What every engine of the fleet runs (all engines are replicas of one model)."""
+
+    model: str
+    engine_args: tuple[str, ...] = ()          # vLLM engine arguments, passed through
+    kunserve: dict[str, Any] | None = None     # the "kunserve" section (None: stock vLLM engines)
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 600.0
+    log_dir: str = ""
+
+    def additional_config(self, control_port: int) -> dict[str, Any] | None:
+        if self.kunserve is None:
+            return None
+        ks = dict(self.kunserve)
+        ks["control"] = {**ks.get("control", {}), "port": control_port}
+        return {"kunserve": ks}
+
+
+def engine_env(spec: EngineSpec) -> dict[str, str]:
+    """One engine's environment: vLLM's CPU settings, the spec's, and a Prometheus directory of its
+    own (the engine core's ``kunserve:`` series reach its ``/metrics`` through it; engines sharing
+    one would mix their series)."""
+    return {**cpu_env(), **spec.env, "PROMETHEUS_MULTIPROC_DIR": tempfile.mkdtemp(prefix="kunserve-prom-")}
+
+
+@dataclass
+class Engine:
+    """One instance as the front end sees it."""
+
+    index: int
+    url: str = ""                       # the engine's OpenAI server
+    control_url: str = ""               # its control port ("" for stock engines)
+    state: str = "starting"             # starting | ready | dead | restarting | stopped
+    restarts: int = 0
+    started_s: float = 0.0
+    ready_s: float = 0.0
+    handle: Any = None                  # backend-specific
+
+    @property
+    def accepting(self) -> bool:
+        return self.state == "ready"
+
+    def view(self) -> dict:
+        return {"instance": self.index, "url": self.url, "control_url": self.control_url or None,
+                "state": self.state, "restarts": self.restarts,
+                "startup_s": round(self.ready_s - self.started_s, 2) if self.ready_s else None}
+
+
+class LocalBackend:
+    """Engines as local process groups (``vllm serve`` on 127.0.0.1 or ``host``)."""
+
+    name = "local"
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self.host = host
+
+    def launch(self, spec: EngineSpec, index: int, engine: Engine) -> None:
+        port, cport = free_port(self.host), free_port(self.host)
+        env = engine_env(spec)
+        plan = LaunchPlan(serve_argv(spec.model, self.host, port, spec.engine_args, spec.additional_config(cport)), env)
+        log_dir = Path(spec.log_dir or tempfile.gettempdir())
+        log = log_dir / f"kunserve-engine{index}-{port}.log"
+        proc = ServerProcess(plan, self.host, port, log).start()
+        engine.handle = proc
+        engine.url = proc.endpoint
+        engine.control_url = f"http://{self.host}:{cport}" if spec.kunserve is not None else ""
+        logger.info("instance %d: starting on %s (log %s)", index, engine.url, log)
+
+    def wait_ready(self, engine: Engine, timeout_s: float) -> None:
+        engine.handle.wait_ready(timeout_s)
+
+    def alive(self, engine: Engine) -> bool:
+        proc = engine.handle
+        return proc is not None and proc.proc is not None and proc.proc.poll() is None
+
+    def kill(self, engine: Engine) -> None:
+        """Hard-kill (fault injection and tests): SIGKILL the engine's whole process group."""
+        import signal
+
+        proc = engine.handle
+        if proc is not None and proc.proc is not None and proc.proc.poll() is None:
+            os.killpg(proc.proc.pid, signal.SIGKILL)
+
+    def stop(self, engine: Engine) -> None:
+        if engine.handle is not None:
+            engine.handle.stop()
+
+    def close(self) -> None:
+        pass
+
+
+class _RayEngineActor:
+    """Body of the Ray actor: a ``vllm serve`` on the actor's node (wrapped by ``ray.remote`` lazily)."""
+
+    def __init__(self, spec: EngineSpec, index: int, bind_host: str):
+        import ray
+
+        self.host = ray.util.get_node_ip_address() if bind_host in ("", "0.0.0.0") else bind_host
+        self.index, self.spec, self.bind = index, spec, bind_host or "0.0.0.0"
+        self.proc: ServerProcess | None = None
+
+    def start(self) -> tuple[str, str]:
+        port, cport = free_port(), free_port()
+        spec = self.spec
+        ctl = spec.additional_config(cport)
+        if ctl is not None:
+            ctl["kunserve"]["control"]["host"] = self.bind
+        plan = LaunchPlan(serve_argv(spec.model, self.bind, port, spec.engine_args, ctl), engine_env(spec))
+        log = Path(spec.log_dir or tempfile.gettempdir()) / f"kunserve-ray-engine{self.index}-{port}.log"
+        self.proc = ServerProcess(plan, self.host, port, log).start()
+        control = f"http://{self.host}:{cport}" if spec.kunserve is not None else ""
+        return f"http://{self.host}:{port}", control
+
+    def wait_ready(self, timeout_s: float) -> float:
+        assert self.proc is not None
+        return self.proc.wait_ready(timeout_s)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.proc is not None and self.proc.proc.poll() is None
+
+    def kill(self) -> None:
+        import signal
+
+        if self.alive():
+            os.killpg(self.proc.proc.pid, signal.SIGKILL)
+
+    def stop(self) -> int | None:
+        return self.proc.stop() if self.proc else None
+
+
+class RayBackend:
+    """Engines as Ray actors, one whole engine each (across machines when given a Ray address).
+
+    ``address`` None starts a local Ray; otherwise it is passed to ``ray.init`` (``auto`` or
+    ``ray://host:10001``). Each actor reserves ``num_cpus`` of its node. The engine binds 0.0.0.0
+    on a multi-node cluster so the front end can reach it (set a control token then)."""
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, num_cpus: float = 1.0, bind_host: str | None = None):
+        try:
+            import ray
+        except ImportError as e:  # pragma: no cover - depends on the optional extra
+            raise ValueError("--backend ray needs Ray: pip install 'vllm-kunserve[ray]'") from e
+        self.ray = ray
+        if not ray.is_initialized():
+            if address:
+                ray.init(address=address, log_to_driver=False)
+            else:
+                ray.init(num_cpus=max(int(os.cpu_count() or 1), 1), include_dashboard=False, log_to_driver=False)
+        self.num_cpus = num_cpus
+        self.bind_host = bind_host if bind_host is not None else ("127.0.0.1" if not address else "0.0.0.0")
+        self._cls = ray.remote(num_cpus=num_cpus, max_restarts=0)(_RayEngineActor)
+
+    def launch(self, spec: EngineSpec, index: int, engine: Engine) -> None:
+        actor = self._cls.remote(spec, index, self.bind_host)
+        engine.handle = actor
+        engine.url, engine.control_url = self.ray.get(actor.start.remote(), timeout=120)
+        logger.info("instance %d: starting as a Ray actor on %s", index, engine.url)
+
+    def wait_ready(self, engine: Engine, timeout_s: float) -> None:
+        self.ray.get(engine.handle.wait_ready.remote(timeout_s), timeout=timeout_s + 30)
+
+    def alive(self, engine: Engine) -> bool:
+        if engine.handle is None:
+            return False
+        try:
+            return bool(self.ray.get(engine.handle.alive.remote(), timeout=10))
+        except Exception:  # the actor itself died (its node went away)
+            return False
+
+    def kill(self, engine: Engine) -> None:
+        try:
+            self.ray.get(engine.handle.kill.remote(), timeout=10)
+        except Exception:
+            pass
+
+    def stop(self, engine: Engine) -> None:
+        if engine.handle is None:
+            return
+        try:
+            self.ray.get(engine.handle.stop.remote(), timeout=60)
+        except Exception:
+            pass
+        try:
+            self.ray.kill(engine.handle)
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        self.ray.shutdown()
+
+
+def make_backend(name: str, host: str = "127.0.0.1", ray_address: str | None = None,
+                 ray_num_cpus: float = 1.0):
+    if name == "local":
+        return LocalBackend(host)
+    if name == "ray":
+        return RayBackend(ray_address, ray_num_cpus)
+    raise ValueError(f"--backend {name!r}: one of local, ray")
+
+
+class Fleet:
+    """N engines of one spec on one backend, with a supervisor that restarts dead ones."""
+
+    def __init__(self, spec: EngineSpec, instances: int, backend, *, restart: bool = True,
+                 check_interval_s: float = 0.5, progress: Callable[[str], None] | None = None):
+        if instances < 1:
+            raise ValueError(f"--instances must be >= 1, got {instances}")
+        self.spec, self.backend, self.restart = spec, backend, restart
+        self.engines = [Engine(i) for i in range(instances)]
+        self.events: list[dict] = []
+        self.check_interval_s = check_interval_s
+        self.progress = progress or (lambda line: print(line, flush=True))
+        self.on_change: list[Callable[[Engine, str], None]] = []   # (engine, event kind)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- events -----------------------------------------------------------------------------------
+    def event(self, engine: Engine, kind: str, **info: Any) -> None:
+        ev = {"t": time.time(), "instance": engine.index, "event": kind, **info}
+        with self._lock:
+            self.events.append(ev)
+            del self.events[:-200]
+        logger.info("instance %d: %s %s", engine.index, kind, info or "")
+        for cb in list(self.on_change):
+            try:
+                cb(engine, kind)
+            except Exception:  # a listener must not break the supervisor
+                logger.exception("fleet listener failed")
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def _start_one(self, e: Engine) -> None:
+        e.started_s, e.ready_s = time.monotonic(), 0.0
+        self.backend.launch(self.spec, e.index, e)
+
+    def start(self) -> "Fleet":
+        """Start every engine, then wait for each (a progress line per instance); raises if one fails."""
+        n = len(self.engines)
+        for e in self.engines:
+            self._start_one(e)
+            self.progress(f"[kunserve] instance {e.index + 1}/{n}: starting at {e.url}")
+        try:
+            for e in self.engines:
+                self.backend.wait_ready(e, self.spec.startup_timeout_s)
+                e.ready_s = time.monotonic()
+                e.state = "ready"
+                self.progress(f"[kunserve] instance {e.index + 1}/{n}: ready in {e.ready_s - e.started_s:.1f} s "
+                              f"({e.url}{', control ' + e.control_url if e.control_url else ''})")
+                self.event(e, "ready", startup_s=round(e.ready_s - e.started_s, 2))
+        except BaseException:
+            self.stop()
+            raise
+        self._thread = threading.Thread(target=self._supervise, name="kunserve-fleet", daemon=True)
+        self._thread.start()
+        return self
+
+    def _supervise(self) -> None:
+        while not self._stop.wait(self.check_interval_s):
+            for e in self.engines:
+                if e.state == "ready" and not self.backend.alive(e):
+                    self.mark_dead(e, "process exited")
+
+    def mark_dead(self, e: Engine, why: str) -> None:
+        """Called by the supervisor, or by the front end when an engine stops answering."""
+        with self._lock:
+            if e.state != "ready":
+                return
+            e.state = "dead"
+        self.event(e, "dead", reason=why)
+        if self.restart and not self._stop.is_set():
+            threading.Thread(target=self._restart, args=(e,), name=f"kunserve-restart-{e.index}", daemon=True).start()
+
+    def _restart(self, e: Engine) -> None:
+        e.state = "restarting"
+        try:
+            self.backend.stop(e)
+            if self._stop.is_set():
+                return
+            self._start_one(e)
+            self.backend.wait_ready(e, self.spec.startup_timeout_s)
+        except Exception as exc:
+            logger.error("instance %d: restart failed: %s", e.index, exc)
+            e.state = "dead"
+            self.event(e, "restart_failed", error=str(exc)[-500:])
+            return
+        e.ready_s = time.monotonic()
+        e.restarts += 1
+        e.state = "ready"
+        self.event(e, "restarted", startup_s=round(e.ready_s - e.started_s, 2), url=e.url)
+
+    def kill(self, index: int) -> None:
+        """Hard-kill one engine (tests and fault drills); the supervisor notices and restarts it."""
+        self.backend.kill(self.engines[index])
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for e in self.engines:
+            self.backend.stop(e)
+            e.state = "stopped"
+        self.backend.close()
+
+    def ready(self) -> Sequence[Engine]:
+        return [e for e in self.engines if e.accepting]
+
+    def __enter__(self) -> "Fleet":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,570 @@
+"""The fleet's OpenAI-compatible front end: one endpoint for N engines.
+
+An asynchronous proxy on vLLM's HTTP stack (FastAPI on uvicorn, aiohttp to the engines, pooled
+keep-alive connections). Routes:
+
+    POST /v1/completions, /v1/chat/completions   validated (400 on bad input), dispatched, relayed
+    GET  /v1/models                               the engines' model card
+    GET  /health                                  200 while an engine is ready, else 503
+    GET  /metrics                                 the engines' ``vllm:`` series labelled ``instance``
+                                                  + the fleet's ``kunserve:`` series
+    GET  /kunserve/status                         instances, their control-port state, groups,
+                                                  memory, recent events (``kunserve status --url``)
+    POST /kunserve/ops/migrate                    {"request_id", "to" (default: dispatch's choice),
+                                                   "method": "kv"|"reprefill",
+                                                   "at_token": N (once N tokens were sent),
+                                                   "wait_s": S (wait for a request id not yet arrived)}
+    POST /kunserve/ops/kill                       {"instance"}: hard-kill an engine (fault drill)
+    POST /kunserve/ops/dispatch                   {"mode"}: switch the dispatch policy at run time
+
+Streamed requests are relayed chunk by chunk (:mod:`cluster.relay`), can migrate and survive an
+engine's death; non-streamed requests are relayed whole and, if their engine dies before
+answering, sent again elsewhere. A client that disconnects aborts its request on the engine (the
+upstream connection is closed). At most ``max_concurrency`` requests are upstream at once; more
+wait up to ``queue_timeout_s`` and then get 503. ``/kunserve/ops/*`` need the token when one is set.
+"""
+
+# no ``from __future__ import annotations``: FastAPI must see the real ``Request`` annotations
+import asyncio
+import contextlib
+import hmac
+import itertools
+import logging
+import math
+import re
+import time
+from typing import Any, Callable, Sequence
+
+import aiohttp
+
+from vllm_kunserve.cluster.monitor import FlightBook, Monitor, instance_loads
+from vllm_kunserve.cluster.relay import Flight, Move, Relay, UpstreamLost
+from vllm_kunserve.cluster.validate import BadRequest, error_body, parse_json, validate
+from vllm_kunserve.policy.dispatch import check_mode, choose_instance
+
+logger = logging.getLogger("kunserve.frontend")
+
+__all__ = ["FrontEnd", "build_app", "relabel_metrics"]
+
+
+def relabel_metrics(texts: dict[int, str]) -> str:
+    """Merge engines' Prometheus texts into one exposition, each sample labelled ``instance``
+    (samples of one family kept together under one HELP/TYPE, as the format requires)."""
+    families: dict[str, list[str]] = {}
+    headers: dict[str, list[str]] = {}
+    order: list[str] = []
+    sample = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?(\s.*)$")
+    for inst, text in sorted(texts.items()):
+        fam = None
+        for line in text.splitlines():
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                name = line.split(" ", 3)[2]
+                if name not in headers:
+                    headers[name], families[name] = [], []
+                    order.append(name)
+                if line not in headers[name]:
+                    headers[name].append(line)
+                fam = name
+                continue
+            if not line or line.startswith("#"):
+                continue
+            m = sample.match(line)
+            if not m:
+                continue
+            name, labels, rest = m.groups()
+            lab = f'instance="{inst}"' + ("," + labels[1:-1] if labels and len(labels) > 2 else "")
+            key = fam if fam is not None and name.startswith(fam) else name
+            if key not in families:
+                headers[key], families[key] = [], []
+                order.append(key)
+            families[key].append(f"{name}{{{lab}}}{rest}")
+    out = []
+    for name in order:
+        out.extend(headers[name])
+        out.extend(families[name])
+    return "\n".join(out) + "\n"
+
+
+class FrontEnd:
+    """State of the front end: the fleet, its monitor, what is in flight, dispatch, metrics."""
+
+    def __init__(self, fleet, *, dispatch: str = "least-work", monitor_interval_s: float = 0.5,
+                 max_concurrency: int = 1024, queue_timeout_s: float = 60.0, request_timeout_s: float = 3600.0,
+                 token: str = "", tokenizer: Any = None,
+                 plan_migrations: Callable[..., Sequence[Any]] | None = None):
+        self.fleet = fleet
+        self.dispatch = check_mode(dispatch)
+        self.monitor = Monitor(fleet.engines, interval_s=monitor_interval_s, token=token)
+        self.book = FlightBook()
+        self.flights: dict[str, Flight] = {}
+        self.by_visible: dict[str, Flight] = {}
+        self.arrivals: dict[str, asyncio.Event] = {}   # migrate ops waiting for a request id to arrive
+        self.max_concurrency = max_concurrency
+        self.queue_timeout_s = queue_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.token = token
+        self.tokenizer = tokenizer
+        self.plan_migrations = plan_migrations
+        self.migrating = plan_migrations is not None and self.dispatch == "mell"
+        self.events: list[dict] = []
+        self.served: list[str] = []
+        self.max_model_len = 0
+        self.models_body: bytes = b""
+        self._turn = itertools.count()
+        self._ids = itertools.count()
+        self._sem: asyncio.Semaphore | None = None
+        self._stop: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.session: aiohttp.ClientSession | None = None
+        self._init_metrics()
+        fleet.on_change.append(self._on_fleet)
+
+    # -- metrics ------------------------------------------------------------------------------------
+    def _init_metrics(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.registry = r = CollectorRegistry()
+        self.m_requests = Counter("kunserve:frontend_requests", "Requests answered by the front end",
+                                  ["kind", "outcome"], registry=r)
+        self.m_inflight = Gauge("kunserve:frontend_inflight", "Requests upstream now", registry=r)
+        self.m_dispatch = Counter("kunserve:dispatched", "Requests dispatched per instance", ["instance"], registry=r)
+        self.m_migrations = Counter("kunserve:migrations", "Request migrations", ["method", "outcome"], registry=r)
+        self.m_failovers = Counter("kunserve:failovers", "Requests moved off a failed engine", registry=r)
+        self.m_restarts = Counter("kunserve:engine_restarts", "Engine restarts", ["instance"], registry=r)
+        self.m_up = Gauge("kunserve:engine_up", "1 while the instance accepts work", ["instance"], registry=r)
+        self.m_blocks = Gauge("kunserve:engine_kv_blocks", "KV block capacity per instance (last poll)",
+                              ["instance"], registry=r)
+        for e in self.fleet.engines:
+            self.m_up.labels(str(e.index)).set(1 if e.accepting else 0)
+
+    def _on_fleet(self, engine, kind: str) -> None:
+        self.m_up.labels(str(engine.index)).set(1 if engine.accepting else 0)
+        if kind == "restarted":
+            self.m_restarts.labels(str(engine.index)).inc()
+
+    def record(self, kind: str, **info: Any) -> None:
+        ev = {"t": time.time(), "event": kind, **info}
+        self.events.append(ev)
+        del self.events[:-200]
+        if kind == "migration":
+            self.m_migrations.labels(info.get("method", "?"), "ok").inc()
+        elif kind == "migration_fallback":
+            self.m_migrations.labels("kv", "fallback").inc()
+        elif kind == "failover":
+            self.m_failovers.inc()
+        logger.info("%s %s", kind, {k: v for k, v in info.items()})
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        from vllm_kunserve.cluster.validate import load_request_models
+
+        load_request_models()   # vLLM's request models import in seconds: not on the first request
+        self._sem = asyncio.Semaphore(self.max_concurrency)
+        self._stop = asyncio.Event()
+        conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+        self.session = aiohttp.ClientSession(
+            connector=conn, timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=self.request_timeout_s))
+        await self._load_models()
+        self.monitor.listeners.append(self._after_poll)
+        await self.monitor.poll(self.session)
+        self._tasks.append(asyncio.create_task(self.monitor.run(self._stop)))
+
+    async def close(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+        for t in self._tasks:
+            try:
+                await asyncio.wait_for(t, 5)
+            except Exception:
+                t.cancel()
+        if self.session is not None:
+            await self.session.close()
+
+    async def _load_models(self) -> None:
+        for e in self.fleet.ready():
+            try:
+                async with self.session.get(f"{e.url}/v1/models") as resp:
+                    self.models_body = await resp.read()
+                    data = (await resp.json())["data"]
+                self.served = [d["id"] for d in data]
+                self.max_model_len = int(data[0].get("max_model_len") or 0)
+                return
+            except Exception as exc:
+                logger.warning("instance %d: /v1/models failed: %s", e.index, exc)
+        raise RuntimeError("no engine answered /v1/models")
+
+    async def _after_poll(self, reports: dict) -> None:
+        for i, r in reports.items():
+            if r.ok:
+                self.m_blocks.labels(str(i)).set(r.capacity_blocks)
+        if self.plan_migrations is None or not self.migrating:
+            return
+        orders = self.plan_migrations(self.loads(), self.request_loads(), reports)
+        for o in orders:
+            f = self.flights.get(o.request_id)
+            if f is not None and f.move is None and f.checked.movable and f.instance == o.src:
+                f.move = Move(o.dst, o.method, "placement")
+
+    # -- the RelayHost protocol (cluster.relay) -------------------------------------------------------
+    def engine_url(self, instance: int) -> str | None:
+        e = self.fleet.engines[instance]
+        return e.url if e.accepting else None
+
+    def loads(self):
+        return instance_loads(self.fleet.engines, self.monitor.reports, self.book)
+
+    def request_loads(self):
+        from vllm_kunserve.policy.migration import RequestLoad
+
+        out = []
+        for f in self.flights.values():
+            if f.started and f.checked.movable and f.move is None:
+                bs = self._block_size(f.instance)
+                toks = f.prompt_len + len(f.generated)
+                out.append(RequestLoad(f.rid, f.instance, math.ceil(toks / bs), toks, f.remaining))
+        return out
+
+    def _block_size(self, instance: int) -> int:
+        r = self.monitor.reports.get(instance)
+        return r.block_size if r and r.ok else 16
+
+    async def pick(self, flight: Flight, exclude: set[int]) -> int:
+        deadline = time.monotonic() + self.fleet.spec.startup_timeout_s
+        while True:
+            loads = [u for u in self.loads() if u.alive and u.instance_id not in exclude]
+            if not loads:  # every engine excluded or down: any ready one, else wait for a restart
+                loads = [u for u in self.loads() if u.alive]
+            if loads:
+                bs = self._block_size(loads[0].instance_id)
+                toks = flight.prompt_len + len(flight.generated)
+                return choose_instance(loads, self.dispatch, prompt_blocks=math.ceil(toks / bs), turn=next(self._turn))
+            if time.monotonic() > deadline:
+                raise UpstreamLost("no engine is ready")
+            await asyncio.sleep(0.25)
+
+    def engine_failed(self, instance: int, why: str) -> None:
+        e = self.fleet.engines[instance]
+        if e.accepting and not self.fleet.backend.alive(e):
+            self.fleet.mark_dead(e, why)
+
+    def account(self, f: Flight) -> None:
+        key = (f.instance, f.started, (f.prompt_len + len(f.generated)) // 8)
+        if f.booked == key:   # the book counts blocks: skip updates that change nothing
+            return
+        f.booked = key
+        self.book.put(f.instance, f.rid, f.prompt_len, len(f.generated), f.started)
+        if f.visible_id and f.visible_id not in self.by_visible:
+            self.by_visible[f.visible_id] = f
+
+    async def migrate_kv(self, flight: Flight, src: int, dst: int) -> dict:
+        """Move the KV of the flight's tokens from ``src``'s prefix cache to ``dst``'s (the source's
+        ``kv_export`` runs the staged prepare / copy / commit-or-abort with the target; the bytes go
+        worker to worker over the transfer channel). Raises when nothing could be moved."""
+        from vllm_kunserve.engine.migration import encode_tokens
+
+        s, d = self.fleet.engines[src], self.fleet.engines[dst]
+        if not (s.control_url and d.control_url):
+            raise RuntimeError("KV transfer needs kunserve engines (a control port on both)")
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        body = {"token_ids_b64": encode_tokens(flight.prompt_ids + flight.generated), "target": d.control_url,
+                **({"target_token": self.token} if self.token else {})}
+        async with self.session.post(f"{s.control_url}/ops/kv_export", json=body, headers=headers) as resp:
+            out = await resp.json()
+            if resp.status != 200:
+                raise RuntimeError(f"kv_export answered {resp.status}: {out.get('error', out)}")
+        if out.get("outcome") == "nothing" and out.get("target_cached_tokens"):
+            return {"blocks": 0, "bytes": 0, "cached_tokens": out["target_cached_tokens"]}  # already there
+        if out.get("outcome") != "ok":
+            raise RuntimeError(f"kv_export {out.get('outcome')}: {out.get('error') or out.get('reason') or ''}")
+        return {"blocks": out.get("sent_blocks", 0), "bytes": out.get("bytes", 0),
+                "cached_tokens": out.get("target_cached_tokens", 0), "export_ms": out.get("ms")}
+
+    # -- requests -----------------------------------------------------------------------------------
+    def count_tokens(self, kind: str, body: dict) -> list[int]:
+        tok = self.tokenizer
+        if kind == "chat":
+            if tok is None or not getattr(tok, "chat_template", None):
+                return [0]   # the engine renders and checks the template itself
+            try:
+                ids = tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
+            except Exception as e:
+                raise BadRequest(f"messages: {e}", param="messages") from None
+            return [len(ids["input_ids"] if hasattr(ids, "keys") else ids)]
+        p = body.get("prompt")
+        special = body.get("add_special_tokens", True)
+        if isinstance(p, str):
+            p = [p]
+        if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
+            return [len(p)]
+        out = []
+        for x in p or []:
+            if isinstance(x, str):
+                out.append(len(tok(x, add_special_tokens=special)["input_ids"]) if tok is not None else 0)
+            else:
+                out.append(len(x))
+        return out or [0]
+
+    async def acquire(self) -> None:
+        try:
+            await asyncio.wait_for(self._sem.acquire(), self.queue_timeout_s)
+        except asyncio.TimeoutError:
+            raise BadRequest(f"the front end has {self.max_concurrency} requests upstream and this one waited "
+                             f"{self.queue_timeout_s:g} s", status=503, kind="ServiceUnavailableError") from None
+
+    def status(self) -> dict:
+        reps = {v["instance"]: v for v in self.monitor.views(e.index for e in self.fleet.engines)}
+        instances = []
+        for e in self.fleet.engines:
+            rep = reps.get(e.index, {})
+            instances.append({**e.view(), "inflight": self.book.count(e.index), "kv": rep})
+        return {"dispatch": self.dispatch, "served_models": self.served, "max_model_len": self.max_model_len,
+                "inflight": len(self.flights), "instances": instances, "groups": [],
+                "requests": [{"id": f.visible_id or f.rid, "instance": f.instance, "generated": len(f.generated),
+                              "movable": f.checked.movable, "hops": len(f.hops)}
+                             for f in itertools.islice(self.flights.values(), 200)],
+                "memory": {str(e.index): reps.get(e.index, {}).get("capacity_blocks") for e in self.fleet.engines},
+                "monitor": {"interval_s": self.monitor.interval_s, "polls": self.monitor.polls},
+                "events": (self.fleet.events[-30:] + self.events[-30:])}
+
+
+def build_app(front: FrontEnd):
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await front.start()
+        try:
+            yield
+        finally:
+            await front.close()
+
+    app = FastAPI(title="kunserve", docs_url=None, redoc_url=None, lifespan=lifespan)
+
+    def err(e: BadRequest) -> JSONResponse:
+        return JSONResponse(error_body(e.message, e.status, e.kind, e.param), status_code=e.status)
+
+    def authorized(request: Request) -> bool:
+        if not front.token:
+            return True
+        got = request.headers.get("authorization", "")
+        return hmac.compare_digest(got.encode(), f"Bearer {front.token}".encode())
+
+    async def until_disconnect(request: Request, coro):
+        """Run ``coro``; if the client disconnects first, cancel it (closing the upstream request)."""
+        task = asyncio.ensure_future(coro)
+
+        async def watch():
+            while True:
+                msg = await request.receive()
+                if msg["type"] == "http.disconnect":
+                    return
+        watcher = asyncio.ensure_future(watch())
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            watcher.cancel()
+            return task.result()
+        task.cancel()
+        return None
+
+    async def generate(kind: str, request: Request):
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        try:
+            body = parse_json(await request.body())
+            checked = validate(kind, body, served=front.served, max_model_len=front.max_model_len,
+                               count_tokens=front.count_tokens)
+        except BadRequest as e:
+            front.m_requests.labels(kind, "client_error").inc()
+            return err(e)
+        try:
+            await front.acquire()
+        except BadRequest as e:
+            front.m_requests.labels(kind, "rejected").inc()
+            return err(e)
+        rid = f"ks-{next(front._ids)}"
+        model = body.get("model") or front.served[0]
+        flight = Flight(rid, checked, -1, model)
+        released = False
+
+        def release(outcome: str) -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            front._sem.release()
+            front.book.drop(rid)
+            front.flights.pop(rid, None)
+            for key in (flight.visible_id, body.get("request_id")):
+                if isinstance(key, str) and front.by_visible.get(key) is flight:
+                    front.by_visible.pop(key, None)
+            front.m_inflight.set(len(front.flights))
+            front.m_requests.labels(kind, outcome).inc()
+
+        try:
+            flight.instance = await front.pick(flight, set())
+        except UpstreamLost as e:
+            release("failed")
+            return err(BadRequest(str(e), status=503, kind="ServiceUnavailableError"))
+        front.flights[rid] = flight
+        if isinstance(body.get("request_id"), str):  # the client's own id also names the flight
+            front.by_visible[body["request_id"]] = flight
+            waiter = front.arrivals.pop(body["request_id"], None)
+            if waiter is not None:
+                waiter.set()
+        front.m_inflight.set(len(front.flights))
+        front.m_dispatch.labels(str(flight.instance)).inc()
+        front.account(flight)
+        if checked.stream:
+            relay = Relay(front, flight)
+            try:
+                resp = await relay.open_first()
+            except Exception as e:
+                release("failed")
+                return err(BadRequest(f"no engine reachable: {e}", status=503, kind="ServiceUnavailableError"))
+            if resp.status != 200:  # the engine's own error, with its status code
+                data = await resp.read()
+                resp.release()
+                release("engine_error")
+                return Response(data, status_code=resp.status, media_type=resp.content_type)
+
+            async def body_iter():
+                outcome = "aborted"
+                try:
+                    async for chunk in relay.stream(resp):
+                        yield chunk
+                    outcome = "ok"
+                finally:
+                    resp.close()
+                    release(outcome)
+            return StreamingResponse(body_iter(), media_type="text/event-stream",
+                                     headers={"X-Request-Id": rid})
+
+        async def whole():
+            tried: set[int] = set()
+            while True:
+                url = front.engine_url(flight.instance)
+                try:
+                    if url is None:
+                        raise aiohttp.ClientConnectionError(f"instance {flight.instance} not ready")
+                    async with front.session.post(url + path, json=body) as resp:
+                        return resp.status, await resp.read(), resp.content_type
+                except aiohttp.ClientConnectionError as e:
+                    front.engine_failed(flight.instance, f"non-streamed: {e}")
+                    tried.add(flight.instance)
+                    if len(tried) > 8:
+                        raise
+                    front.record("failover", request=rid, src=flight.instance, tokens=0)
+                    flight.instance = await front.pick(flight, tried)
+                    front.account(flight)
+
+        try:
+            out = await until_disconnect(request, whole())
+        except Exception as e:
+            release("failed")
+            return err(BadRequest(f"request failed: {e}", status=503, kind="ServiceUnavailableError"))
+        if out is None:
+            release("aborted")
+            return Response(status_code=499)
+        status, data, ctype = out
+        release("ok" if status == 200 else "engine_error")
+        return Response(data, status_code=status, media_type=ctype, headers={"X-Request-Id": rid})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate("completion", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await generate("chat", request)
+
+    @app.get("/v1/models")
+    async def models():
+        return Response(front.models_body, media_type="application/json")
+
+    @app.get("/health")
+    async def health():
+        n = len(front.fleet.ready())
+        return Response(status_code=200 if n else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import generate_latest
+
+        async def one(e):
+            try:
+                async with front.session.get(f"{e.url}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    return e.index, await r.text()
+            except Exception:
+                return e.index, ""
+        texts = dict(await asyncio.gather(*(one(e) for e in front.fleet.ready())))
+        body = generate_latest(front.registry).decode() + relabel_metrics({i: t for i, t in texts.items() if t})
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/kunserve/status")
+    async def status():
+        return JSONResponse(front.status())
+
+    @app.post("/kunserve/ops/{op}")
+    async def ops(op: str, request: Request):
+        if not authorized(request):
+            return err(BadRequest("missing or wrong bearer token", status=401, kind="AuthenticationError"))
+        try:
+            body = parse_json(await request.body())
+            n = len(front.fleet.engines)
+            if op == "kill":
+                i = body.get("instance")
+                if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n:
+                    raise BadRequest(f"instance must be an integer 0..{n - 1}, got {i!r}", param="instance")
+                front.fleet.kill(i)
+                front.record("kill", instance=i)
+                return JSONResponse({"killed": i})
+            if op == "migrate":
+                key = body.get("request_id")
+                wait = body.get("wait_s", 0)
+                if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait <= 600:
+                    raise BadRequest(f"wait_s must be a number of seconds 0..600, got {wait!r}", param="wait_s")
+                f = front.by_visible.get(key) or front.flights.get(key)
+                if f is None and wait and isinstance(key, str):  # a request about to arrive
+                    waiter = front.arrivals.setdefault(key, asyncio.Event())
+                    try:
+                        await asyncio.wait_for(waiter.wait(), wait)
+                    except asyncio.TimeoutError:
+                        front.arrivals.pop(key, None)
+                    f = front.by_visible.get(key)
+                if f is None:
+                    raise BadRequest(f"no request {body.get('request_id')!r} in flight", param="request_id", status=404,
+                                     kind="NotFoundError")
+                to, method = body.get("to"), body.get("method", "reprefill")
+                if to is None:  # away from where it runs, to where dispatch would send it
+                    to = await front.pick(f, {f.instance})
+                if not isinstance(to, int) or isinstance(to, bool) or not 0 <= to < n or to == f.instance:
+                    raise BadRequest(f"to must be an instance 0..{n - 1} other than {f.instance}, got {to!r}", param="to")
+                if method not in ("kv", "reprefill"):
+                    raise BadRequest(f"method must be kv or reprefill, got {method!r}", param="method")
+                at = body.get("at_token", 0)
+                if not isinstance(at, int) or isinstance(at, bool) or at < 0:
+                    raise BadRequest(f"at_token must be an integer >= 0, got {at!r}", param="at_token")
+                if not f.checked.movable:
+                    raise BadRequest("this request cannot move (only single streamed sequences without logprobs, "
+                                     "echo, tools or structured output)", status=409, kind="ConflictError")
+                f.move = Move(to, method, "operator", at)
+                return JSONResponse({"request_id": f.visible_id or f.rid, "from": f.instance, "to": to,
+                                     "method": method, "generated": len(f.generated), "at_token": at})
+            if op == "dispatch":
+                mode = body.get("mode")
+                try:
+                    check_mode(mode)
+                except ValueError as e:
+                    raise BadRequest(str(e), param="mode") from None
+                if mode == "mell" and front.plan_migrations is None:
+                    raise BadRequest("mell needs the migration planner: start with --dispatch mell", param="mode")
+                old, front.dispatch = front.dispatch, mode
+                front.migrating = mode == "mell"
+                front.record("dispatch", old=old, new=mode)
+                return JSONResponse({"dispatch": mode, "was": old})
+            raise BadRequest(f"unknown operation {op!r}; known: dispatch, kill, migrate", status=404,
+                             kind="NotFoundError")
+        except BadRequest as e:
+            return err(e)
+
+    return app

@@ -1,0 +1,347 @@
+"""One streamed request through the front end: relay, migrate, fail over, never lose or repeat a token.
+
+A :class:`Flight` is a streamed request the front end relays from an engine to the client. It asks
+the engine for token ids (``return_token_ids``), so at every chunk it knows the prompt's ids and
+every id the client has been sent. When it must leave its engine (a migration order, or the engine
+died or broke the stream), it closes the engine's stream at a chunk boundary (vLLM aborts the
+request on disconnect), and continues on another engine with a completion whose prompt is
+``prompt ids + generated ids`` and whose budget is what is left: the target re-prefills those
+tokens, or finds them in its prefix cache when their KV was migrated there first. Chunks of the
+continuation are rewritten into the client's format (the original ``id``, ``created``, ``model``;
+chat deltas for a chat request; usage counted over the whole request), so the client's stream never
+notices. Only tokens the client was sent are counted: whatever the old engine produced after the
+cut is discarded, so nothing is repeated and, with greedy sampling, nothing changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Protocol
+
+import aiohttp
+
+from vllm_kunserve.cluster.validate import Checked, continuation_body
+
+logger = logging.getLogger("kunserve.relay")
+
+__all__ = ["Flight", "Move", "RelayHost", "UpstreamLost", "sse_batches"]
+
+DONE = object()
+
+
+class UpstreamLost(RuntimeError):
+    """The engine's stream ended without finishing the request (engine died or cut the stream)."""
+
+
+@dataclass(frozen=True)
+class Move:
+    dst: int
+    method: str        # "kv" | "reprefill"
+    reason: str = "placement"
+    at_token: int = 0  # move once the client has been sent this many tokens (0: at the next chunk)
+
+
+@dataclass
+class Flight:
+    rid: str                     # the front end's id
+    checked: Checked
+    instance: int
+    model: str
+    visible_id: str | None = None
+    created: int | None = None
+    prompt_ids: list[int] | None = None
+    generated: list[int] = field(default_factory=list)
+    move: Move | None = None
+    hops: list[dict] = field(default_factory=list)
+    sent_chunks: int = 0
+    booked: tuple | None = None   # what the front end last wrote to its FlightBook for it
+    t0: float = field(default_factory=time.monotonic)
+
+    @property
+    def started(self) -> bool:
+        return self.prompt_ids is not None and bool(self.generated)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids) if self.prompt_ids is not None else self.checked.prompt_tokens[0]
+
+    @property
+    def remaining(self) -> int:
+        return self.checked.max_tokens - len(self.generated)
+
+    @property
+    def wants_ids(self) -> bool:
+        return bool(self.checked.body.get("return_token_ids"))
+
+
+class RelayHost(Protocol):
+    session: aiohttp.ClientSession
+
+    def engine_url(self, instance: int) -> str | None: ...
+    async def pick(self, flight: Flight, exclude: set[int]) -> int: ...
+    def engine_failed(self, instance: int, why: str) -> None: ...
+    def account(self, flight: Flight) -> None: ...
+    async def migrate_kv(self, flight: Flight, src: int, dst: int) -> dict: ...
+    def record(self, kind: str, **info: Any) -> None: ...
+
+
+async def sse_batches(resp: aiohttp.ClientResponse) -> AsyncIterator[list[Any]]:
+    """The parsed ``data:`` payloads of a server-sent event stream (``DONE`` for ``[DONE]``), one
+    list per network read: under load a read holds many events, and the relay forwards them to the
+    client in one write instead of one write each."""
+    buf = b""
+    async for data in resp.content.iter_any():
+        buf += data
+        if b"\n\n" not in buf:
+            continue
+        *events, buf = buf.split(b"\n\n")
+        batch: list[Any] = []
+        for event in events:
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    batch.append(DONE)
+                elif payload:
+                    batch.append(json.loads(payload))
+        if batch:
+            yield batch
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class Relay:
+    """Drives one :class:`Flight` from its first engine response to ``[DONE]``."""
+
+    def __init__(self, host: RelayHost, flight: Flight, max_hops: int = 8):
+        self.h, self.f, self.max_hops = host, flight, max_hops
+        self.continuing = False      # chunks now come from a continuation completion
+        self.finished = False
+        self.usage_wanted = bool((flight.checked.body.get("stream_options") or {}).get("include_usage"))
+        self.detok = None
+
+    # -- chunk rewriting ----------------------------------------------------------------------------
+    def _absorb(self, ev: dict) -> dict | None:
+        """Record the chunk's ids; return the chunk to send the client (None: nothing to send)."""
+        f = self.f
+        choices = ev.get("choices") or []
+        ch = choices[0] if choices else None
+        if f.prompt_ids is None:  # completions carry them in the choice, chat at the top level
+            pids = ev.get("prompt_token_ids") or (ch.get("prompt_token_ids") if ch is not None else None)
+            if pids is not None:
+                f.prompt_ids = list(pids)
+        if ch is not None:
+            ids = ch.get("token_ids") or []
+            f.generated.extend(ids)
+            if ch.get("finish_reason") is not None:
+                self.finished = True
+        if f.visible_id is None:
+            f.visible_id, f.created = ev.get("id"), ev.get("created")
+        if ev.get("usage") and (self.continuing or not self.usage_wanted):
+            if not self.usage_wanted:
+                ev = {k: v for k, v in ev.items() if k != "usage"}
+                if not ev.get("choices"):
+                    return None
+            else:
+                p, c = f.prompt_len, len(f.generated)
+                ev = {**ev, "usage": {**ev["usage"], "prompt_tokens": p, "completion_tokens": c,
+                                      "total_tokens": p + c}}
+        if self.continuing:
+            ev = self._rewrite(ev)
+        if not f.wants_ids:
+            if "prompt_token_ids" in ev or "prompt_text" in ev:
+                ev = {k: v for k, v in ev.items() if k not in ("prompt_token_ids", "prompt_text")}
+            for c in ev.get("choices") or []:
+                c.pop("token_ids", None)
+                c.pop("prompt_token_ids", None)
+        return ev
+
+    def _start_detokenizer(self) -> None:
+        """The text of a continuation, decoded here the way the first engine's detokenizer would have
+        (tokenizers' ``DecodeStream`` primed with the original prompt, replaying every token sent):
+        an engine primed with ``prompt + generated`` ids resets its stream when they end inside a
+        UTF-8 sequence and would repeat the whole prompt as text (vLLM issue 17448)."""
+        tok = getattr(self.h, "tokenizer", None)
+        backend = getattr(tok, "_tokenizer", None)
+        self.detok = None
+        if backend is None or self.f.prompt_ids is None:
+            return
+        from tokenizers.decoders import DecodeStream
+
+        skip = self.f.checked.body.get("skip_special_tokens", True) is not False
+        self.detok = (backend, DecodeStream(ids=list(self.f.prompt_ids), skip_special_tokens=skip), skip)
+        for t in self.f.generated:
+            self._decode(t)
+
+    def _decode(self, token_id: int) -> str:
+        backend, stream, skip = self.detok
+        try:
+            return stream.step(backend, token_id) or ""
+        except Exception:  # the same recovery as vLLM's FastIncrementalDetokenizer
+            from tokenizers.decoders import DecodeStream
+
+            stream = DecodeStream(skip_special_tokens=skip)
+            self.detok = (backend, stream, skip)
+            return stream.step(backend, token_id) or ""
+
+    def _rewrite(self, ev: dict) -> dict:
+        f = self.f
+        if self.detok is not None:
+            for c in ev.get("choices") or []:
+                c["text"] = "".join(self._decode(t) for t in c.get("token_ids") or [])
+        out = {**ev, "id": f.visible_id, "created": f.created, "model": f.model,
+               "choices": [{k: v for k, v in c.items() if k != "prompt_token_ids"} for c in ev.get("choices") or []]}
+        if f.checked.kind == "chat":
+            out["object"] = "chat.completion.chunk"
+            out["choices"] = [{"index": c.get("index", 0), "delta": {"content": c.get("text", "")},
+                               "logprobs": None, "finish_reason": c.get("finish_reason"),
+                               "stop_reason": c.get("stop_reason"),
+                               **({"token_ids": c.get("token_ids")} if f.wants_ids else {})}
+                              for c in ev.get("choices") or []]
+        return out
+
+    # -- engine calls -------------------------------------------------------------------------------
+    async def _post(self, instance: int, path: str, body: dict) -> aiohttp.ClientResponse:
+        url = self.h.engine_url(instance)
+        if url is None:
+            raise UpstreamLost(f"instance {instance} is not ready")
+        return await self.h.session.post(url + path, json=body)
+
+    async def open_first(self) -> aiohttp.ClientResponse:
+        """The first engine response (the caller relays an error status as it is)."""
+        f = self.f
+        body = {**f.checked.body, "stream": True, "return_token_ids": True}
+        path = "/v1/chat/completions" if f.checked.kind == "chat" else "/v1/completions"
+        tried: set[int] = set()
+        while True:
+            try:
+                resp = await self._post(f.instance, path, body)
+                f.hops.append({"instance": f.instance, "at_token": 0, "method": "dispatch"})
+                return resp
+            except (aiohttp.ClientConnectionError, UpstreamLost) as e:
+                self.h.engine_failed(f.instance, f"connect: {e}")
+                tried.add(f.instance)
+                if len(tried) > self.max_hops:
+                    raise
+                f.instance = await self.h.pick(f, tried)
+
+    async def _continue(self, reason: str) -> aiohttp.ClientResponse:
+        """Leave the current engine and continue the request elsewhere (migration or failover)."""
+        f = self.f
+        if f.sent_chunks == 0 and f.move is None:
+            # nothing reached the client yet: send the original request again, elsewhere
+            self.h.record("failover", request=f.visible_id, src=f.instance, reason=reason, tokens=0)
+            f.prompt_ids, f.generated, self.finished = None, [], False
+            f.instance = await self.h.pick(f, {f.instance})
+            resp = await self.open_first()
+            if resp.status != 200:
+                text = (await resp.text())[:500]
+                resp.release()
+                raise UpstreamLost(f"retry on instance {f.instance} answered {resp.status}: {text}")
+            return resp
+        if f.prompt_ids is None:
+            raise UpstreamLost("the engine failed before sending the prompt's token ids")
+        src, move = f.instance, f.move
+        f.move = None
+        tried = {src} if move is None else set()
+        method = "reprefill"
+        dst = move.dst if move is not None else await self.h.pick(f, tried)
+        if move is not None and move.method == "kv":
+            t0 = time.monotonic()
+            try:
+                res = await self.h.migrate_kv(f, src, dst)
+                method = "kv"
+                self.h.record("migration", request=f.visible_id, src=src, dst=dst, method="kv",
+                              tokens=len(f.prompt_ids) + len(f.generated), **res,
+                              duration_s=round(time.monotonic() - t0, 4))
+            except Exception as e:  # the staged copy rolled back: re-prefill instead
+                self.h.record("migration_fallback", request=f.visible_id, src=src, dst=dst, error=str(e)[:300])
+        elif move is not None:
+            self.h.record("migration", request=f.visible_id, src=src, dst=dst, method="reprefill",
+                          tokens=len(f.prompt_ids) + len(f.generated))
+        else:
+            self.h.record("failover", request=f.visible_id, src=src, dst=dst, reason=reason,
+                          tokens=len(f.prompt_ids) + len(f.generated))
+        while True:
+            body = continuation_body(f.checked.kind, f.checked.body, f.model, f.prompt_ids + f.generated,
+                                     f.remaining, len(f.generated))
+            try:
+                f.instance = dst
+                self.h.account(f)
+                resp = await self._post(dst, "/v1/completions", body)
+                if resp.status != 200:
+                    text = (await resp.text())[:500]
+                    resp.release()
+                    raise UpstreamLost(f"continuation on instance {dst} answered {resp.status}: {text}")
+                f.hops.append({"instance": dst, "at_token": len(f.generated), "method": method, "reason": reason})
+                if not self.continuing:
+                    self._start_detokenizer()
+                self.continuing = True
+                return resp
+            except (aiohttp.ClientConnectionError, UpstreamLost) as e:
+                self.h.engine_failed(dst, f"continuation: {e}")
+                tried.add(dst)
+                if len(tried) > self.max_hops:
+                    raise UpstreamLost(f"no engine could continue the request: {e}") from e
+                dst = await self.h.pick(f, tried)
+                method = "reprefill"
+
+    # -- the relay loop -----------------------------------------------------------------------------
+    async def stream(self, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        f = self.f
+        try:
+            while True:
+                reason = ""
+                done = False
+                try:
+                    stop = False
+                    async for batch in sse_batches(resp):
+                        out: list[bytes] = []
+                        for ev in batch:
+                            if ev is DONE:
+                                done = stop = True
+                                break
+                            if isinstance(ev, dict) and "error" in ev and not ev.get("choices"):
+                                raise UpstreamLost(f"engine error in stream: {ev['error']}")
+                            chunk = self._absorb(ev)
+                            if chunk is not None:
+                                f.sent_chunks += 1
+                                out.append(_sse(chunk))
+                            if (f.move is not None and not self.finished and f.checked.movable
+                                    and len(f.generated) >= f.move.at_token):
+                                reason, stop = "migrate", True
+                                break
+                        self.h.account(f)
+                        if out:
+                            yield b"".join(out)
+                        if stop:
+                            break
+                    if not stop:
+                        if not self.finished:
+                            raise UpstreamLost("stream ended without [DONE]")
+                        done = True
+                except (aiohttp.ClientError, asyncio.TimeoutError, UpstreamLost, ValueError) as e:
+                    if self.finished:
+                        done = True
+                    else:
+                        reason = f"lost: {type(e).__name__}: {e}"[:300]
+                        self.h.engine_failed(f.instance, reason)
+                finally:
+                    resp.close()
+                if done or self.finished:
+                    yield b"data: [DONE]\n\n"
+                    return
+                if (not f.checked.movable and f.sent_chunks > 0) or len(f.hops) > self.max_hops:
+                    raise UpstreamLost(reason or "request cannot move")
+                resp = await self._continue(reason)
+        except UpstreamLost as e:
+            logger.warning("request %s failed: %s", f.rid, e)
+            yield _sse({"error": {"message": str(e), "type": "ServiceUnavailableError", "param": None, "code": 503}})
+            yield b"data: [DONE]\n\n"
