@@ -54,8 +54,9 @@ def _options() -> argparse.ArgumentParser:
     return p
 
 
-def check_engine_args(model: str, engine_args: list[str]) -> None:
-    """vLLM's own ``vllm serve`` parser over the engine arguments (a clear error, nothing started)."""
+def check_engine_args(model: str, engine_args: list[str]) -> argparse.Namespace:
+    """vLLM's own ``vllm serve`` parser over the engine arguments (a clear error, nothing started);
+    returns what it parsed."""
     for a in engine_args:
         if a.split("=", 1)[0] in _OWN:
             raise ValueError(f"{a.split('=', 1)[0]}: set by kunserve serve (front end --host/--port; "
@@ -68,7 +69,7 @@ def check_engine_args(model: str, engine_args: list[str]) -> None:
     def error(msg: str):
         raise ValueError(f"engine arguments: {msg}")
     parser.error = error  # type: ignore[method-assign]
-    parser.parse_args([model, *engine_args])
+    return parser.parse_args([model, *engine_args])
 
 
 def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
@@ -82,10 +83,7 @@ def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
     return opts, engine_args
 
 
-def _tokenizer(model: str, engine_args: list[str]):
-    name = model
-    if "--tokenizer" in engine_args:
-        name = engine_args[engine_args.index("--tokenizer") + 1]
+def _tokenizer(name: str):
     try:
         from transformers import AutoTokenizer
 
@@ -95,8 +93,9 @@ def _tokenizer(model: str, engine_args: list[str]):
         return None
 
 
-def build(model: str, opts: argparse.Namespace, engine_args: list[str], progress=None):
-    """The fleet and front end (not started): for ``run`` and for tests and benchmarks."""
+def build(model: str, opts: argparse.Namespace, engine_args: list[str], engine_ns: argparse.Namespace,
+          progress=None):
+    """The fleet and front end (not started); ``engine_ns`` is :func:`check_engine_args`'s parse."""
     from vllm_kunserve.cluster.fleet import EngineSpec, Fleet, make_backend
     from vllm_kunserve.cluster.frontend import FrontEnd
     from vllm_kunserve.config import parse_config, parse_kunserve_config
@@ -117,7 +116,7 @@ def build(model: str, opts: argparse.Namespace, engine_args: list[str], progress
     front = FrontEnd(fleet, dispatch=opts.dispatch, monitor_interval_s=opts.monitor_interval,
                      max_concurrency=opts.max_concurrency, queue_timeout_s=opts.queue_timeout,
                      request_timeout_s=opts.request_timeout, token=token,
-                     tokenizer=_tokenizer(model, engine_args), plan_migrations=planner)
+                     tokenizer=_tokenizer(engine_ns.tokenizer or model), plan_migrations=planner)
     return fleet, front
 
 
@@ -127,9 +126,9 @@ def run(args: argparse.Namespace) -> int:
     from vllm_kunserve.cluster.frontend import build_app
 
     opts, engine_args = parse(args)
-    check_engine_args(args.model, engine_args)
+    engine_ns = check_engine_args(args.model, engine_args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    fleet, front = build(args.model, opts, engine_args)
+    fleet, front = build(args.model, opts, engine_args, engine_ns)
     kind = "kunserve" if fleet.spec.kunserve is not None else "stock vLLM"
     print(f"[kunserve] starting {opts.instances} {kind} engine(s) on the {opts.backend} backend ...", flush=True)
     fleet.start()

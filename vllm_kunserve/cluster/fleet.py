@@ -80,6 +80,20 @@ class Engine:
                 "startup_s": round(self.ready_s - self.started_s, 2) if self.ready_s else None}
 
 
+def start_engine(spec: EngineSpec, index: int, bind_host: str, url_host: str, tag: str) -> tuple[ServerProcess, str]:
+    """Start one engine's ``vllm serve`` (and, for kunserve engines, its control port) bound to
+    ``bind_host`` on free ports; returns the process (its URL on ``url_host``) and the control URL."""
+    port, cport = free_port(bind_host), free_port(bind_host)
+    ctl = spec.additional_config(cport)
+    if ctl is not None:
+        ctl["kunserve"]["control"]["host"] = bind_host
+    plan = LaunchPlan(serve_argv(spec.model, bind_host, port, spec.engine_args, ctl), engine_env(spec))
+    log = Path(spec.log_dir or tempfile.gettempdir()) / f"kunserve-{tag}{index}-{port}.log"
+    proc = ServerProcess(plan, url_host, port, log).start()
+    logger.info("instance %d: starting on %s (log %s)", index, proc.endpoint, log)
+    return proc, (f"http://{url_host}:{cport}" if ctl is not None else "")
+
+
 class LocalBackend:
     """Engines as local process groups (``vllm serve`` on 127.0.0.1 or ``host``)."""
 
@@ -89,31 +103,18 @@ class LocalBackend:
         self.host = host
 
     def launch(self, spec: EngineSpec, index: int, engine: Engine) -> None:
-        port, cport = free_port(self.host), free_port(self.host)
-        env = engine_env(spec)
-        plan = LaunchPlan(serve_argv(spec.model, self.host, port, spec.engine_args, spec.additional_config(cport)), env)
-        log_dir = Path(spec.log_dir or tempfile.gettempdir())
-        log = log_dir / f"kunserve-engine{index}-{port}.log"
-        proc = ServerProcess(plan, self.host, port, log).start()
-        engine.handle = proc
-        engine.url = proc.endpoint
-        engine.control_url = f"http://{self.host}:{cport}" if spec.kunserve is not None else ""
-        logger.info("instance %d: starting on %s (log %s)", index, engine.url, log)
+        engine.handle, engine.control_url = start_engine(spec, index, self.host, self.host, "engine")
+        engine.url = engine.handle.endpoint
 
     def wait_ready(self, engine: Engine, timeout_s: float) -> None:
         engine.handle.wait_ready(timeout_s)
 
     def alive(self, engine: Engine) -> bool:
-        proc = engine.handle
-        return proc is not None and proc.proc is not None and proc.proc.poll() is None
+        return engine.handle is not None and engine.handle.alive()
 
     def kill(self, engine: Engine) -> None:
-        """Hard-kill (fault injection and tests): SIGKILL the engine's whole process group."""
-        import signal
-
-        proc = engine.handle
-        if proc is not None and proc.proc is not None and proc.proc.poll() is None:
-            os.killpg(proc.proc.pid, signal.SIGKILL)
+        if engine.handle is not None:
+            engine.handle.kill()
 
     def stop(self, engine: Engine) -> None:
         if engine.handle is not None:
@@ -134,29 +135,19 @@ class _RayEngineActor:
         self.proc: ServerProcess | None = None
 
     def start(self) -> tuple[str, str]:
-        port, cport = free_port(), free_port()
-        spec = self.spec
-        ctl = spec.additional_config(cport)
-        if ctl is not None:
-            ctl["kunserve"]["control"]["host"] = self.bind
-        plan = LaunchPlan(serve_argv(spec.model, self.bind, port, spec.engine_args, ctl), engine_env(spec))
-        log = Path(spec.log_dir or tempfile.gettempdir()) / f"kunserve-ray-engine{self.index}-{port}.log"
-        self.proc = ServerProcess(plan, self.host, port, log).start()
-        control = f"http://{self.host}:{cport}" if spec.kunserve is not None else ""
-        return f"http://{self.host}:{port}", control
+        self.proc, control = start_engine(self.spec, self.index, self.bind, self.host, "ray-engine")
+        return self.proc.endpoint, control
 
     def wait_ready(self, timeout_s: float) -> float:
         assert self.proc is not None
         return self.proc.wait_ready(timeout_s)
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.proc is not None and self.proc.proc.poll() is None
+        return self.proc is not None and self.proc.alive()
 
     def kill(self) -> None:
-        import signal
-
-        if self.alive():
-            os.killpg(self.proc.proc.pid, signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.kill()
 
     def stop(self) -> int | None:
         return self.proc.stop() if self.proc else None

@@ -231,9 +231,9 @@ class FrontEnd:
     async def pick(self, flight: Flight, exclude: set[int]) -> int:
         deadline = time.monotonic() + self.fleet.spec.startup_timeout_s
         while True:
-            loads = [u for u in self.loads() if u.alive and u.instance_id not in exclude]
-            if not loads:  # every engine excluded or down: any ready one, else wait for a restart
-                loads = [u for u in self.loads() if u.alive]
+            live = [u for u in self.loads() if u.alive]
+            # every engine excluded or down: any ready one, else wait for a restart
+            loads = [u for u in live if u.instance_id not in exclude] or live
             if loads:
                 bs = self._block_size(loads[0].instance_id)
                 toks = flight.prompt_len + len(flight.generated)
@@ -241,6 +241,15 @@ class FrontEnd:
             if time.monotonic() > deadline:
                 raise UpstreamLost("no engine is ready")
             await asyncio.sleep(0.25)
+
+    async def reroute(self, flight: Flight, tried: set[int], why: str, max_hops: int = 8) -> int:
+        """``flight.instance`` did not take the request: report it and pick another engine
+        (UpstreamLost once ``max_hops`` engines were tried)."""
+        self.engine_failed(flight.instance, why)
+        tried.add(flight.instance)
+        if len(tried) > max_hops:
+            raise UpstreamLost(f"no engine took the request after {len(tried)} tries: {why}")
+        return await self.pick(flight, tried)
 
     def engine_failed(self, instance: int, why: str) -> None:
         e = self.fleet.engines[instance]
@@ -449,12 +458,9 @@ def build_app(front: FrontEnd):
                     async with front.session.post(url + path, json=body) as resp:
                         return resp.status, await resp.read(), resp.content_type
                 except aiohttp.ClientConnectionError as e:
-                    front.engine_failed(flight.instance, f"non-streamed: {e}")
-                    tried.add(flight.instance)
-                    if len(tried) > 8:
-                        raise
-                    front.record("failover", request=rid, src=flight.instance, tokens=0)
-                    flight.instance = await front.pick(flight, tried)
+                    src = flight.instance
+                    flight.instance = await front.reroute(flight, tried, f"non-streamed: {e}")
+                    front.record("failover", request=rid, src=src, dst=flight.instance, tokens=0)
                     front.account(flight)
 
         try:

@@ -128,6 +128,14 @@ class ServerProcess:
                                    f"{_tail(self.log_path)}")
             time.sleep(0.5)
 
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """Hard-kill (fault drills and tests): SIGKILL the whole process group now."""
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
     def stop(self, grace_s: float = 30.0) -> int | None:
         """SIGINT the process group, SIGKILL it after ``grace_s``; return the exit code."""
         if self.proc is None:

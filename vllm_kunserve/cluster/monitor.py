@@ -99,15 +99,16 @@ class FlightBook:
 
     def __init__(self) -> None:
         self._by_instance: dict[int, dict[str, tuple[int, int, bool]]] = {}
+        self._where: dict[str, int] = {}
 
     def put(self, instance: int, rid: str, prompt_tokens: int, generated: int, started: bool) -> None:
-        for d in self._by_instance.values():
-            d.pop(rid, None)
+        self.drop(rid)
+        self._where[rid] = instance
         self._by_instance.setdefault(instance, {})[rid] = (prompt_tokens, generated, started)
 
     def drop(self, rid: str) -> None:
-        for d in self._by_instance.values():
-            d.pop(rid, None)
+        if rid in self._where:
+            self._by_instance[self._where.pop(rid)].pop(rid, None)
 
     def tally(self, instance: int, block_size: int) -> _Tally:
         t = _Tally()

@@ -83,6 +83,7 @@ class RelayHost(Protocol):
 
     def engine_url(self, instance: int) -> str | None: ...
     async def pick(self, flight: Flight, exclude: set[int]) -> int: ...
+    async def reroute(self, flight: Flight, tried: set[int], why: str, max_hops: int) -> int: ...
     def engine_failed(self, instance: int, why: str) -> None: ...
     def account(self, flight: Flight) -> None: ...
     async def migrate_kv(self, flight: Flight, src: int, dst: int) -> dict: ...
@@ -226,11 +227,7 @@ class Relay:
                 f.hops.append({"instance": f.instance, "at_token": 0, "method": "dispatch"})
                 return resp
             except (aiohttp.ClientConnectionError, UpstreamLost) as e:
-                self.h.engine_failed(f.instance, f"connect: {e}")
-                tried.add(f.instance)
-                if len(tried) > self.max_hops:
-                    raise
-                f.instance = await self.h.pick(f, tried)
+                f.instance = await self.h.reroute(f, tried, f"connect: {e}", self.max_hops)
 
     async def _continue(self, reason: str) -> aiohttp.ClientResponse:
         """Leave the current engine and continue the request elsewhere (migration or failover)."""
@@ -270,8 +267,8 @@ class Relay:
             self.h.record("failover", request=f.visible_id, src=src, dst=dst, reason=reason,
                           tokens=len(f.prompt_ids) + len(f.generated))
         while True:
-            body = continuation_body(f.checked.kind, f.checked.body, f.model, f.prompt_ids + f.generated,
-                                     f.remaining, len(f.generated))
+            body = continuation_body(f.checked.body, f.model, f.prompt_ids + f.generated, f.remaining,
+                                     len(f.generated))
             try:
                 f.instance = dst
                 self.h.account(f)
@@ -286,11 +283,7 @@ class Relay:
                 self.continuing = True
                 return resp
             except (aiohttp.ClientConnectionError, UpstreamLost) as e:
-                self.h.engine_failed(dst, f"continuation: {e}")
-                tried.add(dst)
-                if len(tried) > self.max_hops:
-                    raise UpstreamLost(f"no engine could continue the request: {e}") from e
-                dst = await self.h.pick(f, tried)
+                dst = await self.h.reroute(f, tried, f"continuation: {e}", self.max_hops)
                 method = "reprefill"
 
     # -- the relay loop -----------------------------------------------------------------------------

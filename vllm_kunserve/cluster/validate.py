@@ -120,8 +120,7 @@ def validate(kind: str, body: dict, *, served: Sequence[str], max_model_len: int
     return Checked(kind, body, counts, budget, movable, stream)
 
 
-def continuation_body(kind: str, body: dict, model: str, token_ids: Sequence[int], remaining: int,
-                      generated: int) -> dict:
+def continuation_body(body: dict, model: str, token_ids: Sequence[int], remaining: int, generated: int) -> dict:
     """A completion that continues a request from its prompt + generated token ids (re-prefill,
     or a prefix-cache hit on KV migrated there)."""
     out: dict[str, Any] = {k: body[k] for k in CARRY if k in body}
