@@ -46,6 +46,13 @@ class DropConfig:
     max_group_size: int = _opt(
         8, "Largest pipeline group the planner may form (instances per group).", lo=1, hi=4096)
     check_interval_s: float = _opt(0.5, "Monitor period in seconds.", lo=0.01, hi=60.0, lo_open=False)
+    transition: str = _opt(
+        "kv", "How ongoing requests cross into a group: kv (their KV of the layers changing hands moves to the "
+        "member that runs them) or reprefill (they are recomputed); a failed KV exchange falls back to reprefill.",
+        choices=("kv", "reprefill"))
+    group_member: bool = _opt(
+        False, "This engine can join pipeline groups: it keeps a growable KV cache, an engine agent and a "
+        "control port (`kunserve serve` sets it on its engines).")
 
 
 @dataclass(frozen=True)
@@ -162,9 +169,16 @@ class KunServeConfig:
         """What runs on this engine, for the startup log line. The drop, restore, lookahead and
         placement sections configure the cluster controller (``kunserve serve``) and are not named
         here: a single engine does not run them."""
-        if not self.remap.enable:
+        if not self.moves_memory:
             return ["plugin only (no memory feature enabled)"]
-        return ["remap", "control port" if self.control.enable else "no control port"]
+        return [*(["remap"] if self.remap.enable else []), *(["group member"] if self.drop.group_member else []),
+                "control port" if self.control.enable else "no control port"]
+
+    @property
+    def moves_memory(self) -> bool:
+        """Whether this engine moves weights and KV (remap, or pipeline-group membership): it then
+        gets the growable KV cache, the engine agent and the control port."""
+        return self.remap.enable or self.drop.group_member
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -38,3 +38,15 @@ def test_free_port_is_bindable():
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_engine_cpus_pin_each_engine_to_its_own_core(monkeypatch):
+    from vllm_kunserve.cluster.fleet import EngineSpec, engine_env
+
+    monkeypatch.delenv("KUNSERVE_ENGINE_CPUS", raising=False)
+    spec = EngineSpec("m", env={"KUNSERVE_ENGINE_CPUS": "0|1"})
+    assert [engine_env(spec, i)["VLLM_CPU_OMP_THREADS_BIND"] for i in range(3)] == ["0", "1", "0"]
+    assert "KUNSERVE_ENGINE_CPUS" not in engine_env(spec, 0)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_env(EngineSpec("m"), 1)
+    monkeypatch.setenv("KUNSERVE_ENGINE_CPUS", "0-1|2-3")
+    assert engine_env(EngineSpec("m"), 1)["VLLM_CPU_OMP_THREADS_BIND"] == "2-3"

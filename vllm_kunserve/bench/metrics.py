@@ -58,6 +58,10 @@ def _end(r: RequestResult) -> float:
     return r.send_s + r.e2e_s
 
 
+#: a request sent this much after its scheduled arrival makes a run's latency figures suspect
+LATE_SEND_S = 0.05
+
+
 def summarize(results: Sequence[RequestResult], *, scrape_series: Sequence[dict[str, Any]] = (),
               ref_ttft_s: float | None = None, ref_tpot_s: float | None = None) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
@@ -92,6 +96,11 @@ def summarize(results: Sequence[RequestResult], *, scrape_series: Sequence[dict[
         "slo_reference": {"ttft_p50_s": ref_t, "tpot_p50_s": ref_p},
         "slo_attainment": slo_attainment(results, ref_t, ref_p) if ref_t else {},
     }
+    # a late client is not a slow server: how late each request left the client after its arrival
+    lag = [r.send_s - r.arrival_s for r in results if r.send_s == r.send_s]
+    if lag:
+        summary["send_lag_s"] = percentiles(lag)
+        summary["late_sends"] = sum(1 for x in lag if x > LATE_SEND_S)
     queue = [r.queue_s for r in ok if r.queue_s == r.queue_s]
     if queue:
         summary["queue_s"] = percentiles(queue)

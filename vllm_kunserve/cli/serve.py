@@ -116,7 +116,8 @@ def build(model: str, opts: argparse.Namespace, engine_args: list[str], engine_n
     front = FrontEnd(fleet, dispatch=opts.dispatch, monitor_interval_s=opts.monitor_interval,
                      max_concurrency=opts.max_concurrency, queue_timeout_s=opts.queue_timeout,
                      request_timeout_s=opts.request_timeout, token=token,
-                     tokenizer=_tokenizer(engine_ns.tokenizer or model), plan_migrations=planner)
+                     tokenizer=_tokenizer(engine_ns.tokenizer or model), plan_migrations=planner,
+                     kunserve_cfg=cfg if kunserve is not None else None)
     return fleet, front
 
 

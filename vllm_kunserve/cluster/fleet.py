@@ -47,14 +47,27 @@ class EngineSpec:
             return None
         ks = dict(self.kunserve)
         ks["control"] = {**ks.get("control", {}), "port": control_port}
+        ks["drop"] = {"group_member": True, **ks.get("drop", {})}  # can join pipeline groups (cluster.groups)
         return {"kunserve": ks}
 
 
-def engine_env(spec: EngineSpec) -> dict[str, str]:
-    """One engine's environment: vLLM's CPU settings, the spec's, and a Prometheus directory of its
+#: ``KUNSERVE_ENGINE_CPUS="0|1"``: engine i runs its model on the i-th entry (vLLM-CPU's
+#: ``VLLM_CPU_OMP_THREADS_BIND`` syntax, e.g. ``0|1`` or ``0-1|2-3``), cycling; without it vLLM binds
+#: every engine the same way and engines on one host share a core
+ENGINE_CPUS = "KUNSERVE_ENGINE_CPUS"
+
+
+def engine_env(spec: EngineSpec, index: int = 0) -> dict[str, str]:
+    """One engine's environment: vLLM's CPU settings, the spec's (with ``KUNSERVE_ENGINE_CPUS``
+    turned into this engine's own ``VLLM_CPU_OMP_THREADS_BIND``), and a Prometheus directory of its
     own (the engine core's ``kunserve:`` series reach its ``/metrics`` through it; engines sharing
     one would mix their series)."""
-    return {**cpu_env(), **spec.env, "PROMETHEUS_MULTIPROC_DIR": tempfile.mkdtemp(prefix="kunserve-prom-")}
+    env = {**cpu_env(), **spec.env, "PROMETHEUS_MULTIPROC_DIR": tempfile.mkdtemp(prefix="kunserve-prom-")}
+    cpus = env.pop(ENGINE_CPUS, "") or os.environ.get(ENGINE_CPUS, "")
+    if cpus:
+        parts = [p for p in cpus.split("|") if p.strip()]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = parts[index % len(parts)].strip()
+    return env
 
 
 @dataclass
@@ -87,7 +100,7 @@ def start_engine(spec: EngineSpec, index: int, bind_host: str, url_host: str, ta
     ctl = spec.additional_config(cport)
     if ctl is not None:
         ctl["kunserve"]["control"]["host"] = bind_host
-    plan = LaunchPlan(serve_argv(spec.model, bind_host, port, spec.engine_args, ctl), engine_env(spec))
+    plan = LaunchPlan(serve_argv(spec.model, bind_host, port, spec.engine_args, ctl), engine_env(spec, index))
     log = Path(spec.log_dir or tempfile.gettempdir()) / f"kunserve-{tag}{index}-{port}.log"
     proc = ServerProcess(plan, url_host, port, log).start()
     logger.info("instance %d: starting on %s (log %s)", index, proc.endpoint, log)

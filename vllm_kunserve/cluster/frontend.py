@@ -16,6 +16,8 @@ keep-alive connections). Routes:
                                                    "wait_s": S (wait for a request id not yet arrived)}
     POST /kunserve/ops/kill                       {"instance"}: hard-kill an engine (fault drill)
     POST /kunserve/ops/dispatch                   {"mode"}: switch the dispatch policy at run time
+    POST /kunserve/ops/drop                       {"instances": [i, j, ...]}: form a pipeline group now
+    POST /kunserve/ops/restore                    {"group": id (default: every group)}: split it
 
 Streamed requests are relayed chunk by chunk (:mod:`cluster.relay`), can migrate and survive an
 engine's death; non-streamed requests are relayed whole and, if their engine dies before
@@ -91,7 +93,7 @@ class FrontEnd:
     def __init__(self, fleet, *, dispatch: str = "least-work", monitor_interval_s: float = 0.5,
                  max_concurrency: int = 1024, queue_timeout_s: float = 60.0, request_timeout_s: float = 3600.0,
                  token: str = "", tokenizer: Any = None,
-                 plan_migrations: Callable[..., Sequence[Any]] | None = None):
+                 plan_migrations: Callable[..., Sequence[Any]] | None = None, kunserve_cfg: Any = None):
         self.fleet = fleet
         self.dispatch = check_mode(dispatch)
         self.monitor = Monitor(fleet.engines, interval_s=monitor_interval_s, token=token)
@@ -117,6 +119,10 @@ class FrontEnd:
         self._tasks: list[asyncio.Task] = []
         self.session: aiohttp.ClientSession | None = None
         self._init_metrics()
+        from vllm_kunserve.cluster.groups import GroupController
+
+        # cluster drop: only a fleet of kunserve engines (group members) can form pipeline groups
+        self.groups = GroupController(self, kunserve_cfg) if kunserve_cfg is not None else None
         fleet.on_change.append(self._on_fleet)
 
     # -- metrics ------------------------------------------------------------------------------------
@@ -141,6 +147,8 @@ class FrontEnd:
         self.m_up.labels(str(engine.index)).set(1 if engine.accepting else 0)
         if kind == "restarted":
             self.m_restarts.labels(str(engine.index)).inc()
+        if kind == "dead" and self.groups is not None:
+            self.groups.forget(engine.index)
 
     def record(self, kind: str, **info: Any) -> None:
         ev = {"t": time.time(), "event": kind, **info}
@@ -166,6 +174,8 @@ class FrontEnd:
             connector=conn, timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=self.request_timeout_s))
         await self._load_models()
         self.monitor.listeners.append(self._after_poll)
+        if self.groups is not None:
+            self.monitor.listeners.append(self.groups.on_poll)
         await self.monitor.poll(self.session)
         self._tasks.append(asyncio.create_task(self.monitor.run(self._stop)))
 
@@ -327,7 +337,9 @@ class FrontEnd:
             rep = reps.get(e.index, {})
             instances.append({**e.view(), "inflight": self.book.count(e.index), "kv": rep})
         return {"dispatch": self.dispatch, "served_models": self.served, "max_model_len": self.max_model_len,
-                "inflight": len(self.flights), "instances": instances, "groups": [],
+                "inflight": len(self.flights), "instances": instances,
+                "groups": self.groups.view() if self.groups else [],
+                "drop": ({"auto": self.groups.auto, **self.groups.last} if self.groups else None),
                 "requests": [{"id": f.visible_id or f.rid, "instance": f.instance, "generated": len(f.generated),
                               "movable": f.checked.movable, "hops": len(f.hops)}
                              for f in itertools.islice(self.flights.values(), 200)],
@@ -568,7 +580,32 @@ def build_app(front: FrontEnd):
                 front.migrating = mode == "mell"
                 front.record("dispatch", old=old, new=mode)
                 return JSONResponse({"dispatch": mode, "was": old})
-            raise BadRequest(f"unknown operation {op!r}; known: dispatch, kill, migrate", status=404,
+            if op in ("drop", "restore"):
+                if front.groups is None:
+                    raise BadRequest("cluster drop needs kunserve engines (start with --kunserve-config)",
+                                     status=409, kind="ConflictError")
+                if front.groups.busy:
+                    raise BadRequest("a group operation is in progress", status=409, kind="ConflictError")
+                from vllm_kunserve.cluster.groups import GroupOpError
+                try:
+                    if op == "drop":
+                        members = body.get("instances")
+                        if not (isinstance(members, list) and len(members) >= 2 and all(
+                                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in members)):
+                            raise BadRequest(f"instances must list two or more instances 0..{n - 1}, got {members!r}",
+                                             param="instances")
+                        transition = body.get("transition")
+                        if transition not in (None, "kv", "reprefill"):
+                            raise BadRequest(f"transition must be kv or reprefill, got {transition!r}",
+                                             param="transition")
+                        return JSONResponse(await front.groups.form(members, transition=transition))
+                    gid = body.get("group")
+                    if gid is not None and (not isinstance(gid, int) or isinstance(gid, bool)):
+                        raise BadRequest(f"group must be a group id, got {gid!r}", param="group")
+                    return JSONResponse({"restoring": await front.groups.restore(gid)})
+                except GroupOpError as e:
+                    raise BadRequest(str(e), status=409, kind="ConflictError") from None
+            raise BadRequest(f"unknown operation {op!r}; known: dispatch, drop, kill, migrate, restore", status=404,
                              kind="NotFoundError")
         except BadRequest as e:
             return err(e)

@@ -80,8 +80,8 @@ class EngineReport:
         if self.error:
             d["error"] = self.error
         if self.state:
-            d["engine"] = {k: self.state.get(k) for k in ("phase", "operation", "auto", "errors",
-                                                          "remapped_layers", "layers", "events")}
+            d["engine"] = {k: self.state.get(k) for k in ("phase", "operation", "auto", "errors", "remapped_layers",
+                                                          "dropped_layers", "group", "layers", "events")}
         return d
 
 

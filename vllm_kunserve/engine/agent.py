@@ -34,6 +34,10 @@ from typing import Any, Callable
 
 from vllm_kunserve.engine.control import ControlConflict, ControlRequestError
 from vllm_kunserve.engine.migration import MIGRATION_OPERATIONS, KVMigration
+
+#: marker in the message of a step that failed because a group peer is gone (raised by the worker's
+#: pipeline; vLLM's multiprocess executor passes worker errors on as text)
+PEER_LOST = "kunserve-group-peer-lost"
 from vllm_kunserve.memory.transaction import StepFaults
 from vllm_kunserve.policy.inputs import EngineLoad, remap_input
 from vllm_kunserve.policy.remap import ModelLayers, RemapState, decide_remap, spaced_layers
@@ -42,7 +46,8 @@ logger = logging.getLogger("vllm.kunserve")
 
 #: methods the engine core answers itself when called through ``collective_rpc``
 ENGINE_METHODS = ("kunserve_state", "kunserve_remap", "kunserve_revert", "kunserve_inject_fault",
-                  "kunserve_auto", "kunserve_check", *(f"kunserve_{op}" for op in MIGRATION_OPERATIONS))
+                  "kunserve_auto", "kunserve_check", "kunserve_group_join", "kunserve_group_leave",
+                  "kunserve_group_ping", *(f"kunserve_{op}" for op in MIGRATION_OPERATIONS))
 
 #: operations of the control port: name -> parameters
 OPERATIONS = {
@@ -51,6 +56,11 @@ OPERATIONS = {
     "auto": "enable (bool): let the agent remap and revert by itself",
     "inject_fault": "step (str), after (int, default 0), rank (int, optional): test hook",
     "check": "no parameters: check the invariants now",
+    "group_join": "name (str), drop (layer indices), spans ([[lo, hi, peer]]: who runs each dropped span), "
+                  "peers ({name: {stage, blocks}}), timeout_s: join a pipeline group (KV exchange included)",
+    "group_leave": "step ('begin': retire the blocks above the base, draining live ones | 'finish': every "
+                   "member drained: take the layers back and return the peers' KV), timeout_s",
+    "group_ping": "stage (a peer's stage address), bytes (payload, default 16384): stage-link round trip",
     **MIGRATION_OPERATIONS,  # KV migration between engines (engine/migration.py)
 }
 
@@ -95,7 +105,8 @@ class EngineAgent:
         self.h2d_bytes_per_s = (cfg.remap.h2d_bandwidth_gbps * 1e9 if cfg.remap.h2d_bandwidth_gbps
                                 else min(s["h2d_bytes_per_s"] for s in states))
         self.copy_overlap = all(s["copy_overlap"] for s in states)
-        self.phase = "base"          # base | remapped | draining
+        self.phase = "base"          # base | remapped | draining | grouped | group_draining
+        self.group: dict | None = None
         self.remapped: tuple[int, ...] = ()
         self.slots = 0
         self._revert_target: tuple[int, ...] = ()
@@ -110,6 +121,8 @@ class EngineAgent:
         self.faults = StepFaults()
         self._state: dict = {}
         self._published_at = 0.0
+        if cfg.drop.group_member:
+            self.info["stage"] = [w["stage"] for w in workers("kunserve_group_open")]
         problems = self.invariant_problems()
         if problems:
             raise AgentError(f"kunserve: engine {label} starts inconsistent: {problems}")
@@ -129,7 +142,13 @@ class EngineAgent:
         with self.lock:
             self.tick()
             t0 = time.perf_counter()
-            out = step()
+            try:
+                out = step()
+            except Exception as exc:
+                if self.group is None or PEER_LOST not in str(exc):
+                    raise
+                self.group_abandon(str(exc)[:500])
+                return {}, False  # nothing was computed; every request is recomputed next steps
             if isinstance(out, tuple) and len(out) > 1 and out[1]:  # the model ran
                 self.step_ms.append((time.perf_counter() - t0) * 1e3)
             if self.sched.unfinished() == 0:
@@ -166,6 +185,8 @@ class EngineAgent:
         if self.phase == "draining":
             self._drain_tick()
             return
+        if not self.cfg.remap.enable or self.phase not in ("base", "remapped"):
+            return  # groups are decided by the cluster monitor, not by this engine
         if not self.auto or time.monotonic() < self.backoff_until:
             return
         self.faults.check("policy")
@@ -329,6 +350,127 @@ class EngineAgent:
                            layers=back, kept=list(keep), reason=self._revert_reason,
                            blocks_after=self.sched.state().visible)
 
+    # -- pipeline groups (KunServe cluster drop) --------------------------------------------------------
+    def group_join(self, params: dict) -> dict:
+        """Join a pipeline group now (the engine is paused: the caller holds the lock). Every member
+        is called at the same time; the workers meet at barriers over their stage links."""
+        if not self.cfg.drop.group_member:
+            raise ControlRequestError("group_join: this engine was not started as a group member "
+                                      "(kunserve drop.group_member)")
+        if self.phase != "base":
+            raise ControlConflict(f"group_join: the engine is {self.phase}; only an engine at its base can join")
+        name, drop, spans, peers = (params.get(k) for k in ("name", "drop", "spans", "peers"))
+        L = self.num_layers
+        if not isinstance(name, str) or not name:
+            raise ControlRequestError("group_join: 'name' must be a non-empty string")
+        if not (isinstance(drop, list) and drop and all(isinstance(i, int) and 0 <= i < L for i in drop)
+                and len(set(drop)) < L):
+            raise ControlRequestError(f"group_join: 'drop' must list 1..{L - 1} layer indices in 0..{L - 1}")
+        if not (isinstance(spans, list) and all(isinstance(s, list) and len(s) == 3 for s in spans)
+                and sorted(i for lo, hi, _ in spans for i in range(lo, hi)) == sorted(set(drop))):
+            raise ControlRequestError("group_join: 'spans' must be [[lo, hi, peer], ...] covering exactly the dropped layers")
+        if not (isinstance(peers, dict) and peers and all(isinstance(v, dict) and isinstance(v.get("stage"), str)
+                                                         and isinstance(v.get("blocks"), int) for v in peers.values())
+                and {p for _, _, p in spans} <= set(peers) and name not in peers):
+            raise ControlRequestError("group_join: 'peers' must map each peer named in spans to {stage, blocks}")
+        transition = params.get("transition", "kv")
+        if transition not in ("kv", "reprefill"):
+            raise ControlRequestError(f"group_join: transition must be 'kv' or 'reprefill', got {transition!r}")
+        t0 = time.perf_counter()
+        recomputed = self.sched.recompute_all() if transition == "reprefill" else 0
+        st = self.sched.state()
+        held = self.sched.held_blocks()
+        self.operation = {"op": "group_join", "started": time.time(), "params": {"name": name, "drop": drop}}
+        try:
+            self.faults.check("bookkeeping")
+            outs = self._workers("kunserve_group_join", {**params, "held": held, "visible": st.visible,
+                                                          "stage_bytes": self._stage_bytes()})
+        except Exception as exc:  # each worker rolled its own transition back
+            self.backoff_until = time.monotonic() + _FAILURE_BACKOFF_S
+            self.operation = None
+            self._event("group_join", "failed", time.perf_counter() - t0, 0, error=repr(exc), name=name)
+            raise AgentError(f"group_join failed and was rolled back: {exc}") from exc
+        self.operation = None
+        own = min(o["mapped_blocks"] for o in outs)
+        peer_cap = min(min(o["peer_foreign"].values()) for o in outs)
+        target = min(own, peer_cap, st.max_blocks)
+        if target > st.visible:
+            self.sched.grow(target - st.visible)
+        self.group = {"name": name, "drop": sorted(set(drop)), "spans": spans,
+                      "peers": {p: v["stage"] for p, v in peers.items()}, "since": time.time(),
+                      "blocks": self.sched.state().visible}
+        self.phase = "grouped"
+        self._after_transition()
+        return self._event("group_join", "ok", time.perf_counter() - t0, sum(o["bytes_sent"] for o in outs),
+                           name=name, drop=sorted(set(drop)), transition=transition, recomputed=recomputed,
+                           held_blocks=len(held), blocks_before=st.visible,
+                           blocks_after=self.sched.state().visible, own_blocks=own, peer_blocks=peer_cap,
+                           worker_s=round(max(o["seconds"] for o in outs), 4))
+
+    def _stage_bytes(self) -> int:
+        """Shared-memory buffer for one step's hidden states, residual and positions."""
+        hidden = int(self.info.get("hidden_size", 0) or 8192)
+        tokens = int(self.info.get("max_num_batched_tokens", 0) or 8192)
+        return 2 * tokens * hidden * 4 + tokens * 8 + (1 << 16)
+
+    def group_abandon(self, why: str) -> dict:
+        """A group peer is gone mid-step: take every dropped layer back from the host copies, forget
+        the peers' KV and recompute every request (its KV for the lost layers is gone). No request
+        is lost: vLLM re-runs each from its prompt and the tokens it has already produced."""
+        t0 = time.perf_counter()
+        n = self.sched.recompute_all()
+        st = self.sched.state()
+        self.sched.cancel_shrink()
+        st = self.sched.state()
+        if st.visible > st.base:
+            self.sched.begin_shrink(st.visible - st.base)  # every block is free: hidden at once
+        try:
+            self._workers("kunserve_group_leave", {"kv_blocks": st.base, "held": [], "abandon": True})
+        except Exception as exc:  # the workers could not restore: this engine cannot serve
+            self._error("group_abandon", exc)
+            raise AgentError(f"group peer lost and the layers could not be restored: {exc}") from exc
+        name, self.group, self.phase = (self.group or {}).get("name"), None, "base"
+        self._after_transition()
+        return self._event("group_abandon", "ok", time.perf_counter() - t0, 0, name=name, recomputed=n,
+                           reason=why, blocks_after=self.sched.state().visible)
+
+    def group_leave_begin(self) -> dict:
+        if self.phase != "grouped":
+            return {"event": "group_leave", "outcome": "noop", "phase": self.phase}
+        st = self.sched.state()
+        self.sched.begin_shrink(st.visible - st.base)
+        self.phase = "group_draining"
+        return self._event("group_leave", "draining", 0.0, 0, blocks_target=st.base,
+                           draining=self.sched.state().draining)
+
+    def group_leave_finish(self, params: dict) -> dict:
+        if self.phase != "group_draining":
+            raise ControlConflict(f"group_leave finish: the engine is {self.phase} (begin first)")
+        st = self.sched.state()
+        if st.draining:
+            raise ControlConflict(f"group_leave finish: {st.draining} blocks above the base are still in use")
+        t0 = time.perf_counter()
+        held = self.sched.held_blocks(st.visible)
+        timeout = float(params.get("timeout_s", 120.0))
+        self.operation = {"op": "group_leave", "started": time.time(), "params": {}}
+        try:
+            outs = self._workers("kunserve_group_leave", {"kv_blocks": st.visible, "held": held, "timeout_s": timeout})
+        except Exception as exc:
+            self.backoff_until = time.monotonic() + _FAILURE_BACKOFF_S
+            self.phase = "grouped"
+            self.sched.cancel_shrink()
+            self.sched.grow(self.group["blocks"] - self.sched.state().visible)
+            self._event("group_leave", "failed", time.perf_counter() - t0, 0, error=repr(exc))
+            raise AgentError(f"group_leave failed and was rolled back (still grouped): {exc}") from exc
+        finally:
+            self.operation = None
+        self.sched.cancel_shrink()  # nothing is draining: the retired blocks are simply gone
+        name, self.group, self.phase = self.group["name"], None, "base"
+        self._after_transition()
+        return self._event("group_leave", "ok", time.perf_counter() - t0, sum(o["bytes_sent"] for o in outs),
+                           name=name, held_blocks=len(held), blocks_after=self.sched.state().visible,
+                           worker_s=round(max(o["seconds"] for o in outs), 4))
+
     # -- invariants -------------------------------------------------------------------------------------
     def invariant_problems(self) -> list[str]:
         """The scheduler never uses a block a worker has not mapped; after a grow it uses all of
@@ -374,7 +516,9 @@ class EngineAgent:
         st = self.sched.state()
         used, queued, growth = self.sched.demand()
         waiting, running = self.sched.requests()
-        layers = ["streamed" if i in self.remapped else "resident" for i in range(self.num_layers)]
+        dropped = set(self.group["drop"]) if self.group else set()
+        layers = ["streamed" if i in self.remapped else "dropped" if i in dropped else "resident"
+                  for i in range(self.num_layers)]
         self._state = {
             "engine": {"label": self.label, "pid": os.getpid(), **self.info},
             "phase": self.phase, "operation": self.operation, "auto": self.auto, "errors": self.errors,
@@ -385,6 +529,7 @@ class EngineAgent:
             "requests": {"waiting": waiting, "running": running},
             "layers": [{"index": i, "state": s, "bytes": self.layer_bytes_each[i]} for i, s in enumerate(layers)],
             "remapped_layers": list(self.remapped), "slots": self.slots,
+            "dropped_layers": sorted(dropped), "group": self.group,
             "h2d_bytes_per_s": self.h2d_bytes_per_s, "copy_overlap": self.copy_overlap,
             "events": list(self.events[-20:]),
         }
@@ -425,6 +570,19 @@ class EngineAgent:
             return self.inject_fault(params)
         if op == "check":
             return {"problems": self.invariant_problems()}
+        if op == "group_join":
+            return self.group_join(params)
+        if op == "group_leave":
+            step = params.get("step")
+            if step == "begin":
+                return self.group_leave_begin()
+            if step == "finish":
+                return self.group_leave_finish(params)
+            raise ControlRequestError(f"group_leave: step must be 'begin' or 'finish', got {step!r}")
+        if op == "group_ping":
+            if not isinstance(params.get("stage"), str):
+                raise ControlRequestError("group_ping: 'stage' must be a stage address string")
+            return self._workers("kunserve_group_ping", params["stage"], _int(params, "bytes", 16384, 1, 1 << 30))[0]
         if op in MIGRATION_OPERATIONS:
             return self.kv_migration().call(op, params)
         raise ControlRequestError(f"unknown operation {op!r}; known: {', '.join(OPERATIONS)}")

@@ -38,7 +38,7 @@ logger = logging.getLogger("vllm.kunserve")
 
 #: fault points, in the order transitions reach them (``StepFaults.arm(name)``)
 STEPS = ("pack", "streamer_uninstall", "release", "slot_create", "streamer_install", "copy_plan",
-         "kv_grow", "kv_shrink", "slot_destroy", "reload")
+         "kv_grow", "kv_shrink", "slot_destroy", "reload", "foreign_create", "exchange", "kv_free", "kv_regrow")
 
 
 class LayerState(str, Enum):
@@ -73,6 +73,8 @@ class KVPlace:
     name: str
     region: KVRegion
     page_bytes: int  # bytes of one KV block of this layer
+    layer: int = -1  # the decoder layer whose KV this is (-1: unknown, always counted)
+    origin: str = ""  # "": this engine's requests; else the group peer whose requests' KV this holds
 
 
 class LayerResidency:
@@ -112,10 +114,29 @@ class LayerResidency:
     def dropped(self) -> tuple[int, ...]:
         return self._in(LayerState.DROPPED)
 
+    def _active(self, origin: str | None = "") -> list[KVPlace]:
+        """KV places in use: this engine's (``origin=""``) for the layers it runs, a peer's
+        (``origin=name``) or all of them (``None``)."""
+        return [k for k in self.kv if (origin is None or k.origin == origin)
+                and (k.origin or k.layer < 0 or self.states[k.layer] is not LayerState.DROPPED)]
+
+    @staticmethod
+    def _blocks(places: Sequence[KVPlace], cap: int) -> int:
+        return min((min(k.region.mapped_bytes // k.page_bytes, cap) for k in places), default=0)
+
     @property
     def mapped_blocks(self) -> int:
-        """Blocks mapped in every KV region (what the scheduler may use)."""
-        return min(min(k.region.mapped_bytes // k.page_bytes, self.max_blocks) for k in self.kv)
+        """Blocks mapped in every KV region of the layers this engine runs (what its scheduler may
+        use, as far as this engine's memory goes)."""
+        return self._blocks(self._active(), self.max_blocks)
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return tuple(sorted({k.origin for k in self.kv if k.origin}))
+
+    def foreign_blocks(self, origin: str) -> int:
+        """Blocks of group peer ``origin``'s requests this engine can hold for the layers it runs."""
+        return self._blocks(self._active(origin), self.max_blocks)
 
     @property
     def block_bytes(self) -> int:
@@ -135,7 +156,9 @@ class LayerResidency:
                 "pending": self.pending.name if self.pending else None,
                 "stream": vars(self.streamer.stats) if self.streamer else None,
                 "streamed_linear": self.adapter.kind(), "faults_armed": self.faults.armed,
-                "kv_regions": len(self.kv), "h2d_bytes_per_s": self.h2d_bytes_per_s,
+                "kv_regions": len([k for k in self.kv if not k.origin]),
+                "foreign_blocks": {o: self.foreign_blocks(o) for o in self.peers},
+                "h2d_bytes_per_s": self.h2d_bytes_per_s,
                 "copy_overlap": self.copy_overlap,
                 "events": self.events[-20:]}
 
@@ -171,6 +194,10 @@ class LayerResidency:
             problems.append(f"streamed layers {list(want)} but the streamer runs {list(have)}")
         if self.mapped_blocks < self.base_blocks:
             problems.append(f"KV maps {self.mapped_blocks} blocks, below the base {self.base_blocks}")
+        for k in self.kv:
+            if not k.origin and k.layer >= 0 and self.states[k.layer] is LayerState.DROPPED \
+                    and k.region.mapped_bytes and self.pending is None:
+                problems.append(f"{k.name}: layer {k.layer} is dropped but its KV region maps {k.region.mapped_bytes} bytes")
         return problems
 
     # -- two-phase use ----------------------------------------------------------------------------
@@ -288,6 +315,115 @@ class LayerResidency:
                 self._t_reload(tx, i, images.get(i))
         return self._run("restore", body, commit, layers=list(R), nbytes=sum(self.weights[i].max_bytes for i in R),
                          source="peer" if images else "host")
+
+    # -- pipeline groups (KunServe cluster drop) --------------------------------------------------------
+    def join(self, layers: Sequence[int], peers: dict[str, int], exchange: Callable[[], None],
+             commit: bool = True) -> int:
+        """Join a pipeline group: ``layers`` are dropped (a peer runs them) and this engine hosts
+        the KV of each peer's requests for the layers it keeps.
+
+        Steps: release the dropped layers' weights; create a KV region per kept layer for each peer
+        in ``peers`` (mapped for the peer's current block count); ``exchange()`` (the caller moves
+        the KV of the dropped layers to the peers and waits for theirs); free the dropped layers'
+        own KV; grow every kept KV region (own and the peers') evenly into the free chunks. A
+        failure up to the exchange undoes everything; after it, the KV already moved, so a failed
+        grow keeps the group at its current size (an event, not a rollback). Returns the mapped
+        block count."""
+        D = self._check_layers(layers, "join")
+        if any(self.states[i] is not LayerState.RESIDENT for i in D) or not D:
+            raise ValueError(f"join {list(D)}: need resident layers to drop "
+                             f"(states {[self.states[i].value for i in D]})")
+        if len(D) + len(self.dropped) + len(self.streamed) >= len(self.layers):
+            raise ValueError("join would leave no layer on this engine")
+        if any(o in self.peers for o in peers) or any(not o for o in peers):
+            raise ValueError(f"join: peers {sorted(peers)} must be new, non-empty names (have {list(self.peers)})")
+        kept = [k for k in self.kv if not k.origin and k.layer >= 0 and k.layer not in D]
+
+        def create() -> None:
+            for origin, blocks in peers.items():
+                for k in kept:
+                    region = self.pool.create_kv_region(f"kv@{origin}:{k.name}", self.max_blocks * k.page_bytes, 0)
+                    self.kv.append(KVPlace(k.name, region, k.page_bytes, k.layer, origin))
+                    need = -(-blocks * k.page_bytes // self.pool.chunk_bytes) - self.pool.num_free_chunks
+                    if need > 0:  # the freed weights did not cover it (KV larger than the weights)
+                        self.pool.add_chunks(need)
+                    self.pool.resize_kv({region: blocks * k.page_bytes})
+                    region.view(torch.uint8).zero_()
+
+        def destroy() -> None:
+            for k in [k for k in self.kv if k.origin in peers]:
+                self.pool.destroy_region(k.region)
+                self.kv.remove(k)
+
+        own_dropped = [k for k in self.kv if not k.origin and k.layer in D]
+        prev = {k.region: k.region.mapped_bytes for k in own_dropped}
+
+        def body(tx: Transaction) -> None:
+            for i in D:
+                self._t_release(tx, i, LayerState.DROPPED)
+            tx.step("foreign_create", create, destroy)
+            tx.step("exchange", exchange)
+            tx.step("kv_free", lambda: self._resize({k.region: 0 for k in own_dropped}),
+                    lambda: self._resize(prev))
+            self._grow_best_effort()  # after kv_free: a failure here must not roll back (KV moved)
+        return self._run("join", body, commit, layers=list(D), peers=dict(peers),
+                         nbytes=sum(self.weights[i].max_bytes for i in D))
+
+    def _grow_best_effort(self) -> None:
+        places = self._active(None)
+        before = {k.region: k.region.mapped_bytes for k in places}
+        try:
+            self.faults.check("kv_grow")
+            self._resize(self._kv_targets(places, None, "kv_grow"))
+            self._zero_new(before)
+        except Exception as exc:
+            self.event("kv_grow_failed", 0.0, 0, error=repr(exc))
+
+    def leave(self, kv_blocks: int, exchange: Callable[[], None],
+              images: dict[int, torch.Tensor] | None = None, commit: bool = True) -> int:
+        """Leave the pipeline group: every KV region shrinks to ``kv_blocks`` (the blocks above must
+        be unused on this engine and on the peers), the dropped layers come back (from ``images``,
+        bytes a peer sent, or their host copies) with their own KV regions mapped again,
+        ``exchange()`` moves the peers' KV for the kept layers back to them and waits for this
+        engine's KV of the returning layers, then the peers' regions go. Returns the mapped blocks."""
+        D = self.dropped
+        if not D:
+            raise ValueError("leave: this engine is not in a group (no dropped layers)")
+        images = images or {}
+        own_dropped = [k for k in self.kv if not k.origin and k.layer in D]
+        foreign = [k for k in self.kv if k.origin]
+
+        def regrow() -> None:
+            need = sum(-(-kv_blocks * k.page_bytes // self.pool.chunk_bytes) for k in own_dropped) \
+                - self.pool.num_free_chunks
+            if need > 0:
+                self.pool.add_chunks(need)
+            self._resize({k.region: kv_blocks * k.page_bytes for k in own_dropped})
+
+        def destroy() -> None:
+            for k in foreign:
+                self.pool.destroy_region(k.region)
+                self.kv.remove(k)
+
+        def body(tx: Transaction) -> None:
+            places = self._active(None)
+            prev = {k.region: k.region.mapped_bytes for k in places}
+            targets = self._kv_targets(places, kv_blocks, "kv_shrink")
+            tx.step("kv_shrink", lambda: (self._drain(), self._resize(targets)), lambda: self._resize(prev))
+            for i in D:
+                self._t_reload(tx, i, images.get(i))
+            tx.step("kv_regrow", regrow, lambda: self._resize({k.region: 0 for k in own_dropped}))
+            tx.step("exchange", exchange)
+            tx.step("foreign_destroy", destroy)
+        return self._run("leave", body, commit, layers=list(D), peers=list(self.peers),
+                         nbytes=sum(self.weights[i].max_bytes for i in D), source="peer" if images else "host")
+
+    def place(self, name: str, origin: str = "") -> KVPlace:
+        """The KV place of attention layer ``name`` for ``origin``'s requests."""
+        for k in self.kv:
+            if k.name == name and k.origin == origin:
+                return k
+        raise KeyError(f"no KV region for {name!r} (origin {origin or 'self'!r})")
 
     # -- machinery -------------------------------------------------------------------------------------
     def _check_layers(self, layers: Sequence[int], what: str) -> tuple[int, ...]:
@@ -418,23 +554,30 @@ class LayerResidency:
 
     def _t_kv(self, tx: Transaction, step: str, blocks: int | None) -> None:
         """``kv_grow`` (blocks None: map every free chunk, evenly) or ``kv_shrink`` to ``blocks``."""
-        prev = {k.region: k.region.mapped_bytes for k in self.kv}
-        before = self.mapped_blocks
-        if blocks is None:
-            per = self.pool.num_free_chunks // len(self.kv)
-            targets = {k.region: min(k.region.mapped_bytes + per * self.pool.chunk_bytes, k.region.max_bytes)
-                       for k in self.kv} if per > 0 else {}
-        else:
-            if blocks < self.base_blocks and step == "kv_shrink":
-                raise ValueError(f"KV cannot shrink below the base ({blocks} < {self.base_blocks})")
-            targets = {k.region: blocks * k.page_bytes for k in self.kv
-                       if k.region.mapped_bytes > blocks * k.page_bytes}
+        places = self._active(None)
+        prev = {k.region: k.region.mapped_bytes for k in places}
+        before = {k.region: k.region.mapped_bytes for k in places}
+        targets = self._kv_targets(places, blocks, step)
 
         def do() -> None:
             self._drain()
             self._resize(targets)
-            self.zero_kv(before)
+            self._zero_new(before)
         tx.step(step, do, lambda: self._resize(prev))
+
+    def _kv_targets(self, places: Sequence[KVPlace], blocks: int | None, step: str) -> dict:
+        if blocks is None:
+            per = self.pool.num_free_chunks // max(1, len(places))
+            return {k.region: min(k.region.mapped_bytes + per * self.pool.chunk_bytes, k.region.max_bytes)
+                    for k in places} if per > 0 else {}
+        if blocks < self.base_blocks and step == "kv_shrink":
+            raise ValueError(f"KV cannot shrink below the base ({blocks} < {self.base_blocks})")
+        return {k.region: blocks * k.page_bytes for k in places if k.region.mapped_bytes > blocks * k.page_bytes}
+
+    def _zero_new(self, before: dict) -> None:
+        for region, old in before.items():
+            if region.mapped_bytes > old:
+                region.view(torch.uint8)[old:region.mapped_bytes].zero_()
 
     def zero_kv(self, lo_block: int = 0) -> None:
         """Zero newly mapped KV blocks (fresh chunks may hold old data)."""

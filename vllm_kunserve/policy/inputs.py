@@ -39,3 +39,21 @@ def remap_input(load: EngineLoad, model: ModelLayers, *, h2d_bytes_per_s: float,
     return RemapInput((model,), h2d_bytes_per_s, kv_shortage_bytes=shortage * load.block_bytes,
                       kv_free_bytes=free * load.block_bytes, demand_ratio=demand / max(1, load.base_blocks),
                       now_s=now_s, copy_overlap=copy_overlap)
+
+
+def cluster_input(*, num_layers: int, layer_bytes: int, block_bytes: int, block_size: int, rows: list[dict],
+                  groups: list[tuple[int, ...]], now_s: float, history: tuple = ()) -> "ClusterSnapshot":
+    """The drop / restore policies' cluster snapshot from per-instance rows (``instance_id``,
+    ``capacity_blocks``, ``used_blocks``, ``queued_blocks``, ``held``: the (start, end) layer range
+    it runs in a group or None for all, ``healthy``). Capacity and use count one block per
+    ``block_size`` tokens of a request, whichever members hold its layers."""
+    from vllm_kunserve.policy.snapshot import ClusterSnapshot, InstanceSnapshot, ModelSpec
+
+    model = ModelSpec(num_layers=num_layers, layer_bytes=layer_bytes, block_bytes=block_bytes, block_size=block_size)
+    insts = tuple(InstanceSnapshot(instance_id=r["instance_id"], kv_blocks_total=int(r["capacity_blocks"]),
+                                   kv_blocks_used=int(r["used_blocks"]), queued_blocks=int(r["queued_blocks"]),
+                                   layer_start=(r["held"] or (0, 0))[0],
+                                   layer_end=(r["held"] or (0, 0))[1] if r["held"] else 0,
+                                   healthy=bool(r.get("healthy", True))) for r in rows)
+    return ClusterSnapshot(model=model, instances=insts, groups=tuple(groups), now_s=now_s,
+                           demand_history=tuple(history))

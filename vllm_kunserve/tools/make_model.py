@@ -68,6 +68,12 @@ class CheckpointSpec:
 PRESETS: dict[str, CheckpointSpec] = {
     "tiny": CheckpointSpec(layers=2, hidden=64, heads=2, kv_heads=2, intermediate=128, vocab=512),
     "small": CheckpointSpec(layers=8, hidden=512, heads=8, kv_heads=2, intermediate=1024, vocab=4096),
+    # the cluster-drop regime (issue 13): big enough that a decode step reads weights like a GPU
+    # does (weight-bandwidth-bound), ~0.6 GB in bf16 (CPUs with avx512_bf16 / AMX) and ~1.2 GB in
+    # fp32 (others: their bf16 matmul is compute-bound)
+    "decode-bf16": CheckpointSpec(layers=12, hidden=1536, heads=24, kv_heads=4, intermediate=4096, vocab=4096,
+                                  dtype="bfloat16"),
+    "decode-fp32": CheckpointSpec(layers=12, hidden=1536, heads=24, kv_heads=4, intermediate=4096, vocab=4096),
 }
 
 _WORDS = (

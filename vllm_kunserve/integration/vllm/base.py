@@ -101,7 +101,10 @@ class VllmPatch:
 
     def wanted(self, cfg: Any) -> bool:
         """Whether this touchpoint is needed for the configured features (see ``requires``)."""
-        return any(getattr(cfg, section).enable for section in self.requires) if self.requires else True
+        def on(section: str) -> bool:
+            v = getattr(cfg, section)
+            return v if isinstance(v, bool) else v.enable
+        return any(on(section) for section in self.requires) if self.requires else True
 
     def patch(self) -> None:
         """Process-wide changes (monkeypatches), inert for engines without kunserve. Idempotent."""

@@ -170,7 +170,7 @@ class CpuLinearPatch(VllmPatch):
     name = "cpu_linear"
     versions = ">=0.32,<0.34"
     summary = "keep CPU linear weights as plain tensors so kunserve can move them"
-    requires = ("remap",)
+    requires = ("moves_memory",)
 
 
     def patch(self) -> None:
@@ -180,7 +180,7 @@ class CpuLinearPatch(VllmPatch):
         def make_load(orig):
             def load_model(self, *args, **kwargs):
                 kcfg = engine_config(self.vllm_config)
-                token = _KEEP_WEIGHTS.set(bool(kcfg is not None and kcfg.remap.enable))
+                token = _KEEP_WEIGHTS.set(bool(kcfg is not None and kcfg.moves_memory))
                 try:
                     return orig(self, *args, **kwargs)
                 finally:

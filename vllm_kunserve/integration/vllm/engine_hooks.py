@@ -37,21 +37,21 @@ class EngineCorePatch(VllmPatch):
     name = "engine_core"
     versions = ">=0.32,<0.34"
     summary = "attach the engine agent and its control port, run steps under it, route kunserve RPCs"
-    requires = ("remap",)
+    requires = ("moves_memory",)
 
     def configure(self, cfg: Any, holder: Any) -> None:
         """Streaming uses forward hooks and side copies, which need eager execution."""
-        if not cfg.remap.enable:
+        if not cfg.moves_memory:
             return
         if hasattr(holder, "enforce_eager"):  # EngineArgs: still time to switch it on
             if not holder.enforce_eager:
-                logger.info("kunserve: remap streams layers with forward hooks; enabling enforce_eager")
+                logger.info("kunserve: remap and pipeline groups replace layer forwards; enabling enforce_eager")
                 holder.enforce_eager = True
             return
         model_config = getattr(holder, "model_config", None)
         if model_config is not None and not model_config.enforce_eager:
             raise KunServeConfigError(
-                "kunserve.remap.enable=true: weight streaming needs eager execution; "
+                "kunserve remap / drop.group_member: weight streaming and pipeline groups need eager execution; "
                 "start vLLM with --enforce-eager (or LLM(..., enforce_eager=True))")
 
     def patch(self) -> None:
@@ -140,7 +140,7 @@ def _attach(core: Any) -> None:
     vc = core.vllm_config
     cfg = engine_config(vc)
     base = base_blocks(getattr(core.scheduler, "kv_cache_config", None))
-    if cfg is None or not cfg.remap.enable or base is None:
+    if cfg is None or not cfg.moves_memory or base is None:
         return
     from vllm_kunserve.engine.agent import EngineAgent
 
@@ -151,7 +151,8 @@ def _attach(core: Any) -> None:
         return core.model_executor.collective_rpc(method, args=args, kwargs=kwargs)
 
     agent = EngineAgent(cfg, view, workers, label=label, metrics=metrics.get(), wake=lambda: _wake(core),
-                        info={"model": str(vc.model_config.model)})
+                        info={"model": str(vc.model_config.model), "hidden_size": vc.model_config.get_hidden_size(),
+                              "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens})
     core._kunserve = agent
     _start_control(core, agent, cfg)
     _idle_ticker(core, agent, cfg)

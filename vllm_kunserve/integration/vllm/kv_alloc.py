@@ -31,7 +31,7 @@ class KVAllocationPatch(VllmPatch):
     name = "kv_allocation"
     versions = ">=0.32,<0.34"
     summary = "allocate a growable KV cache (per-layer pool regions) when the engine planned one"
-    requires = ("remap",)
+    requires = ("moves_memory",)
 
     def patch(self) -> None:
         mod = self.resolve("vllm.v1.worker.gpu_model_runner")
@@ -56,9 +56,10 @@ class KVAllocationPatch(VllmPatch):
                                        "runner is not one kunserve supports (V1 GPUModelRunner / CPUModelRunner)")
                 from vllm_kunserve.integration.vllm.worker_memory import build_worker_memory
 
-                res, views = build_worker_memory(runner.model, kv_cache_config, device, layout, kernel_block_sizes,
+                res, views, make_view = build_worker_memory(runner.model, kv_cache_config, device, layout, kernel_block_sizes,
                                                  engine_config(runner.vllm_config))
                 runner._kunserve_memory = res
+                runner._kunserve_kv_view = make_view  # views over a group peer's KV (pipeline.py)
                 return views
             return allocate_kv_cache
 

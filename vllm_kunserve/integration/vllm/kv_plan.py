@@ -1,6 +1,6 @@
 """Touchpoint: ``get_kv_cache_configs`` as imported by ``vllm.v1.engine.core``.
 
-For an engine with a growable KV cache (``remap.enable`` in *its* configuration) the engine is
+For an engine with a growable KV cache (remap or pipeline-group membership in *its* configuration) the engine is
 planned at ``memory.max_kv_ratio`` times the normal KV memory (the most the KV regions may reach),
 and the normal block count is remembered on each returned ``KVCacheConfig`` as
 ``kunserve_base_blocks`` (pickled with it to the workers; the scheduler holds the same object): the
@@ -28,7 +28,7 @@ class KVPlanPatch(VllmPatch):
     name = "kv_plan"
     versions = ">=0.32,<0.34"
     summary = "plan the KV cache at its maximum size and remember the base block count"
-    requires = ("remap",)
+    requires = ("moves_memory",)
 
     def patch(self) -> None:
         core = self.resolve("vllm.v1.engine.core")
@@ -37,7 +37,7 @@ class KVPlanPatch(VllmPatch):
             def get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory):
                 configs = orig(vllm_config, kv_cache_specs, available_memory)
                 kcfg = engine_config(vllm_config)
-                if kcfg is None or not kcfg.remap.enable or not configs:
+                if kcfg is None or not kcfg.moves_memory or not configs:
                     return configs
                 base = min(c.num_blocks for c in configs)
                 ratio = kcfg.memory.max_kv_ratio

@@ -6,6 +6,7 @@ Everything the agent needs from vLLM's scheduler goes through this one class, so
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from vllm_kunserve.integration.vllm.block_capacity import BlockCapacity, CapacityState
@@ -39,6 +40,33 @@ class SchedulerView:
 
     def cancel_shrink(self) -> int:
         return self.cap.cancel_shrink()
+
+    def held_blocks(self, below: int | None = None) -> list[int]:
+        """Ids of blocks whose contents matter: in use by a request, or kept by the prefix cache
+        (free but hashed). A pipeline group moves exactly these when KV changes hands."""
+        hi = self.state().visible if below is None else int(below)
+        return [b.block_id for b in self.pool.blocks[1:hi] if b.ref_cnt > 0 or b.block_hash is not None]
+
+    def recompute_all(self) -> int:
+        """Preempt every running request (vLLM's own preemption: each is recomputed from its
+        tokens when it runs again) and forget the prefix cache. For when this engine's KV cannot
+        be trusted or moved: a pipeline peer died, or a group forms by re-prefill. Returns how many
+        requests were preempted. (``Scheduler.reset_prefix_cache(reset_running_requests=True)``
+        does the same but refuses while blocks are hidden by the capacity view.)"""
+        sched, pool = self.scheduler, self.pool
+        n, ts = len(sched.running), time.monotonic()
+        while sched.running:
+            req = sched.running.pop()
+            # synchronous scheduling: nothing of an earlier step is still coming (a failed step's
+            # tokens never will), so nothing is stale
+            req.num_in_flight_tokens = 0
+            sched._preempt_request(req, ts)
+        sched.prev_step_scheduled_req_ids.clear()
+        pool.cached_block_hash_to_block = type(pool.cached_block_hash_to_block)()
+        pool.cached_block_hashes_by_block.clear()
+        for b in pool.blocks:
+            b.reset_hash()
+        return n
 
     # -- demand ---------------------------------------------------------------------------------
     def demand(self) -> tuple[int, int, int]:

@@ -91,7 +91,7 @@ class KunServeWorkerExtension:
     def kunserve_check(self) -> dict:
         res = self._kunserve_memory()
         return {"mapped_blocks": res.mapped_blocks, "remapped_layers": list(res.streamed),
-                "problems": res.check_invariants()}
+                "dropped_layers": list(res.dropped), "problems": res.check_invariants()}
 
     def kunserve_inject_fault(self, step: str, after: int = 0, rank: int | None = None) -> dict:
         """Test hook: the next time ``step`` runs on this worker (or only on ``rank``) it fails.
@@ -134,3 +134,31 @@ class KunServeWorkerExtension:
     def kunserve_kv_close(self, xfer_id: str) -> bool:
         """Target: abort a staged receive (idempotent)."""
         return kv_migration.worker_kv(self).close(xfer_id)
+
+    # -- pipeline groups (issue 13): the worker half of the agent's group operations -------------
+    def kunserve_group_open(self) -> dict:
+        """This worker's stage server address (a group peer connects to it)."""
+        from vllm_kunserve.integration.vllm.pipeline import member
+
+        return {"rank": self._kunserve_rank(), "stage": member(self).server.address}
+
+    def kunserve_group_join(self, params: dict) -> dict:
+        from vllm_kunserve.integration.vllm.pipeline import member
+
+        self._kunserve_memory().faults.check("rpc")
+        return member(self).join(params)
+
+    def kunserve_group_leave(self, params: dict) -> dict:
+        from vllm_kunserve.integration.vllm.pipeline import member
+
+        return member(self).leave(params)
+
+    def kunserve_group_state(self) -> dict:
+        from vllm_kunserve.integration.vllm.pipeline import member
+
+        return member(self).state()
+
+    def kunserve_group_ping(self, stage: str, nbytes: int = 16384) -> dict:
+        from vllm_kunserve.integration.vllm.pipeline import member
+
+        return member(self).ping(stage, int(nbytes))

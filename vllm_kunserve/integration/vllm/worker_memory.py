@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -100,11 +101,19 @@ def _kv_places(kv_cache_config: Any, max_blocks: int) -> list[tuple[str, Any, in
     return out
 
 
+def layer_index(name: str) -> int:
+    """The decoder layer an attention layer belongs to (``model.layers.3.self_attn.attn`` -> 3)."""
+    m = re.search(r"\.layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else -1
+
+
 def build_worker_memory(model: nn.Module, kv_cache_config: Any, device: torch.device, layout: Any,
-                        kernel_block_sizes: list[int] | None, cfg: Any) -> tuple[LayerResidency, dict]:
+                        kernel_block_sizes: list[int] | None, cfg: Any
+                        ) -> tuple[LayerResidency, dict, Callable[[str, Any], torch.Tensor]]:
     """Move the model's decoder layers and a growable KV cache into one pool.
 
-    Returns the residency state machine and vLLM's per-layer KV views (for ``bind_kv_cache``)."""
+    Returns the residency state machine, vLLM's per-layer KV views (for ``bind_kv_cache``) and a
+    function building the same kind of view over another region (a group peer's KV)."""
     from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
 
     from vllm_kunserve.memory.backend import make_backend
@@ -138,15 +147,22 @@ def build_worker_memory(model: nn.Module, kv_cache_config: Any, device: torch.de
         if pool.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the freed copy back to the driver before the next layer
     # -- KV: one region per attention layer, reserved for the maximum, mapped for the base -------
-    kv, views = [], {}
+    kv, views, how = [], {}, {}
+
+    def make_view(name: str, region: Any) -> torch.Tensor:
+        spec, page, kbs = how[name]
+        raw = region.view(torch.int8, allow_unmapped=True)[: max_blocks * page]
+        one = KVCacheTensor(size=max_blocks * page, layers=[name], layer_stride=max_blocks * page, block_stride=page)
+        (view,) = create_kv_cache_views(raw, spec, max_blocks, layout, one, kernel_block_size=kbs)
+        return view
+
     for name, spec, page, group_id in places:
         pool.add_chunks(chunks(base_blocks * page) - pool.num_free_chunks)
         region = pool.create_kv_region(f"kv:{name}", max_blocks * page, base_blocks * page)
-        raw = region.view(torch.int8, allow_unmapped=True)[: max_blocks * page]
-        one = KVCacheTensor(size=max_blocks * page, layers=[name], layer_stride=max_blocks * page, block_stride=page)
         kbs = kernel_block_sizes[group_id] if kernel_block_sizes and group_id < len(kernel_block_sizes) else None
-        (views[name],) = create_kv_cache_views(raw, spec, max_blocks, layout, one, kernel_block_size=kbs)
-        kv.append(KVPlace(name, region, page))
+        how[name] = (spec, page, kbs)
+        views[name] = make_view(name, region)
+        kv.append(KVPlace(name, region, page, layer_index(name)))
     res = LayerResidency(pool, layers, weights, kv, max_blocks, base_blocks,
                          adapter=PackedSlots(layers))  # CPU: streamed linears keep oneDNN's packed kernel
     res.zero_kv()
@@ -154,7 +170,7 @@ def build_worker_memory(model: nn.Module, kv_cache_config: Any, device: torch.de
     res.copy_overlap = copy_overlaps(pool.device)
     res.event("setup", time.perf_counter() - t0, pool.capacity_bytes, layers=len(layers), chunk_bytes=chunk,
                base_blocks=base_blocks, max_blocks=max_blocks, peak_extra_chunks=max(map(chunks, layer_bytes)))
-    return res, views
+    return res, views, make_view
 
 
 def measure_h2d(res: LayerResidency) -> float:

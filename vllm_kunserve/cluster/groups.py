@@ -1,0 +1,283 @@
+"""Cluster drop in a running fleet: the monitor's decisions executed through the engines' control ports.
+
+Each monitor period, :class:`GroupController` builds the policies' cluster snapshot from the
+engines' control-port states (``policy.inputs.cluster_input``), asks ``policy.overload`` whether KV
+demand (used + queued blocks, plus the trend forecast) exceeds capacity and, if so,
+``policy.drop.plan_drop`` which instances to merge; every new group is formed by calling
+``group_join`` on all its members at once (they meet at barriers over their stage links, exchange
+the KV of the layers changing hands and resume as one pipeline). ``policy.restore`` decides when a
+group splits: ``group_leave`` ``begin`` retires the blocks above each member's base (live ones
+drain as their requests finish), ``finish`` gives the layers back from the host copies and
+returns each peer's KV. Every step is an event with its inputs, decision, duration and bytes
+(``/kunserve/status``, logs, ``kunserve:`` metrics). When no plan frees enough, the engines keep
+vLLM's own KV-centric handling (queueing, preemption) for the rest and the shortfall is a metric.
+Operators can force both directions (``/kunserve/ops/drop``, ``/kunserve/ops/restore``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from vllm_kunserve.policy.drop import balanced_stages, plan_drop
+from vllm_kunserve.policy.inputs import cluster_input
+from vllm_kunserve.policy.overload import assess_overload
+from vllm_kunserve.policy.restore import RestoreState, decide_restore
+
+logger = logging.getLogger("vllm.kunserve")
+
+
+class GroupOpError(RuntimeError):
+    pass
+
+
+@dataclass
+class Group:
+    gid: int
+    members: list[int]
+    stages: dict[int, tuple[int, int]]
+    state: str = "forming"   # forming | grouped | leaving | split | failed
+    since: float = field(default_factory=time.time)
+    reason: str = ""
+
+    def view(self) -> dict:
+        return {"id": self.gid, "members": self.members, "state": self.state, "reason": self.reason,
+                "stages": {str(i): list(r) for i, r in self.stages.items()}, "since": self.since}
+
+
+def member_name(instance: int) -> str:
+    return f"e{instance}"
+
+
+class GroupController:
+    """Forms and splits pipeline groups of a fleet (one per front end)."""
+
+    def __init__(self, front: Any, cfg: Any, auto: bool = True, timeout_s: float = 60.0) -> None:
+        self.front = front
+        self.cfg = cfg
+        self.auto = auto and cfg.drop.enable
+        self.timeout_s = timeout_s
+        self.groups: list[Group] = []
+        self.history: deque[tuple[float, float]] = deque(maxlen=256)
+        self.restore_state = RestoreState()
+        self.busy = False
+        self.last: dict = {}
+        self._ids = 0
+        from prometheus_client import Counter, Gauge
+
+        r = front.registry
+        self.m_ops = Counter("kunserve:group_ops", "Pipeline-group operations", ["op", "outcome"], registry=r)
+        self.m_shortfall = Gauge("kunserve:kv_shortfall_blocks",
+                                 "KV blocks no drop plan could free (for an autoscaler)", registry=r)
+        self.m_grouped = Gauge("kunserve:grouped_instances", "Instances in a pipeline group", registry=r)
+        self.m_layers = Gauge("kunserve:layers_held", "Decoder layers held per instance", ["instance"], registry=r)
+
+    # -- state ----------------------------------------------------------------------------------------
+    def group_of(self, instance: int) -> Group | None:
+        return next((g for g in self.groups if instance in g.members and g.state != "split"), None)
+
+    def view(self) -> list[dict]:
+        return [g.view() for g in self.groups if g.state != "split"][-50:]
+
+    def _states(self) -> dict[int, dict]:
+        return {i: r.state for i, r in self.front.monitor.reports.items() if r.ok and r.state}
+
+    def snapshot(self, states: dict[int, dict]):
+        members = [i for i, s in states.items() if s.get("engine", {}).get("stage")]
+        if not members:
+            return None
+        rows = []
+        for i in members:
+            s = states[i]
+            g = self.group_of(i)
+            held = g.stages.get(i) if g else None
+            rows.append({"instance_id": i, "capacity_blocks": s["capacity"]["blocks_total"],
+                         "used_blocks": s["blocks"]["used"], "queued_blocks": s["blocks"]["queued"],
+                         "held": held, "healthy": self.front.fleet.engines[i].accepting})
+        s0 = states[members[0]]
+        layer_bytes = max(x["bytes"] for x in s0["layers"])
+        groups = [tuple(g.members) for g in self.groups if g.state in ("forming", "grouped", "leaving")]
+        grouped = {i for g in groups for i in g}
+        groups += [(i,) for i in members if i not in grouped]
+        return cluster_input(num_layers=len(s0["layers"]), layer_bytes=layer_bytes,
+                             block_bytes=s0["capacity"]["block_bytes"], block_size=s0["capacity"]["block_size"],
+                             rows=rows, groups=groups, now_s=time.monotonic(), history=tuple(self.history))
+
+    # -- the monitor's listener -----------------------------------------------------------------------
+    async def on_poll(self, reports: dict) -> None:
+        if self.busy:
+            return
+        states = self._states()
+        for i in self.front.monitor.reports:
+            st = states.get(i)
+            if st:
+                self.m_layers.labels(str(i)).set(sum(1 for x in st["layers"] if x["state"] != "dropped"))
+        self.m_grouped.set(sum(len(g.members) for g in self.groups if g.state in ("grouped", "leaving")))
+        for g in [g for g in self.groups if g.state == "leaving"]:
+            if all(states.get(i, {}).get("phase") == "group_draining" and not states[i]["blocks"]["draining"]
+                   for i in g.members):
+                await self._finish_leave(g)
+        if not self.auto:
+            return
+        snap = self.snapshot(states)
+        if snap is None:
+            return
+        report = assess_overload(snap, self.cfg.drop)
+        self.history.append((snap.now_s, report.demand_blocks))
+        self.last = {"overload": report.to_dict()}
+        if report.overloaded:
+            plan = plan_drop(snap, report.need_bytes, self.cfg.drop.max_group_size)
+            self.m_shortfall.set(max(0.0, plan.shortfall_bytes / snap.model.block_bytes))
+            self.last["plan"] = plan.to_dict()
+            for gp in plan.groups:
+                if any(self.group_of(i) for i in gp.instances):
+                    continue  # regrouping a live group is not supported yet: it stays as it is
+                await self.form(list(gp.instances), reason="overload", inputs=report.to_dict(),
+                                decision=plan.to_dict())
+            return
+        self.m_shortfall.set(0)
+        decision, self.restore_state = decide_restore(snap, self.restore_state, self.cfg.restore, self.cfg.drop)
+        self.last["restore"] = decision.to_dict()
+        for r in decision.restore:
+            g = next((g for g in self.groups if set(g.members) == set(r.instances) and g.state == "grouped"), None)
+            if g is not None:
+                await self.begin_leave(g, reason=r.reason, decision=decision.to_dict())
+
+    # -- operations -------------------------------------------------------------------------------------
+    async def _op(self, instance: int, op: str, body: dict, timeout_s: float) -> dict:
+        import aiohttp
+
+        e = self.front.fleet.engines[instance]
+        if not e.control_url:
+            raise GroupOpError(f"instance {instance} has no control port (a stock engine cannot join a group)")
+        headers = {"Authorization": f"Bearer {self.front.token}"} if self.front.token else {}
+        async with self.front.session.post(f"{e.control_url}/ops/{op}", json=body, headers=headers,
+                                           timeout=aiohttp.ClientTimeout(total=timeout_s + 30)) as resp:
+            out = await resp.json(content_type=None)
+            if resp.status != 200:
+                raise GroupOpError(f"instance {instance} {op}: {resp.status} {out}")
+            return out
+
+    async def _fresh_states(self, members: list[int]) -> dict[int, dict]:
+        out = {}
+        for i in members:
+            e = self.front.fleet.engines[i]
+            if not e.accepting or not e.control_url:
+                raise GroupOpError(f"instance {i} is not a live group member")
+            headers = {"Authorization": f"Bearer {self.front.token}"} if self.front.token else {}
+            async with self.front.session.get(f"{e.control_url}/state", headers=headers) as resp:
+                out[i] = await resp.json()
+        return out
+
+    async def form(self, members: list[int], reason: str = "forced", inputs: dict | None = None,
+                   decision: dict | None = None, transition: str | None = None) -> dict:
+        """Form one group of ``members``. ``transition``: how ongoing requests cross over, ``kv``
+        (their KV of the layers changing hands moves, the default) or ``reprefill`` (they are
+        recomputed); a failed KV exchange is retried once by re-prefill."""
+        transition = transition or self.cfg.drop.transition
+        try:
+            return await self._form(members, reason, inputs, decision, transition)
+        except GroupOpError:
+            if transition != "kv":
+                raise
+            logger.warning("group of %s: KV exchange failed; forming by re-prefill instead", members)
+            return await self._form(members, reason + "+fallback", inputs, decision, "reprefill")
+
+    async def _form(self, members: list[int], reason: str, inputs: dict | None, decision: dict | None,
+                    transition: str) -> dict:
+        members = sorted(set(members))
+        if len(members) < 2:
+            raise GroupOpError("a group needs at least two instances")
+        for i in members:
+            if self.group_of(i):
+                raise GroupOpError(f"instance {i} is already in group {self.group_of(i).gid}")
+        self.busy = True
+        t0 = time.perf_counter()
+        try:
+            states = await self._fresh_states(members)
+            L = len(states[members[0]]["layers"])
+            if len(members) > L:
+                raise GroupOpError(f"{len(members)} instances cannot share {L} layers")
+            ranges = dict(zip(members, balanced_stages(L, len(members))))
+            self._ids += 1
+            g = Group(self._ids, members, ranges, reason=reason)
+            self.groups.append(g)
+            bodies = {}
+            for i in members:
+                lo, hi = ranges[i]
+                peers = {member_name(j): {"stage": states[j]["engine"]["stage"][0],
+                                          "blocks": states[j]["capacity"]["blocks_total"]} for j in members if j != i}
+                spans = [[ranges[j][0], ranges[j][1], member_name(j)] for j in members if j != i]
+                bodies[i] = {"name": member_name(i), "drop": [x for x in range(L) if not lo <= x < hi],
+                             "spans": spans, "peers": peers, "timeout_s": self.timeout_s, "transition": transition}
+            outs = await asyncio.gather(*(self._op(i, "group_join", bodies[i], self.timeout_s) for i in members),
+                                        return_exceptions=True)
+            failed = {i: repr(o) for i, o in zip(members, outs) if isinstance(o, BaseException)}
+            if failed:
+                g.state = "failed"
+                self.m_ops.labels("join", "failed").inc()
+                ok = [i for i in members if i not in failed]
+                self.front.record("group_join", outcome="failed", group=g.gid, members=members, errors=failed,
+                                  joined=ok, ms=round((time.perf_counter() - t0) * 1e3, 1))
+                if ok:  # members that joined while another failed: split them again (tracked until done)
+                    g.members = ok
+                    await self.begin_leave(g, reason="partial_join")
+                else:
+                    self.groups.remove(g)
+                raise GroupOpError(f"group {g.gid} did not form: {failed}")
+            g.state = "grouped"
+            self.m_ops.labels("join", "ok").inc()
+            ev = {"group": g.gid, "members": members, "stages": {str(i): list(r) for i, r in ranges.items()},
+                  "reason": reason, "transition": transition,
+                  "recomputed": {str(i): o.get("recomputed", 0) for i, o in zip(members, outs)}, "ms": round((time.perf_counter() - t0) * 1e3, 1),
+                  "bytes": sum(o.get("bytes", 0) for o in outs),
+                  "blocks": {str(i): [o.get("blocks_before"), o.get("blocks_after")] for i, o in zip(members, outs)},
+                  "inputs": inputs, "decision": decision}
+            self.front.record("group_join", outcome="ok", **ev)
+            return ev
+        finally:
+            self.busy = False
+
+    async def begin_leave(self, g: Group, reason: str = "forced", decision: dict | None = None) -> dict:
+        outs = await asyncio.gather(*(self._op(i, "group_leave", {"step": "begin"}, self.timeout_s)
+                                      for i in g.members), return_exceptions=True)
+        g.state, g.reason = "leaving", reason
+        self.front.record("group_leave", outcome="draining", group=g.gid, members=g.members, reason=reason,
+                          draining={str(i): (o.get("draining") if isinstance(o, dict) else repr(o))
+                                    for i, o in zip(g.members, outs)}, decision=decision)
+        return {"group": g.gid, "state": g.state}
+
+    async def _finish_leave(self, g: Group) -> None:
+        t0 = time.perf_counter()
+        self.busy = True
+        try:
+            outs = await asyncio.gather(*(self._op(i, "group_leave", {"step": "finish", "timeout_s": self.timeout_s},
+                                                   self.timeout_s) for i in g.members), return_exceptions=True)
+        finally:
+            self.busy = False
+        failed = {i: repr(o) for i, o in zip(g.members, outs) if isinstance(o, BaseException)}
+        outcome = "failed" if failed else "ok"
+        self.m_ops.labels("leave", outcome).inc()
+        if not failed:
+            g.state = "split"
+        self.front.record("group_leave", outcome=outcome, group=g.gid, members=g.members,
+                          ms=round((time.perf_counter() - t0) * 1e3, 1), errors=failed or None,
+                          bytes=sum(o.get("bytes", 0) for o in outs if isinstance(o, dict)))
+
+    async def restore(self, gid: int | None = None) -> list[dict]:
+        todo = [g for g in self.groups if g.state == "grouped" and (gid is None or g.gid == gid)]
+        if gid is not None and not todo:
+            raise GroupOpError(f"no grouped group {gid}")
+        return [await self.begin_leave(g) for g in todo]
+
+    def forget(self, instance: int) -> None:
+        """An instance died: its group is gone (the survivors restore their own layers)."""
+        g = self.group_of(instance)
+        if g is not None:
+            g.state = "split"
+            g.reason = f"instance {instance} failed"
+            self.front.record("group_lost", group=g.gid, members=g.members, failed=instance)

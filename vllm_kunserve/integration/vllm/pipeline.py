@@ -1,0 +1,417 @@
+"""vLLM view: pipeline groups across independently started engines (KunServe cluster drop).
+
+vLLM cannot re-form its pipeline-parallel groups at runtime, so a group is built here, between
+the workers of engines that were started alone. Each member keeps a contiguous range of decoder
+layers and drops the rest (``LayerResidency.join``: the dropped weights' memory becomes KV). Every
+member keeps its own scheduler and requests; a step of member A runs A's layers locally and, at
+the first layer of a span A dropped, hands the hidden states, the residual, the positions and the
+step's attention metadata to the member that holds that span (``transfer.stage``: shared memory on
+one host). That member runs the span with **A's KV for those layers**, which it holds in its own
+memory indexed by A's block ids, and hands the result back; A finishes the step (final norm, logits,
+sampling). The members' steps are the pipeline's microbatches: while B runs A's span, A's stage is
+free for B's step, so with balanced load neither stage idles half the time, and no scheduler has
+to hand requests to another at group formation or restore.
+
+Numerics: the same layer runs the same kernels on the same inputs in the same batch, only in
+another process, so greedy outputs are token-identical with and without the group.
+
+Touchpoints (vLLM >= 0.32, < 0.34): a dropped decoder layer's ``forward`` (an instance attribute,
+removed on restore); the worker's ``execute_model`` and ``sample_tokens`` (instance attributes:
+they hold the process's compute lock, because vLLM's forward context is a module global and a
+stage server thread runs peers' spans in the same process); ``vllm.forward_context.create_forward_context`` /
+``override_forward_context``; each attention layer's ``kv_cache`` (swapped to the peer's KV
+while its span runs); ``compilation_config.static_forward_context`` (attention layers by name); on CPU, the model
+runner's ``attn_groups`` metadata builders and ``_custom_ops.cpu_attn_get_scheduler_metadata`` (a
+peer's attention plan is made again in this process, see ``_local_metadata``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from vllm_kunserve.engine.agent import PEER_LOST  # the agent recognises a lost peer by this marker
+from vllm_kunserve.integration.vllm.worker_memory import decoder_layers
+from vllm_kunserve.transfer.errors import PeerFailedError
+from vllm_kunserve.transfer.stage import RemoteError, StageClient, StageServer
+
+logger = logging.getLogger("vllm.kunserve")
+
+#: one per process: vLLM's forward context is a module global, so a peer's span and this process's
+#: own step never run at the same time (the step lets go of it while it waits for a peer)
+COMPUTE = threading.Lock()
+
+_BULK_BYTES = 8 << 20  # KV exchange chunk
+
+
+#: how long a step waits for a peer's span before declaring the peer lost
+SPAN_TIMEOUT_S = 30.0
+
+
+class GroupError(RuntimeError):
+    pass
+
+
+class GroupMember:
+    """The worker half of a pipeline group (one per worker process, made on first use)."""
+
+    def __init__(self, worker: Any) -> None:
+        runner = worker.model_runner
+        self.worker = worker
+        self.runner = runner
+        self.res = runner._kunserve_memory
+        self.make_view = runner._kunserve_kv_view
+        self.layers = decoder_layers(runner.model)
+        self.static = worker.vllm_config.compilation_config.static_forward_context
+        self.names: dict[int, list[str]] = {}
+        for k in self.res.kv:
+            if not k.origin:
+                self.names.setdefault(k.layer, []).append(k.name)
+        #: the worker's compute threads: a stage server thread must use the same count (OpenMP's
+        #: thread count is per calling thread, and vLLM's CPU attention metadata is planned for
+        #: this many: a span run with more threads reads past it)
+        self.threads = torch.get_num_threads()
+        self.server = StageServer(self._handle)
+        self.name = ""
+        self.act: dict[str, StageClient] = {}
+        self.bulk: dict[str, StageClient] = {}
+        self.spans: list[tuple[int, int, str]] = []
+        self.views: dict[tuple[str, str], torch.Tensor] = {}
+        self._inbox: dict[tuple[str, str], Any] = {}
+        self._cv = threading.Condition()
+        self._locked: list[str] = []
+        self.hops: list[float] = []
+        self.span_ms: list[float] = []
+        self.lost = ""
+
+    # -- the stage server: what peers ask of this worker ------------------------------------------
+    def _handle(self, kind: str, meta: Any, tensors: dict) -> tuple[Any, dict]:
+        if torch.get_num_threads() != self.threads:
+            # the raw setter: vLLM's CPU worker replaces torch.set_num_threads with a no-op after
+            # binding its threads (this sets only this server thread's OpenMP team size)
+            torch._C._set_num_threads(self.threads)
+        if kind == "span":
+            return self._run_span(meta, tensors)
+        if kind == "kv_put":
+            place = self.res.place(meta["name"], meta["origin"] if meta["to"] == "foreign" else "")
+            page = place.page_bytes
+            dst = place.region.view(torch.uint8)
+            data = tensors["data"]
+            with COMPUTE:
+                for j, b in enumerate(meta["blocks"]):
+                    dst[b * page:(b + 1) * page].copy_(data[j])
+            return {"n": len(meta["blocks"])}, {}
+        if kind == "barrier":
+            with self._cv:
+                self._inbox[(meta["from"], meta["tag"])] = meta.get("payload")
+                self._cv.notify_all()
+            return {"ok": True}, {}
+        if kind == "ping":
+            return {"t": time.time()}, dict(tensors)
+        raise GroupError(f"unknown stage call {kind!r}")
+
+    def _run_span(self, meta: dict, tensors: dict) -> tuple[dict, dict]:
+        from vllm.forward_context import create_forward_context, override_forward_context
+
+        origin, lo, hi = meta["origin"], meta["lo"], meta["hi"]
+        positions, hidden = tensors["positions"], tensors["hidden"]
+        residual = tensors.get("residual")
+        with COMPUTE:
+            t0 = time.perf_counter()
+            self._local_metadata(meta["attn"])
+            ctx = create_forward_context(meta["attn"], self.worker.vllm_config, slot_mapping=meta["slots"])
+            swapped = []
+            try:
+                for i in range(lo, hi):
+                    for n in self.names.get(i, ()):
+                        layer = self.static[n]
+                        swapped.append((layer, layer.kv_cache))
+                        layer.kv_cache = self.views[(origin, n)]
+                with override_forward_context(ctx), torch.inference_mode():
+                    for i in range(lo, hi):
+                        hidden, residual = self.layers[i](positions, hidden, residual)
+            finally:
+                for layer, kv in swapped:
+                    layer.kv_cache = kv
+            self.span_ms.append((time.perf_counter() - t0) * 1e3)
+            del self.span_ms[:-256]
+        return {}, {"hidden": hidden, "residual": residual}
+
+    def _local_metadata(self, attn: Any) -> None:
+        """Make a peer's attention metadata valid in this process. vLLM's CPU attention plans
+        its work (``scheduler_metadata``) per batch and sizes a process-wide scratchpad while doing
+        so: a plan made in the peer's process does not size ours, so it is made again here with
+        this worker's own metadata builder (same model, same numbers)."""
+        if not isinstance(attn, dict):
+            return
+        done = set()
+        for name, md in attn.items():
+            if id(md) in done or type(md).__name__ != "CPUAttentionMetadata" or md.encoder_cache is not None:
+                continue
+            done.add(id(md))
+            b = self._builders().get(name)
+            if b is None:
+                raise GroupError(f"no attention metadata builder for {name} on this worker")
+            from vllm import _custom_ops as ops
+            from vllm import envs
+
+            md.scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=md.query_start_loc.numel() - 1, num_heads=b.num_heads, num_kv_heads=b.num_kv_heads,
+                head_dim=b.head_dim, seq_lens=md.seq_lens, dtype=b.dtype, query_start_loc=md.query_start_loc,
+                causal=md.causal, sliding_window_size=b.window_size, isa=b.isa,
+                enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=md.dynamic_causal,
+                kv_cache_dtype=b.kv_cache_dtype)
+
+    def _builders(self) -> dict[str, Any]:
+        if self.__dict__.get("_builder_map") is None:
+            out = {}
+            for groups in getattr(self.runner, "attn_groups", []) or []:
+                for g in groups:
+                    b = g.get_metadata_builder()
+                    for n in g.layer_names:
+                        out[n] = b
+            self._builder_map = out
+        return self._builder_map
+
+    # -- this worker's own steps: spans it dropped run on a peer ----------------------------------
+    def _span_forward(self, lo: int, hi: int, peer: str):
+        names = [n for i in range(lo, hi) for n in self.names.get(i, ())]
+
+        def forward(positions, hidden_states, residual, **kwargs):
+            from vllm.forward_context import get_forward_context
+
+            ctx = get_forward_context()
+            attn = ctx.attn_metadata
+            attn = {n: attn[n] for n in names} if isinstance(attn, dict) else attn
+            slots = ctx.slot_mapping
+            slots = {n: slots[n] for n in names if n in slots} if isinstance(slots, dict) else slots
+            tensors = {"positions": positions, "hidden": hidden_states}
+            if residual is not None:
+                tensors["residual"] = residual
+            meta = {"origin": self.name, "lo": lo, "hi": hi, "attn": attn, "slots": slots}
+            held = _release(COMPUTE)
+            try:
+                t0 = time.perf_counter()
+                try:
+                    _, out = self.act[peer].call("span", meta, tensors)
+                except (PeerFailedError, RemoteError, OSError) as exc:
+                    self.lost = f"{peer}: {exc}"
+                    raise GroupError(f"{PEER_LOST}: layers {lo}..{hi - 1} on {peer}: {exc}") from exc
+                self.hops.append((time.perf_counter() - t0) * 1e3)
+                del self.hops[:-256]
+            finally:
+                if held:
+                    COMPUTE.acquire()
+            return out["hidden"].to(hidden_states.dtype), out["residual"]
+        return forward
+
+    @staticmethod
+    def _passthrough(positions, hidden_states, residual, **kwargs):
+        return hidden_states, residual
+
+    def _install(self) -> None:
+        for lo, hi, peer in self.spans:
+            self.layers[lo].forward = self._span_forward(lo, hi, peer)
+            for i in range(lo + 1, hi):
+                self.layers[i].forward = self._passthrough
+        if not self._locked:
+            for name in _LOCKED_METHODS:
+                orig = getattr(self.worker, name, None)
+                if orig is not None:
+                    self.worker.__dict__[name] = _locked(orig)
+                    self._locked.append(name)
+
+    def _uninstall(self) -> None:
+        for lo, hi, _ in self.spans:
+            for i in range(lo, hi):
+                self.layers[i].__dict__.pop("forward", None)
+        for name in self._locked:
+            self.worker.__dict__.pop(name, None)
+        self._locked = []
+
+    # -- barriers and KV exchange -----------------------------------------------------------------
+    def _signal(self, tag: str, payload: Any = None) -> None:
+        for peer, c in self.act.items():
+            c.call("barrier", {"from": self.name, "tag": tag, "payload": payload})
+
+    def _wait(self, tag: str, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while not all((p, tag) in self._inbox for p in self.act):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [p for p in self.act if (p, tag) not in self._inbox]
+                    raise GroupError(f"group barrier {tag!r}: no word from {missing} within {timeout_s:.0f} s")
+                self._cv.wait(left)
+            return {p: self._inbox.pop((p, tag)) for p in self.act}
+
+    def _send_kv(self, peer: str, names: list[str], origin: str, blocks: list[int], to: str) -> int:
+        """Copy ``blocks`` of ``origin``'s KV for attention layers ``names`` to ``peer`` (bulk)."""
+        sent = 0
+        for n in names:
+            place = self.res.place(n, origin)
+            page = place.page_bytes
+            src = place.region.view(torch.uint8)
+            per = max(1, _BULK_BYTES // page)
+            for s in range(0, len(blocks), per):
+                ids = blocks[s:s + per]
+                data = torch.stack([src[b * page:(b + 1) * page] for b in ids])
+                self.bulk[peer].call("kv_put", {"name": n, "origin": self.name, "to": to, "blocks": ids},
+                                     {"data": data})
+                sent += data.numel()
+        return sent
+
+    # -- transitions (called by the worker extension, under the engine agent) ----------------------
+    def join(self, p: dict) -> dict:
+        """Drop ``p["drop"]``; spans ``p["spans"]`` ([lo, hi, peer]) run on peers; host each peer's KV
+        for the kept layers. ``p["peers"]``: name -> {"stage": address, "blocks": its block count};
+        ``p["held"]``: this engine's block ids with contents."""
+        if self.res.dropped:
+            raise GroupError(f"already in a group (dropped layers {list(self.res.dropped)})")
+        timeout = float(p.get("timeout_s", 120.0))
+        self.name = p["name"]
+        peers = p["peers"]
+        nbytes = max(1 << 20, int(p.get("stage_bytes", 1 << 20)))
+        try:
+            for peer, info in peers.items():
+                self.act[peer] = StageClient(info["stage"], nbytes=nbytes, timeout_s=min(timeout, SPAN_TIMEOUT_S))
+                self.bulk[peer] = StageClient(info["stage"], nbytes=_BULK_BYTES + (1 << 16), bulk=True,
+                                              timeout_s=timeout)
+            self.spans = [(int(lo), int(hi), str(peer)) for lo, hi, peer in p["spans"]]
+            held = [int(b) for b in p["held"]]
+            stats = {"bytes_sent": 0}
+
+            def exchange() -> None:
+                self._signal("ready")
+                self._wait("ready", timeout)
+                for lo, hi, peer in self.spans:
+                    names = [n for i in range(lo, hi) for n in self.names.get(i, ())]
+                    stats["bytes_sent"] += self._send_kv(peer, names, "", held, "foreign")
+                self._signal("sent")
+                self._wait("sent", timeout)
+
+            t0 = time.perf_counter()
+            mapped = self.res.join(list(p["drop"]), {o: int(i["blocks"]) for o, i in peers.items()}, exchange)
+        except Exception:
+            self._close()
+            raise
+        self._make_views()
+        self._install()
+        # tell each peer how many of its blocks this worker can hold now; hear the same from them
+        self._signal("grown", {"for": {o: self.res.foreign_blocks(o) for o in peers}})
+        try:
+            heard = self._wait("grown", timeout)
+            peer_foreign = {o: int(v["for"][self.name]) for o, v in heard.items()}
+        except GroupError:
+            peer_foreign = {o: int(p.get("visible", 0)) for o in peers}  # safe: what the peers had made
+        return {"mapped_blocks": mapped, "peer_foreign": peer_foreign, "seconds": time.perf_counter() - t0,
+                "bytes_sent": stats["bytes_sent"]}
+
+    def _make_views(self) -> None:
+        self.views = {(k.origin, k.name): self.make_view(k.name, k.region) for k in self.res.kv if k.origin}
+
+    def leave(self, p: dict) -> dict:
+        """Back to an independent engine: KV shrinks to ``p["kv_blocks"]``, dropped layers return
+        (host copies), each peer's KV for the kept layers goes back to it and this engine's KV of
+        the returning layers comes back. ``p["held"]``: this engine's block ids with contents
+        (all below ``kv_blocks``)."""
+        if not self.res.dropped:
+            raise GroupError("not in a group")
+        timeout = float(p.get("timeout_s", 120.0))
+        blocks = int(p["kv_blocks"])
+        held = [int(b) for b in p["held"]]
+        if p.get("abandon"):  # a peer is gone: no exchange, the agent recomputes every request
+            t0 = time.perf_counter()
+            mapped = self.res.leave(blocks, lambda: None)
+            self._uninstall()
+            self.spans, self.views, self.lost = [], {}, ""
+            self._close()
+            return {"mapped_blocks": mapped, "seconds": time.perf_counter() - t0, "bytes_sent": 0}
+        if any(b >= blocks for b in held):
+            raise GroupError(f"leave: blocks above {blocks} are still in use; drain first")
+        stats = {"bytes_sent": 0}
+
+        def exchange() -> None:
+            self._signal("leave_ready", {"held": held})
+            theirs = self._wait("leave_ready", timeout)
+            for peer, info in theirs.items():
+                names = [k.name for k in self.res.kv if k.origin == peer]
+                stats["bytes_sent"] += self._send_kv(peer, names, peer, list(info["held"]), "own")
+            self._signal("leave_sent")
+            self._wait("leave_sent", timeout)
+
+        t0 = time.perf_counter()
+        mapped = self.res.leave(blocks, exchange)
+        self._uninstall()
+        self.spans = []
+        self.views = {}
+        self._close()
+        return {"mapped_blocks": mapped, "seconds": time.perf_counter() - t0, "bytes_sent": stats["bytes_sent"]}
+
+    def _close(self) -> None:
+        for c in list(self.act.values()) + list(self.bulk.values()):
+            c.close()
+        self.act.clear()
+        self.bulk.clear()
+        with self._cv:
+            self._inbox.clear()
+
+    def state(self) -> dict:
+        def p50(xs: list[float]) -> float | None:
+            return sorted(xs)[len(xs) // 2] if xs else None
+        return {"stage": self.server.address, "name": self.name, "spans": [list(s) for s in self.spans],
+                "peers": sorted(self.act), "dropped_layers": list(self.res.dropped),
+                "foreign_blocks": {o: self.res.foreign_blocks(o) for o in self.res.peers},
+                "hop_ms_p50": p50(self.hops), "span_ms_p50": p50(self.span_ms), "hops": len(self.hops),
+                "served_calls": self.server.stats.calls, "lost": self.lost, "locked": list(self._locked),
+                "threads": self.threads}
+
+    def ping(self, peer_stage: str, nbytes: int, n: int = 20) -> dict:
+        """Round-trip latency to a stage server with an ``nbytes`` payload (for reports)."""
+        c = StageClient(peer_stage, nbytes=nbytes + 4096)
+        try:
+            t = torch.zeros(nbytes // 4, dtype=torch.float32)
+            times = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                c.call("ping", None, {"x": t})
+                times.append((time.perf_counter() - t0) * 1e3)
+            times.sort()
+            return {"bytes": nbytes, "p50_ms": times[len(times) // 2], "max_ms": times[-1], "n": n}
+        finally:
+            c.close()
+
+
+#: worker methods that compute (the model step, sampling): they hold COMPUTE, so a peer's span never
+#: runs beside them (vLLM's CPU kernels keep per-thread scratch state; the forward context is global)
+_LOCKED_METHODS = ("execute_model", "sample_tokens")
+
+
+def _locked(fn):
+    def call(*args, **kwargs):
+        with COMPUTE:
+            return fn(*args, **kwargs)
+    return call
+
+
+def _release(lock: threading.Lock) -> bool:
+    """Let go of ``lock`` if this thread's step holds it (a step without the wrapper does not)."""
+    try:
+        lock.release()
+        return True
+    except RuntimeError:
+        return False
+
+
+def member(worker: Any) -> GroupMember:
+    """This worker's group member (kept on the worker object, made on first use)."""
+    m = worker.__dict__.get("_kunserve_group")
+    if m is None:
+        if getattr(getattr(worker, "model_runner", None), "_kunserve_memory", None) is None:
+            raise GroupError("pipeline groups need kunserve memory on this worker (drop.engine or remap)")
+        m = worker.__dict__["_kunserve_group"] = GroupMember(worker)
+    return m

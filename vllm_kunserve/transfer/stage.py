@@ -1,0 +1,256 @@
+"""Stage links: request/reply calls between pipeline stages on one host, payloads in shared memory.
+
+A pipeline group hands hidden states from one engine's worker to another's for every step, so the
+hop must cost microseconds, not the 1.5-9 ms gloo took over loopback here for 16 KiB. A
+:class:`StageClient` creates one shared-memory file (``/dev/shm``) per connection and maps it;
+the :class:`StageServer` maps the same file. A call writes its tensors into that buffer and sends
+a small pickled header (kind, metadata, tensor descriptors) over a Unix-domain socket; the reply
+comes back the same way in the same buffer (calls on one connection are strictly request/reply,
+so the buffer is never shared by two messages). Nothing is copied through the kernel but the
+header; the socket also gives the waiting side a blocking read instead of a busy loop.
+
+Two traffic classes: a connection opened with ``bulk=True`` (KV exchange) yields to activation
+calls: before each bulk message the server waits while an activation call is being handled, so
+an activation waits at most for the bulk chunk already being written.
+
+Engine-agnostic: the handler gets ``(kind, meta, tensors)`` and returns ``(meta, tensors)``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import struct
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .errors import PeerFailedError
+
+Handler = Callable[[str, Any, dict], "tuple[Any, dict]"]
+_LEN = struct.Struct("!Q")
+_ALIGN = 64
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise PeerFailedError("stage link closed by the peer")
+        got += k
+    return bytes(buf)
+
+
+def _send_msg(sock: socket.socket, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def _recv_msg(sock: socket.socket) -> Any:
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    return pickle.loads(_recv_exact(sock, n))
+
+
+class _Buffer:
+    """A shared-memory file mapped as a uint8 tensor."""
+
+    def __init__(self, path: str, nbytes: int, create: bool) -> None:
+        self.path, self.nbytes = path, int(nbytes)
+        if create:
+            with open(path, "wb") as f:
+                f.truncate(self.nbytes)
+        self.t = torch.from_file(path, shared=True, size=self.nbytes, dtype=torch.uint8)
+
+    def put(self, tensors: dict[str, torch.Tensor]) -> list[tuple]:
+        """Write tensors back to back; returns their descriptors."""
+        desc, off = [], 0
+        for name, t in tensors.items():
+            t = t.detach().contiguous()
+            n = t.numel() * t.element_size()
+            if off + n > self.nbytes:
+                raise ValueError(f"stage buffer of {self.nbytes} bytes is too small for {name}")
+            if n:
+                self.t[off:off + n].copy_(t.reshape(-1).view(torch.uint8))
+            desc.append((name, t.dtype, tuple(t.shape), off, n))
+            off += -(-n // _ALIGN) * _ALIGN
+        return desc
+
+    def get(self, desc: list[tuple], copy: bool = True) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, dtype, shape, off, n in desc:
+            t = self.t[off:off + n].view(dtype).view(shape)
+            out[name] = t.clone() if copy else t
+        return out
+
+
+def needed_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(-(-(t.numel() * t.element_size()) // _ALIGN) * _ALIGN for t in tensors.values())
+
+
+@dataclass
+class StageStats:
+    calls: int = 0
+    bulk_calls: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    handler_s: float = 0.0
+
+
+class StageServer:
+    """Serves calls on a Unix-domain socket; one thread per connection."""
+
+    def __init__(self, handler: Handler, path: str | None = None) -> None:
+        self.handler = handler
+        self.path = path or os.path.join(tempfile.gettempdir(), f"kunserve-stage-{uuid.uuid4().hex[:12]}.sock")
+        self.stats = StageStats()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(self.path)
+        self._sock.listen(16)
+        self._stop = False
+        self._active = 0
+        self._cv = threading.Condition()
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, name="kunserve-stage-accept", daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return "unix://" + self.path
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self._conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="kunserve-stage", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        buf: _Buffer | None = None
+        bulk = False
+        try:
+            while not self._stop:
+                msg = _recv_msg(conn)
+                if msg.get("shm"):  # hello or a bigger buffer
+                    buf = _Buffer(msg["shm"], msg["nbytes"], create=False)
+                    bulk = bool(msg.get("bulk"))
+                    _send_msg(conn, {"ok": True})
+                    continue
+                if bulk:
+                    with self._cv:  # activations first
+                        while self._active:
+                            self._cv.wait()
+                else:
+                    with self._cv:
+                        self._active += 1
+                try:
+                    t0 = time.perf_counter()
+                    tensors = buf.get(msg["tensors"], copy=False) if buf is not None else {}
+                    try:
+                        meta, out = self.handler(msg["kind"], msg.get("meta"), tensors)
+                        reply = {"meta": meta, "tensors": buf.put(out) if out else []}
+                    except Exception as exc:  # the caller gets the error, the link stays up
+                        reply = {"error": f"{type(exc).__name__}: {exc}"}
+                    self.stats.calls += 1
+                    self.stats.bulk_calls += bulk
+                    self.stats.bytes_in += sum(d[4] for d in msg["tensors"])
+                    self.stats.handler_s += time.perf_counter() - t0
+                finally:
+                    if not bulk:
+                        with self._cv:
+                            self._active -= 1
+                            self._cv.notify_all()
+                _send_msg(conn, reply)
+        except (PeerFailedError, OSError, EOFError):
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self._stop = True
+        try:
+            self._sock.close()
+        finally:
+            for c in self._conns:
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            if os.path.exists(self.path):
+                os.unlink(self.path)
+
+
+class RemoteError(RuntimeError):
+    """The peer's handler raised."""
+
+
+class StageClient:
+    """One connection to a :class:`StageServer`; calls are serialised (request/reply)."""
+
+    def __init__(self, address: str, nbytes: int = 1 << 20, bulk: bool = False, timeout_s: float = 60.0) -> None:
+        if not address.startswith("unix://"):
+            raise ValueError(f"stage address {address!r}: only unix:// (same host) links are supported")
+        self.address, self.bulk, self.timeout_s = address, bulk, timeout_s
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout_s)
+        self._sock.connect(address[len("unix://"):])
+        self._lock = threading.Lock()
+        self._buf: _Buffer | None = None
+        self._files: list[str] = []
+        self.last_hop_s = 0.0
+        self._ensure(nbytes)
+
+    def _ensure(self, nbytes: int) -> None:
+        if self._buf is not None and self._buf.nbytes >= nbytes:
+            return
+        size = max(nbytes, 2 * self._buf.nbytes if self._buf else 0, 1 << 16)
+        path = os.path.join(_shm_dir(), f"kunserve-stage-{uuid.uuid4().hex[:12]}")
+        buf = _Buffer(path, size, create=True)
+        _send_msg(self._sock, {"shm": path, "nbytes": size, "bulk": self.bulk})
+        _recv_msg(self._sock)
+        old, self._buf = self._buf, buf
+        self._files.append(path)
+        if old is not None:
+            os.unlink(old.path)
+            self._files.remove(old.path)
+
+    def call(self, kind: str, meta: Any = None, tensors: dict[str, torch.Tensor] | None = None,
+             copy: bool = True) -> tuple[Any, dict[str, torch.Tensor]]:
+        tensors = tensors or {}
+        with self._lock:
+            try:
+                self._ensure(needed_bytes(tensors))
+                t0 = time.perf_counter()
+                desc = self._buf.put(tensors)
+                _send_msg(self._sock, {"kind": kind, "meta": meta, "tensors": desc})
+                reply = _recv_msg(self._sock)
+                self.last_hop_s = time.perf_counter() - t0
+            except (OSError, socket.timeout) as exc:
+                raise PeerFailedError(f"stage link to {self.address}: {exc!r}") from exc
+            if "error" in reply:
+                raise RemoteError(f"{kind} on {self.address}: {reply['error']}")
+            return reply["meta"], self._buf.get(reply["tensors"], copy=copy)
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        finally:
+            for p in self._files:
+                if os.path.exists(p):
+                    os.unlink(p)
+            self._files.clear()
+
+
+__all__ = ["RemoteError", "StageClient", "StageServer", "StageStats", "needed_bytes"]
