@@ -50,3 +50,10 @@ def test_engine_cpus_pin_each_engine_to_its_own_core(monkeypatch):
     assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_env(EngineSpec("m"), 1)
     monkeypatch.setenv("KUNSERVE_ENGINE_CPUS", "0-1|2-3")
     assert engine_env(EngineSpec("m"), 1)["VLLM_CPU_OMP_THREADS_BIND"] == "2-3"
+
+
+def test_free_port_never_hands_out_the_same_port_twice():
+    from vllm_kunserve.cluster.launcher import free_port
+
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -69,10 +70,23 @@ def cluster_argv(model: str, host: str, port: int, instances: int, args: Sequenc
     return argv + list(extra) + list(args)
 
 
+_HANDED_OUT: set[int] = set()
+_PORT_LOCK = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port that is free now and that this process has not handed out before. (The kernel may
+    give the same free port to two calls before either is bound: engines started together, each
+    with an API and a control port, collided on one with 4 engines.)"""
+    with _PORT_LOCK:
+        for _ in range(1000):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
+    raise RuntimeError("no free port that was not handed out already")
 
 
 def _tail(path: Path, n: int = 25) -> str:
