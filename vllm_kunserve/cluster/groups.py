@@ -28,7 +28,7 @@ from vllm_kunserve.policy.inputs import cluster_input
 from vllm_kunserve.policy.overload import assess_overload
 from vllm_kunserve.policy.restore import RestoreState, decide_restore
 
-logger = logging.getLogger("vllm.kunserve")
+logger = logging.getLogger("kunserve.groups")
 
 
 class GroupOpError(RuntimeError):
@@ -66,6 +66,7 @@ class GroupController:
         self.restore_state = RestoreState()
         self.busy = False
         self.last: dict = {}
+        self.peak_ratio = 0.0  # the highest (demand + forecast) / capacity seen (status, diagnosis)
         self._ids = 0
         from prometheus_client import Counter, Gauge
 
@@ -128,7 +129,8 @@ class GroupController:
             return
         report = assess_overload(snap, self.cfg.drop)
         self.history.append((snap.now_s, report.demand_blocks))
-        self.last = {"overload": report.to_dict()}
+        self.peak_ratio = max(self.peak_ratio, report.ratio)
+        self.last = {"overload": report.to_dict(), "peak_ratio": self.peak_ratio}
         if report.overloaded:
             plan = plan_drop(snap, report.need_bytes, self.cfg.drop.max_group_size)
             self.m_shortfall.set(max(0.0, plan.shortfall_bytes / snap.model.block_bytes))
