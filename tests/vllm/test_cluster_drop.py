@@ -19,7 +19,7 @@ pytestmark = pytest.mark.vllm
 ARGS = ["--dtype", "float32", "--block-size", "32", "--kv-cache-memory-bytes", str(BURST_KV_BYTES),
         "--max-model-len", "512", "--enforce-eager", "--served-model-name", "m"]
 PROMPTS = [f"request {i}: the pipeline holds {i * 7} layers and" for i in range(8)]
-N = 160
+N = 320
 
 
 def _cluster(model, tmp_path_factory, instances: int, config: dict):
@@ -53,7 +53,7 @@ async def _burst_with(s, url, action, k: int = 8):
         t0 = time.monotonic()
         while time.monotonic() - t0 < 120:
             st = await status(s, url)
-            if any(3 <= r["generated"] <= N - 16 for r in st["requests"]):
+            if any(1 <= r["generated"] < N for r in st["requests"]):  # in flight (the front end's view)
                 done["result"] = await action()
                 return
             await asyncio.sleep(0.01)
