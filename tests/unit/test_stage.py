@@ -20,36 +20,35 @@ def _double(kind, meta, tensors):
     return {"kind": kind, "meta": meta}, {k: v * 2 for k, v in tensors.items()}
 
 
-def test_round_trip_tensors_and_metadata():
+@pytest.fixture
+def link():
     srv = StageServer(_double)
     c = StageClient(srv.address, nbytes=1 << 16)
-    try:
-        x = torch.arange(12, dtype=torch.float32).view(3, 4)
-        y = torch.arange(5, dtype=torch.int64)
-        meta, out = c.call("span", {"lo": 2, "t": torch.tensor([1, 2])}, {"x": x, "y": y})
-        assert meta["kind"] == "span" and meta["meta"]["lo"] == 2 and meta["meta"]["t"].tolist() == [1, 2]
-        assert torch.equal(out["x"], x * 2) and torch.equal(out["y"], y * 2) and out["x"].dtype == torch.float32
-        # a payload larger than the buffer: the client maps a bigger one and the server follows
-        big = torch.ones(200_000, dtype=torch.float32)
-        _, out = c.call("span", None, {"big": big})
-        assert torch.equal(out["big"], big * 2)
-        assert srv.stats.calls == 2 and srv.stats.bytes_in >= big.numel() * 4
-    finally:
-        c.close()
-        srv.close()
+    yield srv, c
+    c.close()
+    srv.close()
 
 
-def test_handler_error_reaches_the_caller_and_the_link_stays_up():
-    srv = StageServer(_double)
-    c = StageClient(srv.address)
-    try:
-        with pytest.raises(RemoteError, match="bad span"):
-            c.call("boom")
-        _, out = c.call("ok", None, {"a": torch.ones(2)})
-        assert out["a"].tolist() == [2.0, 2.0]
-    finally:
-        c.close()
-        srv.close()
+def test_round_trip_tensors_and_metadata(link):
+    srv, c = link
+    x = torch.arange(12, dtype=torch.float32).view(3, 4)
+    y = torch.arange(5, dtype=torch.int64)
+    meta, out = c.call("span", {"lo": 2, "t": torch.tensor([1, 2])}, {"x": x, "y": y})
+    assert meta["kind"] == "span" and meta["meta"]["lo"] == 2 and meta["meta"]["t"].tolist() == [1, 2]
+    assert torch.equal(out["x"], x * 2) and torch.equal(out["y"], y * 2) and out["x"].dtype == torch.float32
+    # a payload larger than the buffer: the client maps a bigger one and the server follows
+    big = torch.ones(200_000, dtype=torch.float32)
+    _, out = c.call("span", None, {"big": big})
+    assert torch.equal(out["big"], big * 2)
+    assert srv.stats.calls == 2 and srv.stats.bytes_in >= big.numel() * 4
+
+
+def test_handler_error_reaches_the_caller_and_the_link_stays_up(link):
+    _, c = link
+    with pytest.raises(RemoteError, match="bad span"):
+        c.call("boom")
+    _, out = c.call("ok", None, {"a": torch.ones(2)})
+    assert out["a"].tolist() == [2.0, 2.0]
 
 
 def test_dead_peer_is_a_peer_failed_error():

@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 
 import aiohttp
 
-from vllm_kunserve.cluster.monitor import FlightBook, Monitor, instance_loads
+from vllm_kunserve.cluster.monitor import FlightBook, Monitor, bearer, instance_loads
 from vllm_kunserve.cluster.relay import Flight, Move, Relay, UpstreamLost
 from vllm_kunserve.cluster.validate import BadRequest, error_body, parse_json, validate
 from vllm_kunserve.policy.dispatch import check_mode, choose_instance
@@ -284,7 +284,7 @@ class FrontEnd:
         s, d = self.fleet.engines[src], self.fleet.engines[dst]
         if not (s.control_url and d.control_url):
             raise RuntimeError("KV transfer needs kunserve engines (a control port on both)")
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        headers = bearer(self.token)
         body = {"token_ids_b64": encode_tokens(flight.prompt_ids + flight.generated), "target": d.control_url,
                 **({"target_token": self.token} if self.token else {})}
         async with self.session.post(f"{s.control_url}/ops/kv_export", json=body, headers=headers) as resp:

@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from vllm_kunserve.cluster.monitor import bearer
 from vllm_kunserve.policy.drop import balanced_stages, plan_drop
 from vllm_kunserve.policy.inputs import cluster_input
 from vllm_kunserve.policy.overload import assess_overload
@@ -150,14 +151,16 @@ class GroupController:
                 await self.begin_leave(g, reason=r.reason, decision=decision.to_dict())
 
     # -- operations -------------------------------------------------------------------------------------
+    def _headers(self) -> dict:
+        return bearer(self.front.token)
+
     async def _op(self, instance: int, op: str, body: dict, timeout_s: float) -> dict:
         import aiohttp
 
         e = self.front.fleet.engines[instance]
         if not e.control_url:
             raise GroupOpError(f"instance {instance} has no control port (a stock engine cannot join a group)")
-        headers = {"Authorization": f"Bearer {self.front.token}"} if self.front.token else {}
-        async with self.front.session.post(f"{e.control_url}/ops/{op}", json=body, headers=headers,
+        async with self.front.session.post(f"{e.control_url}/ops/{op}", json=body, headers=self._headers(),
                                            timeout=aiohttp.ClientTimeout(total=timeout_s + 30)) as resp:
             out = await resp.json(content_type=None)
             if resp.status != 200:
@@ -170,8 +173,7 @@ class GroupController:
             e = self.front.fleet.engines[i]
             if not e.accepting or not e.control_url:
                 raise GroupOpError(f"instance {i} is not a live group member")
-            headers = {"Authorization": f"Bearer {self.front.token}"} if self.front.token else {}
-            async with self.front.session.get(f"{e.control_url}/state", headers=headers) as resp:
+            async with self.front.session.get(f"{e.control_url}/state", headers=self._headers()) as resp:
                 out[i] = await resp.json()
         return out
 

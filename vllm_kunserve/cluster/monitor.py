@@ -55,6 +55,11 @@ def parse_vllm_metrics(text: str) -> dict[str, Any]:
     return out
 
 
+def bearer(token: str) -> dict[str, str]:
+    """Request headers for an engine's control port (empty without a token)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 @dataclass
 class EngineReport:
     """The latest poll of one engine."""
@@ -160,7 +165,7 @@ class Monitor:
 
     async def poll_one(self, session: aiohttp.ClientSession, e: Any) -> EngineReport:
         r = EngineReport(e.index, t=time.time())
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        headers = bearer(self.token)
         try:
             if e.control_url:
                 async with session.get(f"{e.control_url}/state", headers=headers) as resp:

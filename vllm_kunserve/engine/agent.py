@@ -33,7 +33,7 @@ from collections import deque
 from typing import Any, Callable
 
 from vllm_kunserve.engine.control import ControlConflict, ControlRequestError
-from vllm_kunserve.engine.migration import MIGRATION_OPERATIONS, KVMigration
+from vllm_kunserve.engine.migration import MIGRATION_OPERATIONS, KVMigration, _number
 
 #: marker in the message of a step that failed because a group peer is gone (raised by the worker's
 #: pipeline; vLLM's multiprocess executor passes worker errors on as text)
@@ -366,13 +366,15 @@ class EngineAgent:
         if not (isinstance(drop, list) and drop and all(isinstance(i, int) and 0 <= i < L for i in drop)
                 and len(set(drop)) < L):
             raise ControlRequestError(f"group_join: 'drop' must list 1..{L - 1} layer indices in 0..{L - 1}")
-        if not (isinstance(spans, list) and all(isinstance(s, list) and len(s) == 3 for s in spans)
+        if not (isinstance(spans, list) and all(isinstance(s, list) and len(s) == 3 and isinstance(s[0], int)
+                                                and isinstance(s[1], int) and isinstance(s[2], str) for s in spans)
                 and sorted(i for lo, hi, _ in spans for i in range(lo, hi)) == sorted(set(drop))):
             raise ControlRequestError("group_join: 'spans' must be [[lo, hi, peer], ...] covering exactly the dropped layers")
         if not (isinstance(peers, dict) and peers and all(isinstance(v, dict) and isinstance(v.get("stage"), str)
                                                          and isinstance(v.get("blocks"), int) for v in peers.values())
                 and {p for _, _, p in spans} <= set(peers) and name not in peers):
             raise ControlRequestError("group_join: 'peers' must map each peer named in spans to {stage, blocks}")
+        timeout = _number(params, "timeout_s", 120.0, 1.0, 3600.0, "group_join")
         transition = params.get("transition", "kv")
         if transition not in ("kv", "reprefill"):
             raise ControlRequestError(f"group_join: transition must be 'kv' or 'reprefill', got {transition!r}")
@@ -383,7 +385,8 @@ class EngineAgent:
         self.operation = {"op": "group_join", "started": time.time(), "params": {"name": name, "drop": drop}}
         try:
             self.faults.check("bookkeeping")
-            outs = self._workers("kunserve_group_join", {**params, "held": held, "visible": st.visible,
+            outs = self._workers("kunserve_group_join", {**params, "timeout_s": timeout, "held": held,
+                                                          "visible": st.visible,
                                                           "stage_bytes": self._stage_bytes()})
         except Exception as exc:  # each worker rolled its own transition back
             self.backoff_until = time.monotonic() + _FAILURE_BACKOFF_S
@@ -419,7 +422,6 @@ class EngineAgent:
         is lost: vLLM re-runs each from its prompt and the tokens it has already produced."""
         t0 = time.perf_counter()
         n = self.sched.recompute_all()
-        st = self.sched.state()
         self.sched.cancel_shrink()
         st = self.sched.state()
         if st.visible > st.base:
@@ -451,7 +453,7 @@ class EngineAgent:
             raise ControlConflict(f"group_leave finish: {st.draining} blocks above the base are still in use")
         t0 = time.perf_counter()
         held = self.sched.held_blocks(st.visible)
-        timeout = float(params.get("timeout_s", 120.0))
+        timeout = _number(params, "timeout_s", 120.0, 1.0, 3600.0, "group_leave")
         self.operation = {"op": "group_leave", "started": time.time(), "params": {}}
         try:
             outs = self._workers("kunserve_group_leave", {"kv_blocks": st.visible, "held": held, "timeout_s": timeout})
@@ -464,7 +466,6 @@ class EngineAgent:
             raise AgentError(f"group_leave failed and was rolled back (still grouped): {exc}") from exc
         finally:
             self.operation = None
-        self.sched.cancel_shrink()  # nothing is draining: the retired blocks are simply gone
         name, self.group, self.phase = self.group["name"], None, "base"
         self._after_transition()
         return self._event("group_leave", "ok", time.perf_counter() - t0, sum(o["bytes_sent"] for o in outs),

@@ -178,8 +178,12 @@ class GroupMember:
         return self._builder_map
 
     # -- this worker's own steps: spans it dropped run on a peer ----------------------------------
+    def _span_names(self, lo: int, hi: int) -> list[str]:
+        """The attention layers of decoder layers ``lo..hi-1``."""
+        return [n for i in range(lo, hi) for n in self.names.get(i, ())]
+
     def _span_forward(self, lo: int, hi: int, peer: str):
-        names = [n for i in range(lo, hi) for n in self.names.get(i, ())]
+        names = self._span_names(lo, hi)
 
         def forward(positions, hidden_states, residual, **kwargs):
             from vllm.forward_context import get_forward_context
@@ -289,8 +293,7 @@ class GroupMember:
                 self._signal("ready")
                 self._wait("ready", timeout)
                 for lo, hi, peer in self.spans:
-                    names = [n for i in range(lo, hi) for n in self.names.get(i, ())]
-                    stats["bytes_sent"] += self._send_kv(peer, names, "", held, "foreign")
+                    stats["bytes_sent"] += self._send_kv(peer, self._span_names(lo, hi), "", held, "foreign")
                 self._signal("sent")
                 self._wait("sent", timeout)
 
@@ -324,14 +327,8 @@ class GroupMember:
         timeout = float(p.get("timeout_s", 120.0))
         blocks = int(p["kv_blocks"])
         held = [int(b) for b in p["held"]]
-        if p.get("abandon"):  # a peer is gone: no exchange, the agent recomputes every request
-            t0 = time.perf_counter()
-            mapped = self.res.leave(blocks, lambda: None)
-            self._uninstall()
-            self.spans, self.views, self.lost = [], {}, ""
-            self._close()
-            return {"mapped_blocks": mapped, "seconds": time.perf_counter() - t0, "bytes_sent": 0}
-        if any(b >= blocks for b in held):
+        abandon = bool(p.get("abandon"))  # a peer is gone: no exchange, the agent recomputes every request
+        if not abandon and any(b >= blocks for b in held):
             raise GroupError(f"leave: blocks above {blocks} are still in use; drain first")
         stats = {"bytes_sent": 0}
 
@@ -345,10 +342,9 @@ class GroupMember:
             self._wait("leave_sent", timeout)
 
         t0 = time.perf_counter()
-        mapped = self.res.leave(blocks, exchange)
+        mapped = self.res.leave(blocks, (lambda: None) if abandon else exchange)
         self._uninstall()
-        self.spans = []
-        self.views = {}
+        self.spans, self.views, self.lost = [], {}, ""
         self._close()
         return {"mapped_blocks": mapped, "seconds": time.perf_counter() - t0, "bytes_sent": stats["bytes_sent"]}
 
