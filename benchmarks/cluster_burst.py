@@ -1,28 +1,36 @@
-"""Cluster drop under a burst: stock vs kunserve vs oracle on 2 engines, where KV is worth throughput.
+"""Cluster drop under a burst: stock vs kunserve vs oracle (and the static PP=2 bound) on 2 engines.
 
 1. The batch-scaling table of this machine (``benchmarks/batch_scaling.py``): decode step at batch
    1 / 4 / 16 / 64 with one compute thread and the model preset the CPU suits; the run is refused
    (``--force`` overrides, and the doc says so) where a batch of 16 costs more than 3x a batch of 1.
-2. ``kunserve compare --instances 2``: three 2-engine clusters behind ``kunserve serve`` (least-work
-   dispatch), each engine pinned to its own core (``KUNSERVE_ENGINE_CPUS=0|1``): stock vLLM,
-   kunserve (cluster drop) and the oracle (stock with 10x KV), ``--repeat`` interleaved
-   repetitions on the same decode-heavy workload: a synthetic length mix (64-token prompts,
-   256-token outputs) on gamma arrivals (cv 4, 1.2 req/s) by default, or ``--trace`` (Azure conversation
-   arrivals with the same synthetic lengths).
-3. docs/benchmarks/cluster_burst.{md,json} + the compare outputs: per-repetition paired ratios
-   (stock / oracle P99 TTFT, kunserve / oracle, the share of the gap kunserve closes, kunserve /
-   stock P50 TPOT) with their spread, the client's send lag (runs with a request sent > 50 ms
-   late are flagged and kept out of the ratios), and each system's timeline picture.
+2. From that table, stock's capacity: the decode batch its KV holds per engine (KV tokens over a
+   request's mid-life length), times the tokens per second that batch decodes, over a request's
+   output length, for both engines. The arrival phases are set from it: a warm start of
+   ``--warm-s`` at ``--warm-share`` of that capacity, then a burst of ``--burst-s`` at
+   ``--burst-x`` times it.
+3. ``kunserve compare --instances 2``: 2-engine clusters behind ``kunserve serve`` (least-work
+   dispatch), each engine pinned to its own core (``KUNSERVE_ENGINE_CPUS=0|1``, one compute thread)
+   at niceness 5 (``KUNSERVE_ENGINE_NICE``: the replay client and the front ends, at 0, get a core
+   when they wake): stock vLLM, kunserve (cluster drop), static (one pipeline group from the start:
+   the bound without transition cost) and the oracle (stock with 10x KV), ``--repeat`` interleaved
+   repetitions on one workload: the Azure LLM conversation trace's (2023) arrival times, re-timed
+   into the phases, with a synthetic decode-heavy length mix (``--prompt-len`` prompts,
+   ``--output-len``..``--output-len-max`` outputs); ``--mix prefill`` is the negative control
+   (long prompts, short outputs: prefill-bound, KV is not the limit).
+4. docs/benchmarks/cluster_burst[_prefill].{md,json} and cluster_burst[_prefill]/: per-repetition
+   paired ratios of P99 TTFT over the burst window (arrivals in the burst and up to one output's
+   decode after it) and P50 TPOT, their spread, the client's send lag (a repetition where any
+   request was sent > 50 ms late is reported and kept out of the ratios), the client's and the
+   servers' CPU share, and the timeline picture (every system stacked on one time axis: KV
+   demand and capacity, layers held per engine, each request's TTFT at its arrival time).
 
-    python benchmarks/cluster_burst.py [--repeat 5] [--out runs/cluster_burst] [--force]
-
-Each engine's KV holds ``--kv-tokens`` tokens (5,120 by default): the weights are ~90% of an
-engine's memory, so a 2-engine group holds ~5x the tokens of the two alone.
+    python benchmarks/cluster_burst.py [--repeat 5] [--mix decode|prefill] [--reuse-scaling] [--force]
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import shlex
 import statistics
@@ -31,100 +39,366 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "benchmarks" / "cluster_burst.md"
-ASSETS = ROOT / "docs" / "benchmarks" / "cluster_burst"
-KUNSERVE = {"drop": {"trigger_ratio": 0.9, "forecast_horizon_s": 2.0},
-            "restore": {"threshold": 0.4, "hold_s": 5.0}}
+DOCS = ROOT / "docs" / "benchmarks"
+TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure_llm_2023_conv.csv"
+SYSTEMS = ("vllm", "kunserve", "static", "oracle")
+LABEL = {"vllm": "stock vLLM", "kunserve": "kunserve (cluster drop)", "static": "static PP=2 (bound)",
+         "oracle": "oracle (10x KV)"}
+#: decode: KV is the limit; prefill: the negative control (long prompts, short outputs)
+MIXES = {"decode": {"prompt_len": 64, "output_len": 256, "output_len_max": 384},
+         "prefill": {"prompt_len": 256, "output_len": 16, "output_len_max": 32}}
+LATE_S = 0.05
 
 
-def compare_argv(model: Path, dtype: str, out: Path, a: argparse.Namespace) -> list[str]:
-    argv = ["compare", "--model", str(model), "--instances", "2", "--dispatch", "least-work",
-            "--systems", "vllm,kunserve,oracle", "--repeat", str(a.repeat),
-            "--kunserve-config", json.dumps(KUNSERVE), "--kv-capacity-tokens", str(a.kv_tokens),
-            "--block-size", "32", "--dtype", dtype, "--max-model-len", "1024", "--engine-arg=--enforce-eager",
-            "--env", "KUNSERVE_ENGINE_CPUS=0|1", "--env", "OMP_NUM_THREADS=1",
-            "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len), "--seed", "1", "--out", str(out)]
-    if a.trace:
-        argv += ["--trace", a.trace, "--format", "azure", "--window-offset", "auto",
-                 "--window-duration", str(a.window)]
-    else:
-        argv += ["--format", "gamma", "--cv", "4", "--rate", str(a.rate), "--num-requests", str(a.requests)]
-    return argv
+def kunserve_config(max_kv_ratio: float) -> dict:
+    return {"drop": {"trigger_ratio": 0.9, "forecast_horizon_s": 2.0},
+            "restore": {"threshold": 0.4, "hold_s": 5.0},
+            "memory": {"max_kv_ratio": max_kv_ratio}}
 
 
-def paired(res: dict) -> dict:
-    runs = res["runs"]
+def interp_step_ms(rows: list[dict], batch: float) -> float:
+    """Decode step at ``batch`` by linear interpolation in the measured table (clamped)."""
+    pts = sorted((r["batch"], r["step_ms"]) for r in rows)
+    if batch <= pts[0][0]:
+        return pts[0][1]
+    for (b0, s0), (b1, s1) in zip(pts, pts[1:]):
+        if batch <= b1:
+            return s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
+    return pts[-1][1] * batch / pts[-1][0]
+
+
+def stock_capacity(scaling: dict, kv_tokens: int, mix: dict, prefill_tps: float = 480.0) -> dict:
+    """Requests/s two stock engines sustain: each decodes a batch of (KV tokens / a request's
+    mid-life length) at the measured step time; prefill time per request is added (one thread
+    does both)."""
+    out = (mix["output_len"] + mix["output_len_max"]) / 2
+    batch = max(1.0, kv_tokens / (mix["prompt_len"] + out / 2))
+    step = interp_step_ms(scaling["rows"], batch) / 1e3
+    per_req_s = out * step / batch + mix["prompt_len"] / prefill_tps  # engine seconds per request
+    return {"batch": round(batch, 2), "step_ms": round(step * 1e3, 2), "mean_output": out,
+            "req_per_s": round(2 / per_req_s, 4)}
+
+
+def compare_argv(model: Path, dtype: str, out: Path, a: argparse.Namespace, mix: dict, phases: str,
+                 systems: list[str]) -> list[str]:
+    return ["compare", "--model", str(model), "--instances", "2", "--dispatch", "least-work",
+            "--systems", ",".join(systems), "--repeat", str(a.repeat),
+            "--kunserve-config", json.dumps(kunserve_config(a.oracle_x)), "--oracle-kv-multiplier", str(a.oracle_x),
+            "--kv-capacity-tokens", str(a.kv_tokens), "--block-size", "32", "--dtype", dtype,
+            "--max-model-len", "1024", "--engine-arg=--enforce-eager",
+            "--env", "KUNSERVE_ENGINE_CPUS=0|1", "--env", "OMP_NUM_THREADS=1", "--env", "KUNSERVE_ENGINE_NICE=5",
+            "--trace", str(a.trace), "--format", "azure", "--window-offset", str(a.window_offset),
+            "--synthetic-lengths", "--prompt-len", str(mix["prompt_len"]), "--output-len", str(mix["output_len"]),
+            "--output-len-max", str(mix["output_len_max"]), "--phases", phases, "--seed", "1",
+            "--no-progress", "--out", str(out)] + [f"--variant={v}" for v in a.variant]
+
+
+# ------------------------------------------------------------------------------------------ analysis
+def read_requests(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def pct(v: list[float], q: float) -> float | None:
+    if not v:
+        return None
+    v = sorted(v)
+    k = (len(v) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def window_stats(rows: list[dict], lo: float, hi: float) -> dict:
+    """TTFT and TPOT of the requests arriving in [lo, hi) (P99 over the burst window)."""
+    sel = [r for r in rows if lo <= float(r["arrival_s"]) < hi]
+    ok = [r for r in sel if r["ok"] == "1"]
+    ttft = [float(r["ttft_s"]) for r in ok if r["ttft_s"]]
+    tpot = [float(r["tpot_s"]) for r in ok if r["tpot_s"]]
+    lag = [float(r["send_s"]) - float(r["arrival_s"]) for r in rows if r["send_s"]]
+    return {"n": len(sel), "failed": len(sel) - len(ok), "failed_all": sum(r["ok"] != "1" for r in rows),
+            "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
+            "tpot_p50": pct(tpot, 0.5), "late_sends": sum(x > LATE_S for x in lag),
+            "send_lag_max": max(lag) if lag else None}
+
+
+def paired(out: Path, systems: list[str], reps: int, window: tuple[float, float]) -> list[dict]:
     rows = []
-    for k, (s, ks, o) in enumerate(zip(runs["vllm"], runs["kunserve"], runs["oracle"])):
-        lags = [r.get("late_sends", 0) for r in (s, ks, o)]
-        sp, kp, op_ = (r["ttft_s"]["p99"] for r in (s, ks, o))
-        gap = (sp - kp) / (sp - op_) if sp and op_ and sp > op_ else None
-        rows.append({"rep": k + 1, "stock_over_oracle": sp / op_ if op_ else None,
-                     "kunserve_over_oracle": kp / op_ if op_ else None, "gap_closed": gap,
-                     "tpot_p50_kunserve_over_stock": ks["tpot_s"]["p50"] / s["tpot_s"]["p50"] if s["tpot_s"]["p50"] else None,
-                     "failed": [s["failed"], ks["failed"], o["failed"]], "late_sends": lags,
-                     "valid": sum(lags) == 0})
+    for k in range(1, reps + 1):
+        st = {}
+        for s in systems:
+            f = out / s / f"rep{k}" / "requests.csv"
+            if f.exists():
+                st[s] = window_stats(read_requests(f), *window)
+        if not st:
+            continue
+        s, o = st.get("vllm", {}), st.get("oracle", {})
+        row = {"rep": k, "window": st, "valid": all(v["late_sends"] == 0 for v in st.values()),
+               "failed": {n: v["failed_all"] for n, v in st.items()}}
+
+        def r(a, b):
+            return a / b if a is not None and b else None
+        row["stock_over_oracle"] = r(s.get("ttft_p99"), o.get("ttft_p99"))
+        uses = {"stock_over_oracle": ["vllm", "oracle"]}
+        for n in st:
+            if n in ("vllm", "oracle"):
+                continue
+            kp = st[n]["ttft_p99"]
+            row[f"{n}_over_stock"] = r(kp, s.get("ttft_p99"))
+            row[f"{n}_over_oracle"] = r(kp, o.get("ttft_p99"))
+            gap = (s["ttft_p99"] - o["ttft_p99"] if s.get("ttft_p99") is not None and o.get("ttft_p99") is not None
+                   else None)
+            row[f"{n}_gap_closed"] = (s["ttft_p99"] - kp) / gap if gap and gap > 0 and kp is not None else None
+            row[f"{n}_tpot_p50_over_stock"] = r(st[n]["tpot_p50"], s.get("tpot_p50"))
+            uses.update({f"{n}_over_stock": ["vllm", n], f"{n}_over_oracle": [n, "oracle"],
+                         f"{n}_gap_closed": ["vllm", n, "oracle"], f"{n}_tpot_p50_over_stock": ["vllm", n]})
+        # a ratio is kept out where a run it compares had a late client (a late run, not the repetition)
+        row["ok"] = {k: all(st.get(x, {}).get("late_sends", 0) == 0 for x in xs) for k, xs in uses.items()}
+        rows.append(row)
     return rows
 
 
+def kept(r: dict, key: str) -> bool:
+    """Whether ``r[key]`` counts: every run the ratio compares sent all its requests on time."""
+    return r.get(key) is not None and r.get("ok", {}).get(key, r["valid"])
+
+
 def spread(rows: list[dict], key: str) -> dict:
-    v = [r[key] for r in rows if r["valid"] and r[key] is not None]
+    v = [r[key] for r in rows if kept(r, key)]
     if not v:
         return {"n": 0}
     return {"n": len(v), "median": statistics.median(v), "min": min(v), "max": max(v)}
 
 
-def render(scaling: dict, res: dict, argv: list[str], forced: bool) -> str:
-    rows = paired(res)
-    keys = ("stock_over_oracle", "kunserve_over_oracle", "gap_closed", "tpot_p50_kunserve_over_stock")
-    sp = {k: spread(rows, k) for k in keys}
-    lines = ["# Cluster drop under a burst (written by benchmarks/cluster_burst.py)", "",
-             f"Command: `python benchmarks/cluster_burst.py {' '.join(sys.argv[1:])}`; the comparison it ran: "
-             f"`kunserve {shlex.join(argv)}`.", "",
-             "## Regime: decode step vs batch size on this machine", "",
-             f"{scaling['cpu']}, preset `{scaling['preset']}` ({scaling['dtype']}), {scaling['threads']} compute "
-             f"thread(s):", "", "| batch | step (ms) | tokens/s |", "|---:|---:|---:|"]
-    lines += [f"| {r['batch']} | {r['step_ms']} | {r['tokens_per_s']} |" for r in scaling["rows"]]
-    lines += ["", f"Batch 16 / batch 1 per step: {scaling['step16_over_step1']:.2f}x "
-              + ("(valid: <= 3x)." if scaling["valid_regime"] else
-                 "(**not** a valid regime: > 3x" + ("; run forced with --force" if forced else "") + ")."), "",
-              "## Paired ratios per repetition (P99 TTFT over the run)", "",
-              "| rep | stock / oracle | kunserve / oracle | gap closed | kunserve / stock P50 TPOT | failed (s/k/o) | late sends (s/k/o) |",
-              "|---:|---:|---:|---:|---:|---|---|"]
+def verdict(rows: list[dict], systems: list[str]) -> list[dict]:
+    """Each issue-13 target: the median over valid repetitions, met or not, and whether every
+    valid repetition meets it."""
+    def summary(v):
+        return f"{statistics.median(v):.2f} ({min(v):.2f}..{max(v):.2f}, n={len(v)})" if v else "-"
 
-    def f(x):
-        return "-" if x is None else f"{x:.2f}"
+    def one(target, key, ok):
+        v = [r[key] for r in rows if kept(r, key)]
+        every = [r[key] for r in rows if r.get(key) is not None]
+        out = {"target": target, "all_reps": summary(every)}   # late-client repetitions included
+        if not v:
+            return {**out, "measured": "no repetition whose runs were all on time", "met": False, "every_rep": None}
+        med = statistics.median(v)
+        return {**out, "measured": summary(v), "met": ok(med), "every_rep": all(ok(x) for x in v)}
+    out = [one("stock P99 TTFT >= 3x the oracle's (the gap is real)", "stock_over_oracle", lambda x: x >= 3)]
+    if "kunserve" in systems:
+        out += [one("kunserve closes >= 80% of that gap", "kunserve_gap_closed", lambda x: x >= 0.8),
+                one("kunserve P99 TTFT <= 1.3x the oracle's", "kunserve_over_oracle", lambda x: x <= 1.3),
+                one("kunserve P50 TPOT <= 1.3x stock's", "kunserve_tpot_p50_over_stock", lambda x: x <= 1.3)]
+    failed = sum(sum(r["failed"].values()) for r in rows)
+    out.append({"target": "zero requests lost (every request of every repetition and system)",
+                "measured": f"{failed} failed", "met": failed == 0, "every_rep": None})
+    return out
+
+
+# ------------------------------------------------------------------------------------------ picture
+def kv_demand(rows: list[dict], times: list[float]) -> list[float]:
+    """KV tokens the requests needed at each time, from the client's own timings: a request
+    arrived but without its first token needs its prompt (queued); afterwards its prompt plus the
+    tokens generated so far (spread evenly between its first and last token); none once done."""
+    out = []
+    for t in times:
+        need = 0.0
+        for r in rows:
+            a = float(r["arrival_s"])
+            if t < a or not r["ttft_s"] or not r["e2e_s"]:
+                continue
+            t1, e, n = a + float(r["ttft_s"]), a + float(r["e2e_s"]), int(r["output_tokens"] or 0)
+            if t < t1:
+                need += int(r["prompt_len"])
+            elif t < e:
+                need += int(r["prompt_len"]) + n * (t - t1) / max(e - t1, 1e-9)
+        out.append(need)
+    return out
+
+
+
+def timeline_png(out: Path, systems: list[str], rep: int, phases: list[tuple[float, float]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(2 * len(systems), 1, figsize=(10, 3.1 * len(systems)), sharex=True,
+                             gridspec_kw={"height_ratios": [1.3, 1] * len(systems)})
+    burst_lo = phases[0][0]
+    burst_hi = burst_lo + sum(d for d, _ in phases[1:])
+    tmax = 0.0
+    for k, s in enumerate(systems):
+        d = out / s / f"rep{rep}"
+        if not (d / "timeline.csv").exists():
+            continue
+        with open(d / "timeline.csv") as f:
+            tl = list(csv.DictReader(f))
+        req = read_requests(d / "requests.csv")
+        t = [float(r["second"]) for r in tl]
+        tmax = max(tmax, max(t, default=0))
+
+        def col(prefix):
+            vals = []
+            for r in tl:
+                xs = [float(v) for c, v in r.items() if c.startswith(prefix) and v not in ("", None)]
+                vals.append(sum(xs) if xs else float("nan"))
+            return vals
+        cap = col("kunserve:kv_blocks_total{")
+        if all(v != v for v in cap):
+            cap = col("kunserve:engine_kv_blocks{")
+        ax = axes[2 * k]
+        ax.plot(t, [c * 32 for c in cap], color="tab:blue", label="KV capacity (tokens, both engines)")
+        ax.plot(t, kv_demand(req, t), color="tab:orange", label="KV demand (tokens: held + queued prompts)")
+        ax.axvspan(burst_lo, burst_hi, color="0.9", zorder=0)
+        ax.set_ylabel("tokens")
+        ax.set_title(LABEL.get(s, s), loc="left", fontsize=10)
+        layers = [c for c in tl[0] if c.startswith("kunserve:layers_held{")] if tl else []
+        if layers:
+            ax2 = ax.twinx()
+            for c in sorted(layers):
+                ax2.step(t, [float(r[c] or "nan") for r in tl], where="post", lw=1, ls="--",
+                         label="layers held, " + c.split("{")[1].rstrip("}"))
+            ax2.set_ylabel("layers held")
+            ax2.set_ylim(0, 13)
+            ax2.legend(loc="upper right", fontsize=7)
+        ax.legend(loc="upper left", fontsize=7)
+        ax = axes[2 * k + 1]
+        ok = [r for r in req if r["ok"] == "1" and r["ttft_s"]]
+        bad = [r for r in req if r["ok"] != "1"]
+        ax.scatter([float(r["arrival_s"]) for r in ok], [float(r["ttft_s"]) for r in ok], s=6, color="tab:green",
+                   label="TTFT at arrival")
+        if bad:
+            ax.scatter([float(r["arrival_s"]) for r in bad], [0.01] * len(bad), s=12, marker="x", color="red",
+                       label="failed")
+        ax.axvspan(burst_lo, burst_hi, color="0.9", zorder=0)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_ylabel("TTFT (s)")
+        ax.legend(loc="upper left", fontsize=7)
+    axes[-1].set_xlabel("seconds since the replay started (grey: the burst)")
+    axes[-1].set_xlim(0, tmax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+# ------------------------------------------------------------------------------------------ doc
+def f2(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def render(scaling: dict, cap: dict, a: argparse.Namespace, argv: list[str], rows: list[dict], systems: list[str],
+           window: tuple[float, float], name: str, mix: dict, cpu: dict) -> str:
+    others = [s for s in systems if s not in ("vllm", "oracle")]
+    keys = ["stock_over_oracle"] + [f"{n}_{k}" for n in others
+                                    for k in ("over_stock", "over_oracle", "gap_closed", "tpot_p50_over_stock")]
+    sp = {k: spread(rows, k) for k in keys}
+    L = [f"# Cluster drop under a burst, {a.mix} mix (written by benchmarks/cluster_burst.py)", "",
+         f"Command: `{a.command}`" + (f" (this doc re-written from its raw data by `{a.rewritten}`)"
+                                       if getattr(a, "rewritten", None) else "") + "; the comparison it ran: "
+         f"`kunserve {shlex.join(argv)}`.", "",
+         f"![timeline]({name}/timeline.png)", "",
+         "The picture (repetition 1): every system on one time axis. Per system, top: KV capacity of both engines "
+         "and the KV demand (tokens the requests held or, queued, needed for their prompts, from the client's own "
+         "per-request timings), and the layers each engine holds; bottom: each "
+         "request's TTFT at its arrival time (log scale). Grey: the burst.", "",
+         "## Regime", "",
+         f"{scaling['cpu']}, preset `{scaling['preset']}` ({scaling['dtype']}, {scaling['weight_bytes'] / 1e6:.0f} MB of "
+         f"weights), {scaling['threads']} compute thread(s), decode step vs batch (measured by "
+         "`benchmarks/batch_scaling.py` on this machine):", "", "| batch | step (ms) | tokens/s |", "|---:|---:|---:|"]
+    L += [f"| {r['batch']} | {r['step_ms']} | {r['tokens_per_s']} |" for r in scaling["rows"]]
+    kv_bytes = a.kv_tokens * scaling.get("kv_bytes_per_token", 0)
+    w = scaling["weight_bytes"] / (scaling["weight_bytes"] + kv_bytes) if kv_bytes else None
+    L += ["", f"Batch 16 / batch 1 per step: {scaling['step16_over_step1']:.2f}x "
+          + ("(valid: <= 3x)." if scaling["valid_regime"] else
+             "(**not** a valid regime: > 3x" + ("; run forced with --force" if a.force else "") + ")."), "",
+          f"Each engine: KV for {a.kv_tokens} tokens" + (f" ({kv_bytes / 1e6:.1f} MB; weights are {w:.0%} of the "
+                                                        f"engine's weights + KV, so a 2-engine group holds up to "
+                                                        f"{(2 - w) / (2 * (1 - w)):.1f}x the tokens of the two alone; "
+                                                        f"kunserve's KV may grow to {a.oracle_x:g}x, the oracle's)"
+                                                        if w else "") + ".",
+          f"Workload ({a.mix} mix): the Azure LLM conversation trace's (2023, CC BY 4.0) arrival times from offset "
+          f"{a.window_offset} s, re-timed into phases `{a.phases_str}`; **synthetic lengths**: {mix['prompt_len']}-token "
+          f"prompts, outputs uniform in {mix['output_len']}..{mix['output_len_max']} tokens.",
+          f"Stock's capacity from the table: a decode batch of {cap['batch']} per engine (KV tokens over a request's "
+          f"mid-life length) at {cap['step_ms']} ms per step: {cap['req_per_s']:.3f} req/s for both engines; the "
+          f"warm start runs at {a.warm_share:g}x and the burst at {a.burst_x:g}x that.",
+          f"Burst window for the ratios: arrivals in [{window[0]:g}, {window[1]:g}) s.", "",
+          "## Paired ratios per repetition (P99 TTFT over the burst window)", ""]
+    head = "| rep | stock / oracle | " + " | ".join(
+        f"{n} / stock | {n} / oracle | {n} gap closed | {n} / stock P50 TPOT" for n in others) + " | failed | late sends |"
+    L += [head, "|" + "---:|" * (2 + 4 * len(others)) + "---|---|"]
     for r in rows:
-        lines.append(f"| {r['rep']}{'' if r['valid'] else ' (late client: excluded)'} | {f(r['stock_over_oracle'])} | "
-                     f"{f(r['kunserve_over_oracle'])} | {f(r['gap_closed'])} | "
-                     f"{f(r['tpot_p50_kunserve_over_stock'])} | {r['failed']} | {r['late_sends']} |")
-    lines += ["", "Median (min..max) over valid repetitions: " + "; ".join(
-        f"{k}: {f(v.get('median'))} ({f(v.get('min'))}..{f(v.get('max'))}, n={v['n']})" for k, v in sp.items()), "",
-        "Targets (issue 13): stock / oracle >= 3; gap closed >= 0.8 and kunserve / oracle <= 1.3; "
-        "kunserve / stock P50 TPOT <= 1.3; zero failed.", "",
-        "Timelines (rep 1): " + ", ".join(f"`cluster_burst/timeline_{n}.png`" for n in ("vllm", "kunserve", "oracle")),
-        "", "Raw data: `cluster_burst/compare.json` (every repetition's summary), `cluster_burst.json`."]
-    return "\n".join(lines) + "\n"
+        def c(key):
+            return f2(r.get(key)) + ("" if kept(r, key) or r.get(key) is None else " (late)")
+        cells = [str(r["rep"]), c("stock_over_oracle")]
+        for n in others:
+            cells += [c(f"{n}_over_stock"), c(f"{n}_over_oracle"), c(f"{n}_gap_closed"), c(f"{n}_tpot_p50_over_stock")]
+        cells += [json.dumps(r["failed"]), json.dumps({n: v["late_sends"] for n, v in r["window"].items()})]
+        L.append("| " + " | ".join(cells) + " |")
+    L += ["", "## Verdict against the targets (median (min..max, n) over the ratios whose runs were all on time)", ""]
+    L += [f"- {v['target']}: {v['measured']} -> **{'met' if v['met'] else 'missed'}**"
+          + ("" if v["every_rep"] is None else f" (every such repetition: {'yes' if v['every_rep'] else 'no'})")
+          + (f"; all repetitions, late-client ones included: {v['all_reps']}" if v.get("all_reps") else "")
+          for v in verdict(rows, systems)] if "oracle" in systems and a.mix == "decode" else [
+        "Not the issue's target run (" + ("no oracle" if "oracle" not in systems else f"the {a.mix} mix") +
+        "): read the per-system table below."
+        + ("" if "vllm" in systems else " Stock and the oracle on the same trace and seed are in "
+           "[cluster_burst.md](cluster_burst.md) (other runs, not interleaved with these).")]
+    late = {f"rep {r['rep']}": {n: w["send_lag_max"] and round(w["send_lag_max"] * 1e3) for n, w in r["window"].items()
+                                if w["late_sends"]} for r in rows if not r["valid"]}
+    if late:
+        L += ["", "Runs where the client sent a request > 50 ms late, kept out of every ratio that compares them "
+              "(marked `(late)` above; the largest lag per run, ms): " + json.dumps(late) + "."]
+    L += ["", "Median (min..max) over the ratios whose runs were all on time:", ""]
+    L += [f"- {k}: {f2(v.get('median'))} ({f2(v.get('min'))}..{f2(v.get('max'))}, n={v['n']})" for k, v in sp.items()]
+    L += ["", "P99 / P50 TTFT and P50 TPOT (s) per system and repetition, burst window:", "",
+          "| rep | " + " | ".join(systems) + " |", "|---:|" + "---|" * len(systems)]
+    for r in rows:
+        L.append(f"| {r['rep']} | " + " | ".join(
+            f"{f2(r['window'][s]['ttft_p99'])} / {f2(r['window'][s]['ttft_p50'])} / {f2(r['window'][s]['tpot_p50'])}"
+            if s in r["window"] else "-" for s in systems) + " |")
+    L += ["", "Targets (issue 13, decode mix): stock / oracle >= 3; kunserve gap closed >= 0.8 and kunserve / oracle "
+          "<= 1.3; kunserve / stock P50 TPOT <= 1.3; zero failed. The prefill mix is the negative control: there "
+          "KV is not the limit and nothing is to be gained.", "",
+          "CPU share of one core per repetition (client = the replay process; servers = the front end, the API "
+          "servers and the engines, summed): " + json.dumps(cpu), "",
+          f"Raw data: `{name}/compare.json` (every repetition's summary), `{name}.json` (the paired rows), "
+          f"`{name}/rep*/<system>/requests.csv` (every request)."]
+    return "\n".join(L) + "\n"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--out", default=str(ROOT / "runs" / "cluster_burst"))
-    ap.add_argument("--kv-tokens", type=int, default=5120)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--rate", type=float, default=1.2)
-    ap.add_argument("--requests", type=int, default=60)
-    ap.add_argument("--trace", default="")
-    ap.add_argument("--window", type=float, default=300.0)
+    ap.add_argument("--mix", choices=tuple(MIXES), default="decode")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--out", default="")
+    ap.add_argument("--kv-tokens", type=int, default=1280, help="base KV capacity per engine (tokens)")
+    ap.add_argument("--oracle-x", type=float, default=10.0, help="oracle KV multiplier (and kunserve's growth cap)")
+    ap.add_argument("--warm-s", type=float, default=60.0)
+    ap.add_argument("--warm-share", type=float, default=0.55)
+    ap.add_argument("--burst-s", type=float, default=40.0)
+    ap.add_argument("--burst-x", type=float, default=1.5)
+    ap.add_argument("--trace", default=str(TRACE))
+    ap.add_argument("--window-offset", default="0")
     ap.add_argument("--force", action="store_true", help="run even where the regime check fails")
     ap.add_argument("--reuse-scaling", action="store_true",
                     help="use docs/benchmarks/batch_scaling.json as measured (skip step 1)")
+    ap.add_argument("--analyse-only", action="store_true", help="re-write the doc from an earlier --out")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                    help="extra kunserve systems (kunserve compare --variant), e.g. for the ablation; list them in "
+                         "--systems")
+    ap.add_argument("--name", default="", help="doc name (default cluster_burst[_MIX])")
     a = ap.parse_args()
-    if not a.reuse_scaling:
+    if not a.reuse_scaling and not a.analyse_only:
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "batch_scaling.py")], check=True)
-    scaling = json.loads((ROOT / "docs" / "benchmarks" / "batch_scaling.json").read_text())
+    scaling = json.loads((DOCS / "batch_scaling.json").read_text())
     if not scaling["valid_regime"] and not a.force:
         print(f"refusing: batch 16 costs {scaling['step16_over_step1']:.2f}x batch 1 per step here (> 3x); "
               "KV capacity is not worth throughput on this machine (--force to run anyway)")
@@ -132,24 +406,57 @@ def main() -> int:
     from vllm_kunserve.cli.main import main as kunserve
     from vllm_kunserve.tools.make_model import PRESETS
 
+    spec = PRESETS[scaling["preset"]]
+    scaling.setdefault("kv_bytes_per_token", spec.kv_bytes_per_token())
+    mix = MIXES[a.mix]
+    name = a.name or ("cluster_burst" if a.mix == "decode" else f"cluster_burst_{a.mix}")
+    command = "python benchmarks/cluster_burst.py " + " ".join(sys.argv[1:])
+    prev_path = DOCS / f"{name}.json"
+    if a.analyse_only and prev_path.exists():
+        # what the measuring run used (the machine's table may have been measured again since)
+        prev = json.loads(prev_path.read_text())
+        scaling, cap, mix = prev["scaling"], prev["stock_capacity"], prev["mix"]
+        phases = [tuple(x) for x in prev["phases"]]
+        a.rewritten, command = command, prev.get("command", "python benchmarks/cluster_burst.py --repeat 5")
+    else:
+        cap = stock_capacity(scaling, a.kv_tokens, mix)
+        phases = [(a.warm_s, round(a.warm_share * cap["req_per_s"], 4)),
+                  (a.burst_s, round(a.burst_x * cap["req_per_s"], 4))]
+    a.phases_str = ",".join(f"{d:g}@{r:g}" for d, r in phases)
+    a.warm_share, a.burst_x = phases[0][1] / cap["req_per_s"], phases[1][1] / cap["req_per_s"]
+    a.command = command
+    out = Path(a.out or ROOT / "runs" / name)
+    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     model = ROOT / "models" / scaling["preset"]
-    out = Path(a.out)
-    argv = compare_argv(model, PRESETS[scaling["preset"]].dtype, out, a)
-    print("running: kunserve " + shlex.join(argv), flush=True)
-    rc = kunserve(argv)
-    if rc != 0:
-        return rc
+    argv = compare_argv(model, spec.dtype, out, a, mix, a.phases_str, systems)
+    if not a.analyse_only:
+        print(f"stock capacity {cap}; phases {a.phases_str}", flush=True)
+        print("running: kunserve " + shlex.join(argv), flush=True)
+        rc = kunserve(argv)
+        if rc != 0:
+            return rc
+    # the burst window: requests arriving during the burst
+    window = (phases[0][0], phases[0][0] + phases[1][0])
+    rows = paired(out, systems, a.repeat, window)
+    assets = DOCS / name
+    assets.mkdir(parents=True, exist_ok=True)
     res = json.loads((out / "compare.json").read_text())
-    ASSETS.mkdir(parents=True, exist_ok=True)
-    (ASSETS / "compare.json").write_text(json.dumps(res, indent=1) + "\n")
-    for n in ("vllm", "kunserve", "oracle"):
-        src = out / n / "rep1" / "timeline.png"
-        if src.exists():
-            (ASSETS / f"timeline_{n}.png").write_bytes(src.read_bytes())
-    (ROOT / "docs" / "benchmarks" / "cluster_burst.json").write_text(
-        json.dumps({"scaling": scaling, "paired": paired(res), "argv": argv, "forced": a.force}, indent=1) + "\n")
-    DOC.write_text(render(scaling, res, argv, a.force))
-    print(DOC.read_text())
+    (assets / "compare.json").write_text(json.dumps(res, indent=1) + "\n")
+    for k in range(1, a.repeat + 1):
+        for s in systems:
+            src = out / s / f"rep{k}" / "requests.csv"
+            if src.exists():
+                (assets / f"rep{k}" / s).mkdir(parents=True, exist_ok=True)
+                (assets / f"rep{k}" / s / "requests.csv").write_bytes(src.read_bytes())
+    timeline_png(out, systems, 1, phases, assets / "timeline.png")
+    cpu = {s: [r.get("server", {}).get("cpu_share") for r in res["runs"].get(s, [])] for s in systems}
+    (DOCS / f"{name}.json").write_text(json.dumps(
+        {"scaling": scaling, "stock_capacity": cap, "phases": phases, "window": window, "mix": mix,
+         "paired": rows, "argv": argv, "forced": a.force, "cpu_share": cpu, "command": command,
+         "verdict": verdict(rows, systems) if "oracle" in systems else None}, indent=1) + "\n")
+    doc = DOCS / f"{name}.md"
+    doc.write_text(render(scaling, cap, a, argv, rows, systems, window, name, mix, cpu))
+    print(doc.read_text())
     return 0
 
 

@@ -50,6 +50,9 @@ class DropConfig:
         "kv", "How ongoing requests cross into a group: kv (their KV of the layers changing hands moves to the "
         "member that runs them) or reprefill (they are recomputed); a failed KV exchange falls back to reprefill.",
         choices=("kv", "reprefill"))
+    static_group: bool = _opt(
+        False, "Form one pipeline group of all instances as soon as they are up and keep it (no monitor-driven "
+        "drop or restore): the static pipeline-parallel bound a dynamic drop approaches without transition cost.")
     group_member: bool = _opt(
         False, "This engine can join pipeline groups: it keeps a growable KV cache, an engine agent and a "
         "control port (`kunserve serve` sets it on its engines).")
@@ -97,6 +100,9 @@ class LookaheadConfig:
 
     enable: bool = _opt(True, "Split queued work into cost-balanced microbatches (else token-count chunks).")
     min_tokens: int = _opt(64, "Least work per microbatch: the cost of this many prefill tokens (lookahead splits no further).", lo=1, hi=1 << 20)
+    cost_model: str = _opt(
+        "", "Fitted cost model JSON (`kunserve costmodel fit --out`) the group scheduler balances steps with "
+        "(empty: the built-in stand-in; only relative costs matter).")
 
 
 @dataclass(frozen=True)
@@ -241,6 +247,14 @@ def _parse_section(name: str, cls: type, raw: Any) -> Any:
 
 
 def _cross_check(name: str, obj: Any) -> None:
+    if isinstance(obj, LookaheadConfig) and obj.cost_model:
+        from vllm_kunserve.policy.costmodel import CostModel
+
+        try:
+            CostModel.load(obj.cost_model)
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise KunServeConfigError(
+                f"kunserve.lookahead.cost_model={obj.cost_model!r}: not a readable cost model JSON ({e})") from None
     if isinstance(obj, RemapConfig) and obj.low_watermark >= obj.high_watermark:
         raise KunServeConfigError(
             f"kunserve.remap.low_watermark={obj.low_watermark!r}: must be below "

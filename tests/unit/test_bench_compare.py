@@ -34,6 +34,13 @@ def test_builtin_systems_and_selection():
         S.SystemSpec("x", launcher="k8s")
     with pytest.raises(ValueError, match="kunserve.remap.slots"):
         S.builtin_systems({"remap": {"slots": 3}})
+    assert "static" not in b                      # one engine: nothing to group
+    cfg = {"drop": {"trigger_ratio": 0.9}, "memory": {"max_kv_ratio": 10}}
+    c = S.builtin_systems(cfg, instances=2, dispatch="least-work")
+    assert c["static"].additional_config == {"kunserve": {"drop": {"trigger_ratio": 0.9, "static_group": True},
+                                                          "memory": {"max_kv_ratio": 10}}}
+    assert cfg == {"drop": {"trigger_ratio": 0.9}, "memory": {"max_kv_ratio": 10}}   # not mutated
+    assert c["static"].num_instances == 2 and c["static"].launcher == "kunserve-serve"
 
 
 def test_vllm_serve_plan():
@@ -188,3 +195,42 @@ def test_bench_cli_errors(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
     assert main(argv[:-2] + ["--format", "azure", "--window-offset", "soon"]) == 2
     assert "--window-offset" in capsys.readouterr().err
+
+
+def test_variant_systems_merge_sections_over_the_kunserve_config():
+    base = {"drop": {"trigger_ratio": 0.9}, "memory": {"max_kv_ratio": 10}}
+    b = S.builtin_systems(base, instances=2, dispatch="least-work")
+    v = S.variant_systems(['drop-only={"drop": {"transition": "reprefill"}, "lookahead": {"enable": false}}'], base, b)
+    ks = v["drop-only"].additional_config["kunserve"]
+    assert ks == {"drop": {"trigger_ratio": 0.9, "transition": "reprefill"}, "memory": {"max_kv_ratio": 10},
+                  "lookahead": {"enable": False}}
+    assert base["drop"] == {"trigger_ratio": 0.9}                     # not mutated
+    assert v["drop-only"].num_instances == 2 and v["drop-only"].launcher == "kunserve-serve"
+    assert [s.name for s in S.select_systems("vllm,drop-only", {**b, **v})] == ["vllm", "drop-only"]
+    for bad, msg in (("x", "NAME=JSON"), ("vllm={}", "taken"), ("y={", "not valid JSON"), ('y={"drop": 1}', "sections"),
+                     ('y={"drop": {"bogus": 1}}', "kunserve.drop.bogus")):
+        with pytest.raises(ValueError, match=msg):
+            S.variant_systems([bad], base, b)
+
+
+def test_cpu_times_sum_a_process_tree_by_name():
+    import os
+    import subprocess
+    import sys
+
+    from vllm_kunserve.bench.compare import cpu_times
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; t=time.process_time()\nwhile time.process_time()-t<0.3: pass\ntime.sleep(5)"])
+    try:
+        import time
+        time.sleep(1.0)
+        import psutil
+
+        me = cpu_times(os.getpid())
+        own = sum(psutil.Process().cpu_times()[:2])
+        assert all(v >= 0 for v in me.values())
+        assert sum(me.values()) - own >= 0.25           # the child's busy 0.3 s is in the tree's sum
+    finally:
+        child.kill()
+        child.wait()
+    assert cpu_times(None) == {} and cpu_times(2 ** 22 + 12345) == {}

@@ -210,3 +210,36 @@ def test_synthetic_formats():
     assert len(tr) == 50 and set(tr.prompt_len) == {7} and tr.arrival_s[0] == 0
     tr2, _ = build_trace(WorkloadOptions(format="poisson", trace=str(AZURE), num_requests=40, seed=2))
     assert len(tr2) == 40 and set(tr2.prompt_len) <= set(T.load_azure(AZURE).prompt_len)
+
+
+def test_phases_retime_consecutive_arrivals_to_each_phase_rate():
+    base = T.load_azure(AZURE)
+    tr = T.phases(base, [(60.0, 0.5), (40.0, 1.6)])
+    n1, n2 = 30, 64
+    assert len(tr) == n1 + n2
+    a = tr.arrival_s
+    assert a[0] == 0.0 and np.all(np.diff(a) >= 0)
+    assert a[n1 - 1] < 60.0 <= a[n1] < 100.0 and a[-1] < 100.0
+    # within a phase, the source's relative gaps are kept (one scale factor per phase)
+    src = base.arrival_s - base.arrival_s[0]
+    g_src, g_new = np.diff(src[n1: n1 + n2]), np.diff(a[n1:])
+    nz = g_src > 0
+    assert np.allclose(g_new[nz] / g_src[nz], (g_new[nz] / g_src[nz])[0])
+    assert list(tr.prompt_len) == list(base.prompt_len[: n1 + n2])      # lengths travel along
+    with pytest.raises(ValueError, match="needs .* more arrivals"):
+        T.phases(T.window(base, 0, 5), [(600.0, 5.0)])
+    for bad in ("60", "60@0", "x@1", "-1@2", ""):
+        with pytest.raises(ValueError, match="SECONDS@REQUESTS_PER_S"):
+            T.parse_phases(bad)
+
+
+def test_synthetic_lengths_on_trace_arrivals():
+    o = WorkloadOptions(format="azure", trace=str(AZURE), synthetic_lengths=True, prompt_len=64, output_len=256,
+                        output_len_max=512, phases="20@1,10@3", seed=3)
+    tr, info = build_trace(o)
+    assert len(tr) == 50 and set(tr.prompt_len) == {64}
+    assert tr.output_len.min() >= 256 and tr.output_len.max() <= 512 and len(set(tr.output_len)) > 10
+    tr2, _ = build_trace(o)
+    assert list(tr2.output_len) == list(tr.output_len)                 # seeded
+    with pytest.raises(ValueError, match="output-len-max"):
+        build_trace(WorkloadOptions(format="gamma", output_len=256, output_len_max=100))

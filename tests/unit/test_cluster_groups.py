@@ -19,7 +19,7 @@ L = 8
 
 def _state(i, used=0, queued=0, total=88):
     return {"engine": {"stage": [f"unix:///tmp/s{i}"]}, "phase": "base",
-            "capacity": {"blocks_total": total, "block_bytes": 1 << 16, "block_size": 32},
+            "capacity": {"blocks_total": total, "blocks_base": total, "block_bytes": 1 << 16, "block_size": 32},
             "blocks": {"used": used, "queued": queued, "draining": 0},
             "layers": [{"index": k, "state": "resident", "bytes": 3 << 20} for k in range(L)]}
 
@@ -120,3 +120,21 @@ def test_forget_marks_the_group_of_a_dead_member():
     asyncio.run(gc.form([0, 1]))
     gc.forget(1)
     assert gc.view() == [] and front.events[-1]["event"] == "group_lost"
+
+
+def test_static_group_forms_once_all_are_up_and_is_never_restored():
+    front, gc, calls = _controller(2, {"drop": {"static_group": True}, "restore": {"hold_s": 0}})
+    front.fleet.engines[1].accepting = False
+    asyncio.run(gc.on_poll({}))
+    assert not calls                                   # waits for every instance
+    front.fleet.engines[1].accepting = True
+    asyncio.run(gc.on_poll({}))
+    assert [c[0] for c in calls if c[1] == "group_join"] == [0, 1] and gc.view()[0]["reason"] == "static"
+    for _ in range(3):                                 # idle: demand far below the restore threshold
+        asyncio.run(gc.on_poll({}))
+    assert [c for c in calls if c[1] != "group_join"] == [] and gc.view()[0]["state"] == "grouped"
+    front, gc, calls = _controller(2, {"restore": {"hold_s": 0}})   # a monitor-formed group is restored
+    asyncio.run(gc.form([0, 1]))
+    for _ in range(3):
+        asyncio.run(gc.on_poll({}))
+    assert any(c[1] == "group_leave" for c in calls)

@@ -52,6 +52,21 @@ def test_engine_cpus_pin_each_engine_to_its_own_core(monkeypatch):
     assert engine_env(EngineSpec("m"), 1)["VLLM_CPU_OMP_THREADS_BIND"] == "2-3"
 
 
+def test_engine_nice_prefixes_the_engine_command_and_rejects_bad_values(monkeypatch):
+    from vllm_kunserve.cluster.fleet import engine_nice
+
+    monkeypatch.delenv("KUNSERVE_ENGINE_NICE", raising=False)
+    env = {"KUNSERVE_ENGINE_NICE": "5", "X": "1"}
+    assert engine_nice(env) == ["nice", "-n", "5"]
+    assert env == {"X": "1"}                      # not passed on to the engine
+    assert engine_nice({}) == [] and engine_nice({"KUNSERVE_ENGINE_NICE": "0"}) == []
+    monkeypatch.setenv("KUNSERVE_ENGINE_NICE", "3")
+    assert engine_nice({}) == ["nice", "-n", "3"]
+    for bad in ("-1", "20", "low"):
+        with pytest.raises(ValueError, match="KUNSERVE_ENGINE_NICE"):
+            engine_nice({"KUNSERVE_ENGINE_NICE": bad})
+
+
 def test_free_port_never_hands_out_the_same_port_twice():
     from vllm_kunserve.cluster.launcher import free_port
 

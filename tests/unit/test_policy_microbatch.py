@@ -122,3 +122,28 @@ def test_lookahead_halves_token_count_bubble_on_azure_mixes():
             tc.append(pipeline_bubble([m.cost for m in token_count_microbatches(work, MODEL, stages)], stages))
         assert sum(la) / len(la) <= 0.5 * sum(tc) / len(tc)
         assert sum(tc) > 0  # the baseline really is imbalanced
+
+
+def test_step_budget_balances_a_members_step_against_its_peers():
+    from vllm_kunserve.policy import WorkChunk, step_budget
+
+    m = CostModel(alpha=0.0, beta=1.0, gamma=5.0)                # one cost unit per token
+    dec = [WorkChunk(f"d{i}", 100, 1, True) for i in range(10)]
+    pre = [WorkChunk("p0", 0, 300), WorkChunk("p1", 0, 300)]
+    # the peer's steps cost 110: ten decodes leave 100 for prefill tokens (p0 chunked)
+    assert step_budget(dec + pre, m, 110.0, 16, 8192) == 10 + 100
+    # no peer to balance against, or nothing to chunk: the engine's own budget
+    assert step_budget(dec + pre, m, 0.0, 16, 8192) == 8192
+    assert step_budget(dec, m, 5.0, 16, 8192) == 8192
+    # decodes are never split, and queued prefills always move by at least min_tokens
+    assert step_budget(dec + pre, m, 3.0, 16, 8192) == 10 + 16
+    assert step_budget(dec + [WorkChunk("p", 0, 5)], m, 3.0, 16, 8192) == 10 + 5
+    # a costly peer step takes the whole queue, capped by the engine's budget
+    assert step_budget(dec + pre, m, 10_000.0, 16, 8192) == 610
+    assert step_budget(dec + pre, m, 10_000.0, 16, 256) == 256
+    # attention makes later tokens of a long prefix costlier: fewer tokens for the same target
+    ma = CostModel(alpha=0.01, beta=1.0, gamma=5.0)
+    assert step_budget([WorkChunk("p", 2000, 500)], ma, 200.0, 16, 8192) < step_budget(
+        [WorkChunk("p", 0, 500)], ma, 200.0, 16, 8192)
+    with pytest.raises(ValueError):
+        step_budget(pre, m, 1.0, 0, 10)

@@ -56,3 +56,22 @@ def test_failed_instance_restores_immediately_from_host():
 def test_threshold_must_sit_below_trigger():
     with pytest.raises(ValueError, match="hysteresis"):
         decide_restore(grouped(0, 0.0), RestoreState(), RestoreConfig(threshold=0.9), DropConfig(trigger_ratio=0.8))
+
+
+def test_restore_uses_the_base_the_engine_reports_when_growth_was_capped():
+    # each member dropped 2 layers (200 blocks' worth) but its KV grew only 1000 -> 1100 (capped by
+    # max_kv_ratio): deriving the base from the dropped bytes gives 900 per member and misjudges
+    # the split; with the engine's own base of 1000 the group splits back to exactly that
+    def snap(used, now, base):
+        insts = (InstanceSnapshot(0, 1100, used // 2, 0, 0, 2, kv_blocks_base=base),
+                 InstanceSnapshot(1, 1100, used // 2, 0, 2, 4, kv_blocks_base=base))
+        return ClusterSnapshot(MODEL, insts, ((0, 1),), now_s=now)
+
+    _, s = decide_restore(snap(900, 0.0, 1000), RestoreState(), CFG, DROP)
+    d, _ = decide_restore(snap(900, 5.0, 1000), s, CFG, DROP)
+    assert [g.instances for g in d.restore] == [(0, 1)]
+    assert d.demand_ratio == pytest.approx(900 / 2000) and d.predicted_ratio == pytest.approx(900 / 2000)
+    d, _ = decide_restore(snap(900, 0.0, 0), RestoreState(), CFG, DROP)   # derived: 900 / 1800
+    assert d.demand_ratio == pytest.approx(900 / 1800) and d.reason == "demand_above_threshold"
+    assert InstanceSnapshot.from_dict({"instance_id": 0, "kv_blocks_total": 5, "kv_blocks_used": 0,
+                                       "kv_blocks_base": 3}).kv_blocks_base == 3

@@ -45,3 +45,7 @@ def test_memory_touchpoints_only_with_remap():
     wanted_on = {c.name for c in PATCH_CLASSES if c().wanted(on)}
     assert wanted_off == {"worker_extension"}
     assert wanted_on == {"worker_extension", "kv_plan", "engine_core", "kv_allocation", "cpu_linear"}
+    member = parse_config({"drop": {"group_member": True}})
+    assert {c.name for c in PATCH_CLASSES if c().wanted(member)} == wanted_on | {"scheduler"}
+    no_lookahead = parse_config({"drop": {"group_member": True}, "lookahead": {"enable": False}})
+    assert {c.name for c in PATCH_CLASSES if c().wanted(no_lookahead)} == wanted_on

@@ -61,7 +61,14 @@ def main() -> None:
 
     outs = both("kunserve_group_join", plans)
     grouped_state = [state(e) for e in engines]
+    # the engines run one after the other here (in one process they cannot step at once): keep a
+    # peer's last step pacing the other for the whole run, so the group scheduler sets budgets
+    from vllm_kunserve.integration.vllm import scheduler as group_scheduler
+
+    group_scheduler.PACE_MAX_AGE_S = 3600.0
+    scheds = [e.llm_engine.engine_core.engine_core.scheduler for e in engines]
     during = [run(e) for e in engines]
+    group_scheduler.PACE_MAX_AGE_S = 1.0
     group_workers = [e.collective_rpc("kunserve_group_state") for e in engines]
     leave_begin = [e.collective_rpc("kunserve_group_leave", kwargs={"step": "begin"})[0] for e in engines]
     louts = both("kunserve_group_leave", [{"step": "finish"}] * 2)
@@ -79,6 +86,9 @@ def main() -> None:
         "same_during": [before[i] == during[i] for i in range(2)],
         "same_after": [before[i] == after[i] for i in range(2)],
         "check": check,
+        "scheduler": [type(x).__name__ for x in scheds],
+        "budgets": [list(getattr(x, "kunserve_budgets", [])) for x in scheds],
+        "max_tokens": [x.max_num_scheduled_tokens for x in scheds],
     }), flush=True)
     for e in engines:
         e.llm_engine.engine_core.shutdown()

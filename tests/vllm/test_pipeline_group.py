@@ -36,3 +36,14 @@ def test_group_frees_weights_into_kv_and_gives_them_back(group_run):
         assert w[0]["hops"] > 0 and w[0]["served_calls"] > w[0]["hops"] // 2
     assert all(j["bytes"] > 0 and j["held_blocks"] > 0 for j in r["join"])
     assert all(lv["outcome"] == "ok" and lv["bytes"] > 0 for lv in r["leave"])
+
+
+def test_group_scheduler_paces_steps_against_the_peer_and_keeps_outputs(group_run):
+    """While grouped, the lookahead scheduler (scheduler_cls) cut the second engine's prefills to
+    the cost of the first one's last step (chunked prefill with a smaller budget than vLLM's);
+    outputs stayed token-identical (test_group_outputs_are_token_identical). Alone it sets none."""
+    r = group_run
+    assert r["scheduler"] == ["KunServeScheduler", "KunServeScheduler"]
+    b = r["budgets"][1]
+    assert b and min(b) < r["max_tokens"][1], r["budgets"]
+    assert all(x >= 1 for x in b)

@@ -8,6 +8,7 @@ goes next to the run's files in ``OUT/<system>/rep<k>/``.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -123,10 +124,39 @@ def run_system(spec: SystemSpec, common: CommonArgs, run_dir: Path, startup_time
     server = ServerProcess(plan, host, port, run_dir / "server.log").start()
     with server:
         startup = server.wait_ready(startup_timeout_s)
+        before, t0, c0 = cpu_times(server.proc.pid if server.proc else None), time.perf_counter(), time.process_time()
         run = body(server.endpoint)
+        wall, client = time.perf_counter() - t0, time.process_time() - c0
+        after = cpu_times(server.proc.pid if server.proc else None)
+    cpu = {k: round((after.get(k, 0.0) - before.get(k, 0.0)) / wall, 3) for k in after} if wall > 0 else {}
+    cpu["client"] = round(client / wall, 3) if wall > 0 else None
     facts = {"startup_s": startup, "exit_code": server.proc.returncode if server.proc else None,
-             "argv": plan.argv, "env": plan.env}
+             "argv": plan.argv, "env": plan.env, "cpu_share": cpu}
     return run, facts
+
+
+def cpu_times(pid: int | None) -> dict[str, float]:
+    """CPU seconds (user + system) of a server's process tree, summed by process name (vLLM titles
+    its processes, e.g. ``VLLM::EngineCore`` and ``VLLM::Worker``; the API servers and a front end
+    run as ``python``/``vllm``): how much of the machine each role of the serving processes took."""
+    import psutil
+
+    out: dict[str, float] = {}
+    if pid is None:
+        return out
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return out
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            name = p.name() or "?"
+            out[name] = out.get(name, 0.0) + t.user + t.system
+        except psutil.Error:
+            continue
+    return out
 
 
 def compare(systems: Sequence[SystemSpec], common: CommonArgs, out: Path, repeat: int,

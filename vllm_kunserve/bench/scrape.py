@@ -41,11 +41,21 @@ def _label_key(name: str, labels: dict[str, str]) -> str:
     return name if not keep else name + "{" + ",".join(f"{k}={v}" for k, v in keep.items()) + "}"
 
 
+_KEEP = tuple(VLLM_SERIES) + ("kunserve:", "vllm:cache_config_info")
+
+
+def _kept_lines(text: str) -> str:
+    """Only the sample lines ``parse_metrics`` keeps. A 2-engine cluster exposes ~100 KB of
+    histograms; parsing all of it on the replay client's event loop once a second delayed sends by
+    up to 0.85 s on a 2-core machine whose cores the engines hold (a late client, not a slow server)."""
+    return "\n".join(line for line in text.splitlines() if line.startswith(_KEEP)) + "\n"
+
+
 def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, str]]:
     """(values, cache_config_labels) from a Prometheus text exposition."""
     sums: dict[str, list[float]] = {}
     info: dict[str, str] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(_kept_lines(text)):
         for s in family.samples:
             if s.name in VLLM_SERIES:
                 sums.setdefault(VLLM_SERIES[s.name], []).append(float(s.value))

@@ -82,7 +82,49 @@ def builtin_systems(kunserve_config: dict[str, Any] | None = None, oracle_kv_mul
         "oracle": SystemSpec("oracle", kv_multiplier=oracle_kv_multiplier,
                              description=n + f"stock vLLM with {oracle_kv_multiplier:g}x KV capacity (memory never "
                                              "overloads)", **fleet),
+        **({"static": SystemSpec("static", additional_config={CONFIG_KEY: _static(kunserve_config)},
+                                 description=n + "kunserve with one pipeline group of all engines from the start "
+                                                 "(static pipeline parallelism holding the freed KV: the bound a "
+                                                 "dynamic drop approaches without transition cost)", **fleet)}
+           if instances > 1 else {}),
     }
+
+
+def variant_systems(items: list[str], kunserve_config: dict[str, Any] | None,
+                    taken: dict[str, SystemSpec]) -> dict[str, SystemSpec]:
+    """``NAME=JSON`` items: kunserve systems whose config is ``kunserve_config`` with each JSON
+    section's keys merged over it (ablations); validated before anything starts."""
+    import json
+
+    base = taken["kunserve"]
+    out: dict[str, SystemSpec] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        name = name.strip()
+        if not sep or not name or not name.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"--variant {item!r}: expected NAME=JSON with NAME of letters, digits, - or _")
+        if name in taken or name in out:
+            raise ValueError(f"--variant {name!r}: that system name is taken")
+        try:
+            over = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--variant {name}: not valid JSON ({e})") from None
+        if not isinstance(over, dict) or not all(isinstance(v, dict) for v in over.values()):
+            raise ValueError(f"--variant {name}: expected an object of config sections, e.g. "
+                             '{"drop": {"transition": "reprefill"}}')
+        ks = {k: dict(v) if isinstance(v, dict) else v for k, v in (kunserve_config or {}).items()}
+        for sec, kv in over.items():
+            ks[sec] = {**ks.get(sec, {}), **kv}
+        out[name] = SystemSpec(name, launcher=base.launcher, engine_args=base.engine_args,
+                               additional_config={CONFIG_KEY: ks}, num_instances=base.num_instances,
+                               description=f"kunserve with {json.dumps(over, sort_keys=True)}")
+    return out
+
+
+def _static(kunserve_config: dict[str, Any] | None) -> dict[str, Any]:
+    ks = {k: dict(v) if isinstance(v, dict) else v for k, v in (kunserve_config or {}).items()}
+    ks["drop"] = {**ks.get("drop", {}), "static_group": True}
+    return ks
 
 
 def select_systems(names: str, available: dict[str, SystemSpec]) -> list[SystemSpec]:

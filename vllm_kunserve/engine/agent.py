@@ -436,6 +436,18 @@ class EngineAgent:
         return self._event("group_abandon", "ok", time.perf_counter() - t0, 0, name=name, recomputed=n,
                            reason=why, blocks_after=self.sched.state().visible)
 
+    def group_pace(self) -> list | None:
+        """While grouped (not draining), the peers' latest step chunks for the group scheduler
+        (``integration.vllm.scheduler``), else None: alone the scheduler is vLLM's own. A failed
+        read paces nothing (the step is scheduled as vLLM would)."""
+        if self.phase != "grouped":
+            return None
+        try:
+            return self._workers("kunserve_group_pace")[0] or None
+        except Exception as exc:  # the step must not fail for pacing; the span call reports peers lost
+            logger.debug("group pace unavailable: %r", exc)
+            return None
+
     def group_leave_begin(self) -> dict:
         if self.phase != "grouped":
             return {"event": "group_leave", "outcome": "noop", "phase": self.phase}

@@ -8,6 +8,7 @@ Callers (the cluster controller, the engine agent, the simulator) build snapshot
   instances and drop layers) and :func:`decide_restore` (when to split groups back);
 * :class:`CostModel`, :func:`fit`, :func:`load_profile`: the batch cost model and its fit;
 * :func:`lookahead_microbatches` / :func:`token_count_microbatches` / :func:`pipeline_bubble`;
+  :func:`step_budget` (a group member's next step, cost-balanced against its peers');
 * :func:`remap_input` (from an :class:`EngineLoad`) and :func:`decide_remap`: Oneiros layer
   remapping (threads a :class:`RemapState`);
 * :class:`MellPlacer`, :func:`make_placer`, :func:`choose_migration`: placement and migration;
@@ -20,7 +21,7 @@ from vllm_kunserve.policy.dispatch import DEFAULT_DISPATCH, DISPATCH, InstanceLo
 from vllm_kunserve.policy.drop import DropPlan, GroupPlan, StageAssignment, balanced_stages, plan_drop
 from vllm_kunserve.policy.inputs import EngineLoad, remap_input
 from vllm_kunserve.policy.microbatch import (Microbatch, WorkChunk, lookahead_microbatches, pipeline_bubble,
-                                             token_count_microbatches, work_from_requests)
+                                             step_budget, token_count_microbatches, work_from_requests)
 from vllm_kunserve.policy.monitor import MonitorDecision, MonitorState, monitor_tick
 from vllm_kunserve.policy.overload import OverloadReport, assess_overload, forecast_blocks
 from vllm_kunserve.policy.placement import (MellPlacer, MoveCandidate, MoveChoice, OpResult, choose_migration,
@@ -41,7 +42,7 @@ __all__ = [
     "RestoreDecision", "RestoreState", "decide_restore",
     "CostModel", "Profile", "default_model", "evaluate", "fit", "fit_with_holdout", "load_profile",
     "load_vidur_mlp", "nnls",
-    "Microbatch", "WorkChunk", "lookahead_microbatches", "pipeline_bubble", "token_count_microbatches",
+    "Microbatch", "WorkChunk", "lookahead_microbatches", "pipeline_bubble", "step_budget", "token_count_microbatches",
     "work_from_requests",
     "EngineLoad", "remap_input", "ModelLayers", "RemapInput", "RemapPlan", "RemapState", "decide_remap", "spaced_layers",
     "MellPlacer", "GreedyPlacer", "make_placer", "MoveCandidate", "MoveChoice", "OpResult",

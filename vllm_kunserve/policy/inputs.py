@@ -45,7 +45,8 @@ def cluster_input(*, num_layers: int, layer_bytes: int, block_bytes: int, block_
                   groups: list[tuple[int, ...]], now_s: float, history: tuple = ()) -> "ClusterSnapshot":
     """The drop / restore policies' cluster snapshot from per-instance rows (``instance_id``,
     ``capacity_blocks``, ``used_blocks``, ``queued_blocks``, ``held``: the (start, end) layer range
-    it runs in a group or None for all, ``healthy``). Capacity and use count one block per
+    it runs in a group or None for all, ``healthy``, optional ``base_blocks``: capacity holding every
+    layer). Capacity and use count one block per
     ``block_size`` tokens of a request, whichever members hold its layers."""
     from vllm_kunserve.policy.snapshot import ClusterSnapshot, InstanceSnapshot, ModelSpec
 
@@ -54,6 +55,7 @@ def cluster_input(*, num_layers: int, layer_bytes: int, block_bytes: int, block_
                                    kv_blocks_used=int(r["used_blocks"]), queued_blocks=int(r["queued_blocks"]),
                                    layer_start=(r["held"] or (0, 0))[0],
                                    layer_end=(r["held"] or (0, 0))[1] if r["held"] else 0,
-                                   healthy=bool(r.get("healthy", True))) for r in rows)
+                                   healthy=bool(r.get("healthy", True)),
+                                   kv_blocks_base=int(r.get("base_blocks") or 0)) for r in rows)
     return ClusterSnapshot(model=model, instances=insts, groups=tuple(groups), now_s=now_s,
                            demand_history=tuple(history))

@@ -201,3 +201,27 @@ def pipeline_bubble(costs: Sequence[float], stages: int, rounds: int = 16) -> fl
             mark = max(done)
     period = (max(done) - mark) / (rounds - half)
     return max(0.0, 1.0 - sum(t) / period)
+
+
+def step_budget(work: Sequence[WorkChunk], model: CostModel, target_cost: float, min_tokens: int,
+                max_tokens: int) -> int:
+    """Token budget of one member's next step in a pipeline group, so that the step costs about
+    ``target_cost`` (the group's other microbatches: what a peer's steps cost under the same model).
+
+    In a group every member's step is one microbatch through every stage; a step far costlier than
+    the others stalls the stages behind it. The work is the member's queue in scheduling order
+    (decodes of running requests first, then prefills). Decodes are never split (a decode batch
+    split in two reads the weights twice); prefills are cut by the lookahead's cost cut where the
+    cumulative variable cost reaches the target, chunking the prefill the cut falls in. At least
+    ``min_tokens`` prefill tokens are always given (queued work keeps moving when the peers idle or
+    decode alone); ``target_cost <= 0`` means no peer to balance against: ``max_tokens``."""
+    if min_tokens < 1 or max_tokens < 1:
+        raise ValueError("min_tokens and max_tokens must be >= 1")
+    decodes = [c for c in work if c.decode]
+    prefills = [c for c in work if not c.decode]
+    if target_cost <= 0 or not prefills:
+        return max_tokens
+    room = target_cost - sum(model.var_cost(c.prefix, c.tokens) for c in decodes)
+    left, _ = _cut(model, prefills, max(room, min_microbatch_cost(model, min_tokens)))
+    pre = max(sum(c.tokens for c in left), min(min_tokens, sum(c.tokens for c in prefills)))
+    return max(1, min(max_tokens, len(decodes) + pre))

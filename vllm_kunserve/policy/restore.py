@@ -72,13 +72,16 @@ def decide_restore(cluster: ClusterSnapshot, state: RestoreState = RestoreState(
     def group_bytes(g):  # weight bytes the group must load back to run every member alone
         return sum((model.num_layers - by_id[i].held_layers(model.num_layers)) * model.layer_bytes for i in g)
 
+    def shrink(g):  # blocks the group's capacity loses when every member holds every layer again
+        return sum(by_id[i].kv_blocks_total - by_id[i].base_kv_blocks(model) for i in g)
+
     out: list[GroupRestore] = []
     cap = cap_now
     # failed instances: split immediately from the host copy
     for g in groups:
         if not all(by_id[i].healthy for i in g):
             out.append(GroupRestore(tuple(g), "host", "failed_instance", group_bytes(g)))
-            cap -= group_bytes(g) / model.block_bytes
+            cap -= shrink(g)
     failed = {r.instances for r in out}
     rest = [g for g in groups if tuple(g) not in failed]
 
@@ -96,7 +99,7 @@ def decide_restore(cluster: ClusterSnapshot, state: RestoreState = RestoreState(
         members = [by_id[i] for i in g]
         g_demand = sum(m.kv_blocks_used + m.queued_blocks for m in members)
         g_base = sum(m.base_kv_blocks(model) for m in members)
-        after = cap - group_bytes(g) / model.block_bytes
+        after = cap - shrink(g)
         if g_base <= 0 or g_demand / g_base >= drop.trigger_ratio:
             continue  # its requests would not fit back: splitting would re-trigger a drop here
         if after <= 0 or demand / after >= drop.trigger_ratio:

@@ -95,9 +95,10 @@ class InstanceSnapshot:
     layer_start: int = 0
     layer_end: int = 0  # exclusive; 0 = num_layers
     healthy: bool = True
+    kv_blocks_base: int = 0  # capacity holding every layer, where the engine knows it (0: derive it)
 
     def __post_init__(self) -> None:
-        if self.kv_blocks_total < 0 or self.kv_blocks_used < 0 or self.queued_blocks < 0:
+        if self.kv_blocks_total < 0 or self.kv_blocks_used < 0 or self.queued_blocks < 0 or self.kv_blocks_base < 0:
             raise ValueError(f"instance {self.instance_id}: block counts must be >= 0")
 
     def held_layers(self, num_layers: int) -> int:
@@ -105,7 +106,11 @@ class InstanceSnapshot:
         return end - self.layer_start
 
     def base_kv_blocks(self, model: ModelSpec) -> float:
-        """Capacity this instance would have holding every layer (weights restored)."""
+        """Capacity this instance would have holding every layer (weights restored): the engine's
+        own figure where it reports one, else today's capacity less the dropped layers' bytes (which
+        undercounts, even below zero, where growth was capped below what the dropped bytes free)."""
+        if self.kv_blocks_base:
+            return float(self.kv_blocks_base)
         dropped = model.num_layers - self.held_layers(model.num_layers)
         return self.kv_blocks_total - dropped * model.layer_bytes / model.block_bytes
 
@@ -113,14 +118,15 @@ class InstanceSnapshot:
     def from_dict(cls, d: Any, where: str = "instance") -> "InstanceSnapshot":
         d = need_mapping(d, where)
         check_unknown(d, {"instance_id", "kv_blocks_total", "kv_blocks_used", "queued_blocks",
-                          "layer_start", "layer_end", "healthy"}, where)
+                          "layer_start", "layer_end", "healthy", "kv_blocks_base"}, where)
         return cls(instance_id=get(d, "instance_id", int, where),
                    kv_blocks_total=get(d, "kv_blocks_total", int, where, lo=0),
                    kv_blocks_used=get(d, "kv_blocks_used", int, where, lo=0),
                    queued_blocks=get(d, "queued_blocks", int, where, 0, lo=0),
                    layer_start=get(d, "layer_start", int, where, 0, lo=0),
                    layer_end=get(d, "layer_end", int, where, 0, lo=0),
-                   healthy=get(d, "healthy", bool, where, True))
+                   healthy=get(d, "healthy", bool, where, True),
+                   kv_blocks_base=get(d, "kv_blocks_base", int, where, 0, lo=0))
 
 
 @dataclass(frozen=True)

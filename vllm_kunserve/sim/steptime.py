@@ -10,6 +10,10 @@
   (fixed part) when Vidur has no profile for it, plus an attention term per chunk: the larger of
   its FLOPs at an achievable share of peak and its KV reads at an achievable share of HBM
   bandwidth (decode attention is bandwidth-bound, which one ``alpha`` cannot express).
+* :class:`MeasuredStepTime` replays a measured table instead of fitting one: the decode step of a
+  batch of ``n`` requests interpolated linearly in a measured ``batch -> step`` table
+  (``benchmarks/batch_scaling.py``, or a line fitted to a run's own steps with
+  :func:`fit_decode_line`), plus the step's prefill tokens at a measured prefill rate.
 """
 
 from __future__ import annotations
@@ -70,6 +74,94 @@ class EqStepTime(StepTime):
     def describe(self) -> dict:
         return {"kind": "eq", "alpha_s": self.alpha, "beta_s": self.beta, "gamma_s": self.gamma,
                 "delta_s": self.delta}
+
+
+class MeasuredStepTime(StepTime):
+    """A measured decode table plus a prefill rate, for replaying a run on the machine that measured them.
+
+    A step's decode chunks (1 token each) cost the table's step time at their count, linear between
+    measured batch sizes, the first row's time below the first batch, and the last segment's slope
+    beyond the last batch. Its prefill tokens (chunks of more than one token) add
+    ``tokens / prefill_tps``; a step with no decode also pays ``prefill_fixed_s``, the per-step cost a
+    decode step already carries (e.g. a fitted line's intercept), so that a prefill alone costs
+    ``prefill_fixed_s + tokens / prefill_tps`` and a prefill riding a decode step pays the fixed cost
+    once. The table is used as measured (not smoothed); attention's dependence on context length is
+    not modelled (the table was measured at one short context)."""
+
+    def __init__(self, rows: Iterable[tuple[float, float]], prefill_tps: float, prefill_fixed_s: float = 0.0):
+        pts = sorted((float(b), float(s)) for b, s in rows)
+        if not pts or any(b <= 0 or s <= 0 for b, s in pts) or len({b for b, _ in pts}) != len(pts):
+            raise ValueError(f"decode table {pts}: need distinct positive batch sizes with positive step times")
+        if not prefill_tps > 0:
+            raise ValueError(f"prefill_tps={prefill_tps}: must be positive")
+        if prefill_fixed_s < 0:
+            raise ValueError(f"prefill_fixed_s={prefill_fixed_s}: must be >= 0")
+        self.points = pts
+        self.prefill_tps = float(prefill_tps)
+        self.prefill_fixed_s = float(prefill_fixed_s)
+
+    @classmethod
+    def from_table(cls, rows: Iterable[dict], prefill_tps: float) -> "MeasuredStepTime":
+        """From ``batch_scaling.json``'s rows (``{"batch": n, "step_ms": ms}``)."""
+        return cls(((r["batch"], r["step_ms"] * 1e-3) for r in rows), prefill_tps)
+
+    @classmethod
+    def linear(cls, intercept_s: float, slope_s: float, prefill_tps: float) -> "MeasuredStepTime":
+        """A decode step of ``intercept_s + slope_s * n`` for ``n >= 1`` requests (e.g. from
+        :func:`fit_decode_line`): the table of two rows, batch 1 and 2, extrapolated with their slope;
+        the intercept is the fixed cost a step of prefill alone pays too."""
+        if slope_s < 0 or intercept_s < 0 or intercept_s + slope_s <= 0:
+            raise ValueError(f"step = {intercept_s} + {slope_s} * n: need intercept, slope >= 0 and a "
+                             "positive step at n=1")
+        return cls([(1.0, intercept_s + slope_s), (2.0, intercept_s + 2 * slope_s)], prefill_tps, intercept_s)
+
+    def decode_time(self, n: float) -> float:
+        """Seconds of a decode step for ``n`` requests (0 for none)."""
+        if n <= 0:
+            return 0.0
+        pts = self.points
+        if n <= pts[0][0]:
+            return pts[0][1]
+        if len(pts) == 1:  # one row: proportional to the batch beyond it
+            return pts[0][1] * n / pts[0][0]
+        for (b0, s0), (b1, s1) in zip(pts, pts[1:]):
+            if n <= b1:
+                return s0 + (s1 - s0) * (n - b0) / (b1 - b0)
+        (b0, s0), (b1, s1) = pts[-2], pts[-1]
+        return s1 + (s1 - s0) * (n - b1) / (b1 - b0)
+
+    def batch_time(self, pairs: Sequence[Pair]) -> float:
+        if not pairs:
+            return 0.0
+        decodes = sum(1 for _, c in pairs if c == 1)
+        prefill = sum(c for _, c in pairs if c > 1)
+        fixed = self.prefill_fixed_s if decodes == 0 else 0.0
+        return self.decode_time(decodes) + fixed + prefill / self.prefill_tps
+
+    def describe(self) -> dict:
+        return {"kind": "measured", "decode_step_s": [list(p) for p in self.points],
+                "prefill_tps": self.prefill_tps, "prefill_fixed_s": self.prefill_fixed_s}
+
+
+def fit_decode_line(samples: Iterable[tuple[float, float, float]]) -> tuple[float, float]:
+    """Weighted least squares ``step = a + c * batch`` over ``(batch, step_s, weight)`` samples (e.g.
+    one per batch size seen in a run: its mean step and the seconds it was seen). Kept physical: a
+    negative slope becomes a constant step (the weighted mean), a negative intercept a line through
+    the origin. Returns ``(a, c)`` in seconds and seconds per request."""
+    pts = [(float(b), float(s), float(w)) for b, s, w in samples if w > 0]
+    if not pts:
+        raise ValueError("fit_decode_line: no sample with positive weight")
+    sw = sum(w for _, _, w in pts)
+    mb = sum(w * b for b, _, w in pts) / sw
+    ms = sum(w * s for _, s, w in pts) / sw
+    sxx = sum(w * (b - mb) ** 2 for b, _, w in pts)
+    c = sum(w * (b - mb) * (s - ms) for b, s, w in pts) / sxx if sxx > 0 else 0.0
+    if c <= 0:
+        return ms, 0.0
+    a = ms - c * mb
+    if a < 0:
+        return 0.0, sum(w * b * s for b, s, w in pts) / sum(w * b * b for b, _, w in pts)
+    return a, c
 
 
 def _vidur_layer_fit(path: str, tp: int = 1) -> tuple[float, float, dict]:

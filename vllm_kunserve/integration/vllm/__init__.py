@@ -16,13 +16,14 @@ from vllm_kunserve.integration.vllm.kv_alloc import KVAllocationPatch
 from vllm_kunserve.integration.vllm.kv_plan import KVPlanPatch
 from vllm_kunserve.integration.vllm.registry import APPLIED as _instances
 from vllm_kunserve.integration.vllm.registry import applied
+from vllm_kunserve.integration.vllm.scheduler import SchedulerPatch
 from vllm_kunserve.integration.vllm.worker_extension import WorkerExtensionPatch
 
 logger = logging.getLogger("vllm.kunserve")
 
 #: every touchpoint, in application order
 PATCH_CLASSES: list[type[VllmPatch]] = [
-    WorkerExtensionPatch, KVPlanPatch, EngineCorePatch, KVAllocationPatch, CpuLinearPatch]
+    WorkerExtensionPatch, KVPlanPatch, EngineCorePatch, KVAllocationPatch, CpuLinearPatch, SchedulerPatch]
 
 def apply_named(names: list[str]) -> list[str]:
     """Apply the named touchpoints once each (in ``PATCH_CLASSES`` order). A touchpoint whose vLLM

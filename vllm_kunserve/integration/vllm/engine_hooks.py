@@ -154,6 +154,8 @@ def _attach(core: Any) -> None:
                         info={"model": str(vc.model_config.model), "hidden_size": vc.model_config.get_hidden_size(),
                               "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens})
     core._kunserve = agent
+    if hasattr(core.scheduler, "kunserve_pace"):  # the group scheduler (integration.vllm.scheduler)
+        core.scheduler.kunserve_pace = agent.group_pace
     _start_control(core, agent, cfg)
     _idle_ticker(core, agent, cfg)
 

@@ -86,6 +86,7 @@ class GroupMember:
         self._locked: list[str] = []
         self.hops: list[float] = []
         self.span_ms: list[float] = []
+        self.peer_steps: dict[str, tuple[float, list[tuple[int, int]]]] = {}  # origin -> (when, chunks)
         self.lost = ""
 
     # -- the stage server: what peers ask of this worker ------------------------------------------
@@ -120,6 +121,7 @@ class GroupMember:
         origin, lo, hi = meta["origin"], meta["lo"], meta["hi"]
         positions, hidden = tensors["positions"], tensors["hidden"]
         residual = tensors.get("residual")
+        self.peer_steps[origin] = (time.monotonic(), _step_chunks(meta["attn"]))
         with COMPUTE:
             t0 = time.perf_counter()
             self._local_metadata(meta["attn"])
@@ -366,6 +368,13 @@ class GroupMember:
                 "served_calls": self.server.stats.calls, "lost": self.lost, "locked": list(self._locked),
                 "threads": self.threads}
 
+    def pace(self) -> list[list[tuple[int, int]]]:
+        """The (prefix, new tokens) chunks of each peer's latest step this stage served (recent
+        ones only): what the group scheduler balances this member's steps against."""
+        from vllm_kunserve.integration.vllm.scheduler import fresh_peer_chunks
+
+        return fresh_peer_chunks(self.peer_steps)
+
     def ping(self, peer_stage: str, nbytes: int, n: int = 20) -> dict:
         """Round-trip latency to a stage server with an ``nbytes`` payload (for reports)."""
         c = StageClient(peer_stage, nbytes=nbytes + 4096)
@@ -385,6 +394,16 @@ class GroupMember:
 #: worker methods that compute (the model step, sampling): they hold COMPUTE, so a peer's span never
 #: runs beside them (vLLM's CPU kernels keep per-thread scratch state; the forward context is global)
 _LOCKED_METHODS = ("execute_model", "sample_tokens")
+
+
+def _step_chunks(attn: Any) -> list[tuple[int, int]]:
+    """A step's (prefix, new tokens) per request, from its attention metadata (one layer's)."""
+    md = next(iter(attn.values()), None) if isinstance(attn, dict) else attn
+    q, seq = getattr(md, "query_start_loc", None), getattr(md, "seq_lens", None)
+    if q is None or seq is None:
+        return []
+    new = (q[1:] - q[:-1]).tolist()
+    return [(int(s) - int(n), int(n)) for s, n in zip(seq.tolist()[:len(new)], new)]
 
 
 def _locked(fn):

@@ -1,0 +1,85 @@
+"""The group scheduler's touchpoint and decisions (integration/vllm/scheduler.py) without an engine:
+when it is installed, the budget it sets from the peers' steps, and the peers' chunks it reads."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_kunserve.config import KunServeConfigError, parse_config
+from vllm_kunserve.integration.vllm.pipeline import _step_chunks
+from vllm_kunserve.integration.vllm.scheduler import (PACE_MAX_AGE_S, QUALNAME, SchedulerPatch, budget_for,
+                                                      fresh_peer_chunks)
+from vllm_kunserve.policy import CostModel
+
+pytestmark = pytest.mark.unit
+
+
+def _holder(scheduler_cls=None):
+    return SimpleNamespace(scheduler_cls=scheduler_cls, async_scheduling=False)
+
+
+def test_installed_only_for_group_members_with_lookahead_and_never_over_a_users_class():
+    member = parse_config({"drop": {"group_member": True}})
+    h = _holder()
+    SchedulerPatch().configure(member, h)
+    assert h.scheduler_cls == QUALNAME
+    vc = SimpleNamespace(scheduler_config=_holder())        # a VllmConfig: the scheduler config inside
+    SchedulerPatch().configure(member, vc)
+    assert vc.scheduler_config.scheduler_cls == QUALNAME
+    not_member = _holder()
+    SchedulerPatch().configure(parse_config({"remap": {"enable": True}}), not_member)
+    no_lookahead = _holder()
+    SchedulerPatch().configure(parse_config({"drop": {"group_member": True}, "lookahead": {"enable": False}}),
+                               no_lookahead)
+    asynchronous = SimpleNamespace(scheduler_cls=None, async_scheduling=True)
+    SchedulerPatch().configure(member, asynchronous)
+    assert not_member.scheduler_cls is no_lookahead.scheduler_cls is asynchronous.scheduler_cls is None
+    mine = _holder(scheduler_cls="my.Scheduler")
+    SchedulerPatch().configure(member, mine)
+    assert mine.scheduler_cls == "my.Scheduler"
+
+
+def _req(rid, computed, prompt, total=None):
+    return SimpleNamespace(request_id=rid, num_computed_tokens=computed, num_prompt_tokens=prompt,
+                           num_tokens=total or prompt)
+
+
+def test_budget_balances_against_the_costliest_recent_peer_step():
+    m = CostModel(alpha=0.0, beta=1.0, gamma=5.0)
+    sched = SimpleNamespace(running=[_req("d0", 100, 50, 101), _req("d1", 80, 40, 81), _req("p0", 32, 512)],
+                            waiting=[_req("w0", 0, 300)], max_num_scheduled_tokens=2048)
+    # the peers' steps: 40 decodes (cost 40) and a 200-token prefill (cost 200): balance against 200
+    peers = [[(500, 1)] * 40, [(0, 200)]]
+    assert budget_for(sched, peers, m, 16) == 2 + 198
+    assert budget_for(sched, [[(500, 1)] * 40], m, 16) == 2 + 38
+    assert budget_for(sched, [], m, 16) == 2048                   # no peer step: vLLM's own budget
+    sched.max_num_scheduled_tokens = 100
+    assert budget_for(sched, peers, m, 16) == 100
+
+
+def test_fresh_peer_chunks_drop_idle_peers():
+    steps = {"e0": (100.0, [(0, 5)]), "e1": (100.0 - PACE_MAX_AGE_S - 0.1, [(3, 1)]), "e2": (100.0, [])}
+    assert fresh_peer_chunks(steps, now=100.0) == [[(0, 5)]]
+
+
+def test_step_chunks_read_prefix_and_new_tokens_from_attention_metadata():
+    md = SimpleNamespace(query_start_loc=torch.tensor([0, 1, 2, 66]), seq_lens=torch.tensor([10, 200, 64, 0]))
+    assert _step_chunks({"layers.0.attn": md}) == [(9, 1), (199, 1), (0, 64)]
+    assert _step_chunks({}) == [] and _step_chunks(SimpleNamespace()) == []
+
+
+def test_cost_model_key_must_name_a_readable_model(tmp_path):
+    with pytest.raises(KunServeConfigError, match="lookahead.cost_model"):
+        parse_config({"lookahead": {"cost_model": str(tmp_path / "missing.json")}})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(KunServeConfigError, match="lookahead.cost_model"):
+        parse_config({"lookahead": {"cost_model": str(bad)}})
+    good = tmp_path / "m.json"
+    CostModel(alpha=0.0, beta=1.0, gamma=2.0).save(good)
+    assert parse_config({"lookahead": {"cost_model": str(good)}}).lookahead.cost_model == str(good)
+    assert json.loads(good.read_text())["beta"] == 1.0

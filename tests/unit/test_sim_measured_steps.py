@@ -1,0 +1,202 @@
+"""Measured step times in the simulator: a decode table interpolated by batch size plus a prefill rate."""
+
+import pytest
+
+from vllm_kunserve.sim.engine import SimConfig, Simulator
+from vllm_kunserve.sim.hardware import get_gpu
+from vllm_kunserve.sim.models import BUILTIN
+from vllm_kunserve.sim.policies import build_policy
+from vllm_kunserve.sim.steptime import MeasuredStepTime
+from vllm_kunserve.sim.trace import TraceRequest
+
+pytestmark = pytest.mark.unit
+
+# docs/benchmarks/batch_scaling.json's shape (batch 1 costs more than batch 4 there: kept as measured)
+ROWS = [{"batch": 1, "step_ms": 45.54}, {"batch": 4, "step_ms": 39.62},
+        {"batch": 16, "step_ms": 73.06}, {"batch": 64, "step_ms": 237.32}]
+
+
+def test_matches_table_at_measured_batches():
+    st = MeasuredStepTime.from_table(ROWS, prefill_tps=480.0)
+    for r in ROWS:
+        assert st.decode_time(r["batch"]) == pytest.approx(r["step_ms"] / 1e3)
+        assert st.batch_time([(100, 1)] * r["batch"]) == pytest.approx(r["step_ms"] / 1e3)
+
+
+def test_linear_between_rows_and_clamped_below():
+    st = MeasuredStepTime.from_table(ROWS, prefill_tps=480.0)
+    assert st.decode_time(10) == pytest.approx((39.62 + 73.06) / 2 / 1e3)
+    assert st.decode_time(0.5) == pytest.approx(45.54e-3)
+    assert st.decode_time(0) == 0.0
+    assert st.batch_time([]) == 0.0
+
+
+def test_extrapolates_with_last_slope():
+    st = MeasuredStepTime.from_table(ROWS, prefill_tps=480.0)
+    slope = (237.32 - 73.06) / 48 / 1e3
+    assert st.decode_time(96) == pytest.approx(237.32e-3 + 32 * slope)
+
+
+def test_monotone_where_the_table_is():
+    st = MeasuredStepTime([(1, 0.04), (4, 0.045), (16, 0.07), (64, 0.24)], prefill_tps=480.0)
+    times = [st.decode_time(n) for n in range(1, 200)]
+    assert all(b >= a for a, b in zip(times, times[1:]))
+    # and above the first row the real table is monotone too
+    real = MeasuredStepTime.from_table(ROWS, prefill_tps=480.0)
+    times = [real.decode_time(n) for n in range(4, 200)]
+    assert all(b >= a for a, b in zip(times, times[1:]))
+
+
+def test_prefill_tokens_add_at_the_rate():
+    st = MeasuredStepTime.from_table(ROWS, prefill_tps=480.0)
+    assert st.batch_time([(0, 64)]) == pytest.approx(64 / 480)
+    mixed = st.batch_time([(0, 64)] + [(200, 1)] * 4)
+    assert mixed == pytest.approx(64 / 480 + 39.62e-3)
+    assert st.describe()["kind"] == "measured"
+
+
+def test_rejects_bad_tables():
+    with pytest.raises(ValueError):
+        MeasuredStepTime([], 480.0)
+    with pytest.raises(ValueError):
+        MeasuredStepTime([(1, 0.04), (1, 0.05)], 480.0)
+    with pytest.raises(ValueError):
+        MeasuredStepTime([(1, 0.04)], 0.0)
+
+
+def test_drives_a_simulation():
+    """One instance, a lone request: TTFT is its prefill step, every later token one batch-1 step."""
+    st = MeasuredStepTime.from_table(ROWS, prefill_tps=480.0)
+    cfg = SimConfig(model=BUILTIN["small"], gpu=get_gpu("cpu"), step_time=st, instances=1, block_size=32,
+                    kv_blocks=40, runtime_reserve_bytes=0)
+    sim = Simulator(cfg, build_policy("vllm"), [TraceRequest(0, 0.0, 64, 5)]).run()
+    rec = sim.reqs[0].record()
+    assert rec["ttft_s"] == pytest.approx(64 / 480)
+    assert rec["tpot_s"] == pytest.approx(45.54e-3)
+
+
+# ---------------------------------------------------------------------------- a run's own step line
+def test_fit_decode_line_recovers_a_line_and_stays_physical():
+    from vllm_kunserve.sim.steptime import fit_decode_line
+
+    a, c = fit_decode_line([(b, 0.05 + 0.004 * b, 1.0) for b in (1, 2, 5, 10, 30)])
+    assert (a, c) == (pytest.approx(0.05), pytest.approx(0.004))
+    # weights: the heavy point pulls the constant
+    a, c = fit_decode_line([(1, 0.10, 3.0), (2, 0.05, 1.0)])  # falling: a constant step, the weighted mean
+    assert c == 0.0 and a == pytest.approx((0.3 + 0.05) / 4)
+    a, c = fit_decode_line([(1, 0.01, 1.0), (2, 0.05, 1.0)])  # negative intercept: through the origin
+    assert a == 0.0 and c == pytest.approx((0.01 + 0.1) / 5)
+    with pytest.raises(ValueError):
+        fit_decode_line([])
+
+
+def test_linear_step_time_pays_the_fixed_part_once():
+    st = MeasuredStepTime.linear(0.05, 0.004, prefill_tps=400.0)
+    assert st.decode_time(1) == pytest.approx(0.054)
+    assert st.decode_time(10) == pytest.approx(0.09)
+    assert st.decode_time(0.5) == pytest.approx(0.054)
+    # a prompt alone pays the intercept; riding a decode step it does not pay it again
+    assert st.batch_time([(0, 64)]) == pytest.approx(0.05 + 64 / 400)
+    assert st.batch_time([(0, 64)] + [(100, 1)] * 10) == pytest.approx(0.09 + 64 / 400)
+    assert st.describe()["prefill_fixed_s"] == 0.05
+    flat = MeasuredStepTime.linear(0.06, 0.0, prefill_tps=400.0)
+    assert flat.decode_time(1) == flat.decode_time(50) == pytest.approx(0.06)
+    with pytest.raises(ValueError):
+        MeasuredStepTime.linear(0.05, -0.001, 400.0)
+    with pytest.raises(ValueError):
+        MeasuredStepTime([(1, 0.04)], 400.0, prefill_fixed_s=-1.0)
+
+
+def _bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "cluster_burst_sim.py"
+    spec = importlib.util.spec_from_file_location("cluster_burst_sim", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _tl_row(sec, running, tokens, arrivals=0, waiting=0, completions=0, preemptions=0, layers=(12, 12)):
+    r = {"second": str(sec), "arrivals": str(arrivals), "completions": str(completions), "running": str(running),
+         "output_tokens": str(tokens), "waiting": str(waiting), "preemptions": str(preemptions)}
+    for i, v in enumerate(layers):
+        r[f"kunserve:layers_held{{instance={i}}}"] = str(v)
+    return r
+
+
+def test_clean_seconds_and_the_run_line():
+    """2 engines whose step is 40 ms + 5 ms per request: running R gives R / step(R/2) tokens/s."""
+    cb = _bench()
+
+    def tok(run):
+        return run / (0.04 + 0.005 * max(1.0, run / 2))
+
+    tl = [_tl_row(0, 2, tok(2), arrivals=1)]           # an arrival: its second and the next are out
+    tl += [_tl_row(s, 2, tok(2)) for s in range(1, 7)]
+    tl += [_tl_row(7, 8, tok(8), waiting=2, completions=1)]  # a finish admits a waiting request: out
+    tl += [_tl_row(s, 8, tok(8), waiting=2) for s in range(8, 14)]  # waiting, nothing frees: decode only
+    tl += [_tl_row(s, 20, tok(20), layers=(6, 6)) for s in range(14, 24)]  # grouped
+    secs = cb.clean_seconds(tl, 2)
+    assert [s["second"] for s in secs["single"]] == [2, 3, 4, 5, 6, 9, 10, 11, 12, 13]
+    assert [s["second"] for s in secs["grouped"]] == list(range(15, 24))
+    fit = cb.fit_steps(secs["single"])
+    assert fit["a_s"] == pytest.approx(0.04) and fit["c_s"] == pytest.approx(0.005)
+    g = cb.fit_steps(secs["grouped"])  # one batch size only: a constant step at it
+    assert g["c_s"] == 0.0 and g["a_s"] == pytest.approx(0.04 + 0.005 * 10)
+
+
+def test_fit_steps_keeps_tokens_a_paused_front_end_delivers_late():
+    """A second read as 0 tokens and the next as twice its share: pooled in a run, the step is right."""
+    cb = _bench()
+    secs = [{"second": float(s), "running": 4.0, "tokens": t, "batch": 2.0}
+            for s, t in zip(range(10), [80, 80, 0, 160, 80, 80, 80, 0, 160, 80])]
+    secs += [{"second": float(s), "running": 20.0, "tokens": 200.0, "batch": 10.0} for s in range(20, 30)]
+    fit = cb.fit_steps(secs)
+    assert fit["a_s"] + 2 * fit["c_s"] == pytest.approx(4 / 80)
+    assert fit["a_s"] + 10 * fit["c_s"] == pytest.approx(20 / 200)
+
+
+def test_prefill_rate_from_warm_requests():
+    """An idle engine: TTFT = fixed + prompt / rate; a busy one: 1.5 steps + prompt / rate."""
+    cb = _bench()
+    fits = {"single": {"a_s": 0.05, "c_s": 0.01}, "grouped": None}
+    tl = [_tl_row(s, 1, 20) for s in range(200)]
+    rate = 400.0
+    rows = [  # idx, arrival, send, ttft, e2e
+        (0, 0.0, 0.0, 0.05 + 64 / rate, 30.0),                     # alone
+        (1, 10.0, 10.0, 1.5 * 0.06 + 64 / rate, 5.0),              # request 0 decoding: batch 1
+        (2, 50.0, 50.0, 0.2, 1.0),                                  # overlaps 3's prefill: skipped
+        (3, 50.1, 50.1, 0.2, 1.0),
+        (4, 70.0, 70.0, 0.05 + 64 / rate, 1.0),                     # arrival in the window: skipped
+    ]
+    csv_rows = [{"idx": str(i), "arrival_s": str(a), "send_s": str(s), "ttft_s": str(t), "e2e_s": str(e),
+                 "ok": "1", "prompt_len": "64", "server_prompt_tokens": "64"} for i, a, s, t, e in rows]
+    got = cb.prefill_samples(csv_rows, 60.0, tl, 1, fits)  # one engine: request 1 finds request 0 running
+    assert got == [pytest.approx(1 / rate), pytest.approx(1 / rate)]
+
+
+def test_repetitions_skip_an_earlier_runs_leftovers(tmp_path):
+    """A run written into a directory that holds an earlier one: compare.json (the earlier run's end)
+    predates the new repetitions, so it is not used and the repetitions older than it are skipped."""
+    import os
+
+    cb = _bench()
+    for s, k, t in (("vllm", 1, 100), ("oracle", 1, 100), ("vllm", 2, 300), ("vllm", 1, 0)):
+        d = tmp_path / s / f"rep{k}"
+        d.mkdir(parents=True, exist_ok=True)
+        for f in ("summary.json", "requests.csv", "timeline.csv"):
+            (d / f).write_text("{}")
+            if t:
+                os.utime(d / f, (t, t))
+    (tmp_path / "compare.json").write_text("{}")
+    os.utime(tmp_path / "compare.json", (200, 200))
+    os.utime(tmp_path / "vllm" / "rep1" / "summary.json", (400, 400))  # rewritten by the new run
+    reps, note = cb.repetitions(tmp_path, ["vllm", "oracle"], 0)
+    assert [(s, k) for s, k, _ in reps] == [("vllm", 1), ("vllm", 2)]
+    assert "oracle/rep1" in note
+    os.utime(tmp_path / "compare.json", (500, 500))  # the run finished: every repetition is its own
+    reps, note = cb.repetitions(tmp_path, ["vllm", "oracle"], 0)
+    assert note is None and len(reps) == 3
+    assert [k for _, k, _ in cb.repetitions(tmp_path, ["vllm", "oracle"], 1)[0]] == [1, 1]

@@ -1,0 +1,129 @@
+"""Touchpoint: ``scheduler_config.scheduler_cls`` (the lookahead scheduler of a pipeline group).
+
+Alone, an engine schedules exactly as vLLM's own :class:`~vllm.v1.core.sched.scheduler.Scheduler`
+(the subclass adds nothing to the call). In a pipeline group every member's step is one microbatch
+through every member's stage, so a step much costlier than the peers' (a long prefill landing on one
+member) stalls the stages behind it. While grouped, each ``schedule()`` call gets a token budget from
+the lookahead cost cut (:func:`vllm_kunserve.policy.microbatch.step_budget`): the member's queue in
+scheduling order (running decodes, never split; then prefills, chunked where the cut falls) is cut
+where its cost under the fitted model (``lookahead.cost_model``) reaches the cost of the peers'
+latest steps, which this member's stage server saw pass through (their (prefix, new tokens) chunks,
+read from the attention metadata of the spans it ran). The budget is applied by lowering
+``max_num_scheduled_tokens`` for that one call; everything else is vLLM's scheduling.
+
+CPU vLLM forces ``async_scheduling=False``, so subclassing the synchronous ``Scheduler`` loses
+nothing there; on an engine with async scheduling the class is not installed (logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from vllm_kunserve.integration.vllm.base import VllmPatch
+
+logger = logging.getLogger("vllm.kunserve")
+
+QUALNAME = "vllm_kunserve.integration.vllm.scheduler.KunServeScheduler"
+#: a peer's step older than this no longer paces this member (the peer is idle: nothing to balance)
+PACE_MAX_AGE_S = 1.0
+
+
+class SchedulerPatch(VllmPatch):
+    name = "scheduler"
+    versions = ">=0.32,<0.34"
+    summary = "scheduler_cls = KunServeScheduler: cost-balanced step budgets while in a pipeline group"
+
+    def wanted(self, cfg: Any) -> bool:
+        return bool(cfg.drop.group_member and cfg.lookahead.enable)
+
+    def configure(self, cfg: Any, holder: Any) -> None:
+        if not self.wanted(cfg):
+            return
+        target = getattr(holder, "scheduler_config", holder)  # VllmConfig or EngineArgs
+        if getattr(target, "async_scheduling", None):
+            logger.warning("kunserve: async scheduling is on; the lookahead scheduler is not installed")
+            return
+        current = getattr(target, "scheduler_cls", None)
+        if current in (None, "", QUALNAME):
+            target.scheduler_cls = QUALNAME
+        else:
+            logger.warning("kunserve: scheduler_cls=%s already set by the user; lookahead scheduling is off", current)
+
+
+def budget_for(scheduler: Any, peer_chunks: list[list[tuple[int, int]]], model: Any, min_tokens: int) -> int:
+    """This member's next step budget against its peers' latest steps (their costliest)."""
+    from vllm_kunserve.policy.microbatch import WorkChunk, step_budget
+
+    target = max((sum(model.var_cost(int(p), int(c)) for p, c in chunks) for chunks in peer_chunks), default=0.0)
+    work = []
+    for r in scheduler.running:
+        done, prompt = int(r.num_computed_tokens), int(r.num_prompt_tokens)
+        work.append(WorkChunk(r.request_id, done, 1, True) if done >= prompt
+                    else WorkChunk(r.request_id, done, prompt - done))
+    for r in scheduler.waiting:
+        done = int(r.num_computed_tokens)
+        work.append(WorkChunk(r.request_id, done, max(1, int(r.num_tokens) - done)))
+    return step_budget(work, model, target, min_tokens, int(scheduler.max_num_scheduled_tokens))
+
+
+def _make() -> type:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    class KunServeScheduler(Scheduler):
+        """vLLM's scheduler; in a pipeline group, each step's token budget comes from the lookahead
+        cost cut against the peers' steps (module doc)."""
+
+        #: set by the engine agent: returns the peers' latest step chunks while grouped, else None
+        kunserve_pace: Callable[[], list | None] | None = None
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            from vllm_kunserve.config import engine_config
+            from vllm_kunserve.policy.costmodel import CostModel, default_model
+
+            cfg = engine_config(self.vllm_config)
+            la = cfg.lookahead if cfg is not None else None
+            self.kunserve_min_tokens = la.min_tokens if la else 64
+            self.kunserve_model = CostModel.load(la.cost_model) if la and la.cost_model else default_model()
+            self.kunserve_budgets: list[int] = []  # the latest budgets set (state, tests)
+
+        def schedule(self, *args: Any, **kwargs: Any):
+            pace = self.kunserve_pace
+            peers = pace() if pace is not None else None
+            if not peers:
+                return super().schedule(*args, **kwargs)
+            full = self.max_num_scheduled_tokens
+            budget = budget_for(self, peers, self.kunserve_model, self.kunserve_min_tokens)
+            self.kunserve_budgets.append(budget)
+            del self.kunserve_budgets[:-64]
+            self.max_num_scheduled_tokens = budget
+            try:
+                return super().schedule(*args, **kwargs)
+            finally:
+                self.max_num_scheduled_tokens = full
+
+    KunServeScheduler.__module__ = __name__
+    KunServeScheduler.__qualname__ = "KunServeScheduler"
+    return KunServeScheduler
+
+
+_CLASS: list[type] = []
+
+
+def __getattr__(name: str) -> Any:
+    """``KunServeScheduler`` is built on first use (vLLM resolves ``scheduler_cls`` by name in the
+    engine-core process): importing this module for the patch class does not import vLLM's
+    scheduler into every process the plugin loads in."""
+    if name == "KunServeScheduler":
+        if not _CLASS:
+            _CLASS.append(_make())
+        return _CLASS[0]
+    raise AttributeError(name)
+
+
+def fresh_peer_chunks(steps: dict[str, tuple[float, list]], now: float | None = None) -> list[list]:
+    """The chunks of each peer's latest step seen within :data:`PACE_MAX_AGE_S`."""
+    now = time.monotonic() if now is None else now
+    return [chunks for t, chunks in steps.values() if now - t <= PACE_MAX_AGE_S and chunks]
