@@ -327,7 +327,7 @@ def render(scaling: dict, cap: dict, a: argparse.Namespace, argv: list[str], row
           f"prompts, outputs uniform in {mix['output_len']}..{mix['output_len_max']} tokens.",
           f"Stock's capacity from the table: a decode batch of {cap['batch']} per engine (KV tokens over a request's "
           f"mid-life length) at {cap['step_ms']} ms per step: {cap['req_per_s']:.3f} req/s for both engines; the "
-          f"warm start runs at {a.warm_share:g}x and the burst at {a.burst_x:g}x that.",
+          f"warm start runs at {a.warm_share:.2f}x and the burst at {a.burst_x:.2f}x that.",
           f"Burst window for the ratios: arrivals in [{window[0]:g}, {window[1]:g}) s.", "",
           "## Paired ratios per repetition (P99 TTFT over the burst window)", ""]
     head = "| rep | stock / oracle | " + " | ".join(
