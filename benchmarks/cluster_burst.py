@@ -51,7 +51,9 @@ LATE_S = 0.05
 
 
 def kunserve_config(max_kv_ratio: float) -> dict:
-    return {"drop": {"trigger_ratio": 0.9, "forecast_horizon_s": 2.0},
+    # min_decode_share: on this CPU a prompt token costs ~2 ms (prefill ~480 tok/s) against a decode
+    # step of 40-70 ms for the whole batch, so a queue of prompts is compute-bound (the prefill mix)
+    return {"drop": {"trigger_ratio": 0.9, "forecast_horizon_s": 2.0, "min_decode_share": 0.5},
             "restore": {"threshold": 0.4, "hold_s": 5.0},
             "memory": {"max_kv_ratio": max_kv_ratio}}
 
@@ -90,7 +92,8 @@ def compare_argv(model: Path, dtype: str, out: Path, a: argparse.Namespace, mix:
             "--trace", str(a.trace), "--format", "azure", "--window-offset", str(a.window_offset),
             "--synthetic-lengths", "--prompt-len", str(mix["prompt_len"]), "--output-len", str(mix["output_len"]),
             "--output-len-max", str(mix["output_len_max"]), "--phases", phases, "--seed", "1",
-            "--no-progress", "--out", str(out)] + [f"--variant={v}" for v in a.variant]
+            "--no-progress", "--out", str(out)] + [f"--variant={v}" for v in a.variant] + \
+        (["--env", "KUNSERVE_MLOCK=1"] if a.mlock else [])
 
 
 # ------------------------------------------------------------------------------------------ analysis
@@ -292,8 +295,55 @@ def f2(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def host_facts(res: dict, systems: list[str]) -> dict:
+    """Per system, per repetition: the client's stalls (no token of any stream for >= 0.5 s while >= 2
+    requests were in flight) and what the host did meanwhile (bench/hostwatch.py)."""
+    out = {}
+    for s in systems:
+        out[s] = []
+        for run in res["runs"].get(s, []):
+            st = run.get("stalls") or []
+            h = (run.get("server") or {}).get("host") or {}
+            out[s].append({"stalls": len(st), "stall_s": round(sum(x["gap_s"] for x in st), 2),
+                           "longest_s": max((x["gap_s"] for x in st), default=0.0),
+                           "majfaults": h.get("majfaults"), "majfaults_in_stalls": h.get("majfaults_in_stalls"),
+                           "steal_s": h.get("steal_s"), "iowait_s": h.get("iowait_s"),
+                           "mlock": (run.get("server") or {}).get("env", {}).get("KUNSERVE_MLOCK") == "1",
+                           "client_gc_max_s": max((p["seconds"] for p in (run.get("client_gc") or {}).get(
+                               "longest", [])), default=None),
+                           "frontend_gc_max_s": max((p["seconds"] for p in ((run.get("server") or {}).get(
+                               "frontend_gc") or {}).get("longest", [])), default=None),
+                           "frontend_gc_frozen": ((run.get("server") or {}).get("frontend_gc") or {}).get("frozen"),
+                           "stalls_with_gc": [h.get("stalls_with_client_gc"), h.get("stalls_with_frontend_gc")]})
+    return out
+
+
+def host_section(host: dict, systems: list[str]) -> list[str]:
+    if not any(host.get(s) for s in systems):
+        return []
+    L = ["## Stalls and the host", "",
+         "A stall: no token of any stream reached the client for >= 0.5 s while >= 2 requests were in flight "
+         "(client timings). Major faults: the machine's `pgmajfault` over the run and inside the stalls; steal and "
+         "iowait: CPU seconds over the run (`host.csv` per run, sampled every 0.25 s by `bench/hostwatch.py`). GC: "
+         "the longest pause of Python's collector in the replay client and in the front end (`gcpause.py`; "
+         "frozen: the front end froze its startup heap), and how many stalls a pause >= 50 ms of each overlaps.", "",
+         "| system | rep | stalls | stalled s | longest s | major faults (in stalls) | steal s | iowait s | mlock "
+         "| GC max s client / front end | front end heap frozen | stalls with a GC pause client / front end |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---:|"]
+    for s in systems:
+        for k, h in enumerate(host.get(s, []), 1):
+            mf = "-" if h["majfaults"] is None else f"{h['majfaults']:.0f} ({h['majfaults_in_stalls']:.0f})"
+            L.append(f"| {s} | {k} | {h['stalls']} | {h['stall_s']:.2f} | {h['longest_s']:.2f} | {mf} | "
+                     f"{h['steal_s'] if h['steal_s'] is not None else '-'} | "
+                     f"{h['iowait_s'] if h['iowait_s'] is not None else '-'} | {'yes' if h['mlock'] else 'no'} | "
+                     f"{f2(h.get('client_gc_max_s'))} / {f2(h.get('frontend_gc_max_s'))} | "
+                     f"{ {True: 'yes', False: 'no'}.get(h.get('frontend_gc_frozen'), '-')} | "
+                     f"{' / '.join('-' if x is None else str(x) for x in h.get('stalls_with_gc', [None, None]))} |")
+    return L + [""]
+
+
 def render(scaling: dict, cap: dict, a: argparse.Namespace, argv: list[str], rows: list[dict], systems: list[str],
-           window: tuple[float, float], name: str, mix: dict, cpu: dict) -> str:
+           window: tuple[float, float], name: str, mix: dict, cpu: dict, host: dict) -> str:
     others = [s for s in systems if s not in ("vllm", "oracle")]
     keys = ["stock_over_oracle"] + [f"{n}_{k}" for n in others
                                     for k in ("over_stock", "over_oracle", "gap_closed", "tpot_p50_over_stock")]
@@ -366,6 +416,7 @@ def render(scaling: dict, cap: dict, a: argparse.Namespace, argv: list[str], row
     L += ["", "Targets (issue 13, decode mix): stock / oracle >= 3; kunserve gap closed >= 0.8 and kunserve / oracle "
           "<= 1.3; kunserve / stock P50 TPOT <= 1.3; zero failed. The prefill mix is the negative control: there "
           "KV is not the limit and nothing is to be gained.", "",
+          ] + host_section(host, systems) + [
           "CPU share of one core per repetition (client = the replay process; servers = the front end, the API "
           "servers and the engines, summed): " + json.dumps(cpu), "",
           f"Raw data: `{name}/compare.json` (every repetition's summary), `{name}.json` (the paired rows), "
@@ -395,7 +446,16 @@ def main() -> int:
                     help="extra kunserve systems (kunserve compare --variant), e.g. for the ablation; list them in "
                          "--systems")
     ap.add_argument("--name", default="", help="doc name (default cluster_burst[_MIX])")
+    ap.add_argument("--mlock", action="store_true",
+                    help="lock the memory of every serving process and of this client (KUNSERVE_MLOCK=1: host "
+                         "reclaim cannot page them out; see memory/hostlock.py)")
     a = ap.parse_args()
+    if a.mlock and not a.analyse_only:
+        from vllm_kunserve.memory.hostlock import lock_process_memory
+
+        if not lock_process_memory():
+            print("--mlock: this process could not lock its memory (see the warning above)", file=sys.stderr)
+            return 2
     if not a.reuse_scaling and not a.analyse_only:
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "batch_scaling.py")], check=True)
     scaling = json.loads((DOCS / "batch_scaling.json").read_text())
@@ -450,12 +510,13 @@ def main() -> int:
                 (assets / f"rep{k}" / s / "requests.csv").write_bytes(src.read_bytes())
     timeline_png(out, systems, 1, phases, assets / "timeline.png")
     cpu = {s: [r.get("server", {}).get("cpu_share") for r in res["runs"].get(s, [])] for s in systems}
+    host = host_facts(res, systems)
     (DOCS / f"{name}.json").write_text(json.dumps(
         {"scaling": scaling, "stock_capacity": cap, "phases": phases, "window": window, "mix": mix,
-         "paired": rows, "argv": argv, "forced": a.force, "cpu_share": cpu, "command": command,
+         "paired": rows, "argv": argv, "forced": a.force, "cpu_share": cpu, "host": host, "command": command,
          "verdict": verdict(rows, systems) if "oracle" in systems else None}, indent=1) + "\n")
     doc = DOCS / f"{name}.md"
-    doc.write_text(render(scaling, cap, a, argv, rows, systems, window, name, mix, cpu))
+    doc.write_text(render(scaling, cap, a, argv, rows, systems, window, name, mix, cpu, host))
     print(doc.read_text())
     return 0
 

@@ -43,6 +43,13 @@ class DropConfig:
         2.0, "Seconds of arrival-trend forecast added to demand (0 disables the forecast).", lo=0.0, hi=600.0)
     headroom_ratio: float = _opt(
         0.1, "Extra KV asked for beyond the measured shortfall, as a share of the shortfall.", lo=0.0, hi=4.0)
+    min_decode_share: float = _opt(
+        0.0, "Drop only while outputs still to come are at least this share of the tokens still to compute "
+        "(outputs + prompt tokens not yet prefilled): more KV buys throughput only through bigger decode batches, "
+        "and where prefill is slow per token (a CPU) a queue of prompts is compute-bound, which a pipeline would "
+        "slow down. A token count, not a cost: on a GPU a prompt token costs a small fraction of a decode step and "
+        "a prompt-heavy queue can still be KV-bound, so the default (0) leaves the check off.",
+        lo=0.0, hi=1.0)
     max_group_size: int = _opt(
         8, "Largest pipeline group the planner may form (instances per group).", lo=1, hi=4096)
     check_interval_s: float = _opt(0.5, "Monitor period in seconds.", lo=0.01, hi=60.0, lo_open=False)

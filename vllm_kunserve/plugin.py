@@ -36,6 +36,7 @@ import threading
 from typing import Any
 
 from vllm_kunserve.config import KunServeConfig, config_from_additional, parse_config
+from vllm_kunserve.memory.hostlock import lock_if_wanted
 
 logger = logging.getLogger("vllm.kunserve")
 
@@ -53,6 +54,7 @@ def register() -> None:
     with _lock:
         if _state["gate"] is None:
             _install_gate()
+    lock_if_wanted()  # KUNSERVE_MLOCK=1: this vLLM process's pages stay in RAM (memory/hostlock.py)
     names = [n for n in os.environ.get(ENV_PATCHES, "").split(",") if n]
     if names:
         _apply(names, os.environ.get(ENV_FEATURES, ""))

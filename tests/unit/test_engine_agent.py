@@ -33,6 +33,9 @@ class FakeSched:
     def requests(self):
         return 0, 0
 
+    def pending_tokens(self):
+        return 0, 0
+
     def unfinished(self):
         return 0
 

@@ -243,6 +243,30 @@ def test_engine_dying_mid_stream_fails_over_without_a_gap():
     assert any(e["event"] == "failover" for e in st["events"])
 
 
+def test_kill_answers_with_the_requests_it_interrupts():
+    async def go():
+        fakes, front, client, runners = await _stack(dispatch="round-robin")
+        for f in fakes:
+            f.delay_s = 0.02
+        try:
+            task = asyncio.create_task(_stream(client, {"prompt": [1, 2], "max_tokens": 40, "stream": True}))
+            while not any(len(f.generated) >= 3 for f in front.flights.values()):
+                await asyncio.sleep(0.005)
+            where = next(iter(front.flights.values())).instance
+            r = await client.post("/kunserve/ops/kill", json={"instance": where})
+            await task
+            return where, r.status_code, r.json(), front.status()
+        finally:
+            await _teardown(front, client, runners)
+    where, code, body, st = asyncio.run(go())
+    assert code == 200 and body["killed"] == where
+    (hit,) = body["in_flight"]   # the one stream, at least 3 tokens sent when the kill came
+    assert hit["movable"] and 3 <= hit["generated"] < 40
+    assert [e["in_flight"] for e in st["events"] if e["event"] == "kill"] == [1]
+    # the collector's pauses of the front end's loop are timed; only `kunserve serve` freezes its heap
+    assert st["gc"]["frozen"] is False and len(st["gc"]["collections"]) == 3
+
+
 def test_engine_dying_mid_stream_output_equals_unbroken_run():
     async def go():
         fakes, front, client, runners = await _stack(dispatch="round-robin")

@@ -52,6 +52,43 @@ def test_not_overloaded_below_trigger():
     assert not rep.overloaded and rep.need_bytes == 0
 
 
+def test_a_prefill_heavy_queue_is_compute_bound_not_a_reason_to_drop():
+    def work(prefill, decode):
+        insts = tuple(InstanceSnapshot(i, 1000, 900, 300, prefill_tokens=prefill, decode_tokens=decode)
+                      for i in range(2))
+        return ClusterSnapshot(MODEL, insts, ())
+    # off by default (a token count, not a cost): the paper's trigger alone
+    assert assess_overload(work(prefill=10 * 256, decode=300), DropConfig(forecast_horizon_s=0.0)).overloaded
+    cfg = DropConfig(forecast_horizon_s=0.0, min_decode_share=0.5)
+    # 256-token prompts with 24-token outputs queued: the queue is prefill work
+    rep = assess_overload(work(prefill=10 * 256, decode=10 * 24 + 5 * 12), cfg)
+    assert rep.ratio > cfg.trigger_ratio and rep.compute_bound and not rep.overloaded and rep.need_bytes == 0
+    assert rep.decode_share == pytest.approx(300 / (300 + 2560))
+    # 64-token prompts with 320-token outputs: decode, so more KV is worth throughput
+    rep = assess_overload(work(prefill=5 * 64, decode=5 * 320 + 4 * 200), cfg)
+    assert rep.overloaded and not rep.compute_bound and rep.need_bytes > 0
+    # the boundary is the config's, 0 turns the check off; no pending tokens reported: no veto
+    assert not assess_overload(work(prefill=600, decode=400), cfg).overloaded
+    assert assess_overload(work(prefill=600, decode=400), DropConfig(forecast_horizon_s=0.0,
+                                                                      min_decode_share=0.4)).overloaded
+    assert assess_overload(work(prefill=600, decode=0), DropConfig(forecast_horizon_s=0.0)).overloaded
+    assert assess_overload(work(prefill=0, decode=0), cfg).overloaded
+    # an unhealthy instance's work does not count
+    insts = (InstanceSnapshot(0, 1000, 900, 300, prefill_tokens=0, decode_tokens=500),
+             InstanceSnapshot(1, 1000, 900, 300, prefill_tokens=5000, decode_tokens=0, healthy=False))
+    assert assess_overload(ClusterSnapshot(MODEL, insts, ()), cfg).decode_share == 1.0
+
+
+def test_pending_tokens_round_trip_and_are_checked():
+    d = {"instance_id": 0, "kv_blocks_total": 10, "kv_blocks_used": 1, "prefill_tokens": 64, "decode_tokens": 320}
+    i = InstanceSnapshot.from_dict(d)
+    assert (i.prefill_tokens, i.decode_tokens) == (64, 320)
+    with pytest.raises(ValueError):
+        InstanceSnapshot.from_dict({**d, "decode_tokens": -1})
+    with pytest.raises(ValueError):
+        InstanceSnapshot(0, 10, 1, prefill_tokens=-5)
+
+
 def test_plan_frees_one_copy_per_merge_and_stops_when_enough():
     c = cluster(8)
     need = 2.5 * MODEL.weight_bytes

@@ -157,7 +157,7 @@ def test_engine_killed_mid_run_every_request_completes_and_restarts(cluster):
                 t0 = time.monotonic()
                 while time.monotonic() - t0 < 120:
                     st = await status(s, cluster.url)
-                    live = [r for r in st["requests"] if r["movable"] and 5 <= r["generated"] <= n // 2]
+                    live = [r for r in st["requests"] if r["movable"] and 5 <= r["generated"] <= n // 5]
                     if live:
                         killed["instance"] = live[0]["instance"]
                         killed["op"] = await op(s, cluster.url, "kill", {"instance": live[0]["instance"]})
@@ -173,7 +173,7 @@ def test_engine_killed_mid_run_every_request_completes_and_restarts(cluster):
     assert all(a.status == 200 and a.error is None for a in answers), [(a.status, a.error) for a in answers][:4]
     for i, a in enumerate(answers):
         assert a.token_ids == refs[PROMPTS[i % len(PROMPTS)]], f"request {i} differs after failover"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 420  # the fixture's startup timeout (400 s) and some
     while True:
         st = asyncio.run(_status(cluster.url))
         inst = st["instances"][dead]
@@ -183,8 +183,12 @@ def test_engine_killed_mid_run_every_request_completes_and_restarts(cluster):
         time.sleep(1)
     kinds = [e["event"] for e in st["events"]]
     assert "dead" in kinds and "restarted" in kinds
-    # streamed requests continued elsewhere from the tokens they had sent
-    assert any(e["event"] == "failover" and e.get("tokens", 0) > 0 for e in st["events"]), st["events"]
+    # every streamed request the kill interrupted after it had sent tokens continued elsewhere from
+    # them (the kill answers with what it interrupted, read atomically with the kill)
+    hit = [r["id"] for r in killed["op"][1]["in_flight"] if r["movable"] and r["generated"] > 0]
+    assert hit, killed["op"]  # the kill landed mid-stream (n // 5 tokens sent of n when chosen)
+    resumed = {e["request"] for e in st["events"] if e["event"] == "failover" and e.get("tokens", 0) > 0}
+    assert set(hit) <= resumed, ([e for e in st["events"] if e["event"] in ("failover", "kill")], hit)
     with urllib.request.urlopen(cluster.url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     assert f'kunserve:engine_restarts_total{{instance="{dead}"}} 1.0' in text

@@ -17,6 +17,7 @@ import numpy as np
 
 from vllm_kunserve.bench import metrics as M
 from vllm_kunserve.bench import report
+from vllm_kunserve.bench.hostwatch import HostSampler, faults_in
 from vllm_kunserve.bench.runner import BenchRun
 from vllm_kunserve.bench.systems import LAUNCHERS, CommonArgs, SystemSpec
 from vllm_kunserve.cluster.launcher import ServerProcess, free_port
@@ -124,15 +125,57 @@ def run_system(spec: SystemSpec, common: CommonArgs, run_dir: Path, startup_time
     server = ServerProcess(plan, host, port, run_dir / "server.log").start()
     with server:
         startup = server.wait_ready(startup_timeout_s)
-        before, t0, c0 = cpu_times(server.proc.pid if server.proc else None), time.perf_counter(), time.process_time()
-        run = body(server.endpoint)
-        wall, client = time.perf_counter() - t0, time.process_time() - c0
-        after = cpu_times(server.proc.pid if server.proc else None)
+        pid = server.proc.pid if server.proc else None
+        with HostSampler(pid, run_dir / "host.csv") as host:
+            before, t0, c0 = cpu_times(pid), time.perf_counter(), time.process_time()
+            run = body(server.endpoint)
+            wall, client = time.perf_counter() - t0, time.process_time() - c0
+            after = cpu_times(pid)
+            front_gc = _frontend_gc(server.endpoint)
     cpu = {k: round((after.get(k, 0.0) - before.get(k, 0.0)) / wall, 3) for k in after} if wall > 0 else {}
     cpu["client"] = round(client / wall, 3) if wall > 0 else None
     facts = {"startup_s": startup, "exit_code": server.proc.returncode if server.proc else None,
-             "argv": plan.argv, "env": plan.env, "cpu_share": cpu}
+             "argv": plan.argv, "env": plan.env, "cpu_share": cpu,
+             "host": host_facts(host.rows, run.summary, front_gc), "frontend_gc": front_gc}
     return run, facts
+
+
+def _frontend_gc(endpoint: str) -> dict | None:
+    """The ``kunserve serve`` front end's collector pauses (``/kunserve/status``), None elsewhere."""
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(endpoint.rstrip("/") + "/kunserve/status", timeout=10) as r:
+            return json.loads(r.read()).get("gc")
+    except (OSError, ValueError):
+        return None
+
+
+def _overlapping(windows: Sequence[tuple[float, float]], pauses: Sequence[dict], min_s: float = 0.05) -> int:
+    """How many windows a pause of at least ``min_s`` overlaps."""
+    spans = [(p["start_perf_s"], p["start_perf_s"] + p["seconds"]) for p in pauses if p["seconds"] >= min_s]
+    return sum(1 for a, b in windows if any(s < b and e > a for s, e in spans))
+
+
+def host_facts(rows: Sequence[dict], summary: dict[str, Any], front_gc: dict | None = None) -> dict[str, Any] | None:
+    """The host's share in a run: major faults (all, and inside the client's stalls), steal, iowait;
+    how many stalls a collector pause of the client or the front end (>= 50 ms) overlaps."""
+    if len(rows) < 2:
+        return None
+    first, last = rows[0], rows[-1]
+    t0 = summary.get("replay_t0_perf")
+    stalls = [(t0 + s["start_s"], t0 + s["end_s"]) for s in summary.get("stalls") or []] if t0 else []
+    return {"seconds": round(last["t"] - first["t"], 2),
+            "majfaults": last["pgmajfault"] - first["pgmajfault"],
+            "majfaults_in_stalls": faults_in(rows, stalls),
+            "stall_s": round(sum(b - a for a, b in stalls), 3),
+            "stalls_with_client_gc": _overlapping(stalls, (summary.get("client_gc") or {}).get("longest", [])),
+            "stalls_with_frontend_gc": _overlapping(stalls, (front_gc or {}).get("longest", [])),
+            "steal_s": round(last["steal_s"] - first["steal_s"], 2),
+            "iowait_s": round(last["iowait_s"] - first["iowait_s"], 2),
+            "majflt_by_process": {k.split(":", 1)[1]: last.get(k, 0) - first.get(k, 0)
+                                  for k in last if k.startswith("majflt:")}}
 
 
 def cpu_times(pid: int | None) -> dict[str, float]:

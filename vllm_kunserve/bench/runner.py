@@ -13,10 +13,12 @@ import aiohttp
 from vllm_kunserve.bench import metrics as M
 from vllm_kunserve.bench import report
 from vllm_kunserve.bench.client import RequestResult, RequestSpec, completions_url, replay
+from vllm_kunserve.bench.hostwatch import stall_windows
 from vllm_kunserve.bench.kvdemand import DemandModel, kv_demand
 from vllm_kunserve.bench.prompts import PromptFactory
 from vllm_kunserve.bench.scrape import Scraper, scrape_once
 from vllm_kunserve.bench.traces import Trace
+from vllm_kunserve.gcpause import GcPauses, freeze_heap
 
 
 @dataclass
@@ -59,13 +61,18 @@ async def _warmup(endpoint: str, model: str, factory: PromptFactory, n: int, tim
 
 
 async def _run(opts: BenchOptions, factory: PromptFactory, specs: list[RequestSpec],
-               deadline_s: float) -> tuple[list, Scraper | None]:
+               deadline_s: float, t0s: list[float], gc_pauses: GcPauses) -> tuple[list, Scraper | None]:
     await _warmup(opts.endpoint, opts.model, factory, opts.warmup, opts.request_timeout_s)
+    # this process stamps every token: the tokenizer's and the harness's heap out of the collector's
+    # scans from here on (KUNSERVE_GC_FREEZE=0 to measure without), and every pause timed
+    freeze_heap()
+    gc_pauses.install()
     scraper = Scraper(opts.endpoint, opts.scrape_interval_s) if opts.scrape else None
     stop = asyncio.Event()
     tasks: list[asyncio.Task] = []
 
     def on_start(t0: float) -> None:
+        t0s.append(t0)
         if scraper is not None:
             scraper.t0 = t0
             tasks.append(asyncio.create_task(scraper.run(stop)))
@@ -74,6 +81,7 @@ async def _run(opts: BenchOptions, factory: PromptFactory, specs: list[RequestSp
         results = await replay(opts.endpoint, opts.model, specs, request_timeout_s=opts.request_timeout_s,
                                deadline_s=deadline_s, progress=opts.progress, on_start=on_start)
     finally:
+        gc_pauses.remove()
         stop.set()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -101,7 +109,9 @@ def run_bench(trace: Trace, factory: PromptFactory, opts: BenchOptions, out: Pat
         raise ValueError("the trace holds no request")
     specs = build_specs(trace, factory)
     deadline = opts.deadline_s if opts.deadline_s else trace.duration_s + opts.request_timeout_s + 5.0
-    results, scraper = asyncio.run(_run(opts, factory, specs, deadline))
+    t0s: list[float] = []
+    gc_pauses = GcPauses()
+    results, scraper = asyncio.run(_run(opts, factory, specs, deadline, t0s, gc_pauses))
     series = scraper.series() if scraper else []
     demand = kv_demand(trace, demand_model) if demand_model else None
     rows = M.timeline(results, series, demand)
@@ -111,6 +121,12 @@ def run_bench(trace: Trace, factory: PromptFactory, opts: BenchOptions, out: Pat
     summary["trace"] = trace.describe()
     summary["workload"] = workload_info or {}
     summary["bench"] = {k: v for k, v in asdict(opts).items()}
+    # the replay's zero on time.perf_counter (host samples are on that clock) and the intervals in
+    # which no streamed token arrived while requests were in flight, from that zero
+    summary["replay_t0_perf"] = t0s[0] if t0s else None
+    summary["client_gc"] = gc_pauses.view()
+    summary["stalls"] = [{"start_s": round(a, 3), "end_s": round(b, 3), "gap_s": round(b - a, 3), "active": n}
+                         for a, b, n in stall_windows((r.send_s, r.token_times) for r in results if r.ok)]
     if scraper is not None:
         summary["server_cache_config"] = scraper.cache_info
         summary["scrape_errors"] = scraper.errors

@@ -130,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
     engine_ns = check_engine_args(args.model, engine_args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     fleet, front = build(args.model, opts, engine_args, engine_ns)
+    from vllm_kunserve.memory.hostlock import lock_if_wanted
+
+    lock_if_wanted()  # KUNSERVE_MLOCK=1 (inherited by the engines, whose plugin locks them too)
+    front.freeze_gc = True  # gc.freeze() once started (KUNSERVE_GC_FREEZE=0 to measure without)
     kind = "kunserve" if fleet.spec.kunserve is not None else "stock vLLM"
     print(f"[kunserve] starting {opts.instances} {kind} engine(s) on the {opts.backend} backend ...", flush=True)
     fleet.start()

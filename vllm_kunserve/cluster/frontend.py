@@ -42,6 +42,7 @@ import aiohttp
 from vllm_kunserve.cluster.monitor import FlightBook, Monitor, bearer, instance_loads
 from vllm_kunserve.cluster.relay import Flight, Move, Relay, UpstreamLost
 from vllm_kunserve.cluster.validate import BadRequest, error_body, parse_json, validate
+from vllm_kunserve.gcpause import GcPauses, freeze_heap
 from vllm_kunserve.policy.dispatch import check_mode, choose_instance
 
 logger = logging.getLogger("kunserve.frontend")
@@ -109,6 +110,8 @@ class FrontEnd:
         self.plan_migrations = plan_migrations
         self.migrating = plan_migrations is not None and self.dispatch == "mell"
         self.events: list[dict] = []
+        self.gc, self.gc_frozen = GcPauses(), False  # the collector's pauses of this event loop
+        self.freeze_gc = False  # `kunserve serve` sets it: the serving process's heap is frozen after startup
         self.served: list[str] = []
         self.max_model_len = 0
         self.models_body: bytes = b""
@@ -178,8 +181,13 @@ class FrontEnd:
             self.monitor.listeners.append(self.groups.on_poll)
         await self.monitor.poll(self.session)
         self._tasks.append(asyncio.create_task(self.monitor.run(self._stop)))
+        # every stream passes through this one event loop: keep the startup heap (vLLM's request
+        # models, the tokenizer, FastAPI) out of the collector's scans, and time every pause
+        self.gc_frozen = freeze_heap() if self.freeze_gc else False
+        self.gc.install()
 
     async def close(self) -> None:
+        self.gc.remove()
         if self._stop is not None:
             self._stop.set()
         for t in self._tasks:
@@ -345,6 +353,7 @@ class FrontEnd:
                              for f in itertools.islice(self.flights.values(), 200)],
                 "memory": {str(e.index): reps.get(e.index, {}).get("capacity_blocks") for e in self.fleet.engines},
                 "monitor": {"interval_s": self.monitor.interval_s, "polls": self.monitor.polls},
+                "gc": {"frozen": self.gc_frozen, **self.gc.view()},
                 "events": (self.fleet.events[-30:] + self.events[-30:])}
 
 
@@ -533,9 +542,12 @@ def build_app(front: FrontEnd):
                 i = body.get("instance")
                 if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n:
                     raise BadRequest(f"instance must be an integer 0..{n - 1}, got {i!r}", param="instance")
+                # what the kill interrupts, read in the same event-loop turn as the kill itself
+                hit = [{"id": f.visible_id or f.rid, "generated": len(f.generated), "movable": f.checked.movable}
+                       for f in front.flights.values() if f.instance == i]
                 front.fleet.kill(i)
-                front.record("kill", instance=i)
-                return JSONResponse({"killed": i})
+                front.record("kill", instance=i, in_flight=len(hit))
+                return JSONResponse({"killed": i, "in_flight": hit})
             if op == "migrate":
                 key = body.get("request_id")
                 wait = body.get("wait_s", 0)

@@ -68,6 +68,7 @@ class GroupController:
         self.busy = False
         self.last: dict = {}
         self.peak_ratio = 0.0  # the highest (demand + forecast) / capacity seen (status, diagnosis)
+        self.compute_bound = False  # over the trigger with a prefill-heavy queue: no drop (an event on change)
         self._ids = 0
         from prometheus_client import Counter, Gauge
 
@@ -100,7 +101,9 @@ class GroupController:
             rows.append({"instance_id": i, "capacity_blocks": s["capacity"]["blocks_total"],
                          "used_blocks": s["blocks"]["used"], "queued_blocks": s["blocks"]["queued"],
                          "held": held, "healthy": self.front.fleet.engines[i].accepting,
-                         "base_blocks": s["capacity"].get("blocks_base", 0)})
+                         "base_blocks": s["capacity"].get("blocks_base", 0),
+                         "prefill_tokens": s.get("requests", {}).get("prefill_tokens", 0),
+                         "decode_tokens": s.get("requests", {}).get("decode_tokens", 0)})
         s0 = states[members[0]]
         layer_bytes = max(x["bytes"] for x in s0["layers"])
         groups = [tuple(g.members) for g in self.groups if g.state in ("forming", "grouped", "leaving")]
@@ -136,6 +139,11 @@ class GroupController:
         self.history.append((snap.now_s, report.demand_blocks))
         self.peak_ratio = max(self.peak_ratio, report.ratio)
         self.last = {"overload": report.to_dict(), "peak_ratio": self.peak_ratio}
+        if report.compute_bound != self.compute_bound:
+            self.compute_bound = report.compute_bound
+            self.front.record("compute_bound" if report.compute_bound else "compute_bound_over",
+                              ratio=round(report.ratio, 3), decode_share=round(report.decode_share, 3),
+                              min_decode_share=self.cfg.drop.min_decode_share)
         if report.overloaded:
             plan = plan_drop(snap, report.need_bytes, self.cfg.drop.max_group_size)
             self.m_shortfall.set(max(0.0, plan.shortfall_bytes / snap.model.block_bytes))

@@ -86,7 +86,8 @@ class EngineReport:
             d["error"] = self.error
         if self.state:
             d["engine"] = {k: self.state.get(k) for k in ("phase", "operation", "auto", "errors", "remapped_layers",
-                                                          "dropped_layers", "group", "layers", "events")}
+                                                          "dropped_layers", "group", "layers", "events",
+                                                          "requests")}
         return d
 
 

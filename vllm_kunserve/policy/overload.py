@@ -4,6 +4,14 @@ Demand (KunServe section 4.1) = blocks in use + blocks the head-of-line queued r
 the paper we add a short-horizon forecast: the least-squares slope of recent cluster demand samples
 times ``forecast_horizon_s`` (only a rising trend counts), so the monitor reacts one period earlier
 to a burst that is still ramping up.
+
+Also beyond the paper: demand over capacity is an overload worth dropping for only where KV is what
+limits throughput. Extra KV admits a bigger decode batch, which is nearly free per token where decode
+is weight-bandwidth-bound; it does nothing for a queue of prompts, whose prefill is compute-bound
+and which a pipeline group would only slow down. So the report also gives the *decode share* of the
+work still to compute, outputs to come / (outputs to come + prompt tokens to prefill), and calls the
+cluster overloaded only where it is at least ``min_decode_share`` (``compute_bound`` otherwise). An
+instance that reports no pending tokens counts as decode (the check then never blocks a drop).
 """
 
 from __future__ import annotations
@@ -43,10 +51,13 @@ class OverloadReport:
     overloaded: bool
     need_blocks: float  # blocks to free (shortfall plus headroom); 0 when not overloaded
     need_bytes: float
+    decode_share: float = 1.0  # outputs to come / (outputs to come + prompt tokens to prefill)
+    compute_bound: bool = False  # over the trigger, but the pending work is mostly prefill: no drop
 
     def to_dict(self) -> dict:
         return {
             "overloaded": self.overloaded, "ratio": self.ratio, "demand_blocks": self.demand_blocks,
+            "decode_share": self.decode_share, "compute_bound": self.compute_bound,
             "forecast_blocks": self.forecast_blocks, "capacity_blocks": self.capacity_blocks,
             "need_blocks": self.need_blocks, "need_bytes": self.need_bytes,
             "instances": [{"instance_id": d.instance_id, "demand_blocks": d.demand_blocks,
@@ -78,10 +89,21 @@ def assess_overload(cluster: ClusterSnapshot, cfg: DropConfig = DropConfig()) ->
     cap = float(sum(d.capacity_blocks for d in per))
     fc = forecast_blocks(cluster.demand_history, cfg.forecast_horizon_s)
     ratio = (demand + fc) / cap if cap else float("inf")
-    overloaded = ratio > cfg.trigger_ratio
+    share = decode_share(cluster)
+    compute_bound = ratio > cfg.trigger_ratio and share < cfg.min_decode_share
+    overloaded = ratio > cfg.trigger_ratio and not compute_bound
     need = 0.0
     if overloaded:
         # bring (demand + forecast) back under the trigger, plus headroom on that shortfall
         shortfall = demand + fc - cfg.trigger_ratio * cap
         need = shortfall * (1.0 + cfg.headroom_ratio)
-    return OverloadReport(per, demand, fc, cap, ratio, overloaded, need, need * cluster.model.block_bytes)
+    return OverloadReport(per, demand, fc, cap, ratio, overloaded, need, need * cluster.model.block_bytes,
+                          share, compute_bound)
+
+
+def decode_share(cluster: ClusterSnapshot) -> float:
+    """Outputs still to come over all tokens still to compute, healthy instances; 1.0 with none."""
+    live = [i for i in cluster.instances if i.healthy]
+    dec = sum(i.decode_tokens for i in live)
+    pre = sum(i.prefill_tokens for i in live)
+    return dec / (dec + pre) if dec + pre else 1.0

@@ -84,6 +84,22 @@ class SchedulerView:
                   + sum(max(0, -(-ahead(r) // bs) - -(-r.num_tokens // bs)) for r in sched.running))
         return self.state().used, queued, growth
 
+    def pending_tokens(self) -> tuple[int, int]:
+        """(prefill, decode) tokens still to compute: prompt tokens not yet prefilled (waiting
+        requests, preempted ones included, and running ones mid-prefill) and outputs still to come
+        (``max_tokens`` less what each request has generated). The drop monitor reads their ratio:
+        more KV buys throughput only through bigger decode batches."""
+        sched = self.scheduler
+
+        def prefill(r) -> int:
+            return max(0, getattr(r, "num_prompt_tokens", r.num_tokens) - r.num_computed_tokens)
+
+        def decode(r) -> int:
+            return max(0, (getattr(r, "max_tokens", None) or 0) - getattr(r, "num_output_tokens", 0))
+
+        reqs = [*sched.waiting, *sched.running]
+        return sum(prefill(r) for r in reqs), sum(decode(r) for r in reqs)
+
     def requests(self) -> tuple[int, int]:
         """(waiting, running) request counts."""
         return len(self.scheduler.waiting), len(self.scheduler.running)

@@ -1,0 +1,84 @@
+"""Python's garbage collector in a latency-critical process: freeze the startup heap, time every pause.
+
+A process that relays tokens (the front end) or stamps them (the benchmark client) stops every
+stream it handles while the cyclic collector runs. A full collection scans every tracked object,
+and after importing transformers, FastAPI and their kin a process holds hundreds of thousands of
+them that will never be garbage: ``freeze_heap()`` collects once and moves them to the permanent
+generation (``gc.freeze()``), as vLLM does for its own API server and engine core after startup, so
+later collections scan only what serving allocates. :class:`GcPauses` times every collection
+through ``gc.callbacks`` (start on the shared ``time.perf_counter`` clock, seconds, generation), so
+a pause can be laid beside the stalls a client saw.
+
+``KUNSERVE_GC_FREEZE=0`` turns the freeze off (to measure what it buys).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections import deque
+
+ENV_FREEZE = "KUNSERVE_GC_FREEZE"
+
+
+def freeze_heap() -> bool:
+    """Collect every generation, then freeze what survives; False where ``KUNSERVE_GC_FREEZE=0``."""
+    raw = os.environ.get(ENV_FREEZE, "1").strip().lower()
+    if raw in ("0", "false", "no", "off"):
+        return False
+    if raw not in ("", "1", "true", "yes", "on"):
+        raise ValueError(f"{ENV_FREEZE} must be 1 or 0, got {raw!r}")
+    gc.collect(0)
+    gc.collect(1)
+    gc.collect(2)
+    gc.freeze()
+    return True
+
+
+class GcPauses:
+    """Times every collection of this process while installed (``with`` or install()/remove())."""
+
+    def __init__(self, keep: int = 2000, min_s: float = 0.001):
+        self.keep, self.min_s = keep, min_s
+        self.pauses: deque[tuple[float, float, int]] = deque(maxlen=keep)  # (start, seconds, generation)
+        self.count = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._t0 = 0.0
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        dt = time.perf_counter() - self._t0
+        g = int(info.get("generation", 0))
+        self.count[g] += 1
+        self.seconds[g] += dt
+        if dt >= self.min_s:
+            self.pauses.append((self._t0, dt, g))
+
+    def install(self) -> "GcPauses":
+        if self._cb not in gc.callbacks:
+            gc.callbacks.append(self._cb)
+        return self
+
+    def remove(self) -> None:
+        if self._cb in gc.callbacks:
+            gc.callbacks.remove(self._cb)
+
+    def __enter__(self) -> "GcPauses":
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def longest(self, n: int = 20) -> list[dict]:
+        return [{"start_perf_s": round(t, 4), "seconds": round(d, 4), "generation": g}
+                for t, d, g in sorted(self.pauses, key=lambda p: -p[1])[:n]]
+
+    def view(self, n: int = 20) -> dict:
+        return {"collections": list(self.count), "seconds": [round(s, 4) for s in self.seconds],
+                "frozen_objects": gc.get_freeze_count(), "longest": self.longest(n)}
+
+
+__all__ = ["ENV_FREEZE", "GcPauses", "freeze_heap"]
