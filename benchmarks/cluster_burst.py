@@ -313,9 +313,16 @@ def host_facts(res: dict, systems: list[str]) -> dict:
                                "longest", [])), default=None),
                            "frontend_gc_max_s": max((p["seconds"] for p in ((run.get("server") or {}).get(
                                "frontend_gc") or {}).get("longest", [])), default=None),
-                           "frontend_gc_frozen": ((run.get("server") or {}).get("frontend_gc") or {}).get("frozen"),
+                           "frontend_gc_frozen": _frozen((run.get("server") or {}).get("frontend_gc")),
                            "stalls_with_gc": [h.get("stalls_with_client_gc"), h.get("stalls_with_frontend_gc")]})
     return out
+
+
+def _frozen(front_gc: dict | None) -> bool | None:
+    """Whether the front end froze its startup heap (runs before the count was reported: a flag)."""
+    if not front_gc:
+        return None
+    return bool(front_gc["frozen_objects"]) if "frozen_objects" in front_gc else front_gc.get("frozen")
 
 
 def host_section(host: dict, systems: list[str]) -> list[str]:

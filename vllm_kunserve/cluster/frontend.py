@@ -110,7 +110,7 @@ class FrontEnd:
         self.plan_migrations = plan_migrations
         self.migrating = plan_migrations is not None and self.dispatch == "mell"
         self.events: list[dict] = []
-        self.gc, self.gc_frozen = GcPauses(), False  # the collector's pauses of this event loop
+        self.gc, self.gc_frozen = GcPauses(), 0  # the collector's pauses of this event loop; objects frozen
         self.freeze_gc = False  # `kunserve serve` sets it: the serving process's heap is frozen after startup
         self.served: list[str] = []
         self.max_model_len = 0
@@ -183,7 +183,7 @@ class FrontEnd:
         self._tasks.append(asyncio.create_task(self.monitor.run(self._stop)))
         # every stream passes through this one event loop: keep the startup heap (vLLM's request
         # models, the tokenizer, FastAPI) out of the collector's scans, and time every pause
-        self.gc_frozen = freeze_heap() if self.freeze_gc else False
+        self.gc_frozen = freeze_heap() if self.freeze_gc else 0
         self.gc.install()
 
     async def close(self) -> None:
@@ -353,7 +353,7 @@ class FrontEnd:
                              for f in itertools.islice(self.flights.values(), 200)],
                 "memory": {str(e.index): reps.get(e.index, {}).get("capacity_blocks") for e in self.fleet.engines},
                 "monitor": {"interval_s": self.monitor.interval_s, "polls": self.monitor.polls},
-                "gc": {"frozen": self.gc_frozen, **self.gc.view()},
+                "gc": {"frozen_objects": self.gc_frozen, **self.gc.view()},
                 "events": (self.fleet.events[-30:] + self.events[-30:])}
 
 
