@@ -10,8 +10,11 @@
    ``--burst-x`` times it.
 3. ``kunserve compare --instances 2``: 2-engine clusters behind ``kunserve serve`` (least-work
    dispatch), each engine pinned to its own core (``KUNSERVE_ENGINE_CPUS=0|1``, one compute thread)
-   at niceness 5 (``KUNSERVE_ENGINE_NICE``: the replay client and the front ends, at 0, get a core
-   when they wake): stock vLLM, kunserve (cluster drop), static (one pipeline group from the start:
+   at niceness 5 (``KUNSERVE_ENGINE_NICE``), with vLLM's shared-memory queue readers sleeping on
+   the writer's signal instead of spinning (``KUNSERVE_SHM_WAIT_MS=1``, ``--shm-wait-ms``: each
+   engine core otherwise spins ~0.35 of a core away) and the replay client at real-time priority
+   (``--client-realtime``, on by default: at normal priority its loop waited up to seconds for a
+   core, and it sent late): stock vLLM, kunserve (cluster drop), static (one pipeline group from the start:
    the bound without transition cost) and the oracle (stock with 10x KV), ``--repeat`` interleaved
    repetitions on one workload: the Azure LLM conversation trace's (2023) arrival times, re-timed
    into the phases, with a synthetic decode-heavy length mix (``--prompt-len`` prompts,
@@ -92,8 +95,10 @@ def compare_argv(model: Path, dtype: str, out: Path, a: argparse.Namespace, mix:
             "--trace", str(a.trace), "--format", "azure", "--window-offset", str(a.window_offset),
             "--synthetic-lengths", "--prompt-len", str(mix["prompt_len"]), "--output-len", str(mix["output_len"]),
             "--output-len-max", str(mix["output_len_max"]), "--phases", phases, "--seed", "1",
-            "--no-progress", "--out", str(out)] + [f"--variant={v}" for v in a.variant] + \
-        (["--env", "KUNSERVE_MLOCK=1"] if a.mlock else [])
+            "--no-progress", "--out", str(out)] + (["--client-realtime"] if a.client_realtime else []) + \
+        [f"--variant={v}" for v in a.variant] + \
+        (["--env", "KUNSERVE_MLOCK=1"] if a.mlock else []) + \
+        (["--env", f"KUNSERVE_SHM_WAIT_MS={a.shm_wait_ms:g}"] if a.shm_wait_ms > 0 else [])
 
 
 # ------------------------------------------------------------------------------------------ analysis
@@ -314,8 +319,28 @@ def host_facts(res: dict, systems: list[str]) -> dict:
                            "frontend_gc_max_s": max((p["seconds"] for p in ((run.get("server") or {}).get(
                                "frontend_gc") or {}).get("longest", [])), default=None),
                            "frontend_gc_frozen": _frozen((run.get("server") or {}).get("frontend_gc")),
-                           "stalls_with_gc": [h.get("stalls_with_client_gc"), h.get("stalls_with_frontend_gc")]})
+                           "stalls_with_gc": [h.get("stalls_with_client_gc"), h.get("stalls_with_frontend_gc")],
+                           "late_sends": (run.get("server") or {}).get("late_sends"),
+                           "loop_late_max_s": [_loop_max(run.get("client_loop")),
+                                               _loop_max((run.get("server") or {}).get("frontend_loop"))]})
     return out
+
+
+def _loop_max(loop: dict | None) -> float | None:
+    """The latest wake-up of an event loop (looplag.LoopLag's view); None where it was not watched."""
+    if not loop:
+        return None
+    return max((e["late_s"] for e in loop.get("longest", [])), default=0.0)
+
+
+def _late_causes(late: list[dict] | None) -> str:
+    """'n (cause k, ...)' for the client's late sends; '-' where they were not attributed."""
+    if late is None:
+        return "-"
+    causes: dict[str, int] = {}
+    for r in late:
+        causes[r["cause"]] = causes.get(r["cause"], 0) + 1
+    return f"{len(late)}" + (" (" + ", ".join(f"{c} {n}" for c, n in sorted(causes.items())) + ")" if late else "")
 
 
 def _frozen(front_gc: dict | None) -> bool | None:
@@ -333,10 +358,15 @@ def host_section(host: dict, systems: list[str]) -> list[str]:
          "(client timings). Major faults: the machine's `pgmajfault` over the run and inside the stalls; steal and "
          "iowait: CPU seconds over the run (`host.csv` per run, sampled every 0.25 s by `bench/hostwatch.py`). GC: "
          "the longest pause of Python's collector in the replay client and in the front end (`gcpause.py`; "
-         "frozen: the front end froze its startup heap), and how many stalls a pause >= 50 ms of each overlaps.", "",
+         "frozen: the front end froze its startup heap), and how many stalls a pause >= 50 ms of each overlaps. "
+         "Loop late: the latest wake-up of the client's and the front end's event loop (a 10 ms timer, "
+         "`looplag.py`); late sends: requests sent >= 50 ms after their arrival time, by what the client's loop "
+         "thread did meanwhile (busy: it ran; no core: runnable, waiting for a CPU; blocked: neither; unseen: "
+         "the loop woke on time).", "",
          "| system | rep | stalls | stalled s | longest s | major faults (in stalls) | steal s | iowait s | mlock "
-         "| GC max s client / front end | front end heap frozen | stalls with a GC pause client / front end |",
-         "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---:|"]
+         "| GC max s client / front end | front end heap frozen | stalls with a GC pause client / front end "
+         "| loop late max s client / front end | late sends (cause) |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---|"]
     for s in systems:
         for k, h in enumerate(host.get(s, []), 1):
             mf = "-" if h["majfaults"] is None else f"{h['majfaults']:.0f} ({h['majfaults_in_stalls']:.0f})"
@@ -345,7 +375,9 @@ def host_section(host: dict, systems: list[str]) -> list[str]:
                      f"{h['iowait_s'] if h['iowait_s'] is not None else '-'} | {'yes' if h['mlock'] else 'no'} | "
                      f"{f2(h.get('client_gc_max_s'))} / {f2(h.get('frontend_gc_max_s'))} | "
                      f"{ {True: 'yes', False: 'no'}.get(h.get('frontend_gc_frozen'), '-')} | "
-                     f"{' / '.join('-' if x is None else str(x) for x in h.get('stalls_with_gc', [None, None]))} |")
+                     f"{' / '.join('-' if x is None else str(x) for x in h.get('stalls_with_gc', [None, None]))} | "
+                     f"{' / '.join(f2(x) for x in h.get('loop_late_max_s', [None, None]))} | "
+                     f"{_late_causes(h.get('late_sends'))} |")
     return L + [""]
 
 
@@ -453,6 +485,13 @@ def main() -> int:
                     help="extra kunserve systems (kunserve compare --variant), e.g. for the ablation; list them in "
                          "--systems")
     ap.add_argument("--name", default="", help="doc name (default cluster_burst[_MIX])")
+    ap.add_argument("--client-realtime", action=argparse.BooleanOptionalAction, default=True,
+                    help="replay from a SCHED_FIFO thread so the client sends on time (default on; it waited up to "
+                         "seconds for a core at normal priority here)")
+    ap.add_argument("--shm-wait-ms", type=float, default=1.0,
+                    help="every system's engines: vLLM's shared-memory queue readers sleep on the writer's signal "
+                         "up to this many ms at a time instead of spinning on sched_yield (KUNSERVE_SHM_WAIT_MS; "
+                         "an engine core spinning for its worker's reply took ~0.35 of a core here; 0: vLLM's spin)")
     ap.add_argument("--mlock", action="store_true",
                     help="lock the memory of every serving process and of this client (KUNSERVE_MLOCK=1: host "
                          "reclaim cannot page them out; see memory/hostlock.py)")

@@ -43,6 +43,8 @@ logger = logging.getLogger("vllm.kunserve")
 #: touchpoints exported to the engine-core and worker processes vLLM starts after the gate ran
 ENV_PATCHES = "KUNSERVE_PATCHES"
 ENV_FEATURES = "KUNSERVE_FEATURES"
+#: vLLM's shared-memory queue readers sleep on the writer's signal instead of spinning (integration/vllm/shm_wait.py)
+ENV_SHM_SPIN = "KUNSERVE_SHM_WAIT_MS"
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"patches": [], "logged": False, "gate": None}
@@ -55,6 +57,10 @@ def register() -> None:
         if _state["gate"] is None:
             _install_gate()
     lock_if_wanted()  # KUNSERVE_MLOCK=1: this vLLM process's pages stay in RAM (memory/hostlock.py)
+    if os.environ.get(ENV_SHM_SPIN, "").strip():  # a host setting, for every engine (shm_wait.py)
+        from vllm_kunserve.integration.vllm.shm_wait import apply_from_env
+
+        apply_from_env()
     names = [n for n in os.environ.get(ENV_PATCHES, "").split(",") if n]
     if names:
         _apply(names, os.environ.get(ENV_FEATURES, ""))

@@ -265,6 +265,8 @@ def test_kill_answers_with_the_requests_it_interrupts():
     assert [e["in_flight"] for e in st["events"] if e["event"] == "kill"] == [1]
     # the collector's pauses of the front end's loop are timed; only `kunserve serve` freezes its heap
     assert st["gc"]["frozen_objects"] == 0 and len(st["gc"]["collections"]) == 3
+    # and its loop's wake-ups are watched while it serves (a 10 ms timer: a streamed run ticks)
+    assert st["loop"]["ticks"] > 0 and st["loop"]["late"] >= len(st["loop"]["longest"])
 
 
 def test_engine_dying_mid_stream_output_equals_unbroken_run():

@@ -1,5 +1,5 @@
-"""The host sampler, the client-side stall finder and the memory lock (bench/hostwatch.py,
-memory/hostlock.py)."""
+"""The host sampler, the client-side stall finder, the event-loop lag watch and the memory lock
+(bench/hostwatch.py, looplag.py, bench/compare.late_sends, memory/hostlock.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,13 @@ import subprocess
 import sys
 import time
 
+import asyncio
+from types import SimpleNamespace
+
 import pytest
 
+from vllm_kunserve.bench.compare import late_sends
+from vllm_kunserve.looplag import LoopLag, lag_cause
 from vllm_kunserve.bench.hostwatch import HostSampler, faults_in, read_host, stall_windows
 from vllm_kunserve.memory import hostlock
 
@@ -49,6 +54,7 @@ def test_sampler_records_the_server_tree_cumulatively(tmp_path):
         rows = read_host(path)
         assert len(rows) >= 5 and s.rows
         assert any(k.startswith("majflt:") for k in rows[0])
+        assert any(k.startswith("runq:") for k in rows[0])  # each process's main thread's wait for a core
         for key in ("t", "pgmajfault", "steal_s", "iowait_s"):
             vals = [r[key] for r in rows]
             assert vals == sorted(vals), key  # counters never go back
@@ -130,3 +136,78 @@ def test_freeze_heap_obeys_its_switch(monkeypatch):
         assert n > 0 and n == gc.get_freeze_count()
     finally:
         gc.unfreeze()
+
+
+def _watch(block) -> dict:
+    """Run a LoopLag while a callback of the loop calls ``block`` once."""
+    async def main():
+        lag = LoopLag(interval_s=0.01, min_s=0.05).start()
+        await asyncio.sleep(0.05)
+        asyncio.get_running_loop().call_soon(block)
+        await asyncio.sleep(0.1)
+        await lag.stop()
+        return lag.view()
+    return asyncio.run(main())
+
+
+def test_loop_lag_tells_a_busy_loop_from_a_blocked_one():
+    def spin():
+        t = time.perf_counter()
+        while time.perf_counter() - t < 0.3:
+            pass
+    busy = _watch(spin)
+    blocked = _watch(lambda: time.sleep(0.3))
+    for v in (busy, blocked):
+        assert v["ticks"] >= 5 and v["late"] >= 1
+        assert v["longest"][0]["late_s"] >= 0.25  # the 0.3 s callback held the loop
+    b, s = busy["longest"][0], blocked["longest"][0]
+    # spinning, the thread was on a core or waiting for one (a loaded machine shares the core);
+    # sleeping, it was neither for most of the 0.3 s
+    assert b["cpu_s"] >= 0.05 and s["cpu_s"] < 0.05
+    assert lag_cause(b) in ("busy", "no core", "mixed")
+    if os.path.exists("/proc/thread-self/schedstat"):
+        assert b["runq_s"] is not None and b["cpu_s"] + b["runq_s"] >= 0.2
+        assert s["late_s"] - s["cpu_s"] - s["runq_s"] >= 0.2 and lag_cause(s) == "blocked"
+
+
+def test_lag_cause_reads_the_larger_share():
+    assert lag_cause({"late_s": 1.0, "cpu_s": 0.9, "runq_s": 0.05}) == "busy"
+    assert lag_cause({"late_s": 1.0, "cpu_s": 0.1, "runq_s": 0.8}) == "no core"
+    assert lag_cause({"late_s": 1.0, "cpu_s": 0.1, "runq_s": 0.1}) == "blocked"
+    assert lag_cause({"late_s": 1.0, "cpu_s": 0.4, "runq_s": 0.4}) == "mixed"
+    assert lag_cause({"late_s": 1.0, "cpu_s": 0.1, "runq_s": None}) == "mixed"  # no schedstat: unknown
+
+
+def test_late_sends_are_attributed_to_the_loop_wake_ups_they_overlap():
+    t0 = 100.0
+    results = [SimpleNamespace(idx=0, arrival_s=1.0, send_s=1.001),   # on time
+               SimpleNamespace(idx=1, arrival_s=2.0, send_s=2.5),     # late, loop waited for a core
+               SimpleNamespace(idx=2, arrival_s=5.0, send_s=5.2),     # late, no late wake-up seen
+               SimpleNamespace(idx=3, arrival_s=7.0, send_s=float("nan"))]  # never sent
+    loop = {"longest": [{"start_perf_s": t0 + 2.01, "late_s": 0.48, "cpu_s": 0.01, "runq_s": 0.45},
+                        {"start_perf_s": t0 + 3.5, "late_s": 0.2, "cpu_s": 0.2, "runq_s": 0.0}]}
+    got = late_sends(results, {"replay_t0_perf": t0, "client_loop": loop})
+    assert [r["idx"] for r in got] == [1, 2]
+    assert got[0]["cause"] == "no core" and got[0]["runq_s"] == pytest.approx(0.45)
+    assert got[1]["cause"] == "unseen" and got[1]["lag_s"] == pytest.approx(0.2)
+
+
+def test_client_sched_runs_the_block_real_time_and_restores_or_says_why_not():
+    from vllm_kunserve.bench.runner import client_sched
+
+    before = os.sched_getscheduler(0)
+    out: dict = {}
+    with client_sched(False, out):
+        assert os.sched_getscheduler(0) == before
+    assert out == {"realtime_asked": False, "realtime": False}
+    out = {}
+    with client_sched(True, out):
+        inside = os.sched_getscheduler(0)
+        child = subprocess.run([sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"],
+                               capture_output=True, text=True, check=True)
+    assert os.sched_getscheduler(0) == before  # restored
+    if out["realtime"]:
+        assert inside & ~os.SCHED_RESET_ON_FORK == os.SCHED_FIFO
+        assert int(child.stdout) == os.SCHED_OTHER  # nothing it starts inherits the priority
+    else:  # no root / CAP_SYS_NICE: normal priority, and the reason recorded
+        assert inside == before and out["realtime_error"]

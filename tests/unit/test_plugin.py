@@ -1,6 +1,7 @@
 """The plugin's activation gate (vLLM's EngineArgs class is imported; no engine is built)."""
 
 import sys
+import time
 import types
 
 import pytest
@@ -73,3 +74,65 @@ def test_gate_activates_per_engine_and_exports_patches(gate, monkeypatch):
     EngineArgs.create_engine_config(b)
     assert b.enforce_eager is True
     assert set(os.environ[plugin.ENV_PATCHES].split(",")) >= {"worker_extension", "kv_plan", "engine_core"}
+
+
+def test_shm_wait_setting_makes_every_queue_reader_sleep_instead_of_spinning(monkeypatch):
+    """KUNSERVE_SHM_WAIT_MS: register() makes vLLM's shared-memory queue readers, while busy, sleep on
+    the writer's signal for up to that many ms instead of spinning on sched_yield() (in any process,
+    stock engines too); a lost signal costs at most that slice. Unset: vLLM's spin, untouched."""
+    zmq = pytest.importorskip("zmq")
+    from vllm.distributed.device_communicators import shm_broadcast
+    from vllm.utils.network_utils import get_open_zmq_ipc_path
+
+    from vllm_kunserve.integration.vllm import shm_wait
+
+    def waits(n: int = 20) -> tuple[float, float, float]:
+        """(CPU s, wall s) of n busy-window waits with no writer signal, and the wall s of one wait
+        the writer signalled (the reader must return on the signal, well before its slice)."""
+        ctx = zmq.Context()
+        try:
+            addr = get_open_zmq_ipc_path()
+            writer = shm_broadcast.SpinCondition(False, ctx, addr)
+            reader = shm_broadcast.SpinCondition(True, ctx, addr)
+            reader.busy_loop_s = 60.0  # in the busy window throughout
+            c, t = time.thread_time(), time.perf_counter()
+            for _ in range(n):
+                reader.wait(timeout_ms=5000)
+            cpu, wall = time.thread_time() - c, time.perf_counter() - t
+            time.sleep(0.2)  # the subscription has propagated
+            writer.notify()
+            time.sleep(0.05)
+            t = time.perf_counter()
+            reader.wait(timeout_ms=5000)
+            signalled = time.perf_counter() - t
+            for s in (reader.local_notify_socket, reader.read_cancel_socket, reader.write_cancel_socket,
+                      writer.local_notify_socket):
+                s.close(linger=0)
+            return cpu, wall, signalled
+        finally:
+            ctx.term()
+
+    monkeypatch.delenv(shm_wait.ENV, raising=False)
+    assert shm_wait.apply_from_env() is None
+    _, stock_wall, _ = waits()
+    assert stock_wall < 0.01  # vLLM: each wait is one sched_yield(), the caller spins
+    monkeypatch.setenv(shm_wait.ENV, "20")
+    monkeypatch.setitem(plugin._state, "gate", None)
+    monkeypatch.setattr(EngineArgs, "create_engine_config", EngineArgs.create_engine_config)  # gate undone after
+    try:
+        plugin.register()
+        cpu, wall, signalled = waits()
+        assert wall >= 20 * 0.015 and cpu < 0.5 * wall  # each wait slept its slice, off the CPU
+        assert wall < 20 * 0.5  # ... and never waited for vLLM's 5 s recheck
+        assert signalled < 0.015  # the writer's signal ends the sleep
+        plugin.register()  # a second load in the same process does not wrap twice
+        assert len(shm_wait._applied) == 1
+    finally:
+        shm_wait.revert()
+    _, wall, _ = waits()
+    assert wall < 0.01
+    for bad in ("-1", "soon", "inf", "nan", "1000"):
+        with pytest.raises(ValueError, match=shm_wait.ENV):
+            shm_wait.wanted_wait_ms({shm_wait.ENV: bad})
+    assert shm_wait.wanted_wait_ms({shm_wait.ENV: "0"}) is None
+    assert shm_wait.wanted_wait_ms({shm_wait.ENV: "1.5"}) == 1.5

@@ -21,6 +21,7 @@ from vllm_kunserve.bench.hostwatch import HostSampler, faults_in
 from vllm_kunserve.bench.runner import BenchRun
 from vllm_kunserve.bench.systems import LAUNCHERS, CommonArgs, SystemSpec
 from vllm_kunserve.cluster.launcher import ServerProcess, free_port
+from vllm_kunserve.looplag import lag_cause
 
 # (key in the table, label, getter from a summary, scale for display)
 METRICS: list[tuple[str, str, Callable[[dict], Any], float]] = [
@@ -131,25 +132,55 @@ def run_system(spec: SystemSpec, common: CommonArgs, run_dir: Path, startup_time
             run = body(server.endpoint)
             wall, client = time.perf_counter() - t0, time.process_time() - c0
             after = cpu_times(pid)
-            front_gc = _frontend_gc(server.endpoint)
+            front = _frontend_status(server.endpoint)
+            front_gc = front.get("gc")
     cpu = {k: round((after.get(k, 0.0) - before.get(k, 0.0)) / wall, 3) for k in after} if wall > 0 else {}
     cpu["client"] = round(client / wall, 3) if wall > 0 else None
     facts = {"startup_s": startup, "exit_code": server.proc.returncode if server.proc else None,
              "argv": plan.argv, "env": plan.env, "cpu_share": cpu,
-             "host": host_facts(host.rows, run.summary, front_gc), "frontend_gc": front_gc}
+             "host": host_facts(host.rows, run.summary, front_gc), "frontend_gc": front_gc,
+             "frontend_loop": front.get("loop"),
+             "late_sends": late_sends(run.results, run.summary)}
     return run, facts
 
 
-def _frontend_gc(endpoint: str) -> dict | None:
-    """The ``kunserve serve`` front end's collector pauses (``/kunserve/status``), None elsewhere."""
+def _frontend_status(endpoint: str) -> dict:
+    """The ``kunserve serve`` front end's collector pauses and late loop wake-ups
+    (``/kunserve/status`` keys ``gc`` and ``loop``); empty elsewhere."""
     import json
     import urllib.request
 
     try:
         with urllib.request.urlopen(endpoint.rstrip("/") + "/kunserve/status", timeout=10) as r:
-            return json.loads(r.read()).get("gc")
+            return json.loads(r.read())
     except (OSError, ValueError):
-        return None
+        return {}
+
+
+def late_sends(results: Sequence[Any], summary: dict[str, Any], min_s: float = 0.05) -> list[dict]:
+    """Every request the client sent at least ``min_s`` after its arrival time, with what the client's
+    event loop was doing meanwhile: the late wake-ups (``looplag.LoopLag``) that overlap the interval
+    from arrival to send, their CPU and run-queue seconds summed, and the main cause (``lag_cause``:
+    busy, no core, blocked) -- ``unseen`` where no late wake-up overlaps (the loop ran on time)."""
+    t0 = summary.get("replay_t0_perf")
+    events = (summary.get("client_loop") or {}).get("longest", [])
+    out = []
+    for r in results:
+        lag = r.send_s - r.arrival_s
+        if not lag >= min_s:
+            continue
+        row = {"idx": r.idx, "arrival_s": round(r.arrival_s, 3), "lag_s": round(lag, 3), "cause": "unseen"}
+        if t0 is not None:
+            a, b = t0 + r.arrival_s, t0 + r.send_s
+            hit = [e for e in events if e["start_perf_s"] < b and e["start_perf_s"] + e["late_s"] > a]
+            if hit:
+                runq = [e["runq_s"] for e in hit]
+                agg = {"late_s": sum(e["late_s"] for e in hit), "cpu_s": sum(e["cpu_s"] for e in hit),
+                       "runq_s": None if None in runq else sum(runq)}
+                row.update({k: round(v, 4) if v is not None else None for k, v in agg.items()},
+                           cause=lag_cause(agg))
+        out.append(row)
+    return out
 
 
 def _overlapping(windows: Sequence[tuple[float, float]], pauses: Sequence[dict], min_s: float = 0.05) -> int:

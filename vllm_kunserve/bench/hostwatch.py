@@ -4,8 +4,9 @@ A benchmark on a shared or virtual machine can be paused by the host rather than
 pages reclaimed behind the processes' back (a DAMON ``pageout`` scheme, memory pressure) come back as
 major faults read from disk; a hypervisor takes CPU time as steal. :class:`HostSampler` reads, every
 ``interval_s`` on its own thread, the machine's ``pgmajfault`` (``/proc/vmstat``), steal and iowait
-(``/proc/stat``) and the major faults of every process of the server's tree summed by process name,
-and writes them as cumulative counters to a CSV. :func:`stall_windows` finds the intervals in which
+(``/proc/stat``), and the major faults and run-queue wait (main thread: time runnable but
+waiting for a core) of every process of the server's tree summed by process name, and writes them
+as cumulative counters to a CSV. :func:`stall_windows` finds the intervals in which
 no streamed token reached the client while requests were in flight; :func:`faults_in` says how many
 major faults fell in given intervals, to tell a host stall from a slow server.
 
@@ -50,6 +51,15 @@ def _majflt(pid: int) -> tuple[str, int] | None:
     return name, int(rest[9])  # field 12 of stat: majflt (rest starts at field 3)
 
 
+def _runq_s(pid: int) -> float | None:
+    """Seconds the process's main thread spent runnable but waiting for a CPU (/proc/<pid>/schedstat)."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _tree(pid: int) -> list[int]:
     import psutil
 
@@ -87,6 +97,7 @@ class HostSampler:
 
     def _loop(self) -> None:
         last: dict[int, tuple[str, int]] = {}
+        waits: dict[int, float] = {}
         next_tree = 0.0
         pids: list[int] = []
         while not self._stop.is_set():
@@ -97,11 +108,16 @@ class HostSampler:
                 v = _majflt(p)
                 if v is not None:
                     last[p] = v
+                    w = _runq_s(p)
+                    if w is not None:
+                        waits[p] = w
             steal, iowait = _cpu_steal_iowait_s()
             row = {"t": round(now, 4), "pgmajfault": _vmstat_majfault(), "steal_s": steal, "iowait_s": iowait}
-            for name, n in last.values():
+            for p, (name, n) in last.items():
                 key = "majflt:" + name
                 row[key] = row.get(key, 0) + n
+                if p in waits:
+                    row["runq:" + name] = round(row.get("runq:" + name, 0.0) + waits[p], 4)
             self.rows.append(row)
             self._stop.wait(self.interval_s)
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ from vllm_kunserve.bench.prompts import PromptFactory
 from vllm_kunserve.bench.scrape import Scraper, scrape_once
 from vllm_kunserve.bench.traces import Trace
 from vllm_kunserve.gcpause import GcPauses, freeze_heap
+from vllm_kunserve.looplag import LoopLag
 
 
 @dataclass
@@ -35,6 +39,36 @@ class BenchOptions:
     ref_ttft_s: float | None = None
     ref_tpot_s: float | None = None
     title: str = ""
+    realtime: bool = False  # replay from a SCHED_FIFO thread (see client_sched)
+
+
+@contextmanager
+def client_sched(realtime: bool, out: dict[str, Any]):
+    """Run the block with this thread at real-time priority (``SCHED_FIFO`` 1, with
+    ``SCHED_RESET_ON_FORK`` so no thread or process it starts inherits it) when ``realtime``; the
+    previous policy comes back after. The client needs a few percent of a core, but at its send
+    times: on a host whose cores the engines, their API servers and the front end keep busy, its
+    loop waited up to seconds for a core at normal priority (``looplag.py``: runnable, not
+    running). ``out`` records what was asked and what was granted (refused: no root or
+    CAP_SYS_NICE, or not Linux; the replay then runs at normal priority and says so)."""
+    out.update(realtime_asked=realtime, realtime=False)
+    if not realtime:
+        yield
+        return
+    try:
+        prev = os.sched_getscheduler(0), os.sched_getparam(0)
+        os.sched_setscheduler(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, os.sched_param(1))
+    except (AttributeError, OSError) as e:
+        out["realtime_error"] = f"{type(e).__name__}: {e}"
+        print(f"client: real-time priority refused ({out['realtime_error']}); replaying at normal priority",
+              file=sys.stderr)
+        yield
+        return
+    out["realtime"] = True
+    try:
+        yield
+    finally:
+        os.sched_setscheduler(0, prev[0], prev[1])
 
 
 def build_specs(trace: Trace, factory: PromptFactory) -> list[RequestSpec]:
@@ -61,12 +95,14 @@ async def _warmup(endpoint: str, model: str, factory: PromptFactory, n: int, tim
 
 
 async def _run(opts: BenchOptions, factory: PromptFactory, specs: list[RequestSpec],
-               deadline_s: float, t0s: list[float], gc_pauses: GcPauses) -> tuple[list, Scraper | None]:
+               deadline_s: float, t0s: list[float], gc_pauses: GcPauses,
+               loop_lag: LoopLag, sched: dict[str, Any]) -> tuple[list, Scraper | None]:
     await _warmup(opts.endpoint, opts.model, factory, opts.warmup, opts.request_timeout_s)
     # this process stamps every token: the tokenizer's and the harness's heap out of the collector's
     # scans from here on (KUNSERVE_GC_FREEZE=0 to measure without), and every pause timed
     freeze_heap()
     gc_pauses.install()
+    loop_lag.start()  # every late wake-up of this loop, with what its thread did meanwhile
     scraper = Scraper(opts.endpoint, opts.scrape_interval_s) if opts.scrape else None
     stop = asyncio.Event()
     tasks: list[asyncio.Task] = []
@@ -78,10 +114,12 @@ async def _run(opts: BenchOptions, factory: PromptFactory, specs: list[RequestSp
             tasks.append(asyncio.create_task(scraper.run(stop)))
 
     try:
-        results = await replay(opts.endpoint, opts.model, specs, request_timeout_s=opts.request_timeout_s,
-                               deadline_s=deadline_s, progress=opts.progress, on_start=on_start)
+        with client_sched(opts.realtime, sched):
+            results = await replay(opts.endpoint, opts.model, specs, request_timeout_s=opts.request_timeout_s,
+                                   deadline_s=deadline_s, progress=opts.progress, on_start=on_start)
     finally:
         gc_pauses.remove()
+        await loop_lag.stop()
         stop.set()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -110,8 +148,8 @@ def run_bench(trace: Trace, factory: PromptFactory, opts: BenchOptions, out: Pat
     specs = build_specs(trace, factory)
     deadline = opts.deadline_s if opts.deadline_s else trace.duration_s + opts.request_timeout_s + 5.0
     t0s: list[float] = []
-    gc_pauses = GcPauses()
-    results, scraper = asyncio.run(_run(opts, factory, specs, deadline, t0s, gc_pauses))
+    gc_pauses, loop_lag, sched = GcPauses(), LoopLag(), {}
+    results, scraper = asyncio.run(_run(opts, factory, specs, deadline, t0s, gc_pauses, loop_lag, sched))
     series = scraper.series() if scraper else []
     demand = kv_demand(trace, demand_model) if demand_model else None
     rows = M.timeline(results, series, demand)
@@ -125,6 +163,8 @@ def run_bench(trace: Trace, factory: PromptFactory, opts: BenchOptions, out: Pat
     # which no streamed token arrived while requests were in flight, from that zero
     summary["replay_t0_perf"] = t0s[0] if t0s else None
     summary["client_gc"] = gc_pauses.view()
+    summary["client_loop"] = loop_lag.view(n=500)
+    summary["client_sched"] = sched
     summary["stalls"] = [{"start_s": round(a, 3), "end_s": round(b, 3), "gap_s": round(b - a, 3), "active": n}
                          for a, b, n in stall_windows((r.send_s, r.token_times) for r in results if r.ok)]
     if scraper is not None:

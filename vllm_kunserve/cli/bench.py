@@ -21,6 +21,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-scrape", action="store_true", help="do not scrape the server's /metrics")
     g.add_argument("--slo-ref-ttft", type=float, help="reference P50 TTFT (s) for SLO attainment (default: own)")
     g.add_argument("--slo-ref-tpot", type=float, help="reference P50 TPOT (s) for SLO attainment (default: own)")
+    g.add_argument("--client-realtime", action="store_true",
+                   help="replay from a real-time thread (SCHED_FIFO, not inherited by anything it starts): on a host "
+                        "whose cores the servers fill, the client then sends on time (needs root or CAP_SYS_NICE)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -77,7 +80,7 @@ def bench_options(args: argparse.Namespace, endpoint: str, model: str, title: st
     return BenchOptions(endpoint=endpoint, model=model, request_timeout_s=args.request_timeout,
                         deadline_s=args.deadline, warmup=args.warmup, progress=not args.no_progress and sys.stderr.isatty(),
                         scrape=not args.no_scrape, plots=not args.no_plots, ref_ttft_s=args.slo_ref_ttft,
-                        ref_tpot_s=args.slo_ref_tpot, title=title)
+                        ref_tpot_s=args.slo_ref_tpot, title=title, realtime=args.client_realtime)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -43,6 +43,7 @@ from vllm_kunserve.cluster.monitor import FlightBook, Monitor, bearer, instance_
 from vllm_kunserve.cluster.relay import Flight, Move, Relay, UpstreamLost
 from vllm_kunserve.cluster.validate import BadRequest, error_body, parse_json, validate
 from vllm_kunserve.gcpause import GcPauses, freeze_heap
+from vllm_kunserve.looplag import LoopLag
 from vllm_kunserve.policy.dispatch import check_mode, choose_instance
 
 logger = logging.getLogger("kunserve.frontend")
@@ -111,6 +112,7 @@ class FrontEnd:
         self.migrating = plan_migrations is not None and self.dispatch == "mell"
         self.events: list[dict] = []
         self.gc, self.gc_frozen = GcPauses(), 0  # the collector's pauses of this event loop; objects frozen
+        self.loop_lag = LoopLag()  # this event loop's late wake-ups: a late relay, not a slow engine
         self.freeze_gc = False  # `kunserve serve` sets it: the serving process's heap is frozen after startup
         self.served: list[str] = []
         self.max_model_len = 0
@@ -185,9 +187,11 @@ class FrontEnd:
         # models, the tokenizer, FastAPI) out of the collector's scans, and time every pause
         self.gc_frozen = freeze_heap() if self.freeze_gc else 0
         self.gc.install()
+        self.loop_lag.start()
 
     async def close(self) -> None:
         self.gc.remove()
+        await self.loop_lag.stop()
         if self._stop is not None:
             self._stop.set()
         for t in self._tasks:
@@ -354,6 +358,7 @@ class FrontEnd:
                 "memory": {str(e.index): reps.get(e.index, {}).get("capacity_blocks") for e in self.fleet.engines},
                 "monitor": {"interval_s": self.monitor.interval_s, "polls": self.monitor.polls},
                 "gc": {"frozen_objects": self.gc_frozen, **self.gc.view()},
+                "loop": self.loop_lag.view(),
                 "events": (self.fleet.events[-30:] + self.events[-30:])}
 
 
