@@ -154,10 +154,13 @@ def test_engine_killed_mid_run_every_request_completes_and_restarts(cluster):
 
             async def killer():
                 # as soon as a streamed request has sent tokens (the front end's view), kill its engine
+                # (any point of the stream will do while enough of it is left that the kill lands before
+                # it ends: a narrow window is missed when a status poll comes late on a loaded host)
                 t0 = time.monotonic()
                 while time.monotonic() - t0 < 120:
                     st = await status(s, cluster.url)
-                    live = [r for r in st["requests"] if r["movable"] and 5 <= r["generated"] <= n // 5]
+                    killed["seen"] = [(r["movable"], r["generated"]) for r in st["requests"]]
+                    live = [r for r in st["requests"] if r["movable"] and 5 <= r["generated"] <= n // 2]
                     if live:
                         killed["instance"] = live[0]["instance"]
                         killed["op"] = await op(s, cluster.url, "kill", {"instance": live[0]["instance"]})
@@ -168,6 +171,7 @@ def test_engine_killed_mid_run_every_request_completes_and_restarts(cluster):
             answers, _ = await asyncio.gather(asyncio.gather(*jobs), killer())
             return answers, killed
     answers, killed = asyncio.run(go())
+    assert "op" in killed, f"no streamed request was seen mid-run; last status requests: {killed.get('seen')}"
     assert killed["op"][0] == 200, killed
     dead = killed["instance"]
     assert all(a.status == 200 and a.error is None for a in answers), [(a.status, a.error) for a in answers][:4]
@@ -186,7 +190,7 @@ def test_engine_killed_mid_run_every_request_completes_and_restarts(cluster):
     # every streamed request the kill interrupted after it had sent tokens continued elsewhere from
     # them (the kill answers with what it interrupted, read atomically with the kill)
     hit = [r["id"] for r in killed["op"][1]["in_flight"] if r["movable"] and r["generated"] > 0]
-    assert hit, killed["op"]  # the kill landed mid-stream (n // 5 tokens sent of n when chosen)
+    assert hit, killed["op"]  # the kill landed mid-stream (at most n // 2 tokens sent of n when chosen)
     resumed = {e["request"] for e in st["events"] if e["event"] == "failover" and e.get("tokens", 0) > 0}
     assert set(hit) <= resumed, ([e for e in st["events"] if e["event"] in ("failover", "kill")], hit)
     with urllib.request.urlopen(cluster.url + "/metrics", timeout=10) as r:
