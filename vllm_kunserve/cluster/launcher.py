@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from vllm_kunserve.parentwatch import ENV_PARENT
+
 __all__ = ["KunserveCluster", "LaunchPlan", "ServerProcess", "VllmServer", "cluster_argv", "cpu_env", "free_port",
            "serve_argv"]
 
@@ -111,6 +113,7 @@ class ServerProcess:
         for k in self.plan.unset_env:
             env.pop(k, None)
         env.update(self.plan.env)
+        env[ENV_PARENT] = str(os.getpid())  # the server stops its group when this process is gone
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")
         self._log.write(("$ " + " ".join(self.plan.argv) + "\n").encode())
