@@ -50,6 +50,10 @@ class DropConfig:
         "slow down. A token count, not a cost: on a GPU a prompt token costs a small fraction of a decode step and "
         "a prompt-heavy queue can still be KV-bound, so the default (0) leaves the check off.",
         lo=0.0, hi=1.0)
+    decode_share_window_s: float = _opt(
+        5.0, "Seconds of the monitor's recent readings the decode share is summed over, with the current one: a "
+        "prompt-heavy queue that drains for a moment reads as all decode, and one such reading would drop "
+        "(0: the current reading alone).", lo=0.0, hi=600.0)
     max_group_size: int = _opt(
         8, "Largest pipeline group the planner may form (instances per group).", lo=1, hi=4096)
     check_interval_s: float = _opt(0.5, "Monitor period in seconds.", lo=0.01, hi=60.0, lo_open=False)

@@ -64,13 +64,15 @@ def group_members(pgid: int, exclude: int | None = None) -> list[int]:
 
 
 def stop_group(grace_s: float, poll_s: float = 0.2) -> None:
-    """SIGINT this process's group, then SIGKILL it if any other member outlives ``grace_s`` (this
-    process included: a server that did not stop on SIGINT is killed with its group)."""
+    """SIGINT this process's group, then SIGKILL it (this process included) if, after ``grace_s``,
+    this process's main thread still runs (it did not stop on SIGINT: a server still starting, say)
+    or another member is left. Run from a non-daemon thread: the interpreter's exit waits for it, so
+    it returns as soon as the main thread has finished and the rest of the group is gone."""
     me, pgid = os.getpid(), os.getpgrp()
     os.killpg(pgid, signal.SIGINT)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
-        if not group_members(pgid, exclude=me):
+        if not threading.main_thread().is_alive() and not group_members(pgid, exclude=me):
             return
         time.sleep(poll_s)
     logger.warning("kunserve: process group %d still alive %.0f s after SIGINT; SIGKILL", pgid, grace_s)

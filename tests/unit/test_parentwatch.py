@@ -32,6 +32,8 @@ time.sleep(600)
 SERVER = """
 import os, signal, subprocess, sys, time
 from vllm_kunserve.parentwatch import watch_from_env
+if sys.argv[1] == "deaf":   # a server that does not stop on SIGINT (kunserve serve while it starts)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 child = subprocess.Popen([sys.executable, {child!r}, sys.argv[1]])   # same group, same environment
 w = watch_from_env(interval_s=0.05, grace_s=1.5)
 print("server", os.getpid(), w is not None, flush=True)
@@ -45,7 +47,7 @@ except KeyboardInterrupt:   # SIGINT from the watcher: the server's own shutdown
 CHILD = """
 import os, signal, sys, time
 from vllm_kunserve.parentwatch import watch_from_env
-if sys.argv[1] == "stubborn":
+if sys.argv[1] in ("stubborn", "deaf"):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 print("child", os.getpid(), watch_from_env() is not None, flush=True)   # not the launcher's child
 try:
@@ -78,7 +80,7 @@ def _launch(tmp_path: Path, mode: str):
     return launcher, seen, out
 
 
-@pytest.mark.parametrize("mode", ["polite", "stubborn"])
+@pytest.mark.parametrize("mode", ["polite", "stubborn", "deaf"])
 def test_server_group_stops_when_the_launcher_is_killed(tmp_path, mode):
     launcher, seen, out = _launch(tmp_path, mode)
     (server, server_watches), (child, child_watches) = seen["server"], seen["child"]
@@ -94,12 +96,15 @@ def test_server_group_stops_when_the_launcher_is_killed(tmp_path, mode):
     took = time.monotonic() - t0
     assert not running(server) and not running(child), (mode, took)
     said = out.read_text().splitlines()
-    assert "server sigint" in said  # the server shut down on SIGINT, as on the launcher's own stop()
     if mode == "polite":
-        assert "child sigint" in said  # the whole group got it
-    else:
+        # the server shut down on SIGINT, as on the launcher's own stop(), and so did the whole group
+        assert "server sigint" in said and "child sigint" in said
+    elif mode == "stubborn":
         # the child ignoring SIGINT was SIGKILLed once the grace period had passed
-        assert "child sigint" not in said and took >= 1.5, (said, took)
+        assert "server sigint" in said and "child sigint" not in said and took >= 1.5, (said, took)
+    else:
+        # neither stopped on SIGINT: both SIGKILLed after the grace period
+        assert "server sigint" not in said and "child sigint" not in said and took >= 1.5, (said, took)
 
 
 def test_orphaned_before_the_watch_starts_stops_at_once(tmp_path):

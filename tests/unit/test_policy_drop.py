@@ -178,3 +178,34 @@ def test_replanning_from_existing_groups(n, first, second):
             need = sum(hi - lo for lo, hi in s.load_layers)
             kept = max(0, min(s.layer_end, h1) - max(s.layer_start, h0))
             assert need == (s.layer_end - s.layer_start) - kept
+
+
+def test_a_moment_of_pure_decode_in_a_prefill_heavy_window_does_not_drop():
+    # measured: a prompt-heavy queue that drained for one reading read as all decode (share 1.0 between
+    # 0.1-0.3) and the cluster dropped on it; the share is summed over the window's readings
+    insts = tuple(InstanceSnapshot(i, 1000, 950, 100, prefill_tokens=0, decode_tokens=150) for i in range(2))
+    past = ((2.0, 5000, 0),            # older than the window: ignored
+            (6.0, 300, 2560), (8.0, 250, 2300))
+    snap = ClusterSnapshot(MODEL, insts, (), now_s=10.0, work_history=past)
+    cfg = DropConfig(forecast_horizon_s=0.0, min_decode_share=0.5, decode_share_window_s=5.0)
+    rep = assess_overload(snap, cfg)
+    assert rep.decode_share == pytest.approx((300 + 300 + 250) / (300 + 300 + 250 + 2560 + 2300))
+    assert rep.ratio > cfg.trigger_ratio and rep.compute_bound and not rep.overloaded
+    # the current reading alone (window 0) drops, as before
+    alone_now = DropConfig(forecast_horizon_s=0.0, min_decode_share=0.5, decode_share_window_s=0.0)
+    assert assess_overload(snap, alone_now).overloaded
+    # a decode-heavy window stays a reason to drop
+    decode_past = ((6.0, 1600, 320), (8.0, 1800, 192))
+    rep = assess_overload(ClusterSnapshot(MODEL, insts, (), now_s=10.0, work_history=decode_past), cfg)
+    assert rep.overloaded and rep.decode_share == pytest.approx(3700 / 4212)
+
+
+def test_work_history_round_trips_and_is_checked():
+    d = {"model": {"num_layers": 2, "layer_bytes": 10, "block_bytes": 1},
+         "instances": [{"instance_id": 0, "kv_blocks_total": 10, "kv_blocks_used": 1}],
+         "now_s": 3.0, "work_history": [[1.0, 320, 64], [2.0, 0, 256]]}
+    assert ClusterSnapshot.from_dict(d).work_history == ((1.0, 320, 64), (2.0, 0, 256))
+    with pytest.raises(ValueError, match=r"work_history\[0\]"):
+        ClusterSnapshot.from_dict({**d, "work_history": [[1.0, 320]]})
+    with pytest.raises(ValueError, match=r"work_history\[1\]"):
+        ClusterSnapshot.from_dict({**d, "work_history": [[1.0, 320, 64], [2.0, -1, 0]]})

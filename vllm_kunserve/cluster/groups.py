@@ -64,6 +64,7 @@ class GroupController:
         self.timeout_s = timeout_s
         self.groups: list[Group] = []
         self.history: deque[tuple[float, float]] = deque(maxlen=256)
+        self.work: deque[tuple[float, int, int]] = deque(maxlen=256)  # (t, decode, prefill tokens to compute)
         self.restore_state = RestoreState()
         self.busy = False
         self.last: dict = {}
@@ -111,7 +112,8 @@ class GroupController:
         groups += [(i,) for i in members if i not in grouped]
         return cluster_input(num_layers=len(s0["layers"]), layer_bytes=layer_bytes,
                              block_bytes=s0["capacity"]["block_bytes"], block_size=s0["capacity"]["block_size"],
-                             rows=rows, groups=groups, now_s=time.monotonic(), history=tuple(self.history))
+                             rows=rows, groups=groups, now_s=time.monotonic(), history=tuple(self.history),
+                             work_history=tuple(self.work))
 
     # -- the monitor's listener -----------------------------------------------------------------------
     async def on_poll(self, reports: dict) -> None:
@@ -137,6 +139,7 @@ class GroupController:
             return
         report = assess_overload(snap, self.cfg.drop)
         self.history.append((snap.now_s, report.demand_blocks))
+        self.work.append(snap.work_now())
         self.peak_ratio = max(self.peak_ratio, report.ratio)
         self.last = {"overload": report.to_dict(), "peak_ratio": self.peak_ratio}
         if report.compute_bound != self.compute_bound:

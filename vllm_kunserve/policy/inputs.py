@@ -42,7 +42,8 @@ def remap_input(load: EngineLoad, model: ModelLayers, *, h2d_bytes_per_s: float,
 
 
 def cluster_input(*, num_layers: int, layer_bytes: int, block_bytes: int, block_size: int, rows: list[dict],
-                  groups: list[tuple[int, ...]], now_s: float, history: tuple = ()) -> "ClusterSnapshot":
+                  groups: list[tuple[int, ...]], now_s: float, history: tuple = (),
+                  work_history: tuple = ()) -> "ClusterSnapshot":
     """The drop / restore policies' cluster snapshot from per-instance rows (``instance_id``,
     ``capacity_blocks``, ``used_blocks``, ``queued_blocks``, ``held``: the (start, end) layer range
     it runs in a group or None for all, ``healthy``, optional ``base_blocks``: capacity holding every
@@ -60,4 +61,4 @@ def cluster_input(*, num_layers: int, layer_bytes: int, block_bytes: int, block_
                                    prefill_tokens=int(r.get("prefill_tokens") or 0),
                                    decode_tokens=int(r.get("decode_tokens") or 0)) for r in rows)
     return ClusterSnapshot(model=model, instances=insts, groups=tuple(groups), now_s=now_s,
-                           demand_history=tuple(history))
+                           demand_history=tuple(history), work_history=tuple(work_history))

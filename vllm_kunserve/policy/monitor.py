@@ -27,6 +27,7 @@ from vllm_kunserve.policy.snapshot import ClusterSnapshot
 class MonitorState:
     history: tuple[tuple[float, float], ...] = ()  # (time_s, cluster demand blocks), oldest first
     restore: RestoreState = RestoreState()
+    work: tuple[tuple[float, int, int], ...] = ()  # (time_s, decode, prefill tokens to compute), oldest first
 
 
 @dataclass(frozen=True)
@@ -50,17 +51,19 @@ def monitor_tick(cluster: ClusterSnapshot, state: MonitorState = MonitorState(),
     """One monitor period over ``cluster`` (its ``demand_history`` is replaced by the state's)."""
     demand = float(sum(i.kv_blocks_used + i.queued_blocks for i in cluster.instances))
     history = record_demand(state.history, cluster.now_s, demand, history_s)
-    snap = replace(cluster, demand_history=history)
+    past = tuple(w for w in state.work if w[0] >= cluster.now_s - max(history_s, drop.decode_share_window_s))
+    snap = replace(cluster, demand_history=history, work_history=past)
+    work = (*past, snap.work_now())
     rep = assess_overload(snap, drop)
     if rep.overloaded and drop.enable:
         plan = plan_drop(snap, rep.need_bytes, drop.max_group_size)
-        return MonitorDecision("drop", snap, rep, drop=plan), MonitorState(history, RestoreState())
+        return MonitorDecision("drop", snap, rep, drop=plan), MonitorState(history, RestoreState(), work)
     rstate = state.restore
     if allow_restore and restore.enable and any(len(g) > 1 for g in snap.groups):
         dec, rstate = decide_restore(snap, rstate, restore, drop)
         if dec.restore:
-            return MonitorDecision("restore", snap, rep, restore=dec), MonitorState(history, rstate)
-    return MonitorDecision("none", snap, rep), MonitorState(history, rstate)
+            return MonitorDecision("restore", snap, rep, restore=dec), MonitorState(history, rstate, work)
+    return MonitorDecision("none", snap, rep), MonitorState(history, rstate, work)
 
 
 __all__ = ["MonitorDecision", "MonitorState", "monitor_tick", "record_demand"]

@@ -10,8 +10,13 @@ limits throughput. Extra KV admits a bigger decode batch, which is nearly free p
 is weight-bandwidth-bound; it does nothing for a queue of prompts, whose prefill is compute-bound
 and which a pipeline group would only slow down. So the report also gives the *decode share* of the
 work still to compute, outputs to come / (outputs to come + prompt tokens to prefill), and calls the
-cluster overloaded only where it is at least ``min_decode_share`` (``compute_bound`` otherwise). An
-instance that reports no pending tokens counts as decode (the check then never blocks a drop).
+cluster overloaded only where it is at least ``min_decode_share`` (``compute_bound`` otherwise). The
+share sums the current reading with the snapshot's ``work_history`` of the last
+``decode_share_window_s``: a prompt-heavy queue that drains for a moment reads as all decode (only
+running requests' outputs left), and a drop on that one reading is not undone until demand falls
+(measured: the prefill-heavy cluster burst dropped on a single reading of 1.0 between readings of
+0.1-0.3). An instance that reports no pending tokens counts as decode (the check then never blocks
+a drop).
 """
 
 from __future__ import annotations
@@ -89,7 +94,7 @@ def assess_overload(cluster: ClusterSnapshot, cfg: DropConfig = DropConfig()) ->
     cap = float(sum(d.capacity_blocks for d in per))
     fc = forecast_blocks(cluster.demand_history, cfg.forecast_horizon_s)
     ratio = (demand + fc) / cap if cap else float("inf")
-    share = decode_share(cluster)
+    share = decode_share(cluster, cfg.decode_share_window_s)
     compute_bound = ratio > cfg.trigger_ratio and share < cfg.min_decode_share
     overloaded = ratio > cfg.trigger_ratio and not compute_bound
     need = 0.0
@@ -101,9 +106,12 @@ def assess_overload(cluster: ClusterSnapshot, cfg: DropConfig = DropConfig()) ->
                           share, compute_bound)
 
 
-def decode_share(cluster: ClusterSnapshot) -> float:
-    """Outputs still to come over all tokens still to compute, healthy instances; 1.0 with none."""
-    live = [i for i in cluster.instances if i.healthy]
-    dec = sum(i.decode_tokens for i in live)
-    pre = sum(i.prefill_tokens for i in live)
+def decode_share(cluster: ClusterSnapshot, window_s: float = 0.0) -> float:
+    """Outputs still to come over all tokens still to compute (healthy instances), summed over the
+    current reading and the ``work_history`` readings of the last ``window_s``; 1.0 with none."""
+    _, dec, pre = cluster.work_now()
+    if window_s > 0:
+        for t, d, p in cluster.work_history:
+            if cluster.now_s - window_s <= t < cluster.now_s:
+                dec, pre = dec + d, pre + p
     return dec / (dec + pre) if dec + pre else 1.0

@@ -145,6 +145,9 @@ class ClusterSnapshot:
     groups: tuple[tuple[int, ...], ...] = ()  # empty = every instance alone
     now_s: float = 0.0
     demand_history: tuple[tuple[float, float], ...] = ()  # (time_s, cluster demand blocks)
+    #: earlier readings of the work still to compute, (time_s, decode tokens, prefill tokens), healthy
+    #: instances summed; the current reading is the instances' own (not repeated here)
+    work_history: tuple[tuple[float, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         ids = [i.instance_id for i in self.instances]
@@ -169,7 +172,7 @@ class ClusterSnapshot:
     @classmethod
     def from_dict(cls, d: Any, where: str = "cluster") -> "ClusterSnapshot":
         d = need_mapping(d, where)
-        check_unknown(d, {"model", "instances", "groups", "now_s", "demand_history"}, where)
+        check_unknown(d, {"model", "instances", "groups", "now_s", "demand_history", "work_history"}, where)
         model = ModelSpec.from_dict(get(d, "model", dict, where), f"{where}.model")
         insts = tuple(InstanceSnapshot.from_dict(x, f"{where}.instances[{k}]")
                       for k, x in enumerate(need_list(get(d, "instances", list, where), f"{where}.instances")))
@@ -181,8 +184,19 @@ class ClusterSnapshot:
             if len(s) != 2:
                 raise ValueError(f"{where}.demand_history[{k}]: expected [time_s, demand_blocks]")
             hist.append((float(s[0]), float(s[1])))
+        work = []
+        for k, s in enumerate(get(d, "work_history", list, where, [])):
+            s = need_list(s, f"{where}.work_history[{k}]")
+            if len(s) != 3 or int(s[1]) < 0 or int(s[2]) < 0:
+                raise ValueError(f"{where}.work_history[{k}]: expected [time_s, decode_tokens, prefill_tokens] (>= 0)")
+            work.append((float(s[0]), int(s[1]), int(s[2])))
         return cls(model=model, instances=insts, groups=groups, now_s=get(d, "now_s", float, where, 0.0),
-                   demand_history=tuple(hist))
+                   demand_history=tuple(hist), work_history=tuple(work))
+
+    def work_now(self) -> tuple[float, int, int]:
+        """This reading of the work still to compute: (now_s, decode tokens, prefill tokens), healthy instances."""
+        live = [i for i in self.instances if i.healthy]
+        return (self.now_s, sum(i.decode_tokens for i in live), sum(i.prefill_tokens for i in live))
 
 
 def ceil_div(a: float, b: float) -> int:
