@@ -5,6 +5,8 @@ Scenarios: identity (greedy outputs with remap forced at several alpha/slots vs 
            burst (16 requests at once; preemptions, capacity before/after),
            fault-<step> (a burst whose automatic remap fails at <step>),
            faults (every step of remap and revert fails once, in turn; outputs compared),
+           faults-tp2 (the same on a TP=2 engine, two worker processes; each fault armed on rank 1
+           only, so rank 0 completes its half of the transition and must be rolled back),
            controller (the policy raises mid-burst),
            liveness (a large forced remap, a burst that uses the grown capacity, then demand cut to
            and held at ~0.4x the base KV: when each revert completes, outputs vs a run without remap).
@@ -39,11 +41,14 @@ if __name__ == "__main__":
     model, scenario, kv_bytes, extra = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    tp = 2 if scenario == "faults-tp2" else 1
+    if tp > 1:  # one core per worker process (vLLM-CPU's auto binding wants a NUMA node per worker)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp)))
     from vllm import LLM, SamplingParams
 
-    kwargs = dict(dtype="float32", distributed_executor_backend="uni", enforce_eager=True, seed=0,
-                  max_model_len=512, block_size=32, kv_cache_memory_bytes=kv_bytes, max_num_seqs=32,
-                  disable_log_stats=False)
+    kwargs = dict(dtype="float32", distributed_executor_backend="mp" if tp > 1 else "uni", enforce_eager=True,
+                  seed=0, max_model_len=512, block_size=32, kv_cache_memory_bytes=kv_bytes, max_num_seqs=32,
+                  disable_log_stats=False, tensor_parallel_size=tp)
     if extra != "none":
         kwargs["additional_config"] = json.loads(extra)
     llm = LLM(model, **kwargs)
@@ -86,34 +91,47 @@ if __name__ == "__main__":
                          "streamed_linear": w_gen["streamed_linear"],
                          "problems": rpc("kunserve_check")[0]["problems"]})
         res.update(runs=runs, base_blocks=st2["kv_blocks_base"])
-    elif scenario == "faults":
+    elif scenario in ("faults", "faults-tp2"):
         rpc("kunserve_auto", args=(False,))
         ps = prompts(vocab)[:4]
         base = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
         steps = []
+        where = {"rank": tp - 1} if tp > 1 else {}  # the last worker fails, the others succeed
+
+        def arm(step):
+            armed = rpc("kunserve_inject_fault", args=(step,), kwargs=where)[0]
+            return [w["rank"] for w in armed["workers"] if w["armed"]]
+
+        def ranks(st):  # each worker's (rank, layer states, mapped blocks): ranks must agree
+            return [(w["rank"], w["layers"], w["mapped_blocks"]) for w in st["workers"]]
+
         remap_steps = ("rpc", "pack", "release", "slot_create", "streamer_install", "copy_plan", "map", "exhausted")
         for step in remap_steps:
-            rpc("kunserve_inject_fault", args=(step,))
+            armed = arm(step)
             ev = rpc("kunserve_remap", kwargs={"alpha": 2, "slots": 2})[0]
             out = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
             st = state()
             steps.append({"op": "remap", "step": step, "outcome": ev["outcome"], "same": out == base,
                           "phase": st["phase"], "problems": rpc("kunserve_check")[0]["problems"],
-                          "blocks": st["kv_blocks_total"], "base": st["kv_blocks_base"]})
+                          "blocks": st["kv_blocks_total"], "base": st["kv_blocks_base"], "armed": armed,
+                          "workers": ranks(st)})
         for step in ("kv_shrink", "streamer_uninstall", "slot_destroy", "reload", "rpc"):
             ok = rpc("kunserve_remap", kwargs={"alpha": 2, "slots": 2})[0]
-            rpc("kunserve_inject_fault", args=(step,))
+            before = ranks(state())
+            armed = arm(step)
             ev = rpc("kunserve_revert")[0]
             out = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
             st = state()
             rec = {"op": "revert", "step": step, "remap": ok["outcome"], "outcome": ev["outcome"],
-                   "same": out == base, "phase": st["phase"], "problems": rpc("kunserve_check")[0]["problems"]}
+                   "same": out == base, "phase": st["phase"], "problems": rpc("kunserve_check")[0]["problems"],
+                   "armed": armed, "workers_before": before, "workers": ranks(st)}
             rec["revert_after"] = rpc("kunserve_revert")[0]["outcome"]
             rec["phase_after"] = state()["phase"]
             steps.append(rec)
         final = rpc("kunserve_remap", kwargs={"alpha": 3, "slots": 1})[0]["outcome"]
         out = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
-        res.update(steps=steps, final_remap=final, final_same=out == base,
+        res.update(steps=steps, final_remap=final, final_same=out == base, tp=tp,
+                   worker_pids=sorted({w["pid"] for w in state()["workers"]}),
                    final_revert=rpc("kunserve_revert")[0]["outcome"], final_phase=state()["phase"],
                    final_problems=rpc("kunserve_check")[0]["problems"])
     elif scenario == "liveness":

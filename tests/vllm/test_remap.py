@@ -60,17 +60,28 @@ def test_failure_while_growing_keeps_serving_at_old_capacity(burst_model, fault)
     assert res["problems"] == []
 
 
-def test_fault_at_every_step_of_remap_and_revert_rolls_back(burst_model):
+@pytest.mark.parametrize("scenario", ["faults", "faults-tp2"])
+def test_fault_at_every_step_of_remap_and_revert_rolls_back(burst_model, scenario):
     """Each step of remap and revert fails once in turn, in a real engine: the transition rolls
     back, greedy outputs stay token-identical, the invariants hold, and the engine can still remap
-    and revert afterwards."""
-    res = run_remap_probe(burst_model, "faults", REMAP)
+    and revert afterwards. ``faults-tp2``: a TP=2 engine (two worker processes) where every fault
+    fires on rank 1 only, so rank 0 has done its half of the step and must be rolled back too."""
+    res = run_remap_probe(burst_model, scenario, REMAP)
+    tp = 2 if scenario == "faults-tp2" else 1
+    assert res["tp"] == tp and len(res["worker_pids"]) == tp
     steps = {(s["op"], s["step"]) for s in res["steps"]}
     assert {("remap", k) for k in ("rpc", "pack", "release", "slot_create", "streamer_install", "copy_plan",
                                    "map", "exhausted")} <= steps
     assert {("revert", k) for k in ("kv_shrink", "streamer_uninstall", "slot_destroy", "reload", "rpc")} <= steps
     for s in res["steps"]:
         assert s["outcome"] == "failed", s
+        assert s["armed"] == ([tp - 1] if tp > 1 else [0]), s  # the fault was armed where meant
+        layers = {(tuple(w[1]), w[2]) for w in s["workers"]}
+        assert len(layers) == 1, f"ranks disagree after a failed {s['op']} at {s['step']}: {s['workers']}"
+        if s["op"] == "revert":  # rolled back to the remapped state it started from, on every rank
+            assert s["workers"] == s["workers_before"], s
+        else:  # rolled back to base: every layer resident on every rank
+            assert all(state == "resident" for w in s["workers"] for state in w[1]), s
         assert s["same"], f"greedy tokens changed after a failed {s['op']} at {s['step']}"
         assert s["problems"] == [], s
         if s["op"] == "remap":
