@@ -365,7 +365,7 @@ def make_sim(st, st_group, settings: dict, system: str, trace):
     bs = settings["block_size"]
     base = settings["kv_tokens"] // bs
     kcfg = parse_config(settings["kunserve_config"])
-    ratio = kcfg.memory.max_kv_ratio
+    ratio = kcfg.kv_ratio
 
     class RunSimulator(Simulator):
         """A group member's KV grows to at most ``max_kv_ratio`` x its base (the engine plans its KV

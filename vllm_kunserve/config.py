@@ -153,7 +153,13 @@ class MemoryConfig:
     backend: str = _opt("auto", "Memory backend (auto: cuda when a driver is usable, else host).",
                         choices=("auto", "cuda", "host"))
     max_kv_ratio: float = _opt(
-        2.0, "KV regions reserve virtual space for this multiple of the base KV capacity.", lo=1.0, hi=64.0)
+        0.0, "KV regions reserve virtual space for this multiple of the base KV capacity: the most KV an engine "
+        "can reach by remap or drop (its block count never exceeds it). 0 (auto): 2 for remap alone, 4 for a "
+        "pipeline-group member: a member of an n-engine group that uses every freed byte holds "
+        "1 + (n - 1) / n x weights / base KV times its base blocks (its own requests' KV and its peers', over "
+        "the layers it keeps), under 4 for any n where weights are up to 3/4 of weights + KV, under 2 only "
+        "up to 1/2.",
+        lo=0.0, hi=64.0)
     chunk_kib: int = _opt(
         0, "Physical chunk size in KiB (0: the device granularity on CUDA; on host, ~1/16 of a layer).",
         lo=0, hi=1 << 20)
@@ -196,6 +202,13 @@ class KunServeConfig:
         """Whether this engine moves weights and KV (remap, or pipeline-group membership): it then
         gets the growable KV cache, the engine agent and the control port."""
         return self.remap.enable or self.drop.group_member
+
+    @property
+    def kv_ratio(self) -> float:
+        """``memory.max_kv_ratio`` resolved (0 is auto: see its description)."""
+        if self.memory.max_kv_ratio:
+            return self.memory.max_kv_ratio
+        return 4.0 if self.drop.group_member else 2.0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -266,6 +279,10 @@ def _cross_check(name: str, obj: Any) -> None:
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise KunServeConfigError(
                 f"kunserve.lookahead.cost_model={obj.cost_model!r}: not a readable cost model JSON ({e})") from None
+    if isinstance(obj, MemoryConfig) and 0.0 < obj.max_kv_ratio < 1.0:
+        raise KunServeConfigError(
+            f"kunserve.memory.max_kv_ratio={obj.max_kv_ratio!r}: must be 0 (auto) or >= 1 (KV never shrinks "
+            "below its base)")
     if isinstance(obj, RemapConfig) and obj.low_watermark >= obj.high_watermark:
         raise KunServeConfigError(
             f"kunserve.remap.low_watermark={obj.low_watermark!r}: must be below "

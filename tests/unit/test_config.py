@@ -41,6 +41,7 @@ def test_sections_parse_and_json_string_accepted():
     ({"remap": {"max_fraction": 0.0}}, ["remap.max_fraction", "> 0.0"]),
     ({"remap": {"low_watermark": 0.9, "high_watermark": 0.8}}, ["low_watermark", "high_watermark"]),
     ({"drop": 3}, ["kunserve.drop", "expected an object"]),
+    ({"memory": {"max_kv_ratio": 0.5}}, ["memory.max_kv_ratio", "0.5", "0 (auto) or >= 1"]),
     ([1, 2], ["expected an object"]),
     ("{not json", ["not valid JSON"]),
 ])
@@ -49,6 +50,25 @@ def test_bad_input_names_key_value_and_allowed(raw, names):
         parse_config(raw)
     for n in names:
         assert n in str(e.value), (n, str(e.value))
+
+
+@pytest.mark.parametrize("raw, ratio", [
+    ({}, 2.0),                                                    # remap alone (or nothing)
+    ({"remap": {"enable": True}}, 2.0),
+    ({"drop": {"group_member": True}}, 4.0),
+    ({"drop": {"group_member": True, "max_group_size": 100}}, 4.0),
+    ({"drop": {"group_member": True}, "memory": {"max_kv_ratio": 1.5}}, 1.5),  # explicit wins
+    ({"remap": {"enable": True}, "memory": {"max_kv_ratio": 10}}, 10.0),
+])
+def test_max_kv_ratio_auto_lets_a_group_member_use_what_it_frees(raw, ratio):
+    """A member of an n-engine group that uses every freed byte holds 1 + (n-1)/n x w/(1-w) times
+    its base blocks (w: the weights' share of weights + KV); the auto ratio covers w up to 3/4."""
+    cfg = parse_config(raw)
+    assert cfg.kv_ratio == ratio
+    if cfg.drop.group_member and not cfg.memory.max_kv_ratio:
+        for n in (2, 8, 4096):
+            assert 1 + (n - 1) / n * 0.75 / 0.25 <= cfg.kv_ratio
+        assert 1 + 7 / 8 * 0.8 / 0.2 > cfg.kv_ratio  # beyond 3/4 it can cap the gain of a large group
 
 
 def test_config_is_frozen():

@@ -181,5 +181,9 @@ def test_monitor_drops_under_a_burst_and_restores_after(burst_model, tmp_path_fa
     joins = [e for e in split["events"] if e["event"] == "group_join" and e.get("outcome") == "ok"]
     assert joins and joins[0]["reason"] == "overload", ([e["event"] for e in split["events"]], split["drop"])
     assert joins[0]["inputs"]["overloaded"] and joins[0]["decision"]["groups"], joins[0]
+    # the group holds more requests' KV than its members did alone (each member maps its own
+    # requests' KV and its peer's over the layers it keeps: together more than both bases)
+    before_after = joins[0]["blocks"].values()
+    assert sum(a for _, a in before_after) > sum(b for b, _ in before_after), joins[0]["blocks"]
     assert any(e["event"] == "group_leave" and e.get("outcome") == "ok" for e in split["events"])
     assert split["drop"]["auto"] is True

@@ -35,7 +35,7 @@ def describe(llm) -> dict:
     return {
         "env_patches": os.environ.get("KUNSERVE_PATCHES", ""),
         "agent": agent is not None,
-        "agent_max_kv_ratio": agent.cfg.memory.max_kv_ratio if agent else None,
+        "agent_max_kv_ratio": agent.cfg.kv_ratio if agent else None,
         "worker_extension_cls": vc.parallel_config.worker_extension_cls,
         "num_gpu_blocks": vc.cache_config.num_gpu_blocks,
         "pool_num_gpu_blocks": pool.num_gpu_blocks,

@@ -1,7 +1,7 @@
 """Touchpoint: ``get_kv_cache_configs`` as imported by ``vllm.v1.engine.core``.
 
 For an engine with a growable KV cache (remap or pipeline-group membership in *its* configuration) the engine is
-planned at ``memory.max_kv_ratio`` times the normal KV memory (the most the KV regions may reach),
+planned at ``memory.max_kv_ratio`` (resolved: ``KunServeConfig.kv_ratio``) times the normal KV memory (the most the KV regions may reach),
 and the normal block count is remembered on each returned ``KVCacheConfig`` as
 ``kunserve_base_blocks`` (pickled with it to the workers; the scheduler holds the same object): the
 workers map only the base, the scheduler hides the rest (``block_capacity.py``). Other engines get
@@ -40,7 +40,7 @@ class KVPlanPatch(VllmPatch):
                 if kcfg is None or not kcfg.moves_memory or not configs:
                     return configs
                 base = min(c.num_blocks for c in configs)
-                ratio = kcfg.memory.max_kv_ratio
+                ratio = kcfg.kv_ratio
                 cache = vllm_config.cache_config
                 override = cache.num_gpu_blocks_override
                 try:
