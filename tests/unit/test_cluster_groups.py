@@ -138,3 +138,22 @@ def test_static_group_forms_once_all_are_up_and_is_never_restored():
     for _ in range(3):
         asyncio.run(gc.on_poll({}))
     assert any(c[1] == "group_leave" for c in calls)
+
+
+def test_monitor_plans_with_each_engines_kv_cap_and_reports_the_rest_as_shortfall():
+    """The engines' ``capacity.blocks_max`` reaches the planner: capped at their base (the KV cache
+    cannot grow) no group is formed, the whole need is the shortfall; with room to grow it forms."""
+    cfg = {"drop": {"trigger_ratio": 0.9, "forecast_horizon_s": 0.0, "headroom_ratio": 0.0}}
+    front, gc, calls = _controller(2, cfg)
+    for s in front.states.values():
+        s["capacity"]["blocks_max"] = 88
+        s["blocks"].update(used=88, queued=20)
+    asyncio.run(gc.on_poll({}))
+    assert not [c for c in calls if c[1] == "group_join"]
+    assert gc.last["plan"]["freed_bytes"] == 0 and not gc.last["plan"]["groups"]
+    need = gc.last["overload"]["need_blocks"]
+    assert need > 0 and gc.m_shortfall._value.get() == pytest.approx(need)
+    for s in front.states.values():
+        s["capacity"]["blocks_max"] = 176
+    asyncio.run(gc.on_poll({}))
+    assert len([c for c in calls if c[1] == "group_join"]) == 2

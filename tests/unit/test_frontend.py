@@ -252,8 +252,11 @@ def test_kill_answers_with_the_requests_it_interrupts():
             task = asyncio.create_task(_stream(client, {"prompt": [1, 2], "max_tokens": 40, "stream": True}))
             while not any(len(f.generated) >= 3 for f in front.flights.values()):
                 await asyncio.sleep(0.005)
-            where = next(iter(front.flights.values())).instance
-            r = await client.post("/kunserve/ops/kill", json={"instance": where})
+            flight = next(iter(front.flights.values()))
+            where = flight.instance
+            gone = await client.post("/kunserve/ops/kill", json={"request_id": "no-such-request"})
+            assert gone.status_code == 404 and "no-such-request" in gone.text
+            r = await client.post("/kunserve/ops/kill", json={"request_id": flight.visible_id})  # its engine
             await task
             return where, r.status_code, r.json(), front.status()
         finally:
@@ -437,3 +440,20 @@ def test_mell_relieves_an_overfull_engine_by_migrating_a_running_request():
     cont = fakes[1].requests[-1]
     k = len(cont["prompt"]) - len(prompt)
     assert 5 <= k < 60 and cont["prompt"] == prompt + ids[:k] and cont["max_tokens"] == 60 - k
+
+
+def test_chunk_codec_round_trips_what_the_json_module_reads():
+    """The relay's per-chunk JSON (msgspec): what it writes is standard JSON the client's json module
+    reads back unchanged (non-ASCII text as UTF-8, nulls, floats, nested ids), and a malformed
+    payload is a ValueError, which the relay treats as a broken stream."""
+    from vllm_kunserve.cluster.relay import _decode, _sse
+
+    ev = {"id": "cmpl-1", "created": 17, "choices": [{"index": 0, "text": " héllo ✓", "token_ids": [5, 6],
+                                                       "logprobs": None, "finish_reason": None}],
+          "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}, "x": 0.25}
+    out = _sse(ev)
+    assert out.startswith(b"data: ") and out.endswith(b"\n\n")
+    assert json.loads(out[6:-2].decode("utf-8")) == ev
+    assert _decode(json.dumps(ev).encode()) == ev
+    with pytest.raises(ValueError):
+        _decode(b'{"id": ')

@@ -32,8 +32,10 @@ time.sleep(600)
 SERVER = """
 import os, signal, subprocess, sys, time
 from vllm_kunserve.parentwatch import watch_from_env
-if sys.argv[1] == "deaf":   # a server that does not stop on SIGINT (kunserve serve while it starts)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+# a server that does not stop on SIGINT (kunserve serve while it starts), else one that installs its
+# handler as vllm serve and uvicorn do (a process started by a non-interactive shell's `&` inherits
+# SIGINT ignored: Python then raises no KeyboardInterrupt on its own)
+signal.signal(signal.SIGINT, signal.SIG_IGN if sys.argv[1] == "deaf" else signal.default_int_handler)
 child = subprocess.Popen([sys.executable, {child!r}, sys.argv[1]])   # same group, same environment
 w = watch_from_env(interval_s=0.05, grace_s=1.5)
 print("server", os.getpid(), w is not None, flush=True)
@@ -47,8 +49,7 @@ except KeyboardInterrupt:   # SIGINT from the watcher: the server's own shutdown
 CHILD = """
 import os, signal, sys, time
 from vllm_kunserve.parentwatch import watch_from_env
-if sys.argv[1] in ("stubborn", "deaf"):
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGINT, signal.SIG_IGN if sys.argv[1] in ("stubborn", "deaf") else signal.default_int_handler)
 print("child", os.getpid(), watch_from_env() is not None, flush=True)   # not the launcher's child
 try:
     time.sleep(600)
@@ -113,7 +114,8 @@ def test_orphaned_before_the_watch_starts_stops_at_once(tmp_path):
     gone.wait()
     script = tmp_path / "orphan.py"
     script.write_text(textwrap.dedent(f"""
-        import os, sys, time
+        import os, signal, sys, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a server does (see SERVER)
         os.environ[{ENV_PARENT!r}] = "{gone.pid}"
         from vllm_kunserve.parentwatch import watch_from_env
         try:

@@ -209,3 +209,39 @@ def test_work_history_round_trips_and_is_checked():
         ClusterSnapshot.from_dict({**d, "work_history": [[1.0, 320]]})
     with pytest.raises(ValueError, match=r"work_history\[1\]"):
         ClusterSnapshot.from_dict({**d, "work_history": [[1.0, 320, 64], [2.0, -1, 0]]})
+
+
+def capped(n, total, cap, model=MODEL):
+    insts = tuple(InstanceSnapshot(i, total, total, 0, kv_blocks_max=cap) for i in range(n))
+    return ClusterSnapshot(model, insts, tuple((i,) for i in range(n)))
+
+
+def test_plan_counts_only_the_kv_each_member_can_grow_into():
+    """A merge frees one weight copy (3200 B = 320 blocks here), spread over the members, but each
+    member's KV stops at kv_blocks_max (memory.max_kv_ratio x base): two engines of 100 blocks
+    capped at 200 gain 2 x 100 blocks, not 320, and the rest is the shortfall."""
+    plan = plan_drop(capped(2, 100, 200), 300 * MODEL.block_bytes)
+    assert len(plan.groups) == 1 and plan.freed_bytes == 200 * MODEL.block_bytes
+    assert not plan.satisfied and plan.shortfall_bytes == 100 * MODEL.block_bytes
+    roomy = plan_drop(capped(2, 100, 10_000), 300 * MODEL.block_bytes)  # the cap does not bind
+    assert roomy.satisfied and roomy.freed_bytes == MODEL.weight_bytes
+    assert roomy.freed_bytes == plan_drop(cluster(2, total=100), 300 * MODEL.block_bytes).freed_bytes
+
+
+def test_plan_makes_no_merge_that_adds_no_kv():
+    """Members already at their cap gain nothing from a merge (only pipeline hops): no group, the
+    whole need is the shortfall. Four engines capped at 2x: pairs gain, merging the pairs would not."""
+    none = plan_drop(capped(2, 100, 100), 50 * MODEL.block_bytes)
+    assert not none.groups and none.freed_bytes == 0 and none.shortfall_bytes == 50 * MODEL.block_bytes
+    four = plan_drop(capped(4, 100, 200), 10_000 * MODEL.block_bytes)
+    assert sorted(g.instances for g in four.groups) == [(0, 1), (2, 3)]
+    assert four.freed_bytes == 400 * MODEL.block_bytes and not four.satisfied
+    check_groups(four, MODEL, range(4))
+
+
+def test_snapshot_reads_kv_blocks_max_and_refuses_negative():
+    inst = InstanceSnapshot.from_dict({"instance_id": 0, "kv_blocks_total": 10, "kv_blocks_used": 1,
+                                       "kv_blocks_max": 40})
+    assert inst.kv_blocks_max == 40
+    with pytest.raises(ValueError):
+        InstanceSnapshot(0, 10, 1, kv_blocks_max=-1)

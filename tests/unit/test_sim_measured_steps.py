@@ -9,6 +9,8 @@ from vllm_kunserve.sim.policies import build_policy
 from vllm_kunserve.sim.steptime import MeasuredStepTime
 from vllm_kunserve.sim.trace import TraceRequest
 
+from tests.unit.benchmod import load_benchmark
+
 pytestmark = pytest.mark.unit
 
 # docs/benchmarks/batch_scaling.json's shape (batch 1 costs more than batch 4 there: kept as measured)
@@ -108,14 +110,7 @@ def test_linear_step_time_pays_the_fixed_part_once():
 
 
 def _bench():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "cluster_burst_sim.py"
-    spec = importlib.util.spec_from_file_location("cluster_burst_sim", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("cluster_burst_sim")
 
 
 def _tl_row(sec, running, tokens, arrivals=0, waiting=0, completions=0, preemptions=0, layers=(12, 12)):

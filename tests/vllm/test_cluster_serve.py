@@ -153,18 +153,20 @@ def test_engine_killed_mid_run_every_request_completes_and_restarts(cluster):
             killed = {}
 
             async def killer():
-                # as soon as a streamed request has sent tokens (the front end's view), kill its engine
-                # (any point of the stream will do while enough of it is left that the kill lands before
-                # it ends: a narrow window is missed when a status poll comes late on a loaded host)
+                # as soon as a streamed request has sent tokens (the front end's view), kill the engine
+                # serving it: the kill names the request, so the front end finds its engine in the
+                # kill's own turn (on a loaded host the stream may end between a status poll and a
+                # kill by instance; a finished one answers 404 and the next poll picks another)
                 t0 = time.monotonic()
                 while time.monotonic() - t0 < 120:
                     st = await status(s, cluster.url)
                     killed["seen"] = [(r["movable"], r["generated"]) for r in st["requests"]]
                     live = [r for r in st["requests"] if r["movable"] and 5 <= r["generated"] <= n // 2]
                     if live:
-                        killed["instance"] = live[0]["instance"]
-                        killed["op"] = await op(s, cluster.url, "kill", {"instance": live[0]["instance"]})
-                        return
+                        code, ans = await op(s, cluster.url, "kill", {"request_id": live[0]["id"]})
+                        if code == 200:
+                            killed["instance"], killed["op"] = ans["killed"], (code, ans)
+                            return
                     await asyncio.sleep(0.005)
             jobs = [complete(s, cluster.url, PROMPTS[i % len(PROMPTS)], max_tokens=n, stream=i % 2 == 0)
                     for i in range(12)]

@@ -14,7 +14,7 @@ keep-alive connections). Routes:
                                                    "method": "kv"|"reprefill",
                                                    "at_token": N (once N tokens were sent),
                                                    "wait_s": S (wait for a request id not yet arrived)}
-    POST /kunserve/ops/kill                       {"instance"}: hard-kill an engine (fault drill)
+    POST /kunserve/ops/kill                       {"instance"} or {"request_id"}: hard-kill an engine (fault drill)
     POST /kunserve/ops/dispatch                   {"mode"}: switch the dispatch policy at run time
     POST /kunserve/ops/drop                       {"instances": [i, j, ...]}: form a pipeline group now
     POST /kunserve/ops/restore                    {"group": id (default: every group)}: split it
@@ -544,7 +544,15 @@ def build_app(front: FrontEnd):
             body = parse_json(await request.body())
             n = len(front.fleet.engines)
             if op == "kill":
-                i = body.get("instance")
+                if "request_id" in body:  # the engine serving this request, found in the kill's own turn
+                    key = body["request_id"]
+                    f = next((f for f in front.flights.values() if key in (f.visible_id, f.rid)), None)
+                    if f is None:
+                        raise BadRequest(f"no request {key!r} in flight", param="request_id", status=404,
+                                         kind="NotFoundError")
+                    i = f.instance
+                else:
+                    i = body.get("instance")
                 if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n:
                     raise BadRequest(f"instance must be an integer 0..{n - 1}, got {i!r}", param="instance")
                 # what the kill interrupts, read in the same event-loop turn as the kill itself

@@ -103,6 +103,7 @@ class GroupController:
                          "used_blocks": s["blocks"]["used"], "queued_blocks": s["blocks"]["queued"],
                          "held": held, "healthy": self.front.fleet.engines[i].accepting,
                          "base_blocks": s["capacity"].get("blocks_base", 0),
+                         "max_blocks": s["capacity"].get("blocks_max", 0),
                          "prefill_tokens": s.get("requests", {}).get("prefill_tokens", 0),
                          "decode_tokens": s.get("requests", {}).get("decode_tokens", 0)})
         s0 = states[members[0]]

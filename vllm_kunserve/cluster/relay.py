@@ -16,13 +16,13 @@ cut is discarded, so nothing is repeated and, with greedy sampling, nothing chan
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol
 
 import aiohttp
+import msgspec
 
 from vllm_kunserve.cluster.validate import Checked, continuation_body
 
@@ -109,13 +109,19 @@ async def sse_batches(resp: aiohttp.ClientResponse) -> AsyncIterator[list[Any]]:
                 if payload == b"[DONE]":
                     batch.append(DONE)
                 elif payload:
-                    batch.append(json.loads(payload))
+                    batch.append(_decode(payload))  # a msgspec.DecodeError is a ValueError
         if batch:
             yield batch
 
 
+#: every chunk of every stream is parsed and written again here: msgspec does each in about a
+#: microsecond, the json module in tens (measured on this machine's 300-byte completion chunks)
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+
+
 def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _encode(obj) + b"\n\n"
 
 
 class Relay:

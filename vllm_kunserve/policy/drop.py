@@ -6,6 +6,13 @@ full copy leaves one copy for both, so every merge frees exactly ``model.weight_
 in a min-heap keyed by (size, smallest instance id): always merging the two smallest keeps
 pipelines shallow and balanced, and the whole plan costs O(N log N) for N instances.
 
+Where the instances report how far their KV can grow (``InstanceSnapshot.kv_blocks_max``: the
+engine plans its KV cache at ``memory.max_kv_ratio`` times its base), a merge counts only the KV it
+can use: every member of a G-group holds its own requests' KV and its peers' over the layers it
+keeps, so one merge adds ``weight_bytes / G`` to each member's own block count (in blocks of
+``block_bytes``) up to its cap, and the group runs at its smallest member's count. A merge that adds
+nothing is not made (it would only cost pipeline hops).
+
 When even the best plan (one group left, or the two smallest groups would exceed
 ``max_group_size``) frees less than needed, the plan is returned anyway with ``satisfied=False``
 and ``shortfall_bytes`` so the caller can fall back to KV-centric handling (queue, swap, recompute)
@@ -123,24 +130,46 @@ def plan_drop(cluster: ClusterSnapshot, need_bytes: float, max_group_size: int =
     merged_from: dict[tuple[int, ...], bool] = {}
     merges = []
     freed = 0
+    blocks = {i.instance_id: float(i.kv_blocks_total) for i in cluster.instances}  # own blocks as merged
+    capped = any(by_id[i].kv_blocks_max for g in cluster.groups for i in g)
     while freed < need_bytes and len(heap) >= 2:
         a = heapq.heappop(heap)
         b = heapq.heappop(heap)
         size = a[0] + b[0]
-        if size > max_group_size or size > model.num_layers:
+        g = a[2] + b[2]
+        gain = _usable_gain(g, blocks, by_id, model) if capped else model.weight_bytes
+        if size > max_group_size or size > model.num_layers or gain <= 0:
             heapq.heappush(heap, a)
             heapq.heappush(heap, b)
-            break  # the two smallest are too big together: no merge is possible
-        g = a[2] + b[2]
+            break  # the two smallest are too big together, or their KV cannot grow: no merge helps
         merges.append((a[2], b[2]))
         merged_from[g] = True
         merged_from.pop(a[2], None)
         merged_from.pop(b[2], None)
-        freed += model.weight_bytes
+        freed += gain
         heapq.heappush(heap, (size, min(a[1], b[1]), g))
     groups = [_assign([by_id[i] for i in g], model.num_layers, model.layer_bytes)
               for _, _, g in heap if g in merged_from]
     groups.sort(key=lambda gp: min(gp.instances))
     unchanged = sorted((g for _, _, g in heap if g not in merged_from), key=min) + untouched
-    actual = sum(s.freed_bytes for gp in groups for s in gp.stages)
+    actual = int(freed) if capped else sum(s.freed_bytes for gp in groups for s in gp.stages)
     return DropPlan(tuple(groups), tuple(unchanged), tuple(merges), float(need_bytes), actual, actual >= need_bytes)
+
+
+def _usable_gain(group: tuple[int, ...], blocks: dict[int, float], by_id: dict[int, InstanceSnapshot],
+                 model) -> int:
+    """Bytes of KV one more merge into ``group`` adds, its members' caps counted; updates ``blocks``.
+
+    Each member's own block count rises by ``weight_bytes / (G * block_bytes)`` (the freed copy,
+    spread over the G members that each hold the KV of all G members' requests for their layers),
+    capped at ``kv_blocks_max``; the group runs at its smallest member's count."""
+    n = len(group)
+    grown = [min(blocks[i] + model.weight_bytes / (n * model.block_bytes), by_id[i].kv_blocks_max or float("inf"))
+             for i in group]
+    each = min(grown)
+    gain = n * each - sum(blocks[i] for i in group)
+    if gain <= 0:
+        return 0
+    for i in group:
+        blocks[i] = each
+    return int(gain * model.block_bytes)

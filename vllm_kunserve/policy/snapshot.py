@@ -98,9 +98,11 @@ class InstanceSnapshot:
     kv_blocks_base: int = 0  # capacity holding every layer, where the engine knows it (0: derive it)
     prefill_tokens: int = 0  # prompt tokens still to prefill (waiting requests, running ones mid-prefill)
     decode_tokens: int = 0   # output tokens still to come (max_tokens less what was generated)
+    kv_blocks_max: int = 0   # the most blocks its KV cache can reach (memory.max_kv_ratio x base; 0: unknown)
 
     def __post_init__(self) -> None:
-        if self.kv_blocks_total < 0 or self.kv_blocks_used < 0 or self.queued_blocks < 0 or self.kv_blocks_base < 0:
+        if (self.kv_blocks_total < 0 or self.kv_blocks_used < 0 or self.queued_blocks < 0 or self.kv_blocks_base < 0
+                or self.kv_blocks_max < 0):
             raise ValueError(f"instance {self.instance_id}: block counts must be >= 0")
         if self.prefill_tokens < 0 or self.decode_tokens < 0:
             raise ValueError(f"instance {self.instance_id}: pending token counts must be >= 0")
@@ -123,7 +125,7 @@ class InstanceSnapshot:
         d = need_mapping(d, where)
         check_unknown(d, {"instance_id", "kv_blocks_total", "kv_blocks_used", "queued_blocks",
                           "layer_start", "layer_end", "healthy", "kv_blocks_base", "prefill_tokens",
-                          "decode_tokens"}, where)
+                          "decode_tokens", "kv_blocks_max"}, where)
         return cls(instance_id=get(d, "instance_id", int, where),
                    kv_blocks_total=get(d, "kv_blocks_total", int, where, lo=0),
                    kv_blocks_used=get(d, "kv_blocks_used", int, where, lo=0),
@@ -133,7 +135,8 @@ class InstanceSnapshot:
                    healthy=get(d, "healthy", bool, where, True),
                    kv_blocks_base=get(d, "kv_blocks_base", int, where, 0, lo=0),
                    prefill_tokens=get(d, "prefill_tokens", int, where, 0, lo=0),
-                   decode_tokens=get(d, "decode_tokens", int, where, 0, lo=0))
+                   decode_tokens=get(d, "decode_tokens", int, where, 0, lo=0),
+                   kv_blocks_max=get(d, "kv_blocks_max", int, where, 0, lo=0))
 
 
 @dataclass(frozen=True)
