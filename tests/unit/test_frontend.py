@@ -256,6 +256,8 @@ def test_kill_answers_with_the_requests_it_interrupts():
             where = flight.instance
             gone = await client.post("/kunserve/ops/kill", json={"request_id": "no-such-request"})
             assert gone.status_code == 404 and "no-such-request" in gone.text
+            bad = await client.post("/kunserve/ops/kill", json={"request_id": None})
+            assert bad.status_code == 400 and "non-empty string" in bad.text
             r = await client.post("/kunserve/ops/kill", json={"request_id": flight.visible_id})  # its engine
             await task
             return where, r.status_code, r.json(), front.status()

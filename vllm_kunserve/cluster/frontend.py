@@ -546,6 +546,8 @@ def build_app(front: FrontEnd):
             if op == "kill":
                 if "request_id" in body:  # the engine serving this request, found in the kill's own turn
                     key = body["request_id"]
+                    if not isinstance(key, str) or not key:  # None would match a flight not yet started
+                        raise BadRequest(f"request_id must be a non-empty string, got {key!r}", param="request_id")
                     f = next((f for f in front.flights.values() if key in (f.visible_id, f.rid)), None)
                     if f is None:
                         raise BadRequest(f"no request {key!r} in flight", param="request_id", status=404,

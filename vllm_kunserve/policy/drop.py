@@ -25,7 +25,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
-from vllm_kunserve.policy.snapshot import ClusterSnapshot, InstanceSnapshot
+from vllm_kunserve.policy.snapshot import ClusterSnapshot, InstanceSnapshot, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -131,17 +131,19 @@ def plan_drop(cluster: ClusterSnapshot, need_bytes: float, max_group_size: int =
     merges = []
     freed = 0
     blocks = {i.instance_id: float(i.kv_blocks_total) for i in cluster.instances}  # own blocks as merged
-    capped = any(by_id[i].kv_blocks_max for g in cluster.groups for i in g)
     while freed < need_bytes and len(heap) >= 2:
         a = heapq.heappop(heap)
         b = heapq.heappop(heap)
         size = a[0] + b[0]
         g = a[2] + b[2]
-        gain = _usable_gain(g, blocks, by_id, model) if capped else model.weight_bytes
-        if size > max_group_size or size > model.num_layers or gain <= 0:
+        gain, each = (_usable_gain(g, blocks, by_id, model) if size <= min(max_group_size, model.num_layers)
+                      else (0, None))
+        if gain <= 0:
             heapq.heappush(heap, a)
             heapq.heappush(heap, b)
             break  # the two smallest are too big together, or their KV cannot grow: no merge helps
+        if each is not None:
+            blocks.update((i, each) for i in g)
         merges.append((a[2], b[2]))
         merged_from[g] = True
         merged_from.pop(a[2], None)
@@ -152,24 +154,22 @@ def plan_drop(cluster: ClusterSnapshot, need_bytes: float, max_group_size: int =
               for _, _, g in heap if g in merged_from]
     groups.sort(key=lambda gp: min(gp.instances))
     unchanged = sorted((g for _, _, g in heap if g not in merged_from), key=min) + untouched
-    actual = int(freed) if capped else sum(s.freed_bytes for gp in groups for s in gp.stages)
-    return DropPlan(tuple(groups), tuple(unchanged), tuple(merges), float(need_bytes), actual, actual >= need_bytes)
+    return DropPlan(tuple(groups), tuple(unchanged), tuple(merges), float(need_bytes), freed, freed >= need_bytes)
 
 
 def _usable_gain(group: tuple[int, ...], blocks: dict[int, float], by_id: dict[int, InstanceSnapshot],
-                 model) -> int:
-    """Bytes of KV one more merge into ``group`` adds, its members' caps counted; updates ``blocks``.
+                 model: ModelSpec) -> tuple[int, float | None]:
+    """Bytes of KV one more merge into ``group`` adds, and each member's own block count after it
+    (None where no member reports a cap: the counts are then not tracked).
 
-    Each member's own block count rises by ``weight_bytes / (G * block_bytes)`` (the freed copy,
-    spread over the G members that each hold the KV of all G members' requests for their layers),
-    capped at ``kv_blocks_max``; the group runs at its smallest member's count."""
+    The merge frees one weight copy (``weight_bytes``, the whole gain where no member reports a cap).
+    Each member's own block count rises by ``weight_bytes / (G * block_bytes)`` (the copy spread over
+    the G members that each hold the KV of all G members' requests for their layers), capped at its
+    ``kv_blocks_max``; the group runs at its smallest member's count."""
     n = len(group)
-    grown = [min(blocks[i] + model.weight_bytes / (n * model.block_bytes), by_id[i].kv_blocks_max or float("inf"))
-             for i in group]
-    each = min(grown)
+    if not any(by_id[i].kv_blocks_max for i in group):
+        return model.weight_bytes, None
+    each = min(min(blocks[i] + model.weight_bytes / (n * model.block_bytes), by_id[i].kv_blocks_max or float("inf"))
+               for i in group)
     gain = n * each - sum(blocks[i] for i in group)
-    if gain <= 0:
-        return 0
-    for i in group:
-        blocks[i] = each
-    return int(gain * model.block_bytes)
+    return (int(gain * model.block_bytes), each) if gain > 0 else (0, each)
