@@ -72,3 +72,94 @@ def test_free_port_never_hands_out_the_same_port_twice():
 
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
+
+
+_SERVER = r"""
+import http.server, sys
+port, fail = int(sys.argv[1]), sys.argv[2] == "fail"
+print("INFO starting", flush=True)
+if fail:
+    print("(EngineCore pid=1) ERROR EngineCore failed to start.", flush=True)
+    print("OSError: [Errno 98] control port: address already in use", flush=True)
+    for i in range(60):  # the front process's own traceback, long after the root cause
+        print(f"  frame {i}", flush=True)
+    sys.exit(1)
+
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+class _ScriptBackend:
+    """Engines that are small HTTP servers: the first ``fails`` launches exit at startup."""
+
+    name = "script"
+
+    def __init__(self, tmp_path, fails: int):
+        self.tmp, self.fails, self.launches = tmp_path, fails, 0
+
+    def launch(self, spec, index, engine):
+        from vllm_kunserve.cluster.launcher import LaunchPlan, ServerProcess
+
+        self.launches += 1
+        port = free_port()
+        mode = "fail" if self.launches <= self.fails else "serve"
+        plan = LaunchPlan([sys.executable, "-c", _SERVER, str(port), mode], {})
+        engine.handle = ServerProcess(plan, "127.0.0.1", port, self.tmp / f"e{index}-{self.launches}.log").start()
+        engine.url = engine.handle.endpoint
+
+    def wait_ready(self, engine, timeout_s):
+        engine.handle.wait_ready(timeout_s)
+
+    def alive(self, engine):
+        return engine.handle.alive()
+
+    def stop(self, engine):
+        engine.handle.stop(grace_s=5)
+
+    def close(self):
+        pass
+
+
+def test_an_engine_that_exits_at_startup_is_relaunched_once_and_its_first_error_is_shown(tmp_path):
+    from vllm_kunserve.cluster.fleet import EngineSpec, Fleet
+
+    backend = _ScriptBackend(tmp_path, fails=1)
+    with Fleet(EngineSpec("m", startup_timeout_s=30), 1, backend, progress=lambda _: None) as fleet:
+        assert backend.launches == 2 and fleet.engines[0].state == "ready"
+        (ev,) = [e for e in fleet.events if e["event"] == "start_failed"]
+        assert ev["attempt"] == 1
+        # the root cause (the log's first error) is in the message, not only the log's last lines
+        assert "address already in use" in ev["error"] and "frame 59" in ev["error"]
+
+
+def test_an_engine_that_keeps_exiting_at_startup_fails_the_fleet(tmp_path):
+    from vllm_kunserve.cluster.fleet import EngineSpec, Fleet
+    from vllm_kunserve.cluster.launcher import StartupExited
+
+    backend = _ScriptBackend(tmp_path, fails=2)
+    with pytest.raises(StartupExited, match="address already in use"):
+        Fleet(EngineSpec("m", startup_timeout_s=30), 1, backend, progress=lambda _: None).start()
+    assert backend.launches == 2
+    backend = _ScriptBackend(tmp_path, fails=1)
+    with pytest.raises(StartupExited):
+        Fleet(EngineSpec("m", startup_timeout_s=30, startup_retries=0), 1, backend, progress=lambda _: None).start()
+    assert backend.launches == 1
+
+
+def test_log_excerpt_shows_the_first_error_and_the_last_lines(tmp_path):
+    from vllm_kunserve.cluster.launcher import log_excerpt
+
+    log = tmp_path / "x.log"
+    log.write_text("\n".join(["INFO a"] * 100 + ["ERROR root cause"] + [f"line {i}" for i in range(200)]))
+    text = log_excerpt(log)
+    assert text.startswith("first error:\nERROR root cause\nline 0")
+    assert text.endswith("line 199") and "line 100" not in text
+    log.write_text("\n".join(f"line {i}" for i in range(100)))  # no error: the tail
+    assert log_excerpt(log).splitlines() == [f"line {i}" for i in range(50, 100)]
+    assert log_excerpt(tmp_path / "missing.log") == "(no log)"

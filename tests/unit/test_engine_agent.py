@@ -135,3 +135,21 @@ def test_bad_operations_are_refused_and_change_nothing():
             agent.call(op, params)
     assert [w.res.streamed for w in workers] == [(), ()] and agent.sched.visible == BASE
     assert agent.control_state()["phase"] == "base"
+
+
+def test_the_step_that_finishes_the_last_request_publishes_the_state():
+    """An idle engine runs no further step: its last step must leave a state that says idle,
+    however soon after the previous publication it ran."""
+    agent, _, _ = _agent()
+    live = {"running": 3}
+    agent.sched.requests = lambda: (0, live["running"])
+    agent.sched.unfinished = lambda: live["running"]
+    agent._published_at = 0.0
+    agent.run_step(lambda: ({}, True))
+    assert agent.control_state()["requests"]["running"] == 3
+    live["running"] = 2  # a step soon after: not published (the rate limit)
+    agent.run_step(lambda: ({}, True))
+    assert agent.control_state()["requests"]["running"] == 3
+    live["running"] = 0  # the step that finishes the last one
+    agent.run_step(lambda: ({}, True))
+    assert agent.control_state()["requests"]["running"] == 0

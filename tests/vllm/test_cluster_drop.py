@@ -45,19 +45,33 @@ async def _refs(s, url) -> dict[str, list[int]]:
     return out
 
 
+async def _engines_running(s, st: dict) -> list[int]:
+    """Per engine, how many requests it runs with at least N // 2 tokens still to generate, read
+    from its control port. (The front end's token counts trail the engines' by what sits unread
+    in its sockets: on a quiet host a tiny engine can finish every request while the front end
+    has relayed a few tokens of each.)"""
+    out = []
+    for inst in st["instances"]:
+        async with s.get(inst["control_url"] + "/state") as resp:
+            req = (await resp.json())["requests"]
+        out.append(req["running"] if req["running"] and req["decode_tokens"] >= req["running"] * (N // 2) else 0)
+    return out
+
+
 async def _burst_with(s, url, action, k: int = 8):
-    """``k`` streamed requests; ``action()`` runs once some of them have produced tokens."""
+    """``k`` streamed requests; ``action()`` runs once some of them have produced tokens (the
+    front end's view) and an engine still runs requests far from done (the engines' view)."""
     done = {}
 
     async def trigger():
         t0 = time.monotonic()
         while time.monotonic() - t0 < 120:
             st = await status(s, url)
-            if any(1 <= r["generated"] < N for r in st["requests"]):  # in flight (the front end's view)
+            if any(1 <= r["generated"] < N for r in st["requests"]) and any(await _engines_running(s, st)):
                 done["result"] = await action()
                 return
             await asyncio.sleep(0.01)
-        raise AssertionError("no request reached a few tokens")
+        raise AssertionError("no request reached a few tokens while the engines ran")
     jobs = [complete(s, url, PROMPTS[i % len(PROMPTS)], max_tokens=N, stream=True) for i in range(k)]
     answers, _ = await asyncio.gather(asyncio.gather(*jobs), trigger())
     return answers, done["result"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from vllm_kunserve.cluster.launcher import LaunchPlan, ServerProcess, cpu_env, free_port, serve_argv
+from vllm_kunserve.cluster.launcher import LaunchPlan, ServerProcess, StartupExited, cpu_env, free_port, serve_argv
 
 logger = logging.getLogger("kunserve.fleet")
 
@@ -41,6 +41,10 @@ class EngineSpec:
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 600.0
     log_dir: str = ""
+    #: relaunches (fresh ports) of an engine whose process exits while it starts: a port another
+    #: process took between being handed out and bound, or any other transient start failure. A
+    #: timeout is not retried.
+    startup_retries: int = 1
 
     def additional_config(self, control_port: int) -> dict[str, Any] | None:
         if self.kunserve is None:
@@ -300,7 +304,7 @@ class Fleet:
             self.progress(f"[kunserve] instance {e.index + 1}/{n}: starting at {e.url}")
         try:
             for e in self.engines:
-                self.backend.wait_ready(e, self.spec.startup_timeout_s)
+                self._wait_started(e)
                 e.ready_s = time.monotonic()
                 e.state = "ready"
                 self.progress(f"[kunserve] instance {e.index + 1}/{n}: ready in {e.ready_s - e.started_s:.1f} s "
@@ -312,6 +316,20 @@ class Fleet:
         self._thread = threading.Thread(target=self._supervise, name="kunserve-fleet", daemon=True)
         self._thread.start()
         return self
+
+    def _wait_started(self, e: Engine) -> None:
+        for attempt in range(self.spec.startup_retries + 1):
+            try:
+                self.backend.wait_ready(e, self.spec.startup_timeout_s)
+                return
+            except StartupExited as exc:
+                logger.error("instance %d: failed to start (attempt %d of %d): %s", e.index, attempt + 1,
+                             self.spec.startup_retries + 1, exc)
+                self.event(e, "start_failed", attempt=attempt + 1, error=str(exc)[:2000])
+                if attempt == self.spec.startup_retries:
+                    raise
+                self.backend.stop(e)
+                self._start_one(e)
 
     def _supervise(self) -> None:
         while not self._stop.wait(self.check_interval_s):

@@ -278,14 +278,21 @@ class FrontEnd:
         if e.accepting and not self.fleet.backend.alive(e):
             self.fleet.mark_dead(e, why)
 
+    def find(self, key: Any) -> Flight | None:
+        """The flight a client's id names: the id it sees in answers, its own ``request_id``, or
+        the front end's internal one."""
+        if not isinstance(key, str):
+            return None
+        return self.by_visible.get(key) or self.flights.get(key)
+
     def account(self, f: Flight) -> None:
+        if f.visible_id and f.visible_id not in self.by_visible:
+            self.by_visible[f.visible_id] = f
         key = (f.instance, f.started, (f.prompt_len + len(f.generated)) // 8)
         if f.booked == key:   # the book counts blocks: skip updates that change nothing
             return
         f.booked = key
         self.book.put(f.instance, f.rid, f.prompt_len, len(f.generated), f.started)
-        if f.visible_id and f.visible_id not in self.by_visible:
-            self.by_visible[f.visible_id] = f
 
     async def migrate_kv(self, flight: Flight, src: int, dst: int) -> dict:
         """Move the KV of the flight's tokens from ``src``'s prefix cache to ``dst``'s (the source's
@@ -548,7 +555,7 @@ def build_app(front: FrontEnd):
                     key = body["request_id"]
                     if not isinstance(key, str) or not key:  # None would match a flight not yet started
                         raise BadRequest(f"request_id must be a non-empty string, got {key!r}", param="request_id")
-                    f = next((f for f in front.flights.values() if key in (f.visible_id, f.rid)), None)
+                    f = front.find(key)
                     if f is None:
                         raise BadRequest(f"no request {key!r} in flight", param="request_id", status=404,
                                          kind="NotFoundError")
@@ -568,7 +575,7 @@ def build_app(front: FrontEnd):
                 wait = body.get("wait_s", 0)
                 if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait <= 600:
                     raise BadRequest(f"wait_s must be a number of seconds 0..600, got {wait!r}", param="wait_s")
-                f = front.by_visible.get(key) or front.flights.get(key)
+                f = front.find(key)
                 if f is None and wait and isinstance(key, str):  # a request about to arrive
                     waiter = front.arrivals.setdefault(key, asyncio.Event())
                     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -29,8 +30,8 @@ from typing import Any, Sequence
 
 from vllm_kunserve.parentwatch import ENV_PARENT
 
-__all__ = ["KunserveCluster", "LaunchPlan", "ServerProcess", "VllmServer", "cluster_argv", "cpu_env", "free_port",
-           "serve_argv"]
+__all__ = ["KunserveCluster", "LaunchPlan", "ServerProcess", "StartupExited", "VllmServer", "cluster_argv", "cpu_env",
+           "free_port", "serve_argv"]
 
 
 @dataclass(frozen=True)
@@ -91,11 +92,26 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise RuntimeError("no free port that was not handed out already")
 
 
-def _tail(path: Path, n: int = 25) -> str:
+_FIRST_ERROR = re.compile(r"Traceback \(most recent call last\)|\bERROR\b|Error:")
+
+
+def log_excerpt(path: Path, first: int = 30, last: int = 20) -> str:
+    """What a startup failure shows of a server's log: its first error (the root cause: vLLM's
+    engine core logs it long before the front process's own traceback, which ends the log) and
+    its last lines."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+        lines = path.read_text(errors="replace").splitlines()
     except OSError:
         return "(no log)"
+    at = next((i for i, ln in enumerate(lines) if _FIRST_ERROR.search(ln)), None)
+    if at is None or at >= len(lines) - last:
+        return "\n".join(lines[-(first + last):])
+    head = lines[at:min(at + first, len(lines) - last)]
+    return "\n".join(["first error:", *head, "...", "last lines:", *lines[-last:]])
+
+
+class StartupExited(RuntimeError):
+    """A server process exited before it became healthy (its message holds the log's first error)."""
 
 
 class ServerProcess:
@@ -131,8 +147,8 @@ class ServerProcess:
         while True:
             rc = self.proc.poll()
             if rc is not None:
-                raise RuntimeError(f"server exited with code {rc} before becoming healthy; "
-                                   f"log {self.log_path}:\n{_tail(self.log_path)}")
+                raise StartupExited(f"server exited with code {rc} before becoming healthy; "
+                                   f"log {self.log_path}:\n{log_excerpt(self.log_path)}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
@@ -142,7 +158,7 @@ class ServerProcess:
             if time.monotonic() - t0 > timeout_s:
                 self.stop()
                 raise RuntimeError(f"server not healthy after {timeout_s:g} s; log {self.log_path}:\n"
-                                   f"{_tail(self.log_path)}")
+                                   f"{log_excerpt(self.log_path)}")
             time.sleep(0.5)
 
     def alive(self) -> bool:

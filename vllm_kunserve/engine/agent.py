@@ -151,9 +151,12 @@ class EngineAgent:
                 return {}, False  # nothing was computed; every request is recomputed next steps
             if isinstance(out, tuple) and len(out) > 1 and out[1]:  # the model ran
                 self.step_ms.append((time.perf_counter() - t0) * 1e3)
-            if self.sched.unfinished() == 0:
+            idle = self.sched.unfinished() == 0
+            if idle:
                 self.tick()
-            if time.monotonic() - self._published_at >= _PUBLISH_EVERY_S:  # O(requests): not every step
+            # O(requests): not every step, but always after the step that finished the last request
+            # (an idle engine runs no step that would publish its state again)
+            if idle or time.monotonic() - self._published_at >= _PUBLISH_EVERY_S:
                 self._publish()
             return out
 
