@@ -97,3 +97,23 @@ def test_bulk_waits_while_an_activation_is_handled():
 def test_only_same_host_addresses():
     with pytest.raises(ValueError, match="unix://"):
         StageClient("tcp://10.0.0.1:5000")
+
+
+def test_metadata_tensors_travel_in_the_buffer_as_just_their_elements(link):
+    from vllm_kunserve.transfer import stage
+
+    srv, c = link
+    store = torch.arange(1_000_000, dtype=torch.int32)  # a runner's persistent buffer
+    view = store[10:14]
+    meta = {"attn": {"layer.0": {"seq": view}, "layer.1": {"seq": view}}, "lo": 3}
+    data, tensors = stage._dump_meta(meta)
+    assert len(tensors) == 1 and len(data) < 400  # pickle alone wrote the 4 MB storage
+    before = srv.stats.bytes_in
+    got, _ = c.call("span", meta, {})
+    assert srv.stats.bytes_in - before == 16  # the view's 4 elements, once
+    echoed = got["meta"]["attn"]
+    assert echoed["layer.0"]["seq"].tolist() == [10, 11, 12, 13] and got["meta"]["lo"] == 3
+    assert echoed["layer.0"]["seq"] is echoed["layer.1"]["seq"]  # one tensor stays one
+    # the received metadata is the caller's to keep: the next call reuses the buffer
+    c.call("span", {"t": torch.full((4,), 7, dtype=torch.int32)}, {})
+    assert echoed["layer.0"]["seq"].tolist() == [10, 11, 12, 13]

@@ -7,7 +7,11 @@ the :class:`StageServer` maps the same file. A call writes its tensors into that
 a small pickled header (kind, metadata, tensor descriptors) over a Unix-domain socket; the reply
 comes back the same way in the same buffer (calls on one connection are strictly request/reply,
 so the buffer is never shared by two messages). Nothing is copied through the kernel but the
-header; the socket also gives the waiting side a blocking read instead of a busy loop.
+header; the socket also gives the waiting side a blocking read instead of a busy loop. Tensors
+inside the metadata (a step's attention metadata) travel in the buffer too, each as just its own
+elements: pickle would write a view's whole storage (a slice of a runner's persistent buffer)
+through ``torch.save`` on every call, which cost the receiving stage more than the span's compute
+at small batches.
 
 Two traffic classes: a connection opened with ``bulk=True`` (KV exchange) yields to activation
 calls: before each bulk message the server waits while an activation call is being handled, so
@@ -18,6 +22,7 @@ Engine-agnostic: the handler gets ``(kind, meta, tensors)`` and returns ``(meta,
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import socket
@@ -51,6 +56,53 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
             raise PeerFailedError("stage link closed by the peer")
         got += k
     return bytes(buf)
+
+
+class _MetaPickler(pickle.Pickler):
+    """Pickles metadata with its tensors left out (each becomes an index into ``tensors``)."""
+
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors, self._seen = tensors, {}
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if not isinstance(obj, torch.Tensor):
+            return None
+        k = self._seen.get(id(obj))
+        if k is None:  # the same tensor twice arrives as one
+            k = self._seen[id(obj)] = len(self.tensors)
+            self.tensors.append(obj)
+        return k
+
+
+class _MetaUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, tensors: list[torch.Tensor]) -> None:
+        super().__init__(io.BytesIO(data))
+        self.tensors = tensors
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        return self.tensors[pid]
+
+
+def _dump_meta(meta: Any) -> tuple[bytes, list[torch.Tensor]]:
+    out, tensors = io.BytesIO(), []
+    _MetaPickler(out, tensors).dump(meta)
+    return out.getvalue(), tensors
+
+
+_META = "\x00meta"  # buffer names of the metadata's tensors: _META + index
+
+
+def _with_meta(tensors: dict[str, torch.Tensor], meta_tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {**tensors, **{f"{_META}{k}": t for k, t in enumerate(meta_tensors)}}
+
+
+def _split_meta(got: dict[str, torch.Tensor], data: bytes) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(metadata, tensors) from a message's buffer contents; the metadata's tensors are copied out
+    of the buffer (the reply is written into it)."""
+    mine = [t for name, t in got.items() if name.startswith(_META)]
+    meta = _MetaUnpickler(data, [t.clone() for t in mine]).load()
+    return meta, {name: t for name, t in got.items() if not name.startswith(_META)}
 
 
 def _send_msg(sock: socket.socket, obj: Any) -> None:
@@ -157,10 +209,13 @@ class StageServer:
                         self._active += 1
                 try:
                     t0 = time.perf_counter()
-                    tensors = buf.get(msg["tensors"], copy=False) if buf is not None else {}
+                    got = buf.get(msg["tensors"], copy=False) if buf is not None else {}
                     try:
-                        meta, out = self.handler(msg["kind"], msg.get("meta"), tensors)
-                        reply = {"meta": meta, "tensors": buf.put(out) if out else []}
+                        meta, tensors = _split_meta(got, msg["meta"])
+                        meta, out = self.handler(msg["kind"], meta, tensors)
+                        data, meta_tensors = _dump_meta(meta)
+                        out = _with_meta(out or {}, meta_tensors)
+                        reply = {"meta": data, "tensors": buf.put(out) if out else []}
                     except Exception as exc:  # the caller gets the error, the link stays up
                         reply = {"error": f"{type(exc).__name__}: {exc}"}
                     self.stats.calls += 1
@@ -228,20 +283,21 @@ class StageClient:
 
     def call(self, kind: str, meta: Any = None, tensors: dict[str, torch.Tensor] | None = None,
              copy: bool = True) -> tuple[Any, dict[str, torch.Tensor]]:
-        tensors = tensors or {}
+        data, meta_tensors = _dump_meta(meta)
+        tensors = _with_meta(tensors or {}, meta_tensors)
         with self._lock:
             try:
                 self._ensure(needed_bytes(tensors))
                 t0 = time.perf_counter()
                 desc = self._buf.put(tensors)
-                _send_msg(self._sock, {"kind": kind, "meta": meta, "tensors": desc})
+                _send_msg(self._sock, {"kind": kind, "meta": data, "tensors": desc})
                 reply = _recv_msg(self._sock)
                 self.last_hop_s = time.perf_counter() - t0
             except (OSError, socket.timeout) as exc:
                 raise PeerFailedError(f"stage link to {self.address}: {exc!r}") from exc
             if "error" in reply:
                 raise RemoteError(f"{kind} on {self.address}: {reply['error']}")
-            return reply["meta"], self._buf.get(reply["tensors"], copy=copy)
+            return _split_meta(self._buf.get(reply["tensors"], copy=copy), reply["meta"])
 
     def close(self) -> None:
         try:
