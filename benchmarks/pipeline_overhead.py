@@ -1,0 +1,173 @@
+"""Pipeline group in closed loop: two engines grouped vs the same two engines independent.
+
+    python benchmarks/pipeline_overhead.py [--repeat 3]
+
+The cluster_burst regime (the preset, dtype and thread count of docs/benchmarks/batch_scaling.json,
+KV for 1280 tokens per engine, each engine pinned to its own core with one compute thread at
+niceness 5, ``KUNSERVE_SHM_WAIT_MS=1``), one ``kunserve serve`` of 2 engines, no arrivals process:
+K streamed greedy requests sent at once (P prompt + N output tokens each, token-id prompts).
+Each repetition runs, interleaved: independent at K = the most requests the base KV holds without
+queueing, then a forced group of both engines (``ops/drop``), grouped at that K and at the larger
+loads the freed KV holds, then restore (``ops/restore``). Throughput: output tokens over the middle
+60% of all token arrivals; TPOT: each request's mean gap between tokens, P50 over requests.
+Paired per repetition: grouped / independent at the same K (what the pipeline costs per token at
+equal batch: the time a stage waits for its peer) and grouped at each larger K / independent
+(what the freed KV buys). A closed loop isolates the engines: no prefill of arrivals, no queue.
+
+Writes docs/benchmarks/pipeline_overhead.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "benchmarks"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def throughput(results) -> float:
+    """Output tokens per second over the middle 60% of the run's token arrivals."""
+    marks = sorted(r.send_s + t for r in results for t in r.token_times)
+    lo, hi = len(marks) // 5, 4 * len(marks) // 5
+    return (hi - lo) / (marks[hi] - marks[lo]) if hi > lo and marks[hi] > marks[lo] else float("nan")
+
+
+def tpot_p50(results) -> float:
+    v = [statistics.fmean(r.gaps) for r in results if len(r.token_times) > 1]
+    return statistics.median(v) if v else float("nan")
+
+
+async def _op(url: str, name: str, body: dict) -> dict:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        async with s.post(f"{url}/kunserve/ops/{name}", json=body) as resp:
+            out = await resp.json()
+            if resp.status != 200:
+                raise RuntimeError(f"ops/{name}: {resp.status} {out}")
+            return out
+
+
+async def _split(url: str, timeout_s: float = 300.0) -> None:
+    """Wait until the group has split and both engines are back at their base."""
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() - t0 < timeout_s:
+            async with s.get(f"{url}/kunserve/status") as resp:
+                st = await resp.json()
+            if not st["groups"] and all(i["kv"].get("engine", {}).get("phase") == "base" for i in st["instances"]):
+                return
+            await asyncio.sleep(0.5)
+    raise RuntimeError("the group did not split")
+
+
+def load(url: str, k: int, prompts: list[list[int]], n: int) -> dict:
+    from vllm_kunserve.bench.client import RequestSpec, replay
+
+    specs = [RequestSpec(i, 0.0, prompts[i % len(prompts)], len(prompts[0]), n) for i in range(k)]
+    res = asyncio.run(replay(url, "m", specs, request_timeout_s=900, progress=False))
+    failed = [r.error for r in res if not r.ok or r.output_tokens != n]
+    return {"k": k, "tok_s": round(throughput(res), 2), "tpot_p50_ms": round(tpot_p50(res) * 1e3, 2),
+            "failed": len(failed), "errors": failed[:3],
+            "send_lag_max_ms": round(max(r.send_s for r in res) * 1e3, 1)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=320)
+    ap.add_argument("--kv-tokens", type=int, default=1280, help="base KV capacity per engine (tokens)")
+    ap.add_argument("--grouped", default="2,3.3", help="grouped loads, as multiples of the independent K")
+    ap.add_argument("--log-dir", default=str(ROOT / "runs" / "pipeline_overhead"))
+    a = ap.parse_args()
+    from _doc import cpu_device, doc_header
+
+    from vllm_kunserve.cluster.launcher import KunserveCluster
+    from vllm_kunserve.tools.make_model import PRESETS, build_model
+
+    scaling = json.loads((DOCS / "batch_scaling.json").read_text())
+    spec = PRESETS[scaling["preset"]]
+    model = ROOT / "models" / scaling["preset"]
+    if not (model / "config.json").exists():
+        build_model(model, spec)
+    per_req = a.prompt_len + a.output_len
+    k_ind = max(1, a.kv_tokens // per_req) * 2  # both engines, none queued
+    k_grp = sorted({k_ind, *(int(round(float(x) * k_ind)) for x in a.grouped.split(","))})
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(10, spec.vocab - 10, a.prompt_len).tolist() for _ in range(8)]
+    kv_bytes = a.kv_tokens * spec.kv_bytes_per_token()
+    args = ["--dtype", spec.dtype, "--block-size", "32", "--kv-cache-memory-bytes", str(kv_bytes),
+            "--max-model-len", "1024", "--enforce-eager", "--served-model-name", "m"]
+    env = {"KUNSERVE_ENGINE_CPUS": "0|1", "OMP_NUM_THREADS": "1", "KUNSERVE_ENGINE_NICE": "5",
+           "KUNSERVE_SHM_WAIT_MS": "1"}
+    config = {"drop": {"enable": False}, "memory": {"max_kv_ratio": 10.0}}
+    log_dir = Path(a.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    runs = []
+    with KunserveCluster(str(model), args, config, env=env, log_path=log_dir / "serve.log", instances=2,
+                         startup_timeout_s=900, extra=["--monitor-interval", "0.5", "--log-dir", str(log_dir)]) as srv:
+        load(srv.url, 2, prompts, 8)  # warm both engines
+        for rep in range(1, a.repeat + 1):
+            runs.append({"rep": rep, "mode": "independent", **load(srv.url, k_ind, prompts, a.output_len)})
+            print(runs[-1], flush=True)
+            ev = asyncio.run(_op(srv.url, "drop", {"instances": [0, 1]}))
+            for k in k_grp:
+                runs.append({"rep": rep, "mode": "grouped", "blocks": ev.get("blocks"),
+                             **load(srv.url, k, prompts, a.output_len)})
+                print(runs[-1], flush=True)
+            asyncio.run(_op(srv.url, "restore", {}))
+            asyncio.run(_split(srv.url))
+    pairs = []
+    for rep in range(1, a.repeat + 1):
+        ind = next(r for r in runs if r["rep"] == rep and r["mode"] == "independent")
+        for g in (r for r in runs if r["rep"] == rep and r["mode"] == "grouped"):
+            pairs.append({"rep": rep, "k": g["k"], "tok_s_over_independent": round(g["tok_s"] / ind["tok_s"], 3),
+                          "tpot_over_independent": round(g["tpot_p50_ms"] / ind["tpot_p50_ms"], 3)})
+
+    def spread(k: int, key: str) -> dict:
+        v = [p[key] for p in pairs if p["k"] == k]
+        return {"median": round(statistics.median(v), 3), "min": min(v), "max": max(v), "n": len(v)}
+
+    summary = {k: {"tok_s": spread(k, "tok_s_over_independent"), "tpot": spread(k, "tpot_over_independent")}
+               for k in k_grp}
+    command = "python benchmarks/pipeline_overhead.py " + " ".join(sys.argv[1:])
+    device = cpu_device(f"the benchmark's process; each engine: 1 compute thread, {scaling['preset']}")
+    raw = DOCS / "pipeline_overhead.json"
+    raw.write_text(json.dumps({"command": command, "device": device, "preset": scaling["preset"],
+                               "prompt_len": a.prompt_len, "output_len": a.output_len, "kv_tokens": a.kv_tokens,
+                               "k_independent": k_ind, "k_grouped": k_grp, "runs": runs, "pairs": pairs,
+                               "summary": summary}, indent=1) + "\n")
+    lines = doc_header(
+        "Pipeline group in closed loop: grouped vs independent engines", "pipeline_overhead.py", device, raw,
+        f"Command: `{command}`. Two engines of `{scaling['preset']}` ({spec.dtype}), KV for {a.kv_tokens} tokens "
+        f"each (the cluster_burst regime); K streamed greedy requests of {a.prompt_len} prompt + "
+        f"{a.output_len} output tokens sent at once. Independent at K = {k_ind} (the most the base KV holds), "
+        f"grouped (forced drop, both engines) at K = {', '.join(map(str, k_grp))}; repetitions interleaved.",
+        "Throughput: output tokens over the middle 60% of the token arrivals. TPOT: each request's mean gap "
+        "between tokens, P50 over requests. A closed loop: no arrivals to prefill, no queue; the client sent "
+        "every request at once (its largest send lag is in the raw data).")
+    lines += ["| rep | mode | K | tokens/s | TPOT P50 (ms) | failed |", "|---:|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['rep']} | {r['mode']} | {r['k']} | {r['tok_s']:.1f} | {r['tpot_p50_ms']:.1f} | {r['failed']} |"
+              for r in runs]
+    lines += ["", "Paired with the same repetition's independent run, median (min..max, n):", "",
+              "| grouped K | tokens/s vs independent | TPOT vs independent |", "|---:|---|---|"]
+    for k, s in summary.items():
+        lines.append(f"| {k} | {s['tok_s']['median']:.2f} ({s['tok_s']['min']:.2f}..{s['tok_s']['max']:.2f}, "
+                     f"n={s['tok_s']['n']}) | {s['tpot']['median']:.2f} ({s['tpot']['min']:.2f}.."
+                     f"{s['tpot']['max']:.2f}, n={s['tpot']['n']}) |")
+    (DOCS / "pipeline_overhead.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if all(r["failed"] == 0 for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
