@@ -192,7 +192,7 @@ def test_engine_killed_mid_run_every_request_completes_and_restarts(cluster):
     refs = asyncio.run(_references(cluster.url, n))
     restarts = [0, 0]
     resumed: set = set()
-    for attempt in range(3):
+    for _ in range(3):
         answers, killed = asyncio.run(_burst_and_kill(cluster.url, n))
         assert "op" in killed, f"no streamed request was seen mid-run; last status requests: {killed.get('seen')}"
         dead = killed["instance"]

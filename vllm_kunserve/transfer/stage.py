@@ -10,8 +10,8 @@ so the buffer is never shared by two messages). Nothing is copied through the ke
 header; the socket also gives the waiting side a blocking read instead of a busy loop. Tensors
 inside the metadata (a step's attention metadata) travel in the buffer too, each as just its own
 elements: pickle would write a view's whole storage (a slice of a runner's persistent buffer)
-through ``torch.save`` on every call, which cost the receiving stage more than the span's compute
-at small batches.
+through ``torch.save`` on every call. (Measured end to end, the pipeline group's throughput did
+not change with it: docs/benchmarks/pipeline_overhead.md's runs are with it.)
 
 Two traffic classes: a connection opened with ``bulk=True`` (KV exchange) yields to activation
 calls: before each bulk message the server waits while an activation call is being handled, so
@@ -97,11 +97,11 @@ def _with_meta(tensors: dict[str, torch.Tensor], meta_tensors: list[torch.Tensor
     return {**tensors, **{f"{_META}{k}": t for k, t in enumerate(meta_tensors)}}
 
 
-def _split_meta(got: dict[str, torch.Tensor], data: bytes) -> tuple[Any, dict[str, torch.Tensor]]:
-    """(metadata, tensors) from a message's buffer contents; the metadata's tensors are copied out
-    of the buffer (the reply is written into it)."""
+def _split_meta(got: dict[str, torch.Tensor], data: bytes, owned: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(metadata, tensors) from a message's buffer contents. The metadata's tensors are copied out
+    of the buffer (the next message is written into it) unless ``got`` is already a copy."""
     mine = [t for name, t in got.items() if name.startswith(_META)]
-    meta = _MetaUnpickler(data, [t.clone() for t in mine]).load()
+    meta = _MetaUnpickler(data, mine if owned else [t.clone() for t in mine]).load()
     return meta, {name: t for name, t in got.items() if not name.startswith(_META)}
 
 
@@ -297,7 +297,7 @@ class StageClient:
                 raise PeerFailedError(f"stage link to {self.address}: {exc!r}") from exc
             if "error" in reply:
                 raise RemoteError(f"{kind} on {self.address}: {reply['error']}")
-            return _split_meta(self._buf.get(reply["tensors"], copy=copy), reply["meta"])
+            return _split_meta(self._buf.get(reply["tensors"], copy=copy), reply["meta"], owned=copy)
 
     def close(self) -> None:
         try:
