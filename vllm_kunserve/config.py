@@ -77,7 +77,9 @@ class RestoreConfig:
     threshold: float = _opt(
         0.5, "Restore when demand stays below this share of the undropped (base) KV capacity.", lo=0.0, hi=1.0)
     hold_s: float = _opt(5.0, "Seconds demand must stay below the threshold before restoring.", lo=0.0, hi=3600.0)
-    source: str = _opt("auto", "Where weights come back from.", choices=("auto", "peer", "host"))
+    source: str = _opt("auto", "Where a group member's dropped layers come back from: `peer` (the member that ran "
+                       "them; a layer whose copy fails comes from its host copy), `host` (the host copies), `auto` "
+                       "(peer in a group).", choices=("auto", "peer", "host"))
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,11 @@ class LookaheadConfig:
     cost_model: str = _opt(
         "", "Fitted cost model JSON (`kunserve costmodel fit --out`) the group scheduler balances steps with "
         "(empty: the built-in stand-in; only relative costs matter).")
+    admission: str = _opt(
+        "peak", "While grouped, when a queued request may start: `peak` only if every started request can "
+        "still reach its max_tokens in the group's KV (no preemption churn when the KV is short); `vllm`: "
+        "vLLM's own (as soon as its prompt fits; the KV's shortfall is met by preempting and recomputing).",
+        choices=("peak", "vllm"))
 
 
 @dataclass(frozen=True)

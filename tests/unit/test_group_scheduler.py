@@ -22,7 +22,7 @@ def _holder(scheduler_cls=None):
     return SimpleNamespace(scheduler_cls=scheduler_cls, async_scheduling=False)
 
 
-def test_installed_only_for_group_members_with_lookahead_and_never_over_a_users_class():
+def test_installed_only_for_group_members_with_lookahead_or_peak_admission_and_never_over_a_users_class():
     member = parse_config({"drop": {"group_member": True}})
     h = _holder()
     SchedulerPatch().configure(member, h)
@@ -33,8 +33,12 @@ def test_installed_only_for_group_members_with_lookahead_and_never_over_a_users_
     not_member = _holder()
     SchedulerPatch().configure(parse_config({"remap": {"enable": True}}), not_member)
     no_lookahead = _holder()
+    SchedulerPatch().configure(parse_config({"drop": {"group_member": True},
+                                             "lookahead": {"enable": False, "admission": "vllm"}}), no_lookahead)
+    admission_only = _holder()                              # peak-aware admission alone still needs it
     SchedulerPatch().configure(parse_config({"drop": {"group_member": True}, "lookahead": {"enable": False}}),
-                               no_lookahead)
+                               admission_only)
+    assert admission_only.scheduler_cls == QUALNAME
     asynchronous = SimpleNamespace(scheduler_cls=None, async_scheduling=True)
     SchedulerPatch().configure(member, asynchronous)
     assert not_member.scheduler_cls is no_lookahead.scheduler_cls is asynchronous.scheduler_cls is None

@@ -147,3 +147,29 @@ def test_join_refuses_bad_plans(setup):
         res.join([4], {"p": BASE}, lambda: None)  # already hosting p
     with pytest.raises(ValueError):
         res.join([5], {"q": BASE}, lambda: None)  # layer 5 is dropped already
+
+
+def test_leave_takes_each_layer_from_the_image_a_peer_sends_as_it_reloads_else_the_host_copy(setup):
+    """``images`` as a function: asked for each dropped layer after the KV shrank (the bytes need no
+    memory the KV still holds); its bytes become the layer's weights; None: the host copy."""
+    layers, x, ref, res = setup
+    res.join([3, 4, 5], {"p": BASE}, lambda: None)
+    peer = _residency(_stack())                  # the peer's copy of the same layers
+    marked = peer.weights[3].image().clone()
+    marked[:4] = 0                               # tell the peer's bytes from the host copy's
+    asked = []
+
+    def image(i):
+        asked.append((i, max(k.region.mapped_bytes for k in res.kv if not k.origin and k.layer not in (3, 4, 5))))
+        return {3: marked, 5: peer.weights[5].image().clone()}.get(i)
+    res.leave(BASE, lambda: None, images=image)
+    assert [i for i, _ in asked] == [3, 4, 5]
+    assert all(b <= BASE * PAGE for _, b in asked)     # asked once the KV was back to the base
+    assert torch.equal(res.weights[3].image(), marked)
+
+    def same(a, b):  # the tensors (an image's alignment padding is not part of the weights)
+        ta, tb = a.tensors(), b.tensors()
+        return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    assert same(res.weights[4], peer.weights[4]) and same(res.weights[5], peer.weights[5])
+    assert [e["source"] for e in res.events if e["event"] == "leave"] == ["peer"]
+    assert res.check_invariants() == []

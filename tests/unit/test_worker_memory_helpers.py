@@ -48,4 +48,7 @@ def test_memory_touchpoints_only_with_remap():
     member = parse_config({"drop": {"group_member": True}})
     assert {c.name for c in PATCH_CLASSES if c().wanted(member)} == wanted_on | {"scheduler"}
     no_lookahead = parse_config({"drop": {"group_member": True}, "lookahead": {"enable": False}})
-    assert {c.name for c in PATCH_CLASSES if c().wanted(no_lookahead)} == wanted_on
+    assert {c.name for c in PATCH_CLASSES if c().wanted(no_lookahead)} == wanted_on | {"scheduler"}  # admission
+    stock_sched = parse_config({"drop": {"group_member": True},
+                                "lookahead": {"enable": False, "admission": "vllm"}})
+    assert {c.name for c in PATCH_CLASSES if c().wanted(stock_sched)} == wanted_on

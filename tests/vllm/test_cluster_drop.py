@@ -131,6 +131,9 @@ def test_drop_mid_burst_is_token_identical_then_restores(forced, transition):
     assert [a.token_ids for a in after] == [refs[p] for p in PROMPTS[:3]]
     kinds = [(e["event"], e.get("outcome")) for e in split["events"]]
     assert ("group_join", "ok") in kinds and ("group_leave", "ok") in kinds
+    # restore.source auto: every member pulled its dropped layers from the peer that ran them
+    leave = next(e for e in split["events"] if e["event"] == "group_leave" and e.get("outcome") == "ok")
+    assert leave["layers_from_peer"] > 0 and leave["layers_from_host"] == 0, leave
 
 
 def test_member_killed_while_grouped_every_request_completes(forced):

@@ -38,6 +38,18 @@ def test_group_frees_weights_into_kv_and_gives_them_back(group_run):
     assert all(lv["outcome"] == "ok" and lv["bytes"] > 0 for lv in r["leave"])
 
 
+def test_restore_pulls_the_dropped_layers_from_the_peer_or_the_host_copy(group_run):
+    """Engine A left the group taking its dropped layers from B (peer copy), B from its host
+    copies; both then computed the same tokens as before the group (test_group_outputs...)."""
+    r = group_run
+    a, b = r["leave"]
+    half = r["layers"] // 2
+    assert (a["source"], a["layers_from_peer"], a["layers_from_host"]) == ("peer", half, 0), a
+    assert a["weight_bytes_from_peer"] > 0 and "peer_errors" not in a
+    assert (b["source"], b["layers_from_peer"], b["layers_from_host"]) == ("host", 0, half), b
+    assert r["same_after"] == [True, True]
+
+
 def test_group_scheduler_paces_steps_against_the_peer_and_keeps_outputs(group_run):
     """While grouped, the lookahead scheduler (scheduler_cls) cut the second engine's prefills to
     the cost of the first one's last step (chunked prefill with a smaller budget than vLLM's);
@@ -47,3 +59,15 @@ def test_group_scheduler_paces_steps_against_the_peer_and_keeps_outputs(group_ru
     b = r["budgets"][1]
     assert b and min(b) < r["max_tokens"][1], r["budgets"]
     assert all(x >= 1 for x in b)
+
+
+def test_peak_admission_runs_a_batch_the_group_kv_cannot_hold_without_preempting(group_run):
+    """While grouped, a batch needing twice the group's KV at its requests' max_tokens: with
+    peak-aware admission (the default) vLLM never preempts (nothing is recomputed) and the admission
+    limit held requests back; with vLLM's own admission the same batch preempts. Outputs are
+    token-identical either way."""
+    r = group_run["short_kv"]
+    assert r["peak"]["preempted"] == 0, r
+    assert r["peak"]["limits"] and min(r["peak"]["limits"]) < r["requests"], r
+    assert r["vllm"]["preempted"] > 0 and r["vllm"]["limits"] == [], r
+    assert r["same"]

@@ -44,6 +44,7 @@ class Group:
     state: str = "forming"   # forming | grouped | leaving | split | failed
     since: float = field(default_factory=time.time)
     reason: str = ""
+    source: str = ""         # where a leave takes the weights back from (the restore decision's; "": config)
 
     def view(self) -> dict:
         return {"id": self.gid, "members": self.members, "state": self.state, "reason": self.reason,
@@ -164,6 +165,7 @@ class GroupController:
         for r in decision.restore:
             g = next((g for g in self.groups if set(g.members) == set(r.instances) and g.state == "grouped"), None)
             if g is not None:
+                g.source = r.source
                 await self.begin_leave(g, reason=r.reason, decision=decision.to_dict())
 
     async def _static(self, states: dict[int, dict]) -> None:
@@ -289,8 +291,9 @@ class GroupController:
         t0 = time.perf_counter()
         self.busy = True
         try:
-            outs = await asyncio.gather(*(self._op(i, "group_leave", {"step": "finish", "timeout_s": self.timeout_s},
-                                                   self.timeout_s) for i in g.members), return_exceptions=True)
+            params = {"step": "finish", "timeout_s": self.timeout_s, **({"source": g.source} if g.source else {})}
+            outs = await asyncio.gather(*(self._op(i, "group_leave", params, self.timeout_s) for i in g.members),
+                                        return_exceptions=True)
         finally:
             self.busy = False
         failed = {i: repr(o) for i, o in zip(g.members, outs) if isinstance(o, BaseException)}
@@ -298,9 +301,12 @@ class GroupController:
         self.m_ops.labels("leave", outcome).inc()
         if not failed:
             g.state = "split"
+        ok = [o for o in outs if isinstance(o, dict)]
         self.front.record("group_leave", outcome=outcome, group=g.gid, members=g.members,
                           ms=round((time.perf_counter() - t0) * 1e3, 1), errors=failed or None,
-                          bytes=sum(o.get("bytes", 0) for o in outs if isinstance(o, dict)))
+                          bytes=sum(o.get("bytes", 0) for o in ok),
+                          layers_from_peer=sum(o.get("layers_from_peer", 0) for o in ok),
+                          layers_from_host=sum(o.get("layers_from_host", 0) for o in ok))
 
     async def restore(self, gid: int | None = None) -> list[dict]:
         todo = [g for g in self.groups if g.state == "grouped" and (gid is None or g.gid == gid)]

@@ -439,6 +439,10 @@ class EngineAgent:
         return self._event("group_abandon", "ok", time.perf_counter() - t0, 0, name=name, recomputed=n,
                            reason=why, blocks_after=self.sched.state().visible)
 
+    def is_grouped(self) -> bool:
+        """Whether this engine runs as a pipeline group member now (the group scheduler's switch)."""
+        return self.phase == "grouped"
+
     def group_pace(self) -> list | None:
         """While grouped (not draining), the peers' latest step chunks for the group scheduler
         (``integration.vllm.scheduler``), else None: alone the scheduler is vLLM's own. A failed
@@ -469,9 +473,14 @@ class EngineAgent:
         t0 = time.perf_counter()
         held = self.sched.held_blocks(st.visible)
         timeout = _number(params, "timeout_s", 120.0, 1.0, 3600.0, "group_leave")
-        self.operation = {"op": "group_leave", "started": time.time(), "params": {}}
+        source = params.get("source", self.cfg.restore.source)
+        if source not in ("auto", "peer", "host"):
+            raise ControlRequestError(f"group_leave: source {source!r}: one of auto, peer, host")
+        source = "peer" if source == "auto" else source   # a group always has a peer
+        self.operation = {"op": "group_leave", "started": time.time(), "params": {"source": source}}
         try:
-            outs = self._workers("kunserve_group_leave", {"kv_blocks": st.visible, "held": held, "timeout_s": timeout})
+            outs = self._workers("kunserve_group_leave", {"kv_blocks": st.visible, "held": held, "timeout_s": timeout,
+                                                          "source": source})
         except Exception as exc:
             self.backoff_until = time.monotonic() + _FAILURE_BACKOFF_S
             self.phase = "grouped"
@@ -483,9 +492,14 @@ class EngineAgent:
             self.operation = None
         name, self.group, self.phase = self.group["name"], None, "base"
         self._after_transition()
+        rs = [o.get("restore") or {} for o in outs]
         return self._event("group_leave", "ok", time.perf_counter() - t0, sum(o["bytes_sent"] for o in outs),
                            name=name, held_blocks=len(held), blocks_after=self.sched.state().visible,
-                           worker_s=round(max(o["seconds"] for o in outs), 4))
+                           worker_s=round(max(o["seconds"] for o in outs), 4), source=source,
+                           layers_from_peer=sum(r.get("peer_layers", 0) for r in rs),
+                           layers_from_host=sum(r.get("host_layers", 0) for r in rs),
+                           weight_bytes_from_peer=sum(r.get("peer_bytes", 0) for r in rs),
+                           peer_errors=[e for r in rs for e in r.get("peer_errors", [])] or None)
 
     # -- invariants -------------------------------------------------------------------------------------
     def invariant_problems(self) -> list[str]:

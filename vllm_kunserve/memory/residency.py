@@ -380,16 +380,20 @@ class LayerResidency:
             self.event("kv_grow_failed", 0.0, 0, error=repr(exc))
 
     def leave(self, kv_blocks: int, exchange: Callable[[], None],
-              images: dict[int, torch.Tensor] | None = None, commit: bool = True) -> int:
+              images: dict[int, torch.Tensor] | Callable[[int], torch.Tensor | None] | None = None,
+              commit: bool = True) -> int:
         """Leave the pipeline group: every KV region shrinks to ``kv_blocks`` (the blocks above must
         be unused on this engine and on the peers), the dropped layers come back (from ``images``,
-        bytes a peer sent, or their host copies) with their own KV regions mapped again,
+        bytes a peer sent: a dict, or a function asked for each layer as it reloads, after the KV
+        has shrunk, so the bytes need no memory the KV still holds; None for a layer, or no image:
+        its host copy) with their own KV regions mapped again,
         ``exchange()`` moves the peers' KV for the kept layers back to them and waits for this
         engine's KV of the returning layers, then the peers' regions go. Returns the mapped blocks."""
         D = self.dropped
         if not D:
             raise ValueError("leave: this engine is not in a group (no dropped layers)")
-        images = images or {}
+        source = "host" if not images else "peer"
+        image_of = images if callable(images) else (images or {}).get
         own_dropped = [k for k in self.kv if not k.origin and k.layer in D]
         foreign = [k for k in self.kv if k.origin]
 
@@ -411,12 +415,12 @@ class LayerResidency:
             targets = self._kv_targets(places, kv_blocks, "kv_shrink")
             tx.step("kv_shrink", lambda: (self._drain(), self._resize(targets)), lambda: self._resize(prev))
             for i in D:
-                self._t_reload(tx, i, images.get(i))
+                self._t_reload(tx, i, lambda i=i: image_of(i))
             tx.step("kv_regrow", regrow, lambda: self._resize({k.region: 0 for k in own_dropped}))
             tx.step("exchange", exchange)
             tx.step("foreign_destroy", destroy)
         return self._run("leave", body, commit, layers=list(D), peers=list(self.peers),
-                         nbytes=sum(self.weights[i].max_bytes for i in D), source="peer" if images else "host")
+                         nbytes=sum(self.weights[i].max_bytes for i in D), source=source)
 
     def place(self, name: str, origin: str = "") -> KVPlace:
         """The KV place of attention layer ``name`` for ``origin``'s requests."""
@@ -482,13 +486,20 @@ class LayerResidency:
             self.states[i] = LayerState.RESIDENT
         tx.step("release", lambda: (self.pool.release_layer(w), self._set_state(i, to)), undo)
 
-    def _t_reload(self, tx: Transaction, i: int, image: torch.Tensor | None = None) -> None:
+    def _t_reload(self, tx: Transaction, i: int,
+                  image: torch.Tensor | Callable[[], torch.Tensor | None] | None = None) -> None:
+        """Reload layer ``i`` from ``image`` (or a function giving it when the step runs; None: the
+        host copy)."""
         w, old = self.weights[i], self.states[i]
+
+        def do() -> None:
+            self.pool.reload_layer(w, image() if callable(image) else image)
+            self._set_state(i, LayerState.RESIDENT)
 
         def undo() -> None:
             self.pool.release_layer(w)
             self.states[i] = old
-        tx.step("reload", lambda: (self.pool.reload_layer(w, image), self._set_state(i, LayerState.RESIDENT)), undo)
+        tx.step("reload", do, undo)
 
     def _streamer_for(self, layers: Sequence[int]) -> WeightStreamer:
         slots = iter(self.slot_regions)

@@ -7,6 +7,8 @@ Callers (the cluster controller, the engine agent, the simulator) build snapshot
   :class:`MonitorState`); it uses :func:`assess_overload` / :func:`plan_drop` (when and how to merge
   instances and drop layers) and :func:`decide_restore` (when to split groups back);
 * :class:`CostModel`, :func:`fit`, :func:`load_profile`: the batch cost model and its fit;
+* :func:`admit_count` / :func:`peak_blocks`: peak-aware admission (start a queued request only if
+  every admitted one can finish in the KV);
 * :func:`lookahead_microbatches` / :func:`token_count_microbatches` / :func:`pipeline_bubble`;
   :func:`step_budget` (a group member's next step, cost-balanced against its peers');
 * :func:`remap_input` (from an :class:`EngineLoad`) and :func:`decide_remap`: Oneiros layer
@@ -15,6 +17,7 @@ Callers (the cluster controller, the engine agent, the simulator) build snapshot
 * :class:`Link`, :func:`chunk_bytes`: link timing and the chunk size of the coordinated KV exchange.
 """
 
+from vllm_kunserve.policy.admission import KvNeed, admit_count, peak_blocks
 from vllm_kunserve.policy.costmodel import (CostModel, Profile, default_model, evaluate, fit, fit_with_holdout,
                                             load_profile, load_vidur_mlp, nnls)
 from vllm_kunserve.policy.dispatch import DEFAULT_DISPATCH, DISPATCH, InstanceLoad, choose_instance
@@ -34,6 +37,7 @@ from vllm_kunserve.policy.snapshot import ClusterSnapshot, InstanceSnapshot, Mod
 from vllm_kunserve.policy.transfer import Link, chunk_bytes, fit_link, load_vidur_send_recv
 
 __all__ = [
+    "KvNeed", "admit_count", "peak_blocks",
     "ClusterSnapshot", "InstanceSnapshot", "ModelSpec", "RequestSnapshot",
     "DEFAULT_DISPATCH", "DISPATCH", "InstanceLoad", "choose_instance",
     "MonitorDecision", "MonitorState", "monitor_tick",

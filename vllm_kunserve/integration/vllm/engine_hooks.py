@@ -156,6 +156,7 @@ def _attach(core: Any) -> None:
     core._kunserve = agent
     if hasattr(core.scheduler, "kunserve_pace"):  # the group scheduler (integration.vllm.scheduler)
         core.scheduler.kunserve_pace = agent.group_pace
+        core.scheduler.kunserve_grouped = agent.is_grouped
     _start_control(core, agent, cfg)
     _idle_ticker(core, agent, cfg)
 

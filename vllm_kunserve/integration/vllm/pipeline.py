@@ -106,6 +106,13 @@ class GroupMember:
                 for j, b in enumerate(meta["blocks"]):
                     dst[b * page:(b + 1) * page].copy_(data[j])
             return {"n": len(meta["blocks"])}, {}
+        if kind == "weights":  # a peer restoring a layer this worker holds: a slice of its packed image
+            w = self.res.weights[int(meta["layer"])]
+            if int(meta["image_bytes"]) != w.image_bytes:
+                raise GroupError(f"layer {meta['layer']}: the peer's image is {meta['image_bytes']} bytes, "
+                                 f"this worker's {w.image_bytes} (not the same model layout)")
+            off, n = int(meta["offset"]), int(meta["nbytes"])
+            return {"n": n}, {"data": w.image()[off:off + n]}
         if kind == "barrier":
             with self._cv:
                 self._inbox[(meta["from"], meta["tag"])] = meta.get("payload")
@@ -319,10 +326,37 @@ class GroupMember:
     def _make_views(self) -> None:
         self.views = {(k.origin, k.name): self.make_view(k.name, k.region) for k in self.res.kv if k.origin}
 
+    def _peer_image(self, i: int, stats: dict) -> torch.Tensor | None:
+        """Layer ``i``'s packed weights pulled from the peer that ran it for this engine, in bulk
+        chunks (activation calls go first), or None when no peer holds it or the copy fails: the
+        layer then comes back from its host copy (counted in ``stats``)."""
+        peer = next((q for lo, hi, q in self.spans if lo <= i < hi), None)
+        client = self.bulk.get(peer) if peer is not None else None
+        if client is None:
+            stats["host_layers"] += 1
+            return None
+        n = int(self.res.weights[i].image_bytes)
+        try:
+            out = torch.empty(n, dtype=torch.uint8)
+            for off in range(0, n, _BULK_BYTES):
+                k = min(_BULK_BYTES, n - off)
+                _, t = client.call("weights", {"layer": i, "offset": off, "nbytes": k, "image_bytes": n},
+                                   copy=False)
+                out[off:off + k].copy_(t["data"])
+        except Exception as exc:  # the host copy is the fallback: the restore must not fail for it
+            logger.warning("kunserve: layer %d from peer %s failed (%r); using the host copy", i, peer, exc)
+            stats["host_layers"] += 1
+            stats["peer_errors"].append(f"layer {i}: {exc!r}")
+            return None
+        stats["peer_layers"] += 1
+        stats["peer_bytes"] += n
+        return out
+
     def leave(self, p: dict) -> dict:
         """Back to an independent engine: KV shrinks to ``p["kv_blocks"]``, dropped layers return
-        (host copies), each peer's KV for the kept layers goes back to it and this engine's KV of
-        the returning layers comes back. ``p["held"]``: this engine's block ids with contents
+        (``p["source"]``: ``peer``, pulled from the peer that ran them, else or where that fails
+        their host copies), each peer's KV for the kept layers goes back to it and this engine's KV
+        of the returning layers comes back. ``p["held"]``: this engine's block ids with contents
         (all below ``kv_blocks``)."""
         if not self.res.dropped:
             raise GroupError("not in a group")
@@ -343,12 +377,23 @@ class GroupMember:
             self._signal("leave_sent")
             self._wait("leave_sent", timeout)
 
+        source = str(p.get("source", "host"))
+        if source not in ("peer", "host"):
+            raise GroupError(f"leave: source {source!r}: one of peer, host")
+        restore = {"source": "host" if abandon else source, "peer_layers": 0, "host_layers": 0, "peer_bytes": 0,
+                   "peer_errors": []}
+        if restore["source"] == "peer":
+            images = lambda i: self._peer_image(i, restore)  # noqa: E731 - pulled as each layer reloads
+        else:
+            images = None
+            restore["host_layers"] = len(self.res.dropped)
         t0 = time.perf_counter()
-        mapped = self.res.leave(blocks, (lambda: None) if abandon else exchange)
+        mapped = self.res.leave(blocks, (lambda: None) if abandon else exchange, images=images)
         self._uninstall()
         self.spans, self.views, self.lost = [], {}, ""
         self._close()
-        return {"mapped_blocks": mapped, "seconds": time.perf_counter() - t0, "bytes_sent": stats["bytes_sent"]}
+        return {"mapped_blocks": mapped, "seconds": time.perf_counter() - t0, "bytes_sent": stats["bytes_sent"],
+                "restore": restore}
 
     def _close(self) -> None:
         for c in list(self.act.values()) + list(self.bulk.values()):

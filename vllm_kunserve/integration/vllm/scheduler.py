@@ -11,6 +11,13 @@ latest steps, which this member's stage server saw pass through (their (prefix, 
 read from the attention metadata of the spans it ran). The budget is applied by lowering
 ``max_num_scheduled_tokens`` for that one call; everything else is vLLM's scheduling.
 
+While grouped, admission is peak-aware too (``lookahead.admission = "peak"``,
+:func:`vllm_kunserve.policy.admission.admit_count`): a queued request starts only if the running
+ones and it can all reach their ``max_tokens`` in the group's KV, applied by lowering
+``max_num_active_reqs`` (vLLM's admission limit) for that one call. A group whose KV is short of
+the burst (no drop plan frees the need) then runs a steady set to completion instead of preempting
+and recomputing requests over and over.
+
 CPU vLLM forces ``async_scheduling=False``, so subclassing the synchronous ``Scheduler`` loses
 nothing there; on an engine with async scheduling the class is not installed (logged).
 """
@@ -36,7 +43,8 @@ class SchedulerPatch(VllmPatch):
     summary = "scheduler_cls = KunServeScheduler: cost-balanced step budgets while in a pipeline group"
 
     def wanted(self, cfg: Any) -> bool:
-        return bool(cfg.drop.group_member and cfg.lookahead.enable)
+        la = cfg.lookahead
+        return bool(cfg.drop.group_member and (la.enable or la.admission == "peak"))
 
     def configure(self, cfg: Any, holder: Any) -> None:
         if not self.wanted(cfg):
@@ -68,6 +76,26 @@ def budget_for(scheduler: Any, peer_chunks: list[list[tuple[int, int]]], model: 
     return step_budget(work, model, target, min_tokens, int(scheduler.max_num_scheduled_tokens))
 
 
+def _need(r: Any) -> Any:
+    from vllm_kunserve.policy.admission import KvNeed
+
+    left = int(getattr(r, "max_tokens", 0) or 0) - int(getattr(r, "num_output_tokens", 0))
+    return KvNeed(int(r.num_tokens), max(0, left))
+
+
+def admission_limit(scheduler: Any) -> int:
+    """vLLM's admission limit (``max_num_active_reqs``) for this step under peak-aware admission:
+    the requests in the model runner now plus the queued ones (in vLLM's order: those holding KV,
+    then the waiting queue) whose start keeps every admitted request's KV within the capacity."""
+    from vllm_kunserve.policy.admission import admit_count
+
+    queued = [*getattr(scheduler, "kv_holding_waiting", ()), *scheduler.waiting]
+    pool = scheduler.kv_cache_manager.block_pool
+    k = admit_count([_need(r) for r in scheduler.running], (_need(r) for r in queued),
+                    int(pool.num_gpu_blocks) - 1, int(scheduler.block_size))  # block 0: vLLM's null block
+    return len(scheduler.running) + int(getattr(scheduler, "num_waiting_for_streaming_input", 0)) + k
+
+
 def _make() -> type:
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -77,6 +105,8 @@ def _make() -> type:
 
         #: set by the engine agent: returns the peers' latest step chunks while grouped, else None
         kunserve_pace: Callable[[], list | None] | None = None
+        #: set by the engine agent: whether the engine is in a pipeline group now
+        kunserve_grouped: Callable[[], bool] | None = None
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -86,23 +116,34 @@ def _make() -> type:
             cfg = engine_config(self.vllm_config)
             la = cfg.lookahead if cfg is not None else None
             self.kunserve_min_tokens = la.min_tokens if la else 64
+            self.kunserve_lookahead = la.enable if la else True
+            self.kunserve_peak_admission = (la.admission == "peak") if la else True
+            self.kunserve_limits: list[int] = []  # the latest admission limits set (state, tests)
             self.kunserve_model = CostModel.load(la.cost_model) if la and la.cost_model else default_model()
             self.kunserve_budgets: list[int] = []  # the latest budgets set (state, tests)
 
         def schedule(self, *args: Any, **kwargs: Any):
-            pace = self.kunserve_pace
-            peers = pace() if pace is not None else None
-            if not peers:
+            grouped = self.kunserve_grouped
+            if grouped is None or not grouped():
                 return super().schedule(*args, **kwargs)
-            full = self.max_num_scheduled_tokens
-            budget = budget_for(self, peers, self.kunserve_model, self.kunserve_min_tokens)
-            self.kunserve_budgets.append(budget)
-            del self.kunserve_budgets[:-64]
-            self.max_num_scheduled_tokens = budget
+            full, active = self.max_num_scheduled_tokens, self.max_num_active_reqs
+            if self.kunserve_lookahead:
+                pace = self.kunserve_pace
+                peers = pace() if pace is not None else None
+                if peers:
+                    budget = budget_for(self, peers, self.kunserve_model, self.kunserve_min_tokens)
+                    self.kunserve_budgets.append(budget)
+                    del self.kunserve_budgets[:-64]
+                    self.max_num_scheduled_tokens = budget
+            if self.kunserve_peak_admission and self.waiting:
+                limit = min(active, admission_limit(self))
+                self.kunserve_limits.append(limit)
+                del self.kunserve_limits[:-64]
+                self.max_num_active_reqs = limit
             try:
                 return super().schedule(*args, **kwargs)
             finally:
-                self.max_num_scheduled_tokens = full
+                self.max_num_scheduled_tokens, self.max_num_active_reqs = full, active
 
     KunServeScheduler.__module__ = __name__
     KunServeScheduler.__qualname__ = "KunServeScheduler"

@@ -1,0 +1,60 @@
+"""Peak-aware admission: start a queued request only if every admitted request can finish in KV.
+
+vLLM admits a queued request as soon as its prompt's blocks are free. When the running requests
+then grow (one token each per step), the KV runs out and vLLM preempts the newest one; preempted, it
+loses its KV and is recomputed from its tokens later. Under a burst that is longer than the KV's
+headroom this repeats: a full KV with a churning running set, every preemption paying a prefill of
+the request's whole context again (a 64-token prompt preempted at 300 outputs recomputes 364
+tokens). A pipeline group meets a burst with more KV but not always enough (the harsh window, when
+no drop plan frees the need), and its prefills cost a pass through every stage.
+
+Each request's ``max_tokens`` bounds its KV, so the future peak of a set of requests is known: a
+request holding ``n`` tokens with ``left`` still to generate holds ``n + t`` after ``t`` more steps
+and nothing after ``left``. The set's usage is piecewise increasing between finishes, so its peak is
+at one of the finish times; over the requests sorted by ``left`` (descending), the ``c`` with the
+most left are alive at ``t = left_c``. :func:`peak_blocks` takes the largest of those sums, in
+blocks (each request's count rounded up: an upper bound of the ceilings' sum). :func:`admit_count`
+admits queued requests in queue order while the peak stays within the capacity, and stops at the
+first that does not fit (no overtaking: a long request is not starved by short ones behind it).
+
+A request without ``max_tokens`` is reserved to the model length (vLLM's default), which admits
+less than it could; the engine's vLLM preemption is still there for whatever the bound misses.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple, Sequence
+
+
+class KvNeed(NamedTuple):
+    tokens: int   # tokens whose KV the request holds (or will hold once its context is prefilled)
+    left: int     # tokens it may still generate (max_tokens less those generated)
+
+
+def peak_blocks(reqs: Iterable[KvNeed], block_size: int) -> int:
+    """The most KV blocks the requests will hold at once if each runs to ``max_tokens``."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    order = sorted(reqs, key=lambda r: r.left, reverse=True)
+    peak = held = 0
+    for c, r in enumerate(order, start=1):
+        held += r.tokens
+        t = max(0, r.left)
+        peak = max(peak, (held + c * t + c * (block_size - 1)) // block_size)
+    return peak
+
+
+def admit_count(running: Sequence[KvNeed], queued: Iterable[KvNeed], capacity_blocks: int,
+                block_size: int) -> int:
+    """How many of ``queued`` (in queue order) may start now: each admitted one keeps the peak of
+    the running and admitted requests within ``capacity_blocks``. With nothing running the head is
+    always admitted (alone, vLLM's own handling is all there is)."""
+    admitted = list(running)
+    n = 0
+    for q in queued:
+        trial = admitted + [q]
+        if admitted and peak_blocks(trial, block_size) > capacity_blocks:
+            break
+        admitted = trial
+        n += 1
+    return n
