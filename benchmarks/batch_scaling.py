@@ -6,7 +6,9 @@ measures it before anything else: one vLLM-CPU engine in-process, one compute th
 preset chosen by the CPU (``decode-bf16`` where avx512_bf16 or AMX exists, ``decode-fp32``
 otherwise), 32-token prompts, decode step = (time for 72 outputs - time for 8 outputs) / 64 at each
 batch size. A run is called valid for the cluster benchmark only where a batch of 16 costs at most
-3x a batch of 1 per step.
+3x a batch of 1 per step. Then the prefill of one prompt alone (one output token) at two lengths,
+fitted as ``fixed + tokens / rate``: the rate at which an engine prefills (and recomputes a
+preempted request), apart from what a request costs on its way in.
 
     python benchmarks/batch_scaling.py [--batches 1,4,16,64] [--model DIR]
 
@@ -24,6 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+PREFILL_LENS = (64, 448)  # prompt tokens: a fresh prompt of the cluster benchmark; a long recompute
 OUT = ROOT / "docs" / "benchmarks"
 
 
@@ -74,7 +77,7 @@ def main() -> int:
     batches = [int(b) for b in a.batches.split(",")]
     llm = LLM(model=str(model), dtype=spec.dtype, enforce_eager=True, distributed_executor_backend="uni",
               max_num_seqs=max(batches), kv_cache_memory_bytes=max(batches) * 160 * spec.kv_bytes_per_token() * 2,
-              max_model_len=256, block_size=32, seed=0, disable_log_stats=True)
+              max_model_len=max(256, PREFILL_LENS[-1] + 8), block_size=32, seed=0, disable_log_stats=True)
     threads = torch.get_num_threads()
 
     def timed(b: int, n: int) -> float:
@@ -91,12 +94,28 @@ def main() -> int:
         step = (long_ - short) / 64
         rows.append({"batch": b, "step_ms": round(step * 1e3, 2), "tokens_per_s": round(b / step, 1)})
         print(f"batch {b:3d}: {step * 1e3:7.1f} ms per decode step, {b / step:7.1f} output tokens/s", flush=True)
+    calls = iter(range(1, 1 << 20))
+
+    def prefill(n: int) -> float:
+        sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        c = next(calls)  # a prompt no earlier call began with: nothing from the prefix cache
+        prompt = [{"prompt_token_ids": [(c * 7919 + 13 * k) % 3000 + 10 for k in range(n)]}]
+        t0 = time.perf_counter()
+        llm.generate(prompt, sp, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    pre = [{"tokens": n, "ms": round(min(prefill(n) for _ in range(3)) * 1e3, 2)} for n in PREFILL_LENS]
+    (n0, t0_), (n1, t1_) = ((r["tokens"], r["ms"]) for r in pre)
+    slope = (t1_ - t0_) / (n1 - n0)
+    prefill_line = {"fixed_ms": round(t0_ - n0 * slope, 2), "tokens_per_s": round(1e3 / slope, 1)} if slope > 0 else None
+    print(f"prefill alone: {pre}; line {prefill_line}", flush=True)
     by = {r["batch"]: r["step_ms"] for r in rows}
     ratio = by[16] / by[1] if 1 in by and 16 in by else None
     valid = ratio is not None and ratio <= 3.0
     res = {"cpu": cpu_model(), "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
            "preset": preset, "dtype": spec.dtype, "weight_bytes": spec.weight_bytes(), "threads": threads,
            "load_avg": os.getloadavg(), "rows": rows, "step16_over_step1": ratio, "valid_regime": valid,
+           "prefill": pre, "prefill_line": prefill_line,
            "command": "python benchmarks/batch_scaling.py " + " ".join(sys.argv[1:])}
     print(json.dumps(res))
     llm.llm_engine.engine_core.shutdown()
@@ -115,6 +134,10 @@ def main() -> int:
                   + ("valid regime (<= 3x): KV capacity is worth throughput here." if valid else
                      "NOT a valid regime (> 3x): a bigger batch is not nearly free; cluster drop cannot "
                      "show its gain on this machine.")]
+        lines += ["", "Prefill of one prompt alone (one output token): "
+                  + ", ".join(f"{r['tokens']} tokens {r['ms']} ms" for r in pre)
+                  + (f"; as a line: {prefill_line['fixed_ms']} ms + tokens / {prefill_line['tokens_per_s']:.0f} "
+                     "tokens/s" if prefill_line else "; not increasing with length (no line)") + "."]
         (OUT / "batch_scaling.md").write_text("\n".join(lines) + "\n")
     return 0
 

@@ -192,8 +192,19 @@ def run_settings(run: Path, a: argparse.Namespace, reps: list[tuple[str, int, Pa
         "block_size": pick(a.block_size, args.get("block_size"), argv_opt(sargv, "--block-size"), cast=int, default=32),
         "dispatch": pick(a.dispatch, args.get("dispatch"), argv_opt(sargv, "--dispatch"), default="least-work"),
         "oracle_x": oracle_x, "kunserve_config": kcfg, "phases": phases, "window": [lo, hi], "window_source": wsrc,
-        "engine_args": eng,
+        "engine_args": eng, "variants": variant_configs(args.get("variant") or [], kcfg),
     }
+
+
+def variant_configs(items: list[str], kcfg: dict) -> dict[str, dict]:
+    """The run's ``--variant NAME=JSON`` kunserve systems: NAME -> the kunserve config they ran."""
+    from vllm_kunserve.bench.systems import merge_sections
+
+    out = {}
+    for item in items:
+        name, _, raw = item.partition("=")
+        out[name.strip()] = merge_sections(kcfg, json.loads(raw))
+    return out
 
 
 def engine_limits(a: argparse.Namespace, settings: dict, reps) -> dict:
@@ -364,7 +375,8 @@ def make_sim(st, st_group, settings: dict, system: str, trace):
 
     bs = settings["block_size"]
     base = settings["kv_tokens"] // bs
-    kcfg = parse_config(settings["kunserve_config"])
+    variant = settings.get("variants", {}).get(system)
+    kcfg = parse_config(settings["kunserve_config"] if variant is None else variant)
     ratio = kcfg.kv_ratio
 
     class RunSimulator(Simulator):
@@ -415,18 +427,18 @@ def make_sim(st, st_group, settings: dict, system: str, trace):
     cfg = SimConfig(model=load_model_spec(settings["model"]), gpu=get_gpu("cpu"), step_time=st,
                     instances=settings["instances"], block_size=bs,
                     max_tokens=settings["max_num_batched_tokens"], max_seqs=settings["max_num_seqs"],
-                    kv_blocks=kv_blocks, runtime_reserve_bytes=0,
+                    kv_blocks=kv_blocks, runtime_reserve_bytes=0, prefix_cache=settings.get("prefix_cache", True),
                     # the members share one host: stage hand-offs and KV exchange in shared memory (the
                     # grouped step line carries what the hand-offs cost in the run)
                     link=Link(1e15, 0.0, "local"))
     if system in ("vllm", "oracle"):
         pol = build_policy("vllm", settings["dispatch"])
-    elif system == "kunserve":
+    elif system == "kunserve" or variant is not None:
         pol = MemberSteps(kcfg, settings["dispatch"])
     elif system == "static":
         pol = StaticGroup(kcfg, settings["dispatch"])
     else:
-        raise ValueError(f"system {system!r}: one of {', '.join(SYSTEMS)}")
+        raise ValueError(f"system {system!r}: one of {', '.join(SYSTEMS)} or a --variant of the run")
     return RunSimulator(cfg, pol, trace)
 
 
@@ -531,6 +543,12 @@ def render(res: dict) -> str:
           f"{MIN_PREFILL} such requests, the run's pooled median. For comparison, the requests that had the "
           f"cluster to themselves from send to first token (the previous estimate, TTFT = prompt / rate): "
           f"{res['solo_prefill']}.",
+          ("- The in-process prefill of one prompt alone (`batch_scaling.json`): "
+           + (", ".join(f"{r['tokens']} tokens {r['ms']} ms" for r in res["prefill_table"])
+              + (f" ({res['prefill_line']['tokens_per_s']:.0f} tokens/s beyond the fixed part)"
+                 if res.get("prefill_line") else "") if res.get("prefill_table") else "not measured")
+           + "; compare the warm requests' rates in the table above (they include what a request costs on its way "
+           "in: the front end and the API server)."),
           "- Reference decode table `docs/benchmarks/batch_scaling.json` (batch: ms): "
           + ", ".join(f"{int(b)}: {t * 1e3:.1f}" for b, t in res["table"]) + ".", "",
           "## Reading", ""] + [f"- {x}" for x in res["reading"]]
@@ -540,8 +558,8 @@ def render(res: dict) -> str:
           "catches two arrivals sets it.",
           "- The step lines are means over a repetition's clean seconds: contention that comes and goes (the front "
           "end, the API servers and the engines share 2 cores), and attention's growth with context, are averaged in.",
-          "- A mixed step is priced as decode step + prefill tokens / rate; a recompute of a preempted request "
-          "(stock) is priced at the same rate per token as a 64-token prompt.",
+          "- A mixed step is priced as decode step + prefill tokens / rate, the rate one number per repetition "
+          "(attention's growth with a long recompute's context is in the in-process line's two lengths only).",
           "- kunserve / static: one scheduler over the members' pooled KV with its step split into one microbatch "
           "per member; the real members keep separate schedulers. Transitions (weight drop, KV exchange) are free; "
           "their cost in the run shows only through the grouped line.",
@@ -586,10 +604,8 @@ def verdict(rows: list[dict], per: dict) -> list[str]:
             f"x the measured)" for r in hi)
                    + ". Where the simulated TPOT is also above the measured one, the simulated engines run slower in "
                    "the window than the real ones did: the step line is a mean over the repetition's clean seconds "
-                   "(front-end pauses and the drain's long contexts included), and a stock engine's recompute of a "
-                   "preempted request is priced per token at the rate of a 64-token prompt's first token, which also "
-                   "carries the per-request overhead of the front end. Stock's P99 is queueing behind KV, so its error "
-                   "grows with the error in its throughput.")
+                   "(front-end pauses and the drain's long contexts included)"
+                   + ". Stock's P99 is queueing behind KV, so its error grows with the error in its throughput.")
     lo_rows = [r for r in rows if r["ratio"] is not None and r["ratio"] < 1 - TOL]
     if lo_rows:
         out.append("Under-predicted: " + "; ".join(
@@ -759,7 +775,8 @@ def main() -> int:
     cmd = "python benchmarks/cluster_burst_sim.py " + " ".join(sys.argv[1:])
     res = {"run": str(run), "command": cmd, "settings": settings, "reps": sorted({k for _, k, _ in reps}),
            "note": note, "out_name": a.out_name, "tolerance": TOL, "rows": out_rows, "per_system": per,
-           "solo_prefill": solo_txt,
+           "solo_prefill": solo_txt, "prefill_table": scaling.get("prefill"),
+           "prefill_line": scaling.get("prefill_line"),
            "table": [[float(x["batch"]), x["step_ms"] / 1e3] for x in scaling["rows"]],
            "scaling_source": str(Path(a.scaling))}
     res["verdict"] = verdict(out_rows, per)

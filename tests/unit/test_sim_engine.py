@@ -150,3 +150,84 @@ def test_simulate_cli_dispatch_default_help_and_bad_value(tmp_path, capsys):
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1000,12,3\n2000,20,4\n")
     assert main(["simulate", "--trace", str(trace), "--dispatch", "fastest"]) == 2
     assert "--dispatch 'fastest'" in capsys.readouterr().err
+
+
+def test_a_group_with_peak_admission_runs_a_short_kv_burst_without_preempting():
+    """A 2-instance group whose KV is short of a burst of long decodes: with vLLM's admission it
+    preempts and recomputes; admitting only what can finish (policy.admission), it never preempts,
+    still finishes everything and computes no token twice."""
+    from vllm_kunserve.sim.request import Req
+
+    def drain(peak: bool):
+        cfg = make_cfg(kv_blocks=40, instances=2)
+        sim = Simulator(cfg, build_policy("kunserve"), [])
+        s = sim.new_server((0, 1))
+        s.capacity = 80                       # the group's KV: 80 blocks of 16 = 1280 tokens
+        s.peak_admission = peak
+        reqs = [Req(TraceRequest(i, 0.0, 32, 200 + 13 * i)) for i in range(12)]
+        s.waiting.extend(reqs)
+        computed = 0
+        for _ in range(20000):
+            if not s.has_work():
+                break
+            batch = s.schedule()
+            for r, n in batch:
+                r.computed += n
+                computed += n
+                if r.computed >= r.prompt + r.generated:
+                    r.generated += 1
+            for r in [r for r in s.running if r.generated >= r.output]:
+                s.running.remove(r)
+                s.used -= r.blocks
+            assert s.used <= s.capacity
+        assert not s.has_work() and all(r.generated == r.output for r in reqs)
+        return s.preemptions, computed - sum(r.prompt + r.output - 1 for r in reqs)
+
+    assert drain(True) == (0, 0)                  # nothing preempted, nothing recomputed
+    preempted, recomputed = drain(False)
+    assert preempted > 0 and recomputed > 0
+
+
+def test_a_preempted_request_resumes_from_its_blocks_still_in_the_prefix_cache():
+    """vLLM v1 frees a preempted request's blocks last-first into its free queue and allocates
+    from the oldest: until others take them, its prefix stays cached and it resumes from there."""
+    from vllm_kunserve.sim.request import Req
+
+    cfg = make_cfg(kv_blocks=20, instances=1)
+    sim = Simulator(cfg, build_policy("vllm"), [])
+    s = sim.new_server((0,))
+    s.prefix_cache = True
+    a, b = Req(TraceRequest(0, 0.0, 96, 50)), Req(TraceRequest(1, 0.0, 32, 50))
+    for r, blocks in ((a, 8), (b, 4)):   # a: 128 tokens in 8 blocks; b: 4 blocks
+        s.running.append(r)
+        r.computed, r.generated, r.blocks = blocks * 16, blocks * 16 - r.prompt, blocks
+        s.used += blocks
+    s._preempt(a)                        # 8 blocks to the free queue's tail, behind 8 never used
+    assert s.cached_blocks(a) == 8 and a.computed == 0
+    s.used += 10                         # others take 10: the 8 old ones and a's last 2
+    assert s.cached_blocks(a) == 6
+    b.computed = b.blocks = 0            # (b gives its blocks back: the free count fits a again)
+    s.running.remove(b)
+    s.used -= 4 + 10
+    batch = s.schedule()
+    assert (a, 128 - 6 * 16) in batch and a.blocks == 8 and s.cached_blocks(a) == 0
+    # the same without the prefix cache: everything again
+    s2 = sim.new_server((0,))
+    c = Req(TraceRequest(2, 0.0, 96, 50))
+    s2.running.append(c)
+    c.computed, c.generated, c.blocks = 128, 32, 8
+    s2.used += 8
+    s2._preempt(c)
+    assert (c, 128) in s2.schedule()
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_stock_under_overload_finishes_everything_with_or_without_the_prefix_cache(cache):
+    cfg = make_cfg(prefix_cache=cache)
+    sim, s = run("vllm", cfg)
+    assert s["completed"] == len(sim.reqs) and s["preemptions"] > 0
+    assert all(sv.used == 0 and not sv.running and not sv.waiting for sv in sim.servers)
+    recomputed = sim._tok - sum(r.prompt + r.output - 1 for r in sim.reqs)
+    assert recomputed > 0
+    if cache:  # resuming from cached blocks computes fewer tokens than recomputing everything
+        assert sim._tok < Simulator(make_cfg(), build_policy("vllm"), burst()).run()._tok

@@ -195,3 +195,23 @@ def test_repetitions_skip_an_earlier_runs_leftovers(tmp_path):
     reps, note = cb.repetitions(tmp_path, ["vllm", "oracle"], 0)
     assert note is None and len(reps) == 3
     assert [k for _, k, _ in cb.repetitions(tmp_path, ["vllm", "oracle"], 1)[0]] == [1, 1]
+
+
+def test_a_runs_variant_is_simulated_with_its_own_kunserve_config():
+    """``--variant NAME=JSON`` systems of a run are simulated as kunserve with the merged config:
+    here vLLM's admission in place of the group's peak-aware one."""
+    cb = _bench()
+    from vllm_kunserve.sim.steptime import MeasuredStepTime
+
+    base = {"memory": {"max_kv_ratio": 2.0}}
+    variants = cb.variant_configs(['vllm-admit={"lookahead": {"admission": "vllm"}}'], base)
+    assert variants == {"vllm-admit": {"memory": {"max_kv_ratio": 2.0}, "lookahead": {"admission": "vllm"}}}
+    settings = {"block_size": 16, "kv_tokens": 1024, "kunserve_config": base, "variants": variants,
+                "model": "small", "instances": 2, "max_num_batched_tokens": 2048, "max_num_seqs": 128,
+                "oracle_x": 10.0, "dispatch": "least-work"}
+    st = MeasuredStepTime.linear(0.04, 0.005, 400.0)
+    assert cb.make_sim(st, None, settings, "kunserve", []).policy.peak_admission is True
+    assert cb.make_sim(st, None, settings, "vllm-admit", []).policy.peak_admission is False
+    with pytest.raises(ValueError, match="variant"):
+        cb.make_sim(st, None, settings, "nope", [])
+

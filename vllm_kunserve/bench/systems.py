@@ -82,7 +82,7 @@ def builtin_systems(kunserve_config: dict[str, Any] | None = None, oracle_kv_mul
         "oracle": SystemSpec("oracle", kv_multiplier=oracle_kv_multiplier,
                              description=n + f"stock vLLM with {oracle_kv_multiplier:g}x KV capacity (memory never "
                                              "overloads)", **fleet),
-        **({"static": SystemSpec("static", additional_config={CONFIG_KEY: _merged(kunserve_config, {"drop": {"static_group": True}})},
+        **({"static": SystemSpec("static", additional_config={CONFIG_KEY: merge_sections(kunserve_config, {"drop": {"static_group": True}})},
                                  description=n + "kunserve with one pipeline group of all engines from the start "
                                                  "(static pipeline parallelism holding the freed KV: the bound a "
                                                  "dynamic drop approaches without transition cost)", **fleet)}
@@ -113,13 +113,13 @@ def variant_systems(items: list[str], kunserve_config: dict[str, Any] | None,
             raise ValueError(f"--variant {name}: expected an object of config sections, e.g. "
                              '{"drop": {"transition": "reprefill"}}')
         out[name] = SystemSpec(name, launcher=base.launcher, engine_args=base.engine_args,
-                               additional_config={CONFIG_KEY: _merged(kunserve_config, over)},
+                               additional_config={CONFIG_KEY: merge_sections(kunserve_config, over)},
                                num_instances=base.num_instances,
                                description=f"kunserve with {json.dumps(over, sort_keys=True)}")
     return out
 
 
-def _merged(kunserve_config: dict[str, Any] | None, over: dict[str, dict]) -> dict[str, Any]:
+def merge_sections(kunserve_config: dict[str, Any] | None, over: dict[str, dict]) -> dict[str, Any]:
     """A copy of ``kunserve_config`` with each section of ``over`` merged key by key over its own."""
     ks = {k: dict(v) if isinstance(v, dict) else v for k, v in (kunserve_config or {}).items()}
     for sec, kv in over.items():

@@ -44,6 +44,9 @@ class SimConfig:
     # False: every transfer has the whole link (the earlier model)
     contention: bool = False
     unmap: UnmapCost | None = None  # cost of unmapping dropped weights (None: free)
+    # a recompute-preempted request resumes from its blocks still in vLLM's prefix cache
+    # (Server.cached_blocks); False: it recomputes everything (the earlier model)
+    prefix_cache: bool = False
 
     @property
     def block_bytes(self) -> int:
@@ -147,6 +150,8 @@ class Simulator:
         s.hop_time = lambda tokens: c.link.time_s(tokens * act)
         s.swap_time = lambda blocks: c.pcie.time_s(blocks * c.block_bytes)
         s.microbatcher = self.policy.microbatch
+        s.peak_admission = self.policy.peak_admission and len(instances) > 1
+        s.prefix_cache = c.prefix_cache
         return s
 
     def kick(self, s: Server) -> None:

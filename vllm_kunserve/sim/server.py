@@ -4,7 +4,9 @@ Scheduling follows vLLM v1's iteration-level scheduler with chunked prefill and 
 batching: running requests first in admission order (decodes and unfinished prefill chunks) under a
 token budget; when a running request cannot get its next KV block, the newest running request is
 preempted (recompute: KV dropped, re-prefilled later; or swap: KV copied to host); waiting
-requests are admitted FCFS only in steps without a preemption, prefill chunked to the budget.
+requests are admitted FCFS only in steps without a preemption, prefill chunked to the budget. A
+kunserve group admits peak-aware (``peak_admission``: :func:`vllm_kunserve.policy.admission.admit_count`,
+as the engine's group scheduler does): only requests that every admitted one can finish beside.
 
 A group of ``k`` instances runs its batch as up to ``k`` microbatches through ``k`` stages. A cycle
 (every scheduled request advances one iteration) lasts
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 from collections import deque
 from typing import Callable, Sequence
+
+from vllm_kunserve.policy.admission import KvNeed, admit_count
 
 from .request import Req
 from .steptime import Pair, StepTime
@@ -93,7 +97,12 @@ class Server:
         self.max_seqs = max_seqs
         self.step_time = step_time
         self.preempt_mode = preempt_mode  # "recompute" | "swap"
-        self.used = 0
+        self.peak_admission = False  # admit only what can finish in KV (policy.admission; groups, kunserve)
+        self.prefix_cache = False    # a preempted request resumes from its blocks still cached (vLLM v1)
+        self._used = 0
+        self._taken = 0              # blocks taken from the free queue's head so far (prefix_cache)
+        self._tail = capacity_blocks  # the free queue position the next freed block goes to
+        self._seg: dict[Req, tuple[int, int]] = {}  # preempted request -> (end position, full blocks)
         self.running: list[Req] = []
         self.waiting: WaitQueue = WaitQueue(block_size)
         self.busy = False
@@ -117,6 +126,43 @@ class Server:
         self.work_cache = None       # adapters.queued_work's running part, keyed on the version
 
     # ---- memory ------------------------------------------------------------------------------
+    @property
+    def used(self) -> int:
+        return self._used
+
+    @used.setter
+    def used(self, v: int) -> None:
+        d = v - self._used
+        if d > 0:
+            self._taken += d     # allocation takes the oldest free blocks
+        else:
+            self._tail -= d      # freed blocks join the queue's tail
+        self._used = v
+
+    # vLLM's prefix cache across a preemption (``prefix_cache``): the free blocks form vLLM's free
+    # queue; allocation takes the oldest freed first, and a freed block keeps its contents (its
+    # hash) until then. A preempted request's blocks are freed last block first, so what survives
+    # until it runs again is a prefix of its full blocks, and it resumes from there instead of
+    # recomputing everything. Queue positions are counted, not stored: a preempted request's
+    # blocks went to [end - blocks, end), its first block at end - 1; a block is gone once
+    # ``_taken`` has passed its position.
+    def cached_blocks(self, r: Req) -> int:
+        end, full = self._seg.get(r, (0, 0))
+        return max(0, min(full, end - self._taken))
+
+    def _reuse(self, r: Req, k: int) -> None:
+        """``r`` resumes on ``k`` of its cached blocks: they leave the free queue from its middle, so
+        the blocks freed after them move up by ``k``."""
+        end, _ = self._seg.pop(r)
+        for q, (e, f) in list(self._seg.items()):
+            if e - self._taken <= 0:
+                del self._seg[q]             # evicted whole: nothing left to resume from
+            elif e > end:
+                self._seg[q] = (e - k, f)
+        self._tail -= k
+        self._used += k
+        r.blocks, r.computed = k, k * self.block_size
+
     @property
     def k(self) -> int:
         return len(self.instances)
@@ -160,6 +206,8 @@ class Server:
             self.swapped_blocks += victim.blocks
             self.pending_io += self.swap_time(victim.blocks)
         else:
+            if self.prefix_cache:  # ``used -= blocks`` above put them at [tail - blocks, tail)
+                self._seg[victim] = (self._tail, min(victim.blocks, victim.computed // self.block_size))
             victim.computed = 0
         victim.blocks = 0
         self.waiting.appendleft(victim)
@@ -195,6 +243,10 @@ class Server:
             budget -= n
             i += 1
         if not preempted:
+            if self.peak_admission and self.waiting:
+                need = lambda q: KvNeed(q.prompt + q.generated, q.output - q.generated)  # noqa: E731
+                max_seqs = min(max_seqs, len(self.running) + admit_count(
+                    [need(q) for q in self.running], (need(q) for q in self.waiting), self.capacity, bs))
             while self.waiting and budget > 0 and len(self.running) < max_seqs:
                 r = self.waiting[0]
                 if r.swapped:
@@ -206,6 +258,15 @@ class Server:
                     r.swapped = False
                     r.blocks = need_blocks
                     self.used += need_blocks
+                if self.prefix_cache and r in self._seg:
+                    hit = min(self.cached_blocks(r), (r.length - 1) // bs)  # at least one token to compute
+                    if hit:
+                        n = min(r.length - hit * bs, budget)
+                        if self.blocks_for(hit * bs + n) - hit > self.capacity - self.used - hit:
+                            break
+                        self._reuse(r, hit)
+                    else:
+                        del self._seg[r]
                 n = min(r.need, budget)
                 extra = self.blocks_for(r.computed + n) - r.blocks
                 if extra > self.capacity - self.used:

@@ -22,6 +22,8 @@ class Policy:
     name = "base"
     #: what a server does when a running request needs a block: "recompute" or "swap"
     preempt_mode = "recompute"
+    #: pipeline groups admit only what can finish in their KV (``lookahead.admission = "peak"``)
+    peak_admission = False
     #: every server has unbounded KV (the oracle)
     infinite_memory = False
     #: period of :meth:`on_tick` in simulated seconds (None: no monitor)

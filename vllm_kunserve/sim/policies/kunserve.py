@@ -33,6 +33,7 @@ class KunServePolicy(Policy):
         self.cfg = config or KunServeConfig()
         self.tick_s = self.cfg.drop.check_interval_s
         self.lookahead = lookahead and self.cfg.lookahead.enable
+        self.peak_admission = self.cfg.lookahead.admission == "peak"
         self.exchange = exchange
         self.restore_on = restore and self.cfg.restore.enable
         self.cost_model = cost_model  # policy CostModel the microbatcher balances (None: from step time)
@@ -146,4 +147,4 @@ class KunServePolicy(Policy):
     def describe(self) -> dict:
         return {**super().describe(), "lookahead": self.lookahead,
                 "microbatcher": "policy.microbatch." + ("lookahead" if self.lookahead else "token_count"),
-                "exchange": self.exchange, "restore": self.restore_on}
+                "exchange": self.exchange, "restore": self.restore_on, "admission": self.cfg.lookahead.admission}
