@@ -407,7 +407,8 @@ def host_section(host: dict, systems: list[str]) -> list[str]:
 
 
 def render(scaling: dict, cap: dict, a: argparse.Namespace, argv: list[str], rows: list[dict], systems: list[str],
-           window: tuple[float, float], name: str, mix: dict, cpu: dict, host: dict, short: dict) -> str:
+           window: tuple[float, float], name: str, mix: dict, cpu: dict, host: dict, short: dict,
+           preempt: dict | None = None) -> str:
     others = [s for s in systems if s not in ("vllm", "oracle")]
     keys = ["stock_over_oracle"] + [f"{n}_{k}" for n in others
                                     for k in ("over_stock", "over_oracle", "gap_closed", "tpot_p50_over_stock")]
@@ -468,8 +469,20 @@ def render(scaling: dict, cap: dict, a: argparse.Namespace, argv: list[str], row
     if harsh(a) and "kunserve" in systems:
         L += ["", f"The harsher window: kunserve's KV may grow to {a.kv_cap_x:g}x its base (memory.max_kv_ratio), "
               "below what the burst needs, so no drop plan frees enough; the front end reports what is missing as "
-              "`kunserve:kv_shortfall_blocks` and vLLM's own queueing and preemption handle the rest. Largest "
-              "shortfall per repetition (blocks) and the seconds it was above 0: " + json.dumps(short) + "."]
+              "`kunserve:kv_shortfall_blocks`. The group admits a queued request only when every admitted one can "
+              "still reach its max_tokens in the group's KV (`lookahead.admission = \"peak\"`, "
+              "policy/admission.py); the rest waits in vLLM's queue, and vLLM's preemption remains for what that "
+              "bound misses. Largest shortfall per repetition (blocks) and the seconds it was above 0: "
+              + json.dumps(short) + "."]
+        other = [n for n in systems if n not in ("vllm", "kunserve", "oracle", "static")]
+        if other and "vllm" in systems:
+            L += ["", "Variants run beside it (kunserve with one setting changed), P99 TTFT / stock's and P50 TPOT / "
+                  "stock's over the window, median (min..max, n): " + "; ".join(
+                      f"{n}: {f2(spread(rows, n + '_over_stock').get('median'))} "
+                      f"({f2(spread(rows, n + '_over_stock').get('min'))}..{f2(spread(rows, n + '_over_stock').get('max'))}, "
+                      f"n={spread(rows, n + '_over_stock')['n']}) / "
+                      f"{f2(spread(rows, n + '_tpot_p50_over_stock').get('median'))}" for n in other)
+                  + ". Preemptions per repetition (vLLM's counter, both engines): " + json.dumps(preempt or {}) + "."]
     late = {f"rep {r['rep']}": {n: w["send_lag_max"] and round(w["send_lag_max"] * 1e3) for n, w in r["window"].items()
                                 if w["late_sends"]} for r in rows if not r["valid"]}
     if late:
@@ -597,13 +610,14 @@ def main() -> int:
     cpu = {s: [r.get("server", {}).get("cpu_share") for r in res["runs"].get(s, [])] for s in systems}
     host = host_facts(res, systems)
     short = shortfall(out, systems, a.repeat)
+    preempt = {s: [r.get("preemptions") for r in res["runs"].get(s, [])] for s in systems}
     (DOCS / f"{name}.json").write_text(json.dumps(
         {"scaling": scaling, "stock_capacity": cap, "phases": phases, "window": window, "mix": mix,
          "paired": rows, "argv": argv, "forced": a.force, "cpu_share": cpu, "host": host, "command": command,
          "verdict": verdict(rows, systems, harsh(a)) if "oracle" in systems else None,
-         "kv_cap_x": a.kv_cap_x, "shortfall": short}, indent=1) + "\n")
+         "kv_cap_x": a.kv_cap_x, "shortfall": short, "preemptions": preempt}, indent=1) + "\n")
     doc = DOCS / f"{name}.md"
-    doc.write_text(render(scaling, cap, a, argv, rows, systems, window, name, mix, cpu, host, short))
+    doc.write_text(render(scaling, cap, a, argv, rows, systems, window, name, mix, cpu, host, short, preempt))
     print(doc.read_text())
     return 0
 
