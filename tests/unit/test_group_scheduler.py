@@ -87,3 +87,34 @@ def test_cost_model_key_must_name_a_readable_model(tmp_path):
     CostModel(alpha=0.0, beta=1.0, gamma=2.0).save(good)
     assert parse_config({"lookahead": {"cost_model": str(good)}}).lookahead.cost_model == str(good)
     assert json.loads(good.read_text())["beta"] == 1.0
+
+
+def test_schedule_applies_the_admission_limit_only_while_grouped_and_never_fails_for_it(monkeypatch):
+    """The limit is set for one ``schedule()`` call and put back; alone vLLM's own; a failing
+    admission check turns peak-aware admission off instead of failing the step."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_kunserve.integration.vllm import scheduler as mod
+
+    seen = []
+    monkeypatch.setattr(Scheduler, "schedule", lambda self, *a, **k: seen.append(self.max_num_active_reqs) or "out")
+    cls = mod.KunServeScheduler
+    s = cls.__new__(cls)
+    grouped = [False]
+    s.kunserve_grouped = lambda: grouped[0]
+    s.kunserve_pace, s.kunserve_lookahead, s.kunserve_peak_admission = None, False, True
+    s.kunserve_limits, s.kunserve_budgets = [], []
+    s.max_num_scheduled_tokens, s.max_num_active_reqs = 2048, 128
+    s.waiting = [_r2("w", 64, 0, 300)]
+    s.running, s.kv_holding_waiting, s.num_waiting_for_streaming_input, s.block_size = [], [], 0, 32
+    s.kv_cache_manager = SimpleNamespace(block_pool=SimpleNamespace(num_gpu_blocks=25))   # 24 usable
+    assert s.schedule() == "out" and seen == [128]               # alone: vLLM's admission
+    grouped[0] = True
+    s.running = [_r2("a", 300, 100, 400)]     # 300 + 300 left: 19 blocks at its end; with w 32 > 24
+    assert s.schedule() == "out" and seen[-1] == 1 and s.max_num_active_reqs == 128   # w waits
+    s.kv_cache_manager = None                                     # the check breaks: vLLM's own admits
+    assert s.schedule() == "out" and seen[-1] == 128 and s.kunserve_peak_admission is False
+
+
+def _r2(rid, tokens, out, max_tokens):
+    return SimpleNamespace(request_id=rid, num_tokens=tokens, num_output_tokens=out, max_tokens=max_tokens)

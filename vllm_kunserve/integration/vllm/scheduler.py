@@ -136,10 +136,15 @@ def _make() -> type:
                     del self.kunserve_budgets[:-64]
                     self.max_num_scheduled_tokens = budget
             if self.kunserve_peak_admission and self.waiting:
-                limit = min(active, admission_limit(self))
-                self.kunserve_limits.append(limit)
-                del self.kunserve_limits[:-64]
-                self.max_num_active_reqs = limit
+                try:
+                    limit = min(active, admission_limit(self))
+                except Exception as exc:  # the step must not fail for admission: vLLM's own admits
+                    logger.warning("kunserve: peak-aware admission off (%r); vLLM admits", exc)
+                    self.kunserve_peak_admission = False
+                else:
+                    self.kunserve_limits.append(limit)
+                    del self.kunserve_limits[:-64]
+                    self.max_num_active_reqs = limit
             try:
                 return super().schedule(*args, **kwargs)
             finally:
