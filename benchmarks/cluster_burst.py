@@ -474,15 +474,8 @@ def render(scaling: dict, cap: dict, a: argparse.Namespace, argv: list[str], row
               "policy/admission.py); the rest waits in vLLM's queue, and vLLM's preemption remains for what that "
               "bound misses. Largest shortfall per repetition (blocks) and the seconds it was above 0: "
               + json.dumps(short) + "."]
-        other = [n for n in systems if n not in ("vllm", "kunserve", "oracle", "static")]
-        if other and "vllm" in systems:
-            L += ["", "Variants run beside it (kunserve with one setting changed), P99 TTFT / stock's and P50 TPOT / "
-                  "stock's over the window, median (min..max, n): " + "; ".join(
-                      f"{n}: {f2(spread(rows, n + '_over_stock').get('median'))} "
-                      f"({f2(spread(rows, n + '_over_stock').get('min'))}..{f2(spread(rows, n + '_over_stock').get('max'))}, "
-                      f"n={spread(rows, n + '_over_stock')['n']}) / "
-                      f"{f2(spread(rows, n + '_tpot_p50_over_stock').get('median'))}" for n in other)
-                  + ". Preemptions per repetition (vLLM's counter, both engines): " + json.dumps(preempt or {}) + "."]
+        L += ["", "Preemptions per repetition (vLLM's counter, both engines): " + json.dumps(preempt or {})
+              + ". A variant run beside it (kunserve with one setting changed) has its ratios in the list below."]
     late = {f"rep {r['rep']}": {n: w["send_lag_max"] and round(w["send_lag_max"] * 1e3) for n, w in r["window"].items()
                                 if w["late_sends"]} for r in rows if not r["valid"]}
     if late:

@@ -427,7 +427,9 @@ def make_sim(st, st_group, settings: dict, system: str, trace):
     cfg = SimConfig(model=load_model_spec(settings["model"]), gpu=get_gpu("cpu"), step_time=st,
                     instances=settings["instances"], block_size=bs,
                     max_tokens=settings["max_num_batched_tokens"], max_seqs=settings["max_num_seqs"],
-                    kv_blocks=kv_blocks, runtime_reserve_bytes=0, prefix_cache=settings.get("prefix_cache", True),
+                    kv_blocks=kv_blocks, runtime_reserve_bytes=0,
+                    # vLLM's default, on in the runs' engines (summary.json: server_cache_config)
+                    prefix_cache=True,
                     # the members share one host: stage hand-offs and KV exchange in shared memory (the
                     # grouped step line carries what the hand-offs cost in the run)
                     link=Link(1e15, 0.0, "local"))
