@@ -354,7 +354,7 @@ class Fleet:
             if self._stop.is_set():
                 return
             self._start_one(e)
-            self.backend.wait_ready(e, self.spec.startup_timeout_s)
+            self._wait_started(e)   # a relaunch that exits at startup (a port taken meanwhile) is retried
         except Exception as exc:
             logger.error("instance %d: restart failed: %s", e.index, exc)
             e.state = "dead"

