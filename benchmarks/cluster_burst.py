@@ -407,26 +407,17 @@ def host_section(host: dict, systems: list[str]) -> list[str]:
 
 
 def pipeline_section(pipe: dict, systems: list[str]) -> list[str]:
-    """Where each grouped engine's pipeline hops spent their time (the agent's ``HopTimes``, read from
-    ``/kunserve/status`` at the run's end: its latest group)."""
+    """Where each grouped engine's pipeline hops spent their time (its latest group, as
+    ``/kunserve/status`` had it at the run's end)."""
+    from vllm_kunserve.bench.compare import HOP_COLUMNS, HOP_NOTE, hop_cells
+
     rows = [(s, k, inst, t) for s in systems for k, per in enumerate(pipe.get(s) or [], 1)
             for inst, t in sorted((per or {}).items())]
     if not rows:
         return []
-
-    def ms(t: dict, key: str) -> str:
-        v = t.get(key)
-        return "-" if not v else f"{v['p50']:.2f} / {v['p90']:.2f}"
-    L = ["## Pipeline hops", "",
-         "Each grouped engine's calls to its peer's stage (its latest group; `integration/vllm/pipeline.py` "
-         "`HopTimes`): the round trip, the peer's wait for its compute lock (its own step was running: pipeline "
-         "queueing), the span's compute there, and the rest, the link (shared memory both ways, the pickled "
-         "headers, the wake-ups). P50 / P90 in ms.", "",
-         "| system | rep | engine | hops | round trip | peer wait | peer span | link |",
-         "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for s, k, inst, t in rows:
-        L.append(f"| {s} | {k} | {inst} | {t.get('hops', 0)} | {ms(t, 'round_trip_ms')} | {ms(t, 'peer_wait_ms')} | "
-                 f"{ms(t, 'peer_span_ms')} | {ms(t, 'link_ms')} |")
+    L = ["## Pipeline hops", "", HOP_NOTE + " Its latest group in the run.", "",
+         "| system | rep | engine | " + " | ".join(HOP_COLUMNS) + " |", "|---|---:|---:|" + "---:|" * len(HOP_COLUMNS)]
+    L += ["| " + " | ".join([s, str(k), inst] + hop_cells(t)) + " |" for s, k, inst, t in rows]
     return L + [""]
 
 

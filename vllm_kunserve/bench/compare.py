@@ -170,6 +170,22 @@ def pipeline_times(front: dict) -> dict[str, dict]:
     return out
 
 
+#: what a hop table says of each hop's time (``HopTimes``), after the columns that name the engine
+HOP_COLUMNS = ("hops", "round trip", "peer wait", "peer span", "link")
+HOP_NOTE = ("Each grouped engine's calls to its peer's stage (`integration/vllm/pipeline.py` `HopTimes`): the "
+            "round trip, the peer's wait for its compute lock (its own step was running: pipeline queueing), the "
+            "span's compute there, and the rest, the link (shared memory both ways, the pickled headers, the "
+            "wake-ups). P50 / P90 in ms.")
+
+
+def hop_cells(t: dict) -> list[str]:
+    """The :data:`HOP_COLUMNS` cells of one engine's ``HopTimes`` summary."""
+    def ms(key: str) -> str:
+        v = t.get(key)
+        return "-" if not v else f"{v['p50']:.2f} / {v['p90']:.2f}"
+    return [str(t.get("hops", 0))] + [ms(k) for k in ("round_trip_ms", "peer_wait_ms", "peer_span_ms", "link_ms")]
+
+
 def late_sends(results: Sequence[Any], summary: dict[str, Any], min_s: float = 0.05) -> list[dict]:
     """Every request the client sent at least ``min_s`` after its arrival time, with what the client's
     event loop was doing meanwhile: the late wake-ups (``looplag.LoopLag``) that overlap the interval
