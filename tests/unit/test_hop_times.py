@@ -18,7 +18,7 @@ def test_hop_times_split_a_round_trip_into_queueing_compute_and_link():
     s = h.summary()
     assert s["hops"] == 26                    # counted over the group's life ...
     assert s["link_ms"]["p50"] == 0.5 and s["link_ms"]["max"] == 0.5
-    assert s["link_ms"]["p90"] >= 0.0 and min(r[3] for r in h.rows) == 0.0
+    assert min(r[3] for r in h.rows) == 0.0
     assert s["peer_wait_ms"]["max"] == 24.0   # ... percentiles over the last `keep`
     assert s["peer_wait_ms"]["p50"] >= 15.0
     assert len(h.rows) <= 20

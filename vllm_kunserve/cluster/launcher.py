@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from vllm_kunserve.parentwatch import ENV_PARENT
-from vllm_kunserve.plugin import ENV_SHM_SPIN
 
 __all__ = ["KunserveCluster", "LaunchPlan", "ServerProcess", "StartupExited", "VllmServer", "cluster_argv", "cpu_env",
            "free_port", "serve_argv"]
@@ -40,6 +39,11 @@ class LaunchPlan:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)  # added to (and overriding) os.environ
     unset_env: tuple[str, ...] = ()
+
+
+#: read by the plugin in every vLLM process (``integration/vllm/shm_wait.py``); spelled out here so
+#: the launcher (the replay client imports it) does not import the plugin and, through it, torch
+ENV_SHM_SPIN = "KUNSERVE_SHM_WAIT_MS"
 
 
 def cpu_env() -> dict[str, str]:

@@ -409,6 +409,7 @@ class EngineAgent:
                       "peers": {p: v["stage"] for p, v in peers.items()}, "since": time.time(),
                       "blocks": self.sched.state().visible}
         self.phase = "grouped"
+        self._pipeline, self._pipeline_read_at = None, 0.0   # this group's hops from the first publish
         self._after_transition()
         return self._event("group_join", "ok", time.perf_counter() - t0, sum(o["bytes_sent"] for o in outs),
                            name=name, drop=sorted(set(drop)), transition=transition, recomputed=recomputed,
@@ -433,7 +434,8 @@ class EngineAgent:
         if st.visible > st.base:
             self.sched.begin_shrink(st.visible - st.base)  # every block is free: hidden at once
         try:
-            self._workers("kunserve_group_leave", {"kv_blocks": st.base, "held": [], "abandon": True})
+            outs = self._workers("kunserve_group_leave", {"kv_blocks": st.base, "held": [], "abandon": True})
+            self._pipeline = outs[0].get("hops") or self._pipeline
         except Exception as exc:  # the workers could not restore: this engine cannot serve
             self._error("group_abandon", exc)
             raise AgentError(f"group peer lost and the layers could not be restored: {exc}") from exc
