@@ -98,7 +98,7 @@ def compare_argv(model: Path, dtype: str, out: Path, a: argparse.Namespace, mix:
             "--no-progress", "--out", str(out)] + (["--client-realtime"] if a.client_realtime else []) + \
         [f"--variant={v}" for v in a.variant] + \
         (["--env", "KUNSERVE_MLOCK=1"] if a.mlock else []) + \
-        (["--env", f"KUNSERVE_SHM_WAIT_MS={a.shm_wait_ms:g}"] if a.shm_wait_ms > 0 else [])
+        ["--env", f"KUNSERVE_SHM_WAIT_MS={a.shm_wait_ms:g}"]   # 0 too: engines default to 1 on a CPU host
 
 
 # ------------------------------------------------------------------------------------------ analysis
@@ -406,9 +406,24 @@ def host_section(host: dict, systems: list[str]) -> list[str]:
     return L + [""]
 
 
+def pipeline_section(pipe: dict, systems: list[str]) -> list[str]:
+    """Where each grouped engine's pipeline hops spent their time (its latest group, as
+    ``/kunserve/status`` had it at the run's end)."""
+    from vllm_kunserve.bench.compare import HOP_COLUMNS, HOP_NOTE, hop_cells
+
+    rows = [(s, k, inst, t) for s in systems for k, per in enumerate(pipe.get(s) or [], 1)
+            for inst, t in sorted((per or {}).items())]
+    if not rows:
+        return []
+    L = ["## Pipeline hops", "", HOP_NOTE + " Its latest group in the run.", "",
+         "| system | rep | engine | " + " | ".join(HOP_COLUMNS) + " |", "|---|---:|---:|" + "---:|" * len(HOP_COLUMNS)]
+    L += ["| " + " | ".join([s, str(k), inst] + hop_cells(t)) + " |" for s, k, inst, t in rows]
+    return L + [""]
+
+
 def render(scaling: dict, cap: dict, a: argparse.Namespace, argv: list[str], rows: list[dict], systems: list[str],
            window: tuple[float, float], name: str, mix: dict, cpu: dict, host: dict, short: dict,
-           preempt: dict | None = None) -> str:
+           preempt: dict | None = None, pipe: dict | None = None) -> str:
     others = [s for s in systems if s not in ("vllm", "oracle")]
     keys = ["stock_over_oracle"] + [f"{n}_{k}" for n in others
                                     for k in ("over_stock", "over_oracle", "gap_closed", "tpot_p50_over_stock")]
@@ -492,7 +507,7 @@ def render(scaling: dict, cap: dict, a: argparse.Namespace, argv: list[str], row
     L += ["", "Targets (issue 13, decode mix): stock / oracle >= 3; kunserve gap closed >= 0.8 and kunserve / oracle "
           "<= 1.3; kunserve / stock P50 TPOT <= 1.3; zero failed. The prefill mix is the negative control: there "
           "KV is not the limit and nothing is to be gained.", "",
-          ] + host_section(host, systems) + [
+          ] + pipeline_section(pipe or {}, systems) + host_section(host, systems) + [
           "CPU share of one core per repetition (client = the replay process; servers = the front end, the API "
           "servers and the engines, summed): " + json.dumps(cpu), "",
           f"Raw data: `{name}/compare.json` (every repetition's summary), `{name}.json` (the paired rows), "
@@ -604,13 +619,14 @@ def main() -> int:
     host = host_facts(res, systems)
     short = shortfall(out, systems, a.repeat)
     preempt = {s: [r.get("preemptions") for r in res["runs"].get(s, [])] for s in systems}
+    pipe = {s: [r.get("server", {}).get("pipeline") for r in res["runs"].get(s, [])] for s in systems}
     (DOCS / f"{name}.json").write_text(json.dumps(
         {"scaling": scaling, "stock_capacity": cap, "phases": phases, "window": window, "mix": mix,
          "paired": rows, "argv": argv, "forced": a.force, "cpu_share": cpu, "host": host, "command": command,
          "verdict": verdict(rows, systems, harsh(a)) if "oracle" in systems else None,
-         "kv_cap_x": a.kv_cap_x, "shortfall": short, "preemptions": preempt}, indent=1) + "\n")
+         "kv_cap_x": a.kv_cap_x, "shortfall": short, "preemptions": preempt, "pipeline": pipe}, indent=1) + "\n")
     doc = DOCS / f"{name}.md"
-    doc.write_text(render(scaling, cap, a, argv, rows, systems, window, name, mix, cpu, host, short, preempt))
+    doc.write_text(render(scaling, cap, a, argv, rows, systems, window, name, mix, cpu, host, short, preempt, pipe))
     print(doc.read_text())
     return 0
 

@@ -9,7 +9,7 @@ and the client's send lag (how late each request left the client: a late client 
 server). Paired ratios (proxy / direct, same repetition) with their spread. Target (issue 12):
 <= 2 ms added P50 TTFT, no throughput lost at 200 streams.
 
-    python benchmarks/front_end.py [--reps 3] [--levels 1 32 200] [--output-len 32]
+    python benchmarks/front_end.py [--reps 3] [--levels 1 32 200] [--output-len 32] [--min-requests 20]
         [--out docs/benchmarks/front_end.json] [--md docs/benchmarks/front_end.md]
 
 All processes (client, front end, engine) share this machine's cores: on 2 cores the proxy's CPU
@@ -61,19 +61,25 @@ async def one(session: aiohttp.ClientSession, url: str, prompt: str, n: int, t_p
             "end": times[-1]}
 
 
-async def wave(url: str, concurrency: int, n: int) -> dict:
+async def wave(url: str, concurrency: int, n: int, min_requests: int = 1) -> dict:
+    """``concurrency`` streams at once, in rounds until at least ``min_requests`` were sent (a
+    level of 1 stream is otherwise one sample)."""
     conn = aiohttp.TCPConnector(limit=0)
+    rounds = max(1, -(-min_requests // concurrency))
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=1800)) as s:
         await one(s, url, "warm up the connection", 2, time.perf_counter())
         t0 = time.perf_counter()
-        res = await asyncio.gather(*(one(s, url, f"request {i}: the cache holds blocks and", n, t0)
-                                     for i in range(concurrency)))
+        res = []
+        for k in range(rounds):
+            t_plan = time.perf_counter()
+            res += await asyncio.gather(*(one(s, url, f"request {k}.{i}: the cache holds blocks and", n, t_plan)
+                                          for i in range(concurrency)))
     ttft = [r["ttft_ms"] for r in res]
     itl = [x for r in res for x in r["itl_ms"]]
     span = max(r["end"] for r in res) - t0
     return {"ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99), "itl_p50_ms": pct(itl, 50),
             "itl_p99_ms": pct(itl, 99), "tokens_per_s": sum(r["tokens"] for r in res) / span,
-            "send_lag_p99_ms": pct([r["send_lag_ms"] for r in res], 99), "requests": concurrency}
+            "send_lag_p99_ms": pct([r["send_lag_ms"] for r in res], 99), "requests": len(res), "rounds": rounds}
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -99,11 +105,15 @@ def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args,
     lines = doc_header("Front-end overhead: straight to the engine vs through kunserve serve", "front_end.py",
                        device, raw,
                        f"Command: `python benchmarks/front_end.py --reps {args.reps} --levels "
-                       f"{' '.join(map(str, args.levels))} --output-len {args.output_len}`. One engine (the tiny "
-                       "random Llama, fp32) behind `kunserve serve --instances 1`; each repetition sends the same "
-                       "wave of streamed greedy completions to the engine directly and through the front end, "
-                       "alternating which goes first. `added` = proxy - direct in the same repetition (median, "
-                       "[min, max] over repetitions); throughput as the paired ratio proxy / direct.",
+                       f"{' '.join(map(str, args.levels))} --output-len {args.output_len} --min-requests "
+                       f"{args.min_requests}`. One engine (the tiny random Llama, fp32) behind `kunserve serve "
+                       f"--instances 1`, `KUNSERVE_SHM_WAIT_MS={shm_wait_setting()}` in its environment; each "
+                       "repetition sends the same wave of streamed greedy completions to the engine directly and "
+                       "through the front end, alternating which goes first. A wave at a level of c streams: "
+                       f"rounds of c concurrent requests until at least {args.min_requests} were sent (so 1 stream "
+                       "is that many requests one after another, not one sample). `added` = proxy - direct in the "
+                       "same repetition (median, [min, max] over repetitions); throughput as the paired ratio "
+                       "proxy / direct.",
                        "Client, front end and engine share the machine's 2 cores, so the front end's CPU time "
                        "is taken from the engine and the client here: where the proxy loses throughput, compare "
                        "its CPU per relayed token (last column, measured from /proc) with the engine's step time. "
@@ -154,6 +164,13 @@ async def _status(url: str) -> dict:
             return await r.json()
 
 
+def shm_wait_setting() -> str:
+    """The engines' ``KUNSERVE_SHM_WAIT_MS``: the environment's, else the launcher's CPU-host default."""
+    from vllm_kunserve.cluster.launcher import cpu_env
+
+    return os.environ.get("KUNSERVE_SHM_WAIT_MS") or cpu_env().get("KUNSERVE_SHM_WAIT_MS", "unset (vLLM's spin)")
+
+
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -173,9 +190,9 @@ def run(args, model: str) -> list[dict]:
                 row = {"rep": rep, "concurrency": level}
                 for name, url in order:
                     c0 = cpu_s(front_pid)
-                    row[name] = asyncio.run(wave(url, level, args.output_len))
+                    row[name] = asyncio.run(wave(url, level, args.output_len, args.min_requests))
                     if name == "proxy":  # the front end's own CPU per relayed token
-                        chunks = level * (args.output_len + 1)
+                        chunks = row[name]["requests"] * (args.output_len + 1)
                         row[name]["frontend_cpu_us_per_token"] = (cpu_s(front_pid) - c0) * 1e6 / chunks
                 print(json.dumps({k: (v if not isinstance(v, dict) else
                                       {kk: round(vv, 2) for kk, vv in v.items()}) for k, v in row.items()}), flush=True)
@@ -189,6 +206,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 32, 200])
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--min-requests", type=int, default=20,
+                    help="per wave: rounds of a level's streams until this many requests were sent")
     ap.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks/front_end.json")
     ap.add_argument("--md", type=Path, default=ROOT / "docs/benchmarks/front_end.md")
     args = ap.parse_args(argv)
@@ -201,6 +220,7 @@ def main(argv=None) -> int:
     device = cpu_device("client, front end and one vLLM-CPU engine on the same cores")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"benchmark": "front_end", "command": sys.argv, "engine_args": ENGINE_ARGS,
+                                    "shm_wait_ms": shm_wait_setting(),
                                     "summary": summary, "rows": rows}, indent=2) + "\n")
     png = plot(args.md.with_suffix(".png"), summary)
     write_md(args.md, args.out, png, summary, args, device)

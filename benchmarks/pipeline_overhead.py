@@ -7,8 +7,9 @@ KV for 1280 tokens per engine, each engine pinned to its own core with one compu
 niceness 5, ``KUNSERVE_SHM_WAIT_MS=1``), one ``kunserve serve`` of 2 engines, no arrivals process:
 K streamed greedy requests sent at once (P prompt + N output tokens each, token-id prompts).
 Each repetition runs, interleaved: independent at K = the most requests the base KV holds without
-queueing, then a forced group of both engines (``ops/drop``), grouped at that K and at the larger
-loads the freed KV holds, then restore (``ops/restore``). Throughput: output tokens over the middle
+queueing, then, at that K and at each larger load the freed KV holds, a forced group of both
+engines (``ops/drop``), the load, and restore (``ops/restore``): one group per load, so each load's
+hop times (round trip, the peer's wait, its span, the link) are its own. Throughput: output tokens over the middle
 60% of all token arrivals; TPOT: each request's mean gap between tokens, P50 over requests.
 Paired per repetition: grouped / independent at the same K (what the pipeline costs per token at
 equal batch: the time a stage waits for its peer) and grouped at each larger K / independent
@@ -56,15 +57,18 @@ async def _op(url: str, name: str, body: dict) -> dict:
             return out
 
 
-async def _split(url: str, timeout_s: float = 300.0) -> None:
-    """Wait until the group has split and both engines are back at their base."""
+async def _split(url: str, timeout_s: float = 300.0) -> dict:
+    """Wait until the group has split and both engines are back at their base; returns where each
+    engine's hops spent their time in that group (``bench.compare.pipeline_times``)."""
+    from vllm_kunserve.bench.compare import pipeline_times
+
     t0 = time.monotonic()
     async with aiohttp.ClientSession() as s:
         while time.monotonic() - t0 < timeout_s:
             async with s.get(f"{url}/kunserve/status") as resp:
                 st = await resp.json()
             if not st["groups"] and all(i["kv"].get("engine", {}).get("phase") == "base" for i in st["instances"]):
-                return
+                return pipeline_times(st)
             await asyncio.sleep(0.5)
     raise RuntimeError("the group did not split")
 
@@ -119,13 +123,13 @@ def main() -> int:
         for rep in range(1, a.repeat + 1):
             runs.append({"rep": rep, "mode": "independent", **load(srv.url, k_ind, prompts, a.output_len)})
             print(runs[-1], flush=True)
-            ev = asyncio.run(_op(srv.url, "drop", {"instances": [0, 1]}))
             for k in k_grp:
+                ev = asyncio.run(_op(srv.url, "drop", {"instances": [0, 1]}))
                 runs.append({"rep": rep, "mode": "grouped", "blocks": ev.get("blocks"),
                              **load(srv.url, k, prompts, a.output_len)})
+                asyncio.run(_op(srv.url, "restore", {}))
+                runs[-1]["pipeline"] = asyncio.run(_split(srv.url))
                 print(runs[-1], flush=True)
-            asyncio.run(_op(srv.url, "restore", {}))
-            asyncio.run(_split(srv.url))
     pairs = []
     for rep in range(1, a.repeat + 1):
         ind = next(r for r in runs if r["rep"] == rep and r["mode"] == "independent")
@@ -164,6 +168,13 @@ def main() -> int:
         lines.append(f"| {k} | {s['tok_s']['median']:.2f} ({s['tok_s']['min']:.2f}..{s['tok_s']['max']:.2f}, "
                      f"n={s['tok_s']['n']}) | {s['tpot']['median']:.2f} ({s['tpot']['min']:.2f}.."
                      f"{s['tpot']['max']:.2f}, n={s['tpot']['n']}) |")
+    hop_rows = [(r, inst, t) for r in runs for inst, t in sorted((r.get("pipeline") or {}).items())]
+    if hop_rows:
+        from vllm_kunserve.bench.compare import HOP_COLUMNS, HOP_NOTE, hop_cells
+
+        lines += ["", "## Pipeline hops", "", HOP_NOTE + " One group per grouped run.", "",
+                  "| rep | K | engine | " + " | ".join(HOP_COLUMNS) + " |", "|---:|---:|---:|" + "---:|" * len(HOP_COLUMNS)]
+        lines += ["| " + " | ".join([str(r["rep"]), str(r["k"]), inst] + hop_cells(t)) + " |" for r, inst, t in hop_rows]
     (DOCS / "pipeline_overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if all(r["failed"] == 0 for r in runs) else 1

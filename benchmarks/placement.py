@@ -364,6 +364,9 @@ REAL_MODES = ("round-robin", "least-load", "least-work", "mell")
 #: 8 layers of 3.1 MB (29 MB of fp32 weights) and 8 KiB of KV per token; KV 0.75x the weights
 REAL_SPEC = dict(layers=8, hidden=256, heads=4, kv_heads=2, intermediate=768, vocab=2048)
 REAL_KV_BYTES = 22 << 20
+#: as in cluster_burst: each engine on its own core with one compute thread, below the client and the
+#: front end (the client replays from a SCHED_FIFO thread: on 2 shared cores it sent up to 0.77 s late)
+REAL_ENV = {"KUNSERVE_ENGINE_CPUS": "0|1", "OMP_NUM_THREADS": "1", "KUNSERVE_ENGINE_NICE": "5"}
 REAL_ARGS = ["--served-model-name", "m", "--dtype", "float32", "--block-size", "32", "--kv-cache-memory-bytes",
              str(REAL_KV_BYTES), "--max-model-len", "512", "--enforce-eager", "--disable-uvicorn-access-log"]
 
@@ -402,9 +405,10 @@ def run_real(a, modes: list[str]) -> dict:
         return int(sum(float(m) for m in re.findall(r"^kunserve:migrations_total\{[^}]*\} (\S+)$", text, re.M)))
 
     out = {"engines": 2, "model": REAL_SPEC, "kv_bytes_per_engine": REAL_KV_BYTES, "engine_args": REAL_ARGS,
+           "env": REAL_ENV,
            "trace": trace.describe(), "workload": {k: v for k, v in winfo.items() if not isinstance(v, (list, dict))},
            "modes": modes, "reps": []}
-    with KunserveCluster(model, REAL_ARGS, None, instances=2, dispatch="mell", startup_timeout_s=900,
+    with KunserveCluster(model, REAL_ARGS, None, instances=2, dispatch="mell", startup_timeout_s=900, env=REAL_ENV,
                          log_path=tmp / "serve.log", extra=["--log-dir", str(tmp)]) as cl:
         for rep in range(a.reps):
             order = modes[rep % len(modes):] + modes[:rep % len(modes)]
@@ -413,7 +417,7 @@ def run_real(a, modes: list[str]) -> dict:
                 post(cl.url, "/kunserve/ops/dispatch", {"mode": mode})
                 moved0 = migrations(cl.url)
                 opts = BenchOptions(endpoint=cl.url, model="m", request_timeout_s=300.0, warmup=2, progress=False,
-                                    scrape=True, plots=False, title=f"{mode} rep {rep + 1}")
+                                    scrape=True, plots=False, title=f"{mode} rep {rep + 1}", realtime=True)
                 res = run_bench(trace, factory, opts, tmp / f"rep{rep}-{mode}", kv_capacity_tokens=2 * cap_tokens)
                 s = res.summary
                 entry["modes"][mode] = {
@@ -441,7 +445,8 @@ def real_section(real: dict) -> list[str]:
             f"{real['model']['hidden']}, fp32; {real['kv_bytes_per_engine'] >> 20} MiB of KV each, 0.75x the "
             f"weights), one Poisson burst of {tr['requests']} requests (prompt {tr['prompt_len_mean']:.0f}, output "
             f"{tr['output_len_mean']:.0f} tokens, {tr['mean_rate_rps']:.1f} req/s) replayed under each mode on the "
-            f"same engines (switched with `/kunserve/ops/dispatch`), the order rotated per repetition. A "
+            f"same engines (switched with `/kunserve/ops/dispatch`), the order rotated per repetition; "
+            f"engines: {json.dumps(real.get('env') or {})}, the client replaying from a real-time thread. A "
             "compute-bound CPU engine: the regime is the front end's, not a GPU's.", ""] + \
         ttft_table(ttfts, "least-load", extra) + [""]
 

@@ -48,3 +48,15 @@ def test_shortfall_reads_the_front_ends_gauge_per_repetition(tmp_path):
             w.writerow({"second": sec, "kunserve:kv_shortfall_blocks": v})
     assert cb.shortfall(tmp_path, ["vllm", "kunserve"], 2) == {"rep1": {"peak_blocks": 40.0, "seconds": 2}}
     assert cb.shortfall(tmp_path, ["vllm"], 1) == {}
+
+
+def test_pipeline_section_lists_each_grouped_engine_and_nothing_without_groups():
+    cb = _bench()
+    t = {"hops": 120, "round_trip_ms": {"p50": 30.0, "p90": 45.0, "max": 60.0},
+         "peer_wait_ms": {"p50": 4.0, "p90": 20.0, "max": 30.0},
+         "peer_span_ms": {"p50": 25.0, "p90": 28.0, "max": 31.0}, "link_ms": {"p50": 0.4, "p90": 0.9, "max": 2.0}}
+    assert cb.pipeline_section({"vllm": [None, None], "kunserve": [{}, None]}, ["vllm", "kunserve"]) == []
+    lines = cb.pipeline_section({"vllm": [None], "kunserve": [{"1": t, "0": t}]}, ["vllm", "kunserve"])
+    rows = [x for x in lines if x.startswith("| kunserve")]
+    assert rows == ["| kunserve | 1 | 0 | 120 | 30.00 / 45.00 | 4.00 / 20.00 | 25.00 / 28.00 | 0.40 / 0.90 |",
+                    "| kunserve | 1 | 1 | 120 | 30.00 / 45.00 | 4.00 / 20.00 | 25.00 / 28.00 | 0.40 / 0.90 |"]

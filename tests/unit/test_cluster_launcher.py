@@ -152,6 +152,25 @@ def test_an_engine_that_keeps_exiting_at_startup_fails_the_fleet(tmp_path):
     assert backend.launches == 1
 
 
+def test_a_restart_that_exits_at_startup_is_relaunched(tmp_path):
+    """A dead engine's relaunch gets the same startup retry as the first start."""
+    import time
+
+    from vllm_kunserve.cluster.fleet import EngineSpec, Fleet
+
+    backend = _ScriptBackend(tmp_path, fails=0)
+    with Fleet(EngineSpec("m", startup_timeout_s=30), 1, backend, progress=lambda _: None) as fleet:
+        backend.fails = 2          # the next launch (the restart's first) exits at startup
+        fleet.mark_dead(fleet.engines[0], "test")
+        deadline = time.monotonic() + 60
+        while fleet.engines[0].state != "ready" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert fleet.engines[0].state == "ready" and fleet.engines[0].restarts == 1
+        assert backend.launches == 3
+        kinds = [e["event"] for e in fleet.events]
+        assert kinds.count("start_failed") == 1 and "restarted" in kinds and "restart_failed" not in kinds
+
+
 def test_log_excerpt_shows_the_first_error_and_the_last_lines(tmp_path):
     from vllm_kunserve.cluster.launcher import log_excerpt
 
@@ -163,3 +182,23 @@ def test_log_excerpt_shows_the_first_error_and_the_last_lines(tmp_path):
     log.write_text("\n".join(f"line {i}" for i in range(100)))  # no error: the tail
     assert log_excerpt(log).splitlines() == [f"line {i}" for i in range(50, 100)]
     assert log_excerpt(tmp_path / "missing.log") == "(no log)"
+
+
+def test_cpu_env_sleeps_engine_cores_on_a_cpu_host(monkeypatch):
+    """Without an NVIDIA device, engines get KUNSERVE_SHM_WAIT_MS=1 (no engine core spinning on a
+    shared core); a value the user set, 0 included, wins; with a GPU vLLM's spin is left alone."""
+    from pathlib import Path
+
+    from vllm_kunserve.cluster import launcher as L
+
+    monkeypatch.delenv("KUNSERVE_SHM_WAIT_MS", raising=False)
+    real_exists = Path.exists
+    gpu = {"present": False}
+    monkeypatch.setattr(Path, "exists", lambda self: gpu["present"] if str(self) == "/dev/nvidiactl"
+                        else real_exists(self))
+    assert L.cpu_env()["KUNSERVE_SHM_WAIT_MS"] == "1"
+    monkeypatch.setenv("KUNSERVE_SHM_WAIT_MS", "0")
+    assert "KUNSERVE_SHM_WAIT_MS" not in L.cpu_env()   # the process's own 0 reaches the engine as it is
+    monkeypatch.delenv("KUNSERVE_SHM_WAIT_MS")
+    gpu["present"] = True
+    assert "KUNSERVE_SHM_WAIT_MS" not in L.cpu_env()

@@ -33,7 +33,14 @@ def test_group_frees_weights_into_kv_and_gives_them_back(group_run):
     assert all(c["problems"] == [] for c in r["check"]), r["check"]
     # the spans really ran on the peer, and the KV of the requests cached before the group moved
     for w in r["group_workers"]:
-        assert w[0]["hops"] > 0 and w[0]["served_calls"] > w[0]["hops"] // 2
+        hops = w[0]["hop_times"]["hops"]
+        assert hops > 0 and w[0]["served_calls"] > hops // 2
+    # each engine's leave event says where its hops' time went: the round trip holds the peer's span
+    for lv in r["leave"]:
+        t = lv["pipeline"]
+        assert t["hops"] > 0, lv
+        assert t["peer_span_ms"]["p50"] > 0 and t["round_trip_ms"]["max"] >= t["peer_span_ms"]["p50"]
+        assert 0 <= t["link_ms"]["p50"] <= t["round_trip_ms"]["p50"]
     assert all(j["bytes"] > 0 and j["held_blocks"] > 0 for j in r["join"])
     assert all(lv["outcome"] == "ok" and lv["bytes"] > 0 for lv in r["leave"])
 

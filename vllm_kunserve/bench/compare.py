@@ -139,7 +139,7 @@ def run_system(spec: SystemSpec, common: CommonArgs, run_dir: Path, startup_time
     facts = {"startup_s": startup, "exit_code": server.proc.returncode if server.proc else None,
              "argv": plan.argv, "env": plan.env, "cpu_share": cpu,
              "host": host_facts(host.rows, run.summary, front_gc), "frontend_gc": front_gc,
-             "frontend_loop": front.get("loop"),
+             "frontend_loop": front.get("loop"), "pipeline": pipeline_times(front),
              "late_sends": late_sends(run.results, run.summary)}
     return run, facts
 
@@ -155,6 +155,35 @@ def _frontend_status(endpoint: str) -> dict:
             return json.loads(r.read())
     except (OSError, ValueError):
         return {}
+
+
+def pipeline_times(front: dict) -> dict[str, dict]:
+    """Per engine (instance index), where its pipeline hops spent their time in its latest group
+    (the agent's ``pipeline`` state: round trip, the peer's wait for its compute, the span's compute,
+    the link), as the front end's ``/kunserve/status`` had it at the run's end; empty where no
+    engine was grouped."""
+    out = {}
+    for inst in front.get("instances") or []:
+        t = ((inst.get("kv") or {}).get("engine") or {}).get("pipeline")
+        if t:
+            out[str(inst.get("instance"))] = t
+    return out
+
+
+#: what a hop table says of each hop's time (``HopTimes``), after the columns that name the engine
+HOP_COLUMNS = ("hops", "round trip", "peer wait", "peer span", "link")
+HOP_NOTE = ("Each grouped engine's calls to its peer's stage (`integration/vllm/pipeline.py` `HopTimes`): the "
+            "round trip, the peer's wait for its compute lock (its own step was running: pipeline queueing), the "
+            "span's compute there, and the rest, the link (shared memory both ways, the pickled headers, the "
+            "wake-ups). P50 / P90 in ms.")
+
+
+def hop_cells(t: dict) -> list[str]:
+    """The :data:`HOP_COLUMNS` cells of one engine's ``HopTimes`` summary."""
+    def ms(key: str) -> str:
+        v = t.get(key)
+        return "-" if not v else f"{v['p50']:.2f} / {v['p90']:.2f}"
+    return [str(t.get("hops", 0))] + [ms(k) for k in ("round_trip_ms", "peer_wait_ms", "peer_span_ms", "link_ms")]
 
 
 def late_sends(results: Sequence[Any], summary: dict[str, Any], min_s: float = 0.05) -> list[dict]:

@@ -326,8 +326,8 @@ class Fleet:
                 logger.error("instance %d: failed to start (attempt %d of %d): %s", e.index, attempt + 1,
                              self.spec.startup_retries + 1, exc)
                 self.event(e, "start_failed", attempt=attempt + 1, error=str(exc)[:2000])
-                if attempt == self.spec.startup_retries:
-                    raise
+                if attempt == self.spec.startup_retries or self._stop.is_set():
+                    raise   # out of tries, or the fleet is stopping (the exit was the stop's kill)
                 self.backend.stop(e)
                 self._start_one(e)
 
@@ -354,11 +354,15 @@ class Fleet:
             if self._stop.is_set():
                 return
             self._start_one(e)
-            self.backend.wait_ready(e, self.spec.startup_timeout_s)
+            self._wait_started(e)   # a relaunch that exits at startup (a port taken meanwhile) is retried
         except Exception as exc:
             logger.error("instance %d: restart failed: %s", e.index, exc)
             e.state = "dead"
             self.event(e, "restart_failed", error=str(exc)[-500:])
+            return
+        if self._stop.is_set():   # the fleet stopped while this engine came up: stop it too
+            self.backend.stop(e)
+            e.state = "stopped"
             return
         e.ready_s = time.monotonic()
         e.restarts += 1

@@ -306,7 +306,9 @@ class GroupController:
                           ms=round((time.perf_counter() - t0) * 1e3, 1), errors=failed or None,
                           bytes=sum(o.get("bytes", 0) for o in ok),
                           layers_from_peer=sum(o.get("layers_from_peer", 0) for o in ok),
-                          layers_from_host=sum(o.get("layers_from_host", 0) for o in ok))
+                          layers_from_host=sum(o.get("layers_from_host", 0) for o in ok),
+                          pipeline={str(i): o["pipeline"] for i, o in zip(g.members, outs)
+                                    if isinstance(o, dict) and o.get("pipeline")} or None)
 
     async def restore(self, gid: int | None = None) -> list[dict]:
         todo = [g for g in self.groups if g.state == "grouped" and (gid is None or g.gid == gid)]

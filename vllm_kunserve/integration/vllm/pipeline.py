@@ -56,6 +56,35 @@ class GroupError(RuntimeError):
     pass
 
 
+class HopTimes:
+    """Where a group's hops spend their time, over the group's life (the last ``keep`` hops): each
+    hop's round trip from this worker, the peer's wait for its compute lock (its own step was
+    running: pipeline queueing, not the link), the span's compute there, and what is left, the
+    link itself (both copies through shared memory, the pickled headers, the wake-ups)."""
+
+    FIELDS = ("round_trip_ms", "peer_wait_ms", "peer_span_ms", "link_ms")
+
+    def __init__(self, keep: int = 4096) -> None:
+        self.keep, self.count = keep, 0
+        self.rows: list[tuple[float, float, float, float]] = []
+
+    def add(self, round_trip_ms: float, peer_wait_ms: float, peer_span_ms: float) -> None:
+        link = max(0.0, round_trip_ms - peer_wait_ms - peer_span_ms)
+        self.rows.append((round_trip_ms, peer_wait_ms, peer_span_ms, link))
+        self.count += 1
+        if len(self.rows) > 2 * self.keep:
+            del self.rows[:-self.keep]
+
+    def summary(self) -> dict:
+        rows = self.rows[-self.keep:]
+        out: dict[str, Any] = {"hops": self.count}
+        for j, name in enumerate(self.FIELDS):
+            xs = sorted(r[j] for r in rows)
+            out[name] = ({"p50": round(xs[len(xs) // 2], 3), "p90": round(xs[int(0.9 * (len(xs) - 1))], 3),
+                          "max": round(xs[-1], 3)} if xs else None)
+        return out
+
+
 class GroupMember:
     """The worker half of a pipeline group (one per worker process, made on first use)."""
 
@@ -84,8 +113,8 @@ class GroupMember:
         self._inbox: dict[tuple[str, str], Any] = {}
         self._cv = threading.Condition()
         self._locked: list[str] = []
-        self.hops: list[float] = []
-        self.span_ms: list[float] = []
+        self.hops = HopTimes()             # this worker's calls to peers' spans
+        self.span_ms: list[float] = []     # the spans this worker computed for peers
         self.peer_steps: dict[str, tuple[float, list[tuple[int, int]]]] = {}  # origin -> (when, chunks)
         self.lost = ""
 
@@ -129,6 +158,7 @@ class GroupMember:
         positions, hidden = tensors["positions"], tensors["hidden"]
         residual = tensors.get("residual")
         self.peer_steps[origin] = (time.monotonic(), _step_chunks(meta["attn"]))
+        t_wait = time.perf_counter()
         with COMPUTE:
             t0 = time.perf_counter()
             self._local_metadata(meta["attn"])
@@ -146,9 +176,10 @@ class GroupMember:
             finally:
                 for layer, kv in swapped:
                     layer.kv_cache = kv
-            self.span_ms.append((time.perf_counter() - t0) * 1e3)
+            span_ms = (time.perf_counter() - t0) * 1e3
+            self.span_ms.append(span_ms)
             del self.span_ms[:-256]
-        return {}, {"hidden": hidden, "residual": residual}
+        return {"wait_ms": (t0 - t_wait) * 1e3, "span_ms": span_ms}, {"hidden": hidden, "residual": residual}
 
     def _local_metadata(self, attn: Any) -> None:
         """Make a peer's attention metadata valid in this process. vLLM's CPU attention plans
@@ -210,12 +241,13 @@ class GroupMember:
             try:
                 t0 = time.perf_counter()
                 try:
-                    _, out = self.act[peer].call("span", meta, tensors)
+                    timing, out = self.act[peer].call("span", meta, tensors)
                 except (PeerFailedError, RemoteError, OSError) as exc:
                     self.lost = f"{peer}: {exc}"
                     raise GroupError(f"{PEER_LOST}: layers {lo}..{hi - 1} on {peer}: {exc}") from exc
-                self.hops.append((time.perf_counter() - t0) * 1e3)
-                del self.hops[:-256]
+                timing = timing if isinstance(timing, dict) else {}
+                self.hops.add((time.perf_counter() - t0) * 1e3, float(timing.get("wait_ms", 0.0)),
+                              float(timing.get("span_ms", 0.0)))
             finally:
                 if held:
                     COMPUTE.acquire()
@@ -392,8 +424,10 @@ class GroupMember:
         self._uninstall()
         self.spans, self.views, self.lost = [], {}, ""
         self._close()
+        hops = self.hops.summary()
+        self.hops = HopTimes()
         return {"mapped_blocks": mapped, "seconds": time.perf_counter() - t0, "bytes_sent": stats["bytes_sent"],
-                "restore": restore}
+                "restore": restore, "hops": hops}
 
     def _close(self) -> None:
         for c in list(self.act.values()) + list(self.bulk.values()):
@@ -409,7 +443,7 @@ class GroupMember:
         return {"stage": self.server.address, "name": self.name, "spans": [list(s) for s in self.spans],
                 "peers": sorted(self.act), "dropped_layers": list(self.res.dropped),
                 "foreign_blocks": {o: self.res.foreign_blocks(o) for o in self.res.peers},
-                "hop_ms_p50": p50(self.hops), "span_ms_p50": p50(self.span_ms), "hops": len(self.hops),
+                "hop_times": self.hops.summary(), "span_ms_p50": p50(self.span_ms),
                 "served_calls": self.server.stats.calls, "lost": self.lost, "locked": list(self._locked),
                 "threads": self.threads}
 
