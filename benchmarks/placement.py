@@ -470,7 +470,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--target", type=float, default=0.6, help="oracle mean KV demand / capacity (fixed part)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--real-requests", type=int, default=96, help="real part: requests per replay")
-    ap.add_argument("--real-rate", type=float, default=12.0, help="real part: Poisson arrival rate (req/s)")
+    ap.add_argument("--real-rate", type=float, default=24.0,
+                    help="real part: Poisson arrival rate (req/s; at 12 two pinned engines never preempted)")
     ap.add_argument("--out", default="docs/benchmarks/placement.md")
     a = ap.parse_args(argv)
     parts = {p.strip() for p in a.parts.split(",") if p.strip()}
