@@ -113,8 +113,7 @@ class GroupMember:
         self._inbox: dict[tuple[str, str], Any] = {}
         self._cv = threading.Condition()
         self._locked: list[str] = []
-        self.hops = HopTimes()             # this worker's calls to peers' spans
-        self.span_ms: list[float] = []     # the spans this worker computed for peers
+        self.hops = HopTimes()   # this worker's calls to peers' spans (the peers time each span they run)
         self.peer_steps: dict[str, tuple[float, list[tuple[int, int]]]] = {}  # origin -> (when, chunks)
         self.lost = ""
 
@@ -177,8 +176,6 @@ class GroupMember:
                 for layer, kv in swapped:
                     layer.kv_cache = kv
             span_ms = (time.perf_counter() - t0) * 1e3
-            self.span_ms.append(span_ms)
-            del self.span_ms[:-256]
         return {"wait_ms": (t0 - t_wait) * 1e3, "span_ms": span_ms}, {"hidden": hidden, "residual": residual}
 
     def _local_metadata(self, attn: Any) -> None:
@@ -438,12 +435,10 @@ class GroupMember:
             self._inbox.clear()
 
     def state(self) -> dict:
-        def p50(xs: list[float]) -> float | None:
-            return sorted(xs)[len(xs) // 2] if xs else None
         return {"stage": self.server.address, "name": self.name, "spans": [list(s) for s in self.spans],
                 "peers": sorted(self.act), "dropped_layers": list(self.res.dropped),
                 "foreign_blocks": {o: self.res.foreign_blocks(o) for o in self.res.peers},
-                "hop_times": self.hops.summary(), "span_ms_p50": p50(self.span_ms),
+                "hop_times": self.hops.summary(),
                 "served_calls": self.server.stats.calls, "lost": self.lost, "locked": list(self._locked),
                 "threads": self.threads}
 
