@@ -117,3 +117,64 @@ def test_metadata_tensors_travel_in_the_buffer_as_just_their_elements(link):
     # the received metadata is the caller's to keep: the next call reuses the buffer
     c.call("span", {"t": torch.full((4,), 7, dtype=torch.int32)}, {})
     assert echoed["layer.0"]["seq"].tolist() == [10, 11, 12, 13]
+
+
+def test_a_handler_can_hold_a_resource_until_its_reply_is_on_its_way():
+    """``(meta, tensors, after)``: ``after`` runs once the reply is sent, not before (the caller
+    has the reply while ``after`` still waits) and also when the handler's reply cannot be built."""
+    got_reply, ran = threading.Event(), []
+
+    def after():
+        ran.append(got_reply.wait(5))   # the caller must have the reply already
+
+    def handler(kind, meta, tensors):
+        if kind == "unpicklable":
+            return lambda: None, {}, after   # the reply's metadata cannot be pickled
+        return {"ok": True}, {"x": tensors["x"] + 1}, after
+
+    srv = StageServer(handler)
+    c = StageClient(srv.address)
+    try:
+        meta, out = c.call("span", None, {"x": torch.zeros(3)})
+        got_reply.set()
+        assert meta == {"ok": True} and out["x"].tolist() == [1.0, 1.0, 1.0]
+        deadline = time.monotonic() + 5
+        while not ran and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ran == [True]
+        with pytest.raises(RemoteError):
+            c.call("unpicklable")
+        deadline = time.monotonic() + 5
+        while len(ran) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(ran) == 2
+    finally:
+        c.close()
+        srv.close()
+
+
+def test_sent_runs_once_when_the_request_is_on_its_way_or_the_call_fails():
+    """``call(..., sent=fn)``: ``fn`` runs before the reply can exist (here the handler waits for
+    it: were it run only after the reply, the handler would time out) and exactly once; on a dead
+    link it still runs."""
+    was_sent = threading.Event()
+    calls = []
+
+    def handler(kind, meta, tensors):
+        return {"saw_sent": was_sent.wait(5)}, {}
+
+    srv = StageServer(handler)
+    c = StageClient(srv.address)
+    try:
+        meta, _ = c.call("span", None, {"x": torch.ones(2)}, sent=lambda: (calls.append(1), was_sent.set()))
+        assert meta == {"saw_sent": True} and calls == [1]
+    finally:
+        c.close()
+        srv.close()
+    srv = StageServer(handler)
+    c = StageClient(srv.address)
+    srv.close()
+    with pytest.raises(PeerFailedError):
+        c.call("span", None, {"x": torch.ones(2)}, sent=lambda: calls.append(2))
+    assert calls == [1, 2]
+    c.close()

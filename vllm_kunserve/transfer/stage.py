@@ -17,7 +17,12 @@ Two traffic classes: a connection opened with ``bulk=True`` (KV exchange) yields
 calls: before each bulk message the server waits while an activation call is being handled, so
 an activation waits at most for the bulk chunk already being written.
 
-Engine-agnostic: the handler gets ``(kind, meta, tensors)`` and returns ``(meta, tensors)``.
+Engine-agnostic: the handler gets ``(kind, meta, tensors)`` and returns ``(meta, tensors)``, or
+``(meta, tensors, after)``: ``after()`` runs once the reply is sent (or could not be), so a handler
+can hold a resource across the reply (a pipeline stage keeps its compute lock until the reply is
+on its way: released earlier, the caller waiting for it competes for the core with whatever takes
+the lock). A caller can do the same on its side: ``call(..., sent=fn)`` runs ``fn()`` once the
+request is sent.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import torch
 
 from .errors import PeerFailedError
 
-Handler = Callable[[str, Any, dict], "tuple[Any, dict]"]
+Handler = Callable[[str, Any, dict], "tuple[Any, dict] | tuple[Any, dict, Callable[[], None]]"]
 _LEN = struct.Struct("!Q")
 _ALIGN = 64
 
@@ -207,12 +212,15 @@ class StageServer:
                 else:
                     with self._cv:
                         self._active += 1
+                after = None
                 try:
                     t0 = time.perf_counter()
                     got = buf.get(msg["tensors"], copy=False) if buf is not None else {}
                     try:
                         meta, tensors = _split_meta(got, msg["meta"])
-                        meta, out = self.handler(msg["kind"], meta, tensors)
+                        res = self.handler(msg["kind"], meta, tensors)
+                        meta, out = res[0], res[1]
+                        after = res[2] if len(res) > 2 else None
                         data, meta_tensors = _dump_meta(meta)
                         out = _with_meta(out or {}, meta_tensors)
                         reply = {"meta": data, "tensors": buf.put(out) if out else []}
@@ -222,12 +230,14 @@ class StageServer:
                     self.stats.bulk_calls += bulk
                     self.stats.bytes_in += sum(d[4] for d in msg["tensors"])
                     self.stats.handler_s += time.perf_counter() - t0
+                    _send_msg(conn, reply)
                 finally:
+                    if after is not None:
+                        after()
                     if not bulk:
                         with self._cv:
                             self._active -= 1
                             self._cv.notify_all()
-                _send_msg(conn, reply)
         except (PeerFailedError, OSError, EOFError):
             pass
         finally:
@@ -282,15 +292,26 @@ class StageClient:
             self._files.remove(old.path)
 
     def call(self, kind: str, meta: Any = None, tensors: dict[str, torch.Tensor] | None = None,
-             copy: bool = True) -> tuple[Any, dict[str, torch.Tensor]]:
-        data, meta_tensors = _dump_meta(meta)
-        tensors = _with_meta(tensors or {}, meta_tensors)
+             copy: bool = True, sent: Callable[[], None] | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
+        """Send one request and wait for its reply. ``sent()``, when given, runs exactly once: as
+        soon as the request is on its way, or when the call fails before that."""
+        try:
+            data, meta_tensors = _dump_meta(meta)
+            tensors = _with_meta(tensors or {}, meta_tensors)
+        except BaseException:
+            if sent is not None:
+                sent()
+            raise
         with self._lock:
             try:
-                self._ensure(needed_bytes(tensors))
-                t0 = time.perf_counter()
-                desc = self._buf.put(tensors)
-                _send_msg(self._sock, {"kind": kind, "meta": data, "tensors": desc})
+                try:
+                    self._ensure(needed_bytes(tensors))
+                    t0 = time.perf_counter()
+                    desc = self._buf.put(tensors)
+                    _send_msg(self._sock, {"kind": kind, "meta": data, "tensors": desc})
+                finally:
+                    if sent is not None:
+                        sent()
                 reply = _recv_msg(self._sock)
                 self.last_hop_s = time.perf_counter() - t0
             except (OSError, socket.timeout) as exc:

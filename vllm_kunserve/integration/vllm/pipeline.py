@@ -51,6 +51,14 @@ _BULK_BYTES = 8 << 20  # KV exchange chunk
 #: how long a step waits for a peer's span before declaring the peer lost
 SPAN_TIMEOUT_S = 30.0
 
+#: set unless this worker's step has run its forward and its sampling is due: vLLM's engine core
+#: asks for the sampling in a second call (``sample_tokens``) a round trip after ``execute_model``
+#: returns, and a peer's span taking the compute lock in that gap made the step wait a whole span
+#: for its sampling (~1 ms of work). A span waits for it, at most ``SAMPLE_GRACE_S``.
+_NO_SAMPLING_DUE = threading.Event()
+_NO_SAMPLING_DUE.set()
+SAMPLE_GRACE_S = 0.01
+
 
 class GroupError(RuntimeError):
     pass
@@ -158,7 +166,9 @@ class GroupMember:
         residual = tensors.get("residual")
         self.peer_steps[origin] = (time.monotonic(), _step_chunks(meta["attn"]))
         t_wait = time.perf_counter()
-        with COMPUTE:
+        _NO_SAMPLING_DUE.wait(SAMPLE_GRACE_S)
+        COMPUTE.acquire()  # held until the reply is sent (the stage server calls the release)
+        try:
             t0 = time.perf_counter()
             self._local_metadata(meta["attn"])
             ctx = create_forward_context(meta["attn"], self.worker.vllm_config, slot_mapping=meta["slots"])
@@ -176,7 +186,11 @@ class GroupMember:
                 for layer, kv in swapped:
                     layer.kv_cache = kv
             span_ms = (time.perf_counter() - t0) * 1e3
-        return {"wait_ms": (t0 - t_wait) * 1e3, "span_ms": span_ms}, {"hidden": hidden, "residual": residual}
+        except BaseException:
+            COMPUTE.release()
+            raise
+        return ({"wait_ms": (t0 - t_wait) * 1e3, "span_ms": span_ms}, {"hidden": hidden, "residual": residual},
+                COMPUTE.release)
 
     def _local_metadata(self, attn: Any) -> None:
         """Make a peer's attention metadata valid in this process. vLLM's CPU attention plans
@@ -234,11 +248,16 @@ class GroupMember:
             if residual is not None:
                 tensors["residual"] = residual
             meta = {"origin": self.name, "lo": lo, "hi": hi, "attn": attn, "slots": slots}
-            held = _release(COMPUTE)
+            held = []  # the step lets go of this worker's core once the request is sent, not before:
+            # this thread would then compete for the core with the peer span taking the lock
+
+            def let_go() -> None:
+                held.append(_release(COMPUTE))
+
             try:
                 t0 = time.perf_counter()
                 try:
-                    timing, out = self.act[peer].call("span", meta, tensors)
+                    timing, out = self.act[peer].call("span", meta, tensors, sent=let_go)
                 except (PeerFailedError, RemoteError, OSError) as exc:
                     self.lost = f"{peer}: {exc}"
                     raise GroupError(f"{PEER_LOST}: layers {lo}..{hi - 1} on {peer}: {exc}") from exc
@@ -246,7 +265,7 @@ class GroupMember:
                 self.hops.add((time.perf_counter() - t0) * 1e3, float(timing.get("wait_ms", 0.0)),
                               float(timing.get("span_ms", 0.0)))
             finally:
-                if held:
+                if held and held[0]:
                     COMPUTE.acquire()
             return out["hidden"].to(hidden_states.dtype), out["residual"]
         return forward
@@ -264,7 +283,7 @@ class GroupMember:
             for name in _LOCKED_METHODS:
                 orig = getattr(self.worker, name, None)
                 if orig is not None:
-                    self.worker.__dict__[name] = _locked(orig)
+                    self.worker.__dict__[name] = _locked(orig, name)
                     self._locked.append(name)
 
     def _uninstall(self) -> None:
@@ -274,6 +293,7 @@ class GroupMember:
         for name in self._locked:
             self.worker.__dict__.pop(name, None)
         self._locked = []
+        _NO_SAMPLING_DUE.set()
 
     # -- barriers and KV exchange -----------------------------------------------------------------
     def _signal(self, tag: str, payload: Any = None) -> None:
@@ -480,10 +500,20 @@ def _step_chunks(attn: Any) -> list[tuple[int, int]]:
     return [(int(s) - int(n), int(n)) for s, n in zip(seq.tolist()[:len(new)], new)]
 
 
-def _locked(fn):
+def _locked(fn, name: str = ""):
+    """``fn`` under the compute lock; for ``execute_model``, a None result (the sampling follows in
+    ``sample_tokens``) marks the sampling due until ``sample_tokens`` has run (see
+    ``_NO_SAMPLING_DUE``)."""
     def call(*args, **kwargs):
         with COMPUTE:
-            return fn(*args, **kwargs)
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                if name == "sample_tokens":
+                    _NO_SAMPLING_DUE.set()
+            if name == "execute_model" and out is None:
+                _NO_SAMPLING_DUE.clear()
+            return out
     return call
 
 
