@@ -33,28 +33,3 @@ def test_pipeline_times_reads_each_grouped_engine_from_the_status():
                             {"instance": 2, "kv": {}}]}
     assert pipeline_times(status) == {"0": t}
     assert pipeline_times({}) == {}
-
-
-def test_a_step_whose_sampling_follows_keeps_peer_spans_waiting_until_it_has_sampled():
-    """vLLM asks for the sampling in a second call, a round trip after ``execute_model`` returns
-    None; until ``sample_tokens`` has run (or raised), a peer's span waits (``_NO_SAMPLING_DUE``)."""
-    from vllm_kunserve.integration.vllm import pipeline as p
-
-    step = p._locked(lambda: None, "execute_model")
-    full = p._locked(lambda: "output", "execute_model")   # sampled inside: nothing due
-    sample = p._locked(lambda: "tokens", "sample_tokens")
-
-    def failing():
-        raise RuntimeError("sampling failed")
-
-    try:
-        assert full() == "output" and p._NO_SAMPLING_DUE.is_set()
-        assert step() is None and not p._NO_SAMPLING_DUE.is_set()
-        assert not p.COMPUTE.locked()            # the lock itself is free between the two calls
-        assert sample() == "tokens" and p._NO_SAMPLING_DUE.is_set()
-        step()
-        with pytest.raises(RuntimeError):
-            p._locked(failing, "sample_tokens")()
-        assert p._NO_SAMPLING_DUE.is_set() and not p.COMPUTE.locked()
-    finally:
-        p._NO_SAMPLING_DUE.set()

@@ -51,14 +51,6 @@ _BULK_BYTES = 8 << 20  # KV exchange chunk
 #: how long a step waits for a peer's span before declaring the peer lost
 SPAN_TIMEOUT_S = 30.0
 
-#: set unless this worker's step has run its forward and its sampling is due: vLLM's engine core
-#: asks for the sampling in a second call (``sample_tokens``) a round trip after ``execute_model``
-#: returns, and a peer's span taking the compute lock in that gap made the step wait a whole span
-#: for its sampling (~1 ms of work). A span waits for it, at most ``SAMPLE_GRACE_S``.
-_NO_SAMPLING_DUE = threading.Event()
-_NO_SAMPLING_DUE.set()
-SAMPLE_GRACE_S = 0.01
-
 
 class GroupError(RuntimeError):
     pass
@@ -166,7 +158,6 @@ class GroupMember:
         residual = tensors.get("residual")
         self.peer_steps[origin] = (time.monotonic(), _step_chunks(meta["attn"]))
         t_wait = time.perf_counter()
-        _NO_SAMPLING_DUE.wait(SAMPLE_GRACE_S)
         COMPUTE.acquire()  # held until the reply is sent (the stage server calls the release)
         try:
             t0 = time.perf_counter()
@@ -283,7 +274,7 @@ class GroupMember:
             for name in _LOCKED_METHODS:
                 orig = getattr(self.worker, name, None)
                 if orig is not None:
-                    self.worker.__dict__[name] = _locked(orig, name)
+                    self.worker.__dict__[name] = _locked(orig)
                     self._locked.append(name)
 
     def _uninstall(self) -> None:
@@ -293,7 +284,6 @@ class GroupMember:
         for name in self._locked:
             self.worker.__dict__.pop(name, None)
         self._locked = []
-        _NO_SAMPLING_DUE.set()
 
     # -- barriers and KV exchange -----------------------------------------------------------------
     def _signal(self, tag: str, payload: Any = None) -> None:
@@ -500,20 +490,10 @@ def _step_chunks(attn: Any) -> list[tuple[int, int]]:
     return [(int(s) - int(n), int(n)) for s, n in zip(seq.tolist()[:len(new)], new)]
 
 
-def _locked(fn, name: str = ""):
-    """``fn`` under the compute lock; for ``execute_model``, a None result (the sampling follows in
-    ``sample_tokens``) marks the sampling due until ``sample_tokens`` has run (see
-    ``_NO_SAMPLING_DUE``)."""
+def _locked(fn):
     def call(*args, **kwargs):
         with COMPUTE:
-            try:
-                out = fn(*args, **kwargs)
-            finally:
-                if name == "sample_tokens":
-                    _NO_SAMPLING_DUE.set()
-            if name == "execute_model" and out is None:
-                _NO_SAMPLING_DUE.clear()
-            return out
+            return fn(*args, **kwargs)
     return call
 
 
