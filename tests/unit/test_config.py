@@ -97,3 +97,27 @@ def test_docs_cover_every_key_and_are_current():
             assert f"`{section.name}.{f.name}`" in text
     committed = pathlib.Path(__file__).parents[2] / "docs" / "config.md"
     assert committed.read_text() == text + "\n", "docs/config.md is stale: run `make docs`"
+
+
+def test_every_documented_key_is_read_somewhere():
+    """No key documented but unread: for each ``section.key`` some module other than config.py reads
+    the key's attribute and names its section (``cfg.drop.trigger_ratio``, ``d = cfg.drop`` then
+    ``d.trigger_ratio``, or a ``drop: DropConfig`` parameter), or config.py's own resolver reads
+    ``self.section.key`` (``kv_ratio()``). A new key fails this until a feature reads it."""
+    import dataclasses
+    import pathlib
+    import re
+
+    pkg = pathlib.Path(__file__).parents[2] / "vllm_kunserve"
+    texts = [p.read_text() for p in pkg.rglob("*.py") if p.name != "config.py"]
+    own = (pkg / "config.py").read_text()
+    unread = []
+    for section in dataclasses.fields(KunServeConfig):
+        cls = type(getattr(KunServeConfig(), section.name))
+        sec = re.compile(rf"\b{section.name}\b|\b{cls.__name__}\b")
+        for f in dataclasses.fields(cls):
+            key = re.compile(rf"\.{f.name}\b")
+            if not (re.search(rf"self\.{section.name}\.{f.name}\b", own)
+                    or any(sec.search(t) and key.search(t) for t in texts)):
+                unread.append(f"{section.name}.{f.name}")
+    assert not unread, f"documented config keys that no module reads: {unread}"
