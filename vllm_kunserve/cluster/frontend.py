@@ -35,7 +35,7 @@ import logging
 import math
 import re
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import aiohttp
 
@@ -371,7 +371,7 @@ class FrontEnd:
 
 def build_app(front: FrontEnd):
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi.responses import JSONResponse, Response
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -476,10 +476,9 @@ def build_app(front: FrontEnd):
                         yield chunk
                     outcome = "ok"
                 finally:
-                    resp.close()
+                    relay.close(resp)
                     release(outcome)
-            return StreamingResponse(body_iter(), media_type="text/event-stream",
-                                     headers={"X-Request-Id": rid})
+            return EventStream(body_iter(), rid)
 
         async def whole():
             tried: set[int] = set()
@@ -644,4 +643,61 @@ def build_app(front: FrontEnd):
         except BadRequest as e:
             return err(e)
 
-    return app
+    return HotPaths(app, {"/v1/completions": "completion", "/v1/chat/completions": "chat"}, generate, Request)
+
+
+class EventStream:
+    """A streamed answer written straight to the ASGI server: every chunk the relay yields is one
+    ``send``, with no middleware wrapping each one (Starlette's ``StreamingResponse`` passes each
+    through its error and exception middleware's senders). A client that disconnects cancels the
+    relay, which closes the engine's request (vLLM aborts it)."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], rid: str):
+        self.chunks, self.rid = chunks, rid
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                (b"x-request-id", self.rid.encode())]})
+        pump = asyncio.ensure_future(self._pump(send))
+        watch = asyncio.ensure_future(_until_disconnect(receive))
+        try:
+            await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (pump, watch):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(pump, watch, return_exceptions=True)
+        exc = None if pump.cancelled() else pump.exception()
+        if exc is not None and not isinstance(exc, OSError):   # OSError: the client's connection went
+            raise exc
+
+    async def _pump(self, send) -> None:
+        try:
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await self.chunks.aclose()   # the relay's own cleanup (engine stream closed, flight released)
+
+
+async def _until_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class HotPaths:
+    """The ASGI app ``kunserve serve`` runs: POSTs to the generation paths go straight to their
+    handler, everything else (and the lifespan) to the FastAPI app. A relayed request is the front
+    end's hot path: FastAPI's routing and middleware stack cost about as much per request as the
+    relay itself, on the way to every first token."""
+
+    def __init__(self, app, paths: dict[str, str], handler, request_cls):
+        self.app, self.paths, self.handler, self.request_cls = app, paths, handler, request_cls
+
+    async def __call__(self, scope, receive, send) -> None:
+        kind = self.paths.get(scope.get("path")) if scope["type"] == "http" else None
+        if kind is None or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        response = await self.handler(kind, self.request_cls(scope, receive))
+        await response(scope, receive, send)

@@ -120,6 +120,22 @@ _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
 
+async def _drain(resp: aiohttp.ClientResponse, timeout_s: float = 5.0) -> None:
+    """Read what is left of a finished stream (after ``[DONE]``, only the chunked body's end), so
+    that aiohttp puts the connection back in its pool: closed instead, every request would open a
+    new connection to its engine (a TCP connect on the path to the first token, and one more
+    connection for the engine's server to accept). Closes it when the end does not come."""
+    try:
+        await asyncio.wait_for(resp.content.read(), timeout_s)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        pass
+    finally:
+        resp.close()   # nothing once the end was read: the connection is back in the pool
+
+
+_draining: set[asyncio.Task] = set()   # the drains under way (the loop keeps only weak references)
+
+
 def _sse(obj: dict) -> bytes:
     return b"data: " + _encode(obj) + b"\n\n"
 
@@ -133,6 +149,12 @@ class Relay:
         self.finished = False
         self.usage_wanted = bool((flight.checked.body.get("stream_options") or {}).get("include_usage"))
         self.detok = None
+        self.draining: aiohttp.ClientResponse | None = None   # a finished engine stream being read to its end
+
+    def close(self, resp: aiohttp.ClientResponse) -> None:
+        """Close an engine stream the relay is done with, unless it is being drained back to the pool."""
+        if resp is not self.draining:
+            resp.close()
 
     # -- chunk rewriting ----------------------------------------------------------------------------
     def _absorb(self, ev: dict) -> dict | None:
@@ -326,6 +348,11 @@ class Relay:
                         if not self.finished:
                             raise UpstreamLost("stream ended without [DONE]")
                         done = True
+                    if done:   # the client's [DONE] does not wait for the engine's body to end
+                        self.draining = resp
+                        task = asyncio.get_running_loop().create_task(_drain(resp))
+                        _draining.add(task)
+                        task.add_done_callback(_draining.discard)
                 except (aiohttp.ClientError, asyncio.TimeoutError, UpstreamLost, ValueError) as e:
                     if self.finished:
                         done = True
@@ -333,7 +360,7 @@ class Relay:
                         reason = f"lost: {type(e).__name__}: {e}"[:300]
                         self.h.engine_failed(f.instance, reason)
                 finally:
-                    resp.close()
+                    self.close(resp)
                 if done or self.finished:
                     yield b"data: [DONE]\n\n"
                     return
