@@ -64,17 +64,19 @@ async def one(session: aiohttp.ClientSession, url: str, prompt: str, n: int, t_p
             "end": times[-1]}
 
 
-async def wave(url: str, concurrency: int, n: int, min_requests: int = 1) -> dict:
+async def wave(url: str, concurrency: int, n: int, min_requests: int = 1, timed=None) -> dict:
     """``concurrency`` streams at once, in rounds until at least ``min_requests`` were sent (a
     level of 1 stream is otherwise one sample). An untimed round of ``concurrency`` 2-token streams
     first opens the connections the wave uses (the client's, and the front end's to its engine):
     what is measured is serving over open connections, as a fleet's front end runs, not their
-    setup."""
+    setup. ``timed()``, when given, is called as the timed rounds start."""
     conn = aiohttp.TCPConnector(limit=0)
     rounds = max(1, -(-min_requests // concurrency))
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=1800)) as s:
         await asyncio.gather(*(one(s, url, f"warm up connection {i}", 2, time.perf_counter())
                                for i in range(concurrency)))
+        if timed is not None:
+            timed()
         t0 = time.perf_counter()
         res = []
         for k in range(rounds):
@@ -225,11 +227,12 @@ def run(args, model: str) -> list[dict]:
                     order.reverse()
                 row = {"rep": rep, "concurrency": level}
                 for name, url in order:
-                    c0 = cpu_s(front_pid)
-                    row[name] = asyncio.run(wave(url, level, args.output_len, args.min_requests))
+                    c0 = []   # the front end's CPU time as the timed rounds start (after the warm-up)
+                    row[name] = asyncio.run(wave(url, level, args.output_len, args.min_requests,
+                                                 timed=lambda: c0.append(cpu_s(front_pid))))
                     if name == "proxy":  # the front end's own CPU per relayed token
                         chunks = row[name]["requests"] * (args.output_len + 1)
-                        row[name]["frontend_cpu_us_per_token"] = (cpu_s(front_pid) - c0) * 1e6 / chunks
+                        row[name]["frontend_cpu_us_per_token"] = (cpu_s(front_pid) - c0[0]) * 1e6 / chunks
                 print(json.dumps({k: (v if not isinstance(v, dict) else
                                       {kk: round(vv, 2) for kk, vv in v.items()}) for k, v in row.items()}), flush=True)
                 rows.append(row)
