@@ -208,16 +208,16 @@ def pin_process(pid: int, cpus: set[int]) -> int:
 
 def run(args, model: str) -> list[dict]:
     rows = []
-    cores = sorted(os.sched_getaffinity(0))
-    front_cores = {args.frontend_core} if args.frontend_core >= 0 else set(cores)
-    rest = set(cores) - front_cores or set(cores)
+    pinned = args.frontend_core >= 0
+    front_cores = {args.frontend_core}
+    rest = os.sched_getaffinity(0) - front_cores if pinned else os.sched_getaffinity(0)
     # the client and the engine (launched from here, so inheriting it) keep to the other cores
     os.sched_setaffinity(0, rest)
-    env = {"KUNSERVE_ENGINE_CPUS": ",".join(map(str, sorted(rest)))} if args.frontend_core >= 0 else {}
+    env = {"KUNSERVE_ENGINE_CPUS": ",".join(map(str, sorted(rest)))} if pinned else {}
     with KunserveCluster(model, ENGINE_ARGS, None, instances=1, startup_timeout_s=600, env=env) as cl:
         engine = asyncio.run(_status(cl.url))["instances"][0]["url"]
         front_pid = cl._proc.proc.pid  # the kunserve serve process is the front end
-        if args.frontend_core >= 0:
+        if pinned:
             print(f"front end pid {front_pid}: {pin_process(front_pid, front_cores)} threads on core "
                   f"{args.frontend_core}; client and engine on {sorted(rest)}", flush=True)
         for rep in range(args.reps):

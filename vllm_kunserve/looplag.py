@@ -24,18 +24,17 @@ from collections import deque
 _SCHEDSTAT = "/proc/thread-self/schedstat"
 
 
-def _thread_sched(fd: int | None = None) -> tuple[float, float]:
-    """(seconds on a CPU, seconds waiting on a run queue) of the calling thread, or of the thread
-    whose ``schedstat`` ``fd`` holds open (read again from offset 0: no open and close per read)."""
+def _thread_sched(fd: int | None) -> tuple[float, float]:
+    """(seconds on a CPU, seconds waiting on a run queue) of the thread whose ``schedstat`` ``fd``
+    holds open (read again from offset 0: no open and close per read); without one (no /proc),
+    the calling thread's CPU time and no queue time."""
     try:
         if fd is not None:
             on_cpu, waiting, _ = os.pread(fd, 128, 0).split()
-        else:
-            with open(_SCHEDSTAT) as f:
-                on_cpu, waiting, _ = f.read().split()
-        return int(on_cpu) / 1e9, int(waiting) / 1e9
+            return int(on_cpu) / 1e9, int(waiting) / 1e9
     except (OSError, ValueError):
-        return time.thread_time(), float("nan")
+        pass
+    return time.thread_time(), float("nan")
 
 
 def _open_schedstat() -> int | None:

@@ -392,23 +392,6 @@ def build_app(front: FrontEnd):
         got = request.headers.get("authorization", "")
         return hmac.compare_digest(got.encode(), f"Bearer {front.token}".encode())
 
-    async def until_disconnect(request: Request, coro):
-        """Run ``coro``; if the client disconnects first, cancel it (closing the upstream request)."""
-        task = asyncio.ensure_future(coro)
-
-        async def watch():
-            while True:
-                msg = await request.receive()
-                if msg["type"] == "http.disconnect":
-                    return
-        watcher = asyncio.ensure_future(watch())
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            watcher.cancel()
-            return task.result()
-        task.cancel()
-        return None
-
     async def generate(kind: str, request: Request):
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         try:
@@ -496,7 +479,7 @@ def build_app(front: FrontEnd):
                     front.account(flight)
 
         try:
-            out = await until_disconnect(request, whole())
+            out = await until_disconnect(request.receive, whole())
         except Exception as e:
             release("failed")
             return err(BadRequest(f"request failed: {e}", status=503, kind="ServiceUnavailableError"))
@@ -659,18 +642,10 @@ class EventStream:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
                                 (b"x-request-id", self.rid.encode())]})
-        pump = asyncio.ensure_future(self._pump(send))
-        watch = asyncio.ensure_future(_until_disconnect(receive))
         try:
-            await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in (pump, watch):
-                if not t.done():
-                    t.cancel()
-            await asyncio.gather(pump, watch, return_exceptions=True)
-        exc = None if pump.cancelled() else pump.exception()
-        if exc is not None and not isinstance(exc, OSError):   # OSError: the client's connection went
-            raise exc
+            await until_disconnect(receive, self._pump(send))
+        except OSError:   # the client's connection went
+            pass
 
     async def _pump(self, send) -> None:
         try:
@@ -681,7 +656,22 @@ class EventStream:
             await self.chunks.aclose()   # the relay's own cleanup (engine stream closed, flight released)
 
 
-async def _until_disconnect(receive) -> None:
+async def until_disconnect(receive, coro):
+    """Run ``coro`` until it ends (its result; its exception raised) or the client disconnects first
+    (``coro`` cancelled, which closes its upstream request; None)."""
+    task = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watch):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    return None if task.cancelled() else task.result()
+
+
+async def _disconnected(receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
 
