@@ -61,7 +61,40 @@ async def one(session: aiohttp.ClientSession, url: str, prompt: str, n: int, t_p
                 times.append(time.perf_counter())
     return {"send_lag_ms": (t_send - t_plan) * 1e3, "ttft_ms": (times[0] - t_send) * 1e3,
             "itl_ms": [(b - a) * 1e3 for a, b in zip(times, times[1:])], "tokens": len(times),
-            "end": times[-1]}
+            "start": t_send, "end": times[-1]}
+
+
+def wave_stats(res: list[dict], span: float | None = None) -> dict:
+    """Percentiles of a wave's requests; throughput over ``span`` s (default: the requests' own
+    durations summed, for requests sent one after another)."""
+    ttft = [r["ttft_ms"] for r in res]
+    itl = [x for r in res for x in r["itl_ms"]]
+    span = span if span is not None else sum(r["end"] - r["start"] for r in res)
+    return {"ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99), "itl_p50_ms": pct(itl, 50),
+            "itl_p99_ms": pct(itl, 99), "tokens_per_s": sum(r["tokens"] for r in res) / span,
+            "send_lag_p99_ms": pct([r["send_lag_ms"] for r in res], 99), "requests": len(res)}
+
+
+async def interleaved(urls: dict[str, str], n: int, requests: int, timed=None) -> dict:
+    """One stream at a time, request by request to each arm in turn (the order flips every pair):
+    both arms see the same engine state and the same drift of the machine, and ``paired`` holds each
+    pair's TTFT difference (proxy - direct), the estimate the 1-stream target needs. Separate waves
+    one after the other measured the second arm up to 2 ms slower whichever it was."""
+    names = list(urls)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=1800)) as s:
+        for name in names:
+            await one(s, urls[name], "warm up connection 0", 2, time.perf_counter())
+        if timed is not None:
+            timed()
+        res: dict[str, list[dict]] = {name: [] for name in names}
+        for k in range(requests):
+            for name in (names if k % 2 == 0 else names[::-1]):
+                res[name].append(await one(s, urls[name], f"request {k}.0: the cache holds blocks and", n,
+                                           time.perf_counter()))
+    out = {name: {**wave_stats(rs), "rounds": len(rs)} for name, rs in res.items()}
+    out["paired_ttft_added_ms"] = [p["ttft_ms"] - d["ttft_ms"] for d, p in zip(res["direct"], res["proxy"])]
+    return out
 
 
 async def wave(url: str, concurrency: int, n: int, min_requests: int = 1, timed=None) -> dict:
@@ -83,12 +116,7 @@ async def wave(url: str, concurrency: int, n: int, min_requests: int = 1, timed=
             t_plan = time.perf_counter()
             res += await asyncio.gather(*(one(s, url, f"request {k}.{i}: the cache holds blocks and", n, t_plan)
                                           for i in range(concurrency)))
-    ttft = [r["ttft_ms"] for r in res]
-    itl = [x for r in res for x in r["itl_ms"]]
-    span = max(r["end"] for r in res) - t0
-    return {"ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99), "itl_p50_ms": pct(itl, 50),
-            "itl_p99_ms": pct(itl, 99), "tokens_per_s": sum(r["tokens"] for r in res) / span,
-            "send_lag_p99_ms": pct([r["send_lag_ms"] for r in res], 99), "requests": len(res), "rounds": rounds}
+    return {**wave_stats(res, max(r["end"] for r in res) - t0), "rounds": rounds}
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -104,6 +132,11 @@ def summarize(rows: list[dict]) -> list[dict]:
                       "added_median": statistics.median(d), "added_min": min(d), "added_max": max(d),
                       "ratio_median": statistics.median(ratio) if ratio else None,
                       "ratio_min": min(ratio) if ratio else None, "ratio_max": max(ratio) if ratio else None}
+        paired = [statistics.median(r["paired_ttft_added_ms"]) for r in rows
+                  if r["concurrency"] == level and r.get("paired_ttft_added_ms")]
+        if paired:   # request-by-request pairs: the median pair difference per repetition
+            s["paired_ttft_added_p50_ms"] = {"median": statistics.median(paired), "min": min(paired),
+                                             "max": max(paired), "per_rep": paired}
         s["send_lag_p99_ms_max"] = max(max(b["send_lag_p99_ms"], a["send_lag_p99_ms"]) for b, a in pairs)
         s["frontend_cpu_us_per_token"] = statistics.median(a["frontend_cpu_us_per_token"] for _, a in pairs)
         out.append(s)
@@ -116,6 +149,7 @@ def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args,
                        f"Command: `python benchmarks/front_end.py --reps {args.reps} --levels "
                        f"{' '.join(map(str, args.levels))} --output-len {args.output_len} --min-requests "
                        f"{args.min_requests} --frontend-core {args.frontend_core}"
+                       + (" --separate-single" if args.separate_single else "")
                        + (f" --md {rel(args.md)} --out {rel(args.out)}" if args.md != DEFAULT_MD else "")
                        + "`. One engine (the tiny random Llama, fp32) behind `kunserve serve "
                        f"--instances 1`, `KUNSERVE_SHM_WAIT_MS={shm_wait_setting()}` in its environment; each "
@@ -126,7 +160,13 @@ def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args,
                        f"rounds of c concurrent requests until at least {args.min_requests} were sent (so 1 stream "
                        "is that many requests one after another, not one sample). `added` = proxy - direct in the "
                        "same repetition (median, [min, max] over repetitions); throughput as the paired ratio "
-                       "proxy / direct.",
+                       "proxy / direct."
+                       + ("" if args.separate_single else
+                          " The 1-stream level is one interleaved wave instead: its requests go to the two arms "
+                          "in turn, one at a time, the order flipping every pair, so both arms meet the same "
+                          "engine and machine state (two waves one after the other measured the second one up to "
+                          "2 ms slower, whichever arm it was); its front-end CPU is over the whole interleaved "
+                          "wave, the front end's idle work during the direct requests included."),
                        (f"The front end runs on core {args.frontend_core} of its own; the client and the "
                         f"engine (all its processes) keep to the other cores, in both arms, so the direct arm "
                         f"leaves that core idle: this is the target's setting (a front end with cores of its own)."
@@ -147,6 +187,13 @@ def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args,
                      f"{i['direct']:.2f} / {i['proxy']:.2f} | {i['added_median']:+.2f} | {tp['ratio_median']:.3f} "
                      f"[{tp['ratio_min']:.3f}, {tp['ratio_max']:.3f}] | {s['send_lag_p99_ms_max']:.1f} | "
                      f"{s['frontend_cpu_us_per_token']:.0f} |")
+    for s in summary:
+        pr = s.get("paired_ttft_added_p50_ms")
+        if pr:
+            lines += ["", f"Added TTFT at {s['concurrency']} stream, request by request: the median over each "
+                          f"repetition's pairs (proxy - direct) is {pr['median']:+.2f} ms (repetitions "
+                          f"{', '.join(f'{x:+.2f}' for x in pr['per_rep'])}), against the <= 2 ms target: "
+                          f"**{'met' if pr['max'] <= 2.0 else 'met in the median' if pr['median'] <= 2.0 else 'missed'}**."]
     if png is not None:
         lines += ["", f"![added latency]({png.name})"]
     path.write_text("\n".join(lines) + "\n")
@@ -226,6 +273,17 @@ def run(args, model: str) -> list[dict]:
                 if rep % 2:
                     order.reverse()
                 row = {"rep": rep, "concurrency": level}
+                if level == 1 and not args.separate_single:
+                    c0 = []
+                    got = asyncio.run(interleaved(dict(order), args.output_len, args.min_requests,
+                                                  timed=lambda: c0.append(cpu_s(front_pid))))
+                    row["paired_ttft_added_ms"] = got.pop("paired_ttft_added_ms")
+                    row.update(got)
+                    chunks = row["proxy"]["requests"] * (args.output_len + 1)
+                    row["proxy"]["frontend_cpu_us_per_token"] = (cpu_s(front_pid) - c0[0]) * 1e6 / chunks
+                    print(json.dumps({k: v for k, v in row.items() if k != "paired_ttft_added_ms"}), flush=True)
+                    rows.append(row)
+                    continue
                 for name, url in order:
                     c0 = []   # the front end's CPU time as the timed rounds start (after the warm-up)
                     row[name] = asyncio.run(wave(url, level, args.output_len, args.min_requests,
@@ -247,6 +305,9 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--min-requests", type=int, default=20,
                     help="per wave: rounds of a level's streams until this many requests were sent")
+    ap.add_argument("--separate-single", action="store_true",
+                    help="run the 1-stream level as two separate waves like the others (default: its requests "
+                         "alternate between the arms one by one, and each pair's TTFT difference is kept)")
     ap.add_argument("--frontend-core", type=int, default=-1,
                     help="give the front end this core of its own (the client and the engine keep to the others); "
                          "-1: every process shares every core")

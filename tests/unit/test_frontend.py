@@ -225,6 +225,7 @@ def test_migration_mid_stream_loses_and_repeats_nothing(chat):
     assert {ev["id"] for ev in events} == {events[0]["id"]}           # one id for the client
     if chat:
         assert all(ev["object"] == "chat.completion.chunk" for ev in events[11:])
+    assert "to" in res, res
     dst = fakes[res["to"]]
     cont = dst.requests[-1]
     assert cont["prompt"] == prompt + ids[:11] and cont["max_tokens"] == 29   # re-prefill of what was sent

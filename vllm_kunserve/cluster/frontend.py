@@ -41,7 +41,7 @@ import aiohttp
 
 from vllm_kunserve.cluster.monitor import FlightBook, Monitor, bearer, instance_loads
 from vllm_kunserve.cluster.relay import Flight, Move, Relay, UpstreamLost
-from vllm_kunserve.cluster.validate import BadRequest, error_body, parse_json, validate
+from vllm_kunserve.cluster.validate import BadRequest, error_body, parse_json, prompt_counter, validate
 from vllm_kunserve.gcpause import GcPauses, freeze_heap
 from vllm_kunserve.looplag import LoopLag
 from vllm_kunserve.policy.dispatch import check_mode, choose_instance
@@ -108,6 +108,7 @@ class FrontEnd:
         self.request_timeout_s = request_timeout_s
         self.token = token
         self.tokenizer = tokenizer
+        self._count = prompt_counter(tokenizer)
         self.plan_migrations = plan_migrations
         self.migrating = plan_migrations is not None and self.dispatch == "mell"
         self.events: list[dict] = []
@@ -337,7 +338,7 @@ class FrontEnd:
         out = []
         for x in p or []:
             if isinstance(x, str):
-                out.append(len(tok(x, add_special_tokens=special)["input_ids"]) if tok is not None else 0)
+                out.append(self._count(x, bool(special)) if self._count is not None else 0)
             else:
                 out.append(len(x))
         return out or [0]
