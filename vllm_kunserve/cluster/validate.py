@@ -22,7 +22,8 @@ from typing import Any, Callable, Sequence
 
 import msgspec
 
-__all__ = ["BadRequest", "Checked", "check_fields", "decode_json", "error_body", "parse_json", "prompt_counter", "shape_key", "validate"]
+__all__ = ["BadRequest", "Checked", "check_fields", "decode_json", "error_body", "parse_json", "prompt_counter",
+           "shape_key", "validate"]
 
 MAX_BODY_BYTES = 32 << 20
 # sampling fields carried from a chat or completion request to its continuation (a completion)
@@ -139,8 +140,7 @@ class _Verdicts:
     """Bodies the request models accepted, by :func:`shape_key`: what validation derived from them.
     A client sends the same fields with a different prompt request after request; vLLM's models
     take 0.08 ms to check their ~80 fields with hot caches and 0.3 ms with the cold caches a request
-    finds after a few ms of waiting (measured on this machine's Zen 4 core), on
-    the way to every first token. Only acceptances are kept (a rejection is checked again, for its
+    finds after a few ms of waiting (measured on a Zen 4 core), on the way to every first token. Only acceptances are kept (a rejection is checked again, for its
     message), and only where validation left the body as it was (a validator that rewrites a field
     must run on every body the engine will see)."""
 
@@ -230,7 +230,8 @@ def prompt_counter(tok: Any) -> Callable[[str, bool], int] | None:
     the transformers call around it (measured on the tiny model's tokenizer: 34 vs 110 us hot, 144
     vs 425 us with the caches cold between requests, on every request's way to its first token).
     It is used only where it agrees with the wrapper on every probe text, both ways of special
-    tokens; else the wrapper counts. None without a tokenizer (the engines check lengths)."""
+    tokens; else the wrapper counts. A count the probes missed matters only at the model's length
+    limit, where the engine checks again. None without a tokenizer (the engines check lengths)."""
     if tok is None:
         return None
 

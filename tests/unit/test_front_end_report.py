@@ -1,0 +1,63 @@
+"""benchmarks/front_end.py's 1-stream level: requests alternate between the arms one at a time, the
+order flipping every pair, and each pair's TTFT difference is what the summary reports."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp import web
+
+from tests.unit.benchmod import load_benchmark
+
+pytestmark = pytest.mark.unit
+
+fe = load_benchmark("front_end")
+
+
+def _server(log: list, name: str, first_delay_s: float) -> web.Application:
+    async def generate(request):
+        log.append(name)
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(first_delay_s)
+        for _ in range(body["max_tokens"]):
+            await resp.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", generate)
+    return app
+
+
+def test_interleaved_pairs_measure_the_slower_arm_request_by_request():
+    async def go():
+        log, runners, urls = [], [], {}
+        for name, delay in (("direct", 0.0), ("proxy", 0.02)):
+            runner = web.AppRunner(_server(log, name, delay))
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            runners.append(runner)
+            urls[name] = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            out = await fe.interleaved(urls, n=3, requests=6)
+        finally:
+            for r in runners:
+                await r.cleanup()
+        return log, out
+
+    log, out = asyncio.run(go())
+    timed = log[2:]   # after one warm-up request per arm
+    assert timed == ["direct", "proxy", "proxy", "direct"] * 3
+    assert out["direct"]["requests"] == out["proxy"]["requests"] == 6
+    assert len(out["paired_ttft_added_ms"]) == 6
+    assert all(15 < d < 60 for d in out["paired_ttft_added_ms"]), out["paired_ttft_added_ms"]
+
+    rows = [{"rep": k, "concurrency": 1, "paired_ttft_added_ms": [k + 1.0, k + 2.0, k + 3.0],
+             "direct": {**out["direct"]}, "proxy": {**out["proxy"], "frontend_cpu_us_per_token": 1.0}}
+            for k in range(3)]
+    s = fe.summarize(rows)[0]["paired_ttft_added_p50_ms"]
+    assert s["per_rep"] == [2.0, 3.0, 4.0] and s["median"] == 3.0 and (s["min"], s["max"]) == (2.0, 4.0)
