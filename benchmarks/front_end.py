@@ -78,8 +78,9 @@ def wave_stats(res: list[dict], span: float | None = None) -> dict:
 async def interleaved(urls: dict[str, str], n: int, requests: int, timed=None) -> dict:
     """One stream at a time, request by request to each arm in turn (the order flips every pair):
     both arms see the same engine state and the same drift of the machine, and ``paired`` holds each
-    pair's TTFT difference (proxy - direct), the estimate the 1-stream target needs. Separate waves
-    one after the other measured the second arm up to 2 ms slower whichever it was."""
+    pair's TTFT difference (proxy - direct), the estimate the 1-stream target needs. As two separate
+    waves, the second measured about 1 ms slower whichever arm it was (+2.3 ms added with the proxy
+    second, +0.3 with it first, on a Zen 3 EPYC with the front end on a core of its own)."""
     names = list(urls)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=1800)) as s:
@@ -164,8 +165,8 @@ def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args,
                        + ("" if args.separate_single else
                           " The 1-stream level is one interleaved wave instead: its requests go to the two arms "
                           "in turn, one at a time, the order flipping every pair, so both arms meet the same "
-                          "engine and machine state (two waves one after the other measured the second one up to "
-                          "2 ms slower, whichever arm it was); its front-end CPU is over the whole interleaved "
+                          "engine and machine state (run as two separate waves, the arm that went second measured "
+                          "slower, whichever it was); its front-end CPU is over the whole interleaved "
                           "wave, the front end's idle work during the direct requests included."),
                        (f"The front end runs on core {args.frontend_core} of its own; the client and the "
                         f"engine (all its processes) keep to the other cores, in both arms, so the direct arm "
