@@ -308,6 +308,8 @@ def timeline_png(out: Path, systems: list[str], rep: int, phases: list[tuple[flo
                        label="failed")
         ax.axvspan(burst_lo, burst_hi, color="0.9", zorder=0)
         ax.set_yscale("log")
+        # 1-2-5 ticks: a run whose TTFTs stay within one decade (0.3-1 s) still gets labelled ticks
+        ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_ylabel("TTFT (s)")
