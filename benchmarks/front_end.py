@@ -61,7 +61,7 @@ async def one(session: aiohttp.ClientSession, url: str, prompt: str, n: int, t_p
                 times.append(time.perf_counter())
     return {"send_lag_ms": (t_send - t_plan) * 1e3, "ttft_ms": (times[0] - t_send) * 1e3,
             "itl_ms": [(b - a) * 1e3 for a, b in zip(times, times[1:])], "tokens": len(times),
-            "start": t_send, "end": times[-1]}
+            "start": t_send, "end": times[-1], "times": times}
 
 
 def wave_stats(res: list[dict], span: float | None = None) -> dict:
@@ -120,6 +120,51 @@ async def wave(url: str, concurrency: int, n: int, min_requests: int = 1, timed=
     return {**wave_stats(res, max(r["end"] for r in res) - t0), "rounds": rounds}
 
 
+async def streams(url: str, concurrency: int, n: int, min_requests: int = 1, timed=None) -> dict:
+    """``concurrency`` closed-loop streams, as a serving benchmark's maximum concurrency: each stream
+    sends its next request as soon as its last one ends, until ``min_requests`` (at least 8 per
+    stream) were sent in all. The first requests of every stream leave at once, so the statistics
+    are taken over the steady part: from the moment every stream has finished its first request to
+    the moment the first stream runs out (every stream busy all along): the requests sent in it and
+    the tokens that arrived in it. Rounds (:func:`wave`) instead start ``concurrency`` requests
+    together, round after round, and end each round with its slowest request: they measure a burst
+    of simultaneous arrivals and its drain as much as serving at that concurrency."""
+    total = max(min_requests, 8 * concurrency)
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=1800)) as s:
+        await asyncio.gather(*(one(s, url, f"warm up connection {i}", 2, time.perf_counter())
+                               for i in range(concurrency)))
+        if timed is not None:
+            timed()
+        res: list[dict] = []
+        first_end: list[float] = []
+        out_at: list[float] = []
+        sent = 0
+
+        async def loop(i: int) -> None:
+            nonlocal sent
+            k, t_plan = 0, time.perf_counter()
+            while sent < total:
+                sent += 1
+                r = await one(s, url, f"request {k}.{i}: the cache holds blocks and", n, t_plan)
+                res.append(r)
+                if k == 0:
+                    first_end.append(r["end"])
+                k, t_plan = k + 1, time.perf_counter()
+            out_at.append(time.perf_counter())
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(loop(i) for i in range(concurrency)))
+    lo, hi = max(first_end), min(out_at)
+    steady = [r for r in res if lo <= r["start"] <= hi]
+    if hi <= lo or not steady:   # no window where every stream was busy: the whole run
+        lo, hi, steady = t0, max(r["end"] for r in res), res
+    tokens = sum(1 for r in res for t in r["times"] if lo <= t <= hi)
+    out = wave_stats(steady, hi - lo)
+    out["tokens_per_s"] = tokens / (hi - lo)
+    return {**out, "sent": len(res), "steady_s": hi - lo}
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for level in sorted({r["concurrency"] for r in rows}):
@@ -151,6 +196,7 @@ def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args,
                        f"{' '.join(map(str, args.levels))} --output-len {args.output_len} --min-requests "
                        f"{args.min_requests} --frontend-core {args.frontend_core}"
                        + (" --separate-single" if args.separate_single else "")
+                       + (" --rounds" if args.rounds else "")
                        + (f" --md {rel(args.md)} --out {rel(args.out)}" if args.md != DEFAULT_MD else "")
                        + "`. One engine (the tiny random Llama, fp32) behind `kunserve serve "
                        f"--instances 1`, `KUNSERVE_SHM_WAIT_MS={shm_wait_setting()}` in its environment; each "
@@ -158,8 +204,18 @@ def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args,
                        "through the front end, alternating which goes first. A wave at a level of c streams: "
                        "an untimed round of c 2-token streams to open the connections (the client's and the front "
                        "end's to its engine), then "
-                       f"rounds of c concurrent requests until at least {args.min_requests} were sent (so 1 stream "
-                       "is that many requests one after another, not one sample). `added` = proxy - direct in the "
+                       + (f"rounds of c concurrent requests until at least {args.min_requests} were sent (so 1 stream "
+                          "is that many requests one after another, not one sample); each round starts its c requests "
+                          "together and ends with its slowest, so a round measures a burst of simultaneous arrivals "
+                          "and its drain as much as serving at c streams." if args.rounds else
+                          f"c closed-loop streams, each sending its next request as its last one ends, until "
+                          f"max({args.min_requests}, 8c) were sent; TTFT, ITL and throughput over the steady part only "
+                          "(from the moment every stream has finished its first request, whose c sends left at once, "
+                          "to the moment the first stream runs out: every stream busy all along; the requests sent and "
+                          "the tokens that arrived in it). A closed-loop stream has no schedule to be late for: its "
+                          "send lag is the client's own turnaround, from its previous request's last chunk to the "
+                          "next send.")
+                       + " `added` = proxy - direct in the "
                        "same repetition (median, [min, max] over repetitions); throughput as the paired ratio "
                        "proxy / direct."
                        + ("" if args.separate_single else
@@ -288,10 +344,10 @@ def run(args, model: str) -> list[dict]:
                     continue
                 for name, url in order:
                     c0 = []   # the front end's CPU time as the timed rounds start (after the warm-up)
-                    row[name] = asyncio.run(wave(url, level, args.output_len, args.min_requests,
-                                                 timed=lambda: c0.append(cpu_s(front_pid))))
+                    row[name] = asyncio.run((wave if args.rounds else streams)(
+                        url, level, args.output_len, args.min_requests, timed=lambda: c0.append(cpu_s(front_pid))))
                     if name == "proxy":  # the front end's own CPU per relayed token
-                        chunks = row[name]["requests"] * (args.output_len + 1)
+                        chunks = row[name].get("sent", row[name]["requests"]) * (args.output_len + 1)
                         row[name]["frontend_cpu_us_per_token"] = (cpu_s(front_pid) - c0[0]) * 1e6 / chunks
                 print(json.dumps({k: (v if not isinstance(v, dict) else
                                       {kk: round(vv, 2) for kk, vv in v.items()}) for k, v in row.items()}), flush=True)
@@ -310,6 +366,9 @@ def main(argv=None) -> int:
     ap.add_argument("--separate-single", action="store_true",
                     help="run the 1-stream level as two separate waves like the others (default: its requests "
                          "alternate between the arms one by one, and each pair's TTFT difference is kept)")
+    ap.add_argument("--rounds", action="store_true",
+                    help="levels above 1 as rounds of simultaneous requests, each round ending with its slowest "
+                         "(default: closed-loop streams, each sending its next request as its last one ends)")
     ap.add_argument("--frontend-core", type=int, default=-1,
                     help="give the front end this core of its own (the client and the engine keep to the others); "
                          "-1: every process shares every core")

@@ -61,3 +61,47 @@ def test_interleaved_pairs_measure_the_slower_arm_request_by_request():
             for k in range(3)]
     s = fe.summarize(rows)[0]["paired_ttft_added_p50_ms"]
     assert s["per_rep"] == [2.0, 3.0, 4.0] and s["median"] == 3.0 and (s["min"], s["max"]) == (2.0, 4.0)
+
+
+def test_streams_keep_every_stream_busy_and_measure_the_steady_part():
+    """Closed-loop streams: never more than ``concurrency`` requests in flight, each stream sends its
+    next as its last ends, at least 8 requests per stream, and the throughput is that of c busy
+    streams (each request takes the server's 20 ms to its first of 3 tokens)."""
+    inflight, peak = [0], [0]
+
+    async def generate(request):
+        inflight[0] += 1
+        peak[0] = max(peak[0], inflight[0])
+        try:
+            body = await request.json()
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await asyncio.sleep(0.02)
+            for _ in range(body["max_tokens"]):
+                await resp.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        finally:
+            inflight[0] -= 1
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/v1/completions", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+            peak[0] = 0
+            return await fe.streams(url, concurrency=4, n=3, min_requests=10)
+        finally:
+            await runner.cleanup()
+
+    out = asyncio.run(go())
+    assert peak[0] == 4
+    assert out["sent"] == 32                  # max(10, 8 x 4)
+    assert 0 < out["requests"] <= out["sent"] and out["steady_s"] > 0
+    ideal = 4 * 3 / 0.02                       # 4 streams, 3 tokens per 20 ms request
+    assert 0.3 * ideal < out["tokens_per_s"] < 1.2 * ideal, out
+    assert 15 < out["ttft_p50_ms"] < 100
