@@ -4,16 +4,19 @@
 One ``kunserve serve --instances 1`` runs one engine; the benchmark reads the engine's own URL from
 ``/kunserve/status`` and, for each concurrency level and repetition, sends one wave of streamed
 greedy completions straight to the engine and one through the front end, alternating which goes
-first. Per wave: P50/P99 time to first token, P50/P99 inter-token time, output tokens per second,
-and the client's send lag (how late each request left the client: a late client is not a slow
-server). Paired ratios (proxy / direct, same repetition) with their spread. Target (issue 12):
-<= 2 ms added P50 TTFT, no throughput lost at 200 streams.
+first. A level of c > 1 streams is c closed-loop streams (:func:`streams`; ``--rounds``: rounds of
+c simultaneous requests, :func:`wave`); 1 stream alternates between the arms request by request
+(:func:`interleaved`). Per wave: P50/P99 time to first token, P50/P99 inter-token time, output
+tokens per second, and the client's send lag (how late each request left the client: a late client
+is not a slow server). Paired ratios (proxy / direct, same repetition) with their spread. Target
+(issue 12): <= 2 ms added P50 TTFT, no throughput lost at 200 streams.
 
     python benchmarks/front_end.py [--reps 3] [--levels 1 32 200] [--output-len 32] [--min-requests 20]
-        [--out docs/benchmarks/front_end.json] [--md docs/benchmarks/front_end.md]
+        [--rounds] [--frontend-core N] [--out docs/benchmarks/front_end.json] [--md docs/benchmarks/front_end.md]
 
-All processes (client, front end, engine) share this machine's cores: on 2 cores the proxy's CPU
-time competes with the engine's, which a deployment with a core for the front end would not see.
+Without ``--frontend-core`` all processes (client, front end, engine) share this machine's cores: on
+2 cores the proxy's CPU time competes with the engine's, which a deployment with a core for the
+front end would not see.
 """
 
 from __future__ import annotations
