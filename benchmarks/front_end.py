@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -101,19 +102,28 @@ async def interleaved(urls: dict[str, str], n: int, requests: int, timed=None) -
     return out
 
 
+@contextlib.asynccontextmanager
+async def warmed(url: str, concurrency: int, timed=None):
+    """A client session whose ``concurrency`` connections an untimed round of 2-token streams has
+    opened (the client's, and the front end's to its engine); ``timed()``, when given, is called
+    as it is handed over."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=1800)) as s:
+        await asyncio.gather(*(one(s, url, f"warm up connection {i}", 2, time.perf_counter())
+                               for i in range(concurrency)))
+        if timed is not None:
+            timed()
+        yield s
+
+
 async def wave(url: str, concurrency: int, n: int, min_requests: int = 1, timed=None) -> dict:
     """``concurrency`` streams at once, in rounds until at least ``min_requests`` were sent (a
     level of 1 stream is otherwise one sample). An untimed round of ``concurrency`` 2-token streams
     first opens the connections the wave uses (the client's, and the front end's to its engine):
     what is measured is serving over open connections, as a fleet's front end runs, not their
     setup. ``timed()``, when given, is called as the timed rounds start."""
-    conn = aiohttp.TCPConnector(limit=0)
     rounds = max(1, -(-min_requests // concurrency))
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=1800)) as s:
-        await asyncio.gather(*(one(s, url, f"warm up connection {i}", 2, time.perf_counter())
-                               for i in range(concurrency)))
-        if timed is not None:
-            timed()
+    async with warmed(url, concurrency, timed) as s:
         t0 = time.perf_counter()
         res = []
         for k in range(rounds):
@@ -133,12 +143,7 @@ async def streams(url: str, concurrency: int, n: int, min_requests: int = 1, tim
     together, round after round, and end each round with its slowest request: they measure a burst
     of simultaneous arrivals and its drain as much as serving at that concurrency."""
     total = max(min_requests, 8 * concurrency)
-    conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=1800)) as s:
-        await asyncio.gather(*(one(s, url, f"warm up connection {i}", 2, time.perf_counter())
-                               for i in range(concurrency)))
-        if timed is not None:
-            timed()
+    async with warmed(url, concurrency, timed) as s:
         res: list[dict] = []
         first_end: list[float] = []
         out_at: list[float] = []
@@ -365,7 +370,8 @@ def main(argv=None) -> int:
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 32, 200])
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--min-requests", type=int, default=20,
-                    help="per wave: rounds of a level's streams until this many requests were sent")
+                    help="per wave: at least this many requests (1 stream: this many pairs; closed-loop "
+                         "streams: at least 8 per stream; --rounds: rounds of a level's streams until this many)")
     ap.add_argument("--separate-single", action="store_true",
                     help="run the 1-stream level as two separate waves like the others (default: its requests "
                          "alternate between the arms one by one, and each pair's TTFT difference is kept)")
