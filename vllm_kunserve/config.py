@@ -44,15 +44,15 @@ class DropConfig:
     headroom_ratio: float = _opt(
         0.1, "Extra KV asked for beyond the measured shortfall, as a share of the shortfall.", lo=0.0, hi=4.0)
     min_decode_share: float = _opt(
-        0.0, "Drop only while outputs still to come are at least this share of the tokens still to compute "
-        "(outputs + prompt tokens not yet prefilled): more KV buys throughput only through bigger decode batches, "
-        "and where prefill is slow per token (a CPU) a queue of prompts is compute-bound, which a pipeline would "
-        "slow down. A token count, not a cost: on a GPU a prompt token costs a small fraction of a decode step and "
-        "a prompt-heavy queue can still be KV-bound, so the default (0) leaves the check off.",
+        0.0, "Drop only while the requests in the engines are decode-heavy: their output budgets (max_tokens) at "
+        "least this share of their prompt lengths plus output budgets. More KV buys throughput only through bigger "
+        "decode batches, and where prefill is slow per token (a CPU) long prompts with short outputs are "
+        "compute-bound, which a pipeline would slow down. A token count, not a cost: on a GPU a prompt token costs "
+        "a small fraction of a decode step and a prompt-heavy mix can still be KV-bound, so the default (0) leaves "
+        "the check off.",
         lo=0.0, hi=1.0)
     decode_share_window_s: float = _opt(
-        5.0, "Seconds of the monitor's recent readings the decode share is summed over, with the current one: a "
-        "prompt-heavy queue that drains for a moment reads as all decode, and one such reading would drop "
+        5.0, "Seconds of the monitor's recent readings the decode share is summed over, with the current one "
         "(0: the current reading alone).", lo=0.0, hi=600.0)
     max_group_size: int = _opt(
         8, "Largest pipeline group the planner may form (instances per group).", lo=1, hi=4096)

@@ -36,6 +36,9 @@ class FakeSched:
     def pending_tokens(self):
         return 0, 0
 
+    def request_mix(self):
+        return 0, 0
+
     def unfinished(self):
         return 0
 

@@ -33,3 +33,78 @@ def test_pipeline_times_reads_each_grouped_engine_from_the_status():
                             {"instance": 2, "kv": {}}]}
     assert pipeline_times(status) == {"0": t}
     assert pipeline_times({}) == {}
+
+
+def test_a_members_turn_is_due_between_its_steps_and_away_while_it_hops_or_fails(monkeypatch):
+    """vLLM asks for the sampling in a second call after ``execute_model``, then schedules the next
+    step: the member's turn is due from a step's end to its next hop; a failure ends it."""
+    import threading
+    import time
+
+    from vllm_kunserve.integration.vllm import pipeline as p
+
+    turn = p.Turn(0.2)
+    monkeypatch.setattr(p, "TURN", turn)
+    step = p._locked(lambda: None, "execute_model")
+    sample = p._locked(lambda: "tokens", "sample_tokens")
+
+    def failing(name):
+        def fn():
+            raise RuntimeError(f"{name} failed")
+        return p._locked(fn, name)
+
+    assert not turn.is_due()
+    assert step() is None and turn.is_due()     # its sampling follows
+    assert not p.COMPUTE.locked()               # the lock itself is free between the two calls
+    assert sample() == "tokens" and turn.is_due()  # its next step follows
+    with pytest.raises(RuntimeError):
+        failing("execute_model")()
+    assert not turn.is_due()                    # nothing follows a failed step
+    step()
+    with pytest.raises(RuntimeError):
+        failing("sample_tokens")()
+    assert not turn.is_due() and not p.COMPUTE.locked()
+    # a span waits while the turn is due, and goes as soon as the member's microbatch hops away
+    turn.due()
+    t0 = time.monotonic()
+    threading.Timer(0.05, turn.away).start()
+    turn.wait()
+    assert 0.04 <= time.monotonic() - t0 < 0.19
+    # never longer than the turn, even if the member never comes
+    turn.due()
+    t0 = time.monotonic()
+    turn.wait()
+    assert 0.15 <= time.monotonic() - t0 < 1.0
+    off = p.Turn(0.0)                           # 0: off, nothing is ever due
+    off.due()
+    assert not off.is_due()
+
+
+def test_the_step_trace_records_steps_and_is_written_when_asked(tmp_path, monkeypatch):
+    import json
+
+    from vllm_kunserve.integration.vllm import pipeline as p
+
+    monkeypatch.setattr(p, "_TRACE", [])
+    monkeypatch.setattr(p, "_TRACE_DIR", "")
+    p._locked(lambda: "out", "execute_model")()
+    assert p._TRACE == []                    # off unless KUNSERVE_PIPELINE_TRACE names a directory
+    monkeypatch.setattr(p, "_TRACE_DIR", str(tmp_path / "trace"))
+    p._locked(lambda: "out", "execute_model")()
+    p._locked(lambda: "tokens", "sample_tokens")()
+    (kind, t0, t1, t2), (kind2, *_) = p._TRACE
+    assert (kind, kind2) == ("execute_model", "sample_tokens") and t0 <= t1 <= t2
+    p._dump_trace("e0")
+    (f,) = (tmp_path / "trace").iterdir()
+    d = json.loads(f.read_text())
+    assert d["member"] == "e0" and [e[0] for e in d["events"]] == ["execute_model", "sample_tokens"]
+    assert p._TRACE == []                    # written once: the next group starts empty
+
+
+def test_the_stage_turn_setting_is_checked():
+    from vllm_kunserve.integration.vllm.pipeline import turn_s
+
+    assert turn_s("8") == 0.008 and turn_s("0") == 0.0
+    for bad in ("x", "-1", "5000", "nan"):
+        with pytest.raises(ValueError, match="KUNSERVE_STAGE_TURN_MS"):
+            turn_s(bad)

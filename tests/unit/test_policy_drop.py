@@ -52,41 +52,42 @@ def test_not_overloaded_below_trigger():
     assert not rep.overloaded and rep.need_bytes == 0
 
 
-def test_a_prefill_heavy_queue_is_compute_bound_not_a_reason_to_drop():
-    def work(prefill, decode):
-        insts = tuple(InstanceSnapshot(i, 1000, 900, 300, prefill_tokens=prefill, decode_tokens=decode)
+def test_a_prefill_heavy_mix_is_compute_bound_not_a_reason_to_drop():
+    def work(prompt, output):
+        insts = tuple(InstanceSnapshot(i, 1000, 900, 300, prompt_tokens=prompt, output_tokens=output)
                       for i in range(2))
         return ClusterSnapshot(MODEL, insts, ())
     # off by default (a token count, not a cost): the paper's trigger alone
-    assert assess_overload(work(prefill=10 * 256, decode=300), DropConfig(forecast_horizon_s=0.0)).overloaded
+    assert assess_overload(work(prompt=10 * 256, output=10 * 24), DropConfig(forecast_horizon_s=0.0)).overloaded
     cfg = DropConfig(forecast_horizon_s=0.0, min_decode_share=0.5)
-    # 256-token prompts with 24-token outputs queued: the queue is prefill work
-    rep = assess_overload(work(prefill=10 * 256, decode=10 * 24 + 5 * 12), cfg)
+    # 256-token prompts with 24-token outputs, whole requests: prefill work, even where no prompt is
+    # queued (the running requests' prompts done, only outputs left: the mix is the requests')
+    rep = assess_overload(work(prompt=5 * 256, output=5 * 24), cfg)
     assert rep.ratio > cfg.trigger_ratio and rep.compute_bound and not rep.overloaded and rep.need_bytes == 0
-    assert rep.decode_share == pytest.approx(300 / (300 + 2560))
+    assert rep.decode_share == pytest.approx(120 / (120 + 1280))
     # 64-token prompts with 320-token outputs: decode, so more KV is worth throughput
-    rep = assess_overload(work(prefill=5 * 64, decode=5 * 320 + 4 * 200), cfg)
+    rep = assess_overload(work(prompt=9 * 64, output=9 * 320), cfg)
     assert rep.overloaded and not rep.compute_bound and rep.need_bytes > 0
-    # the boundary is the config's, 0 turns the check off; no pending tokens reported: no veto
-    assert not assess_overload(work(prefill=600, decode=400), cfg).overloaded
-    assert assess_overload(work(prefill=600, decode=400), DropConfig(forecast_horizon_s=0.0,
-                                                                      min_decode_share=0.4)).overloaded
-    assert assess_overload(work(prefill=600, decode=0), DropConfig(forecast_horizon_s=0.0)).overloaded
-    assert assess_overload(work(prefill=0, decode=0), cfg).overloaded
-    # an unhealthy instance's work does not count
-    insts = (InstanceSnapshot(0, 1000, 900, 300, prefill_tokens=0, decode_tokens=500),
-             InstanceSnapshot(1, 1000, 900, 300, prefill_tokens=5000, decode_tokens=0, healthy=False))
+    # the boundary is the config's, 0 turns the check off; no tokens reported: no veto
+    assert not assess_overload(work(prompt=600, output=400), cfg).overloaded
+    assert assess_overload(work(prompt=600, output=400), DropConfig(forecast_horizon_s=0.0,
+                                                                    min_decode_share=0.4)).overloaded
+    assert assess_overload(work(prompt=600, output=0), DropConfig(forecast_horizon_s=0.0)).overloaded
+    assert assess_overload(work(prompt=0, output=0), cfg).overloaded
+    # an unhealthy instance's requests do not count
+    insts = (InstanceSnapshot(0, 1000, 900, 300, prompt_tokens=0, output_tokens=500),
+             InstanceSnapshot(1, 1000, 900, 300, prompt_tokens=5000, output_tokens=0, healthy=False))
     assert assess_overload(ClusterSnapshot(MODEL, insts, ()), cfg).decode_share == 1.0
 
 
-def test_pending_tokens_round_trip_and_are_checked():
-    d = {"instance_id": 0, "kv_blocks_total": 10, "kv_blocks_used": 1, "prefill_tokens": 64, "decode_tokens": 320}
+def test_request_mix_round_trips_and_is_checked():
+    d = {"instance_id": 0, "kv_blocks_total": 10, "kv_blocks_used": 1, "prompt_tokens": 64, "output_tokens": 320}
     i = InstanceSnapshot.from_dict(d)
-    assert (i.prefill_tokens, i.decode_tokens) == (64, 320)
+    assert (i.prompt_tokens, i.output_tokens) == (64, 320)
     with pytest.raises(ValueError):
-        InstanceSnapshot.from_dict({**d, "decode_tokens": -1})
+        InstanceSnapshot.from_dict({**d, "output_tokens": -1})
     with pytest.raises(ValueError):
-        InstanceSnapshot(0, 10, 1, prefill_tokens=-5)
+        InstanceSnapshot(0, 10, 1, prompt_tokens=-5)
 
 
 def test_plan_frees_one_copy_per_merge_and_stops_when_enough():
@@ -180,10 +181,9 @@ def test_replanning_from_existing_groups(n, first, second):
             assert need == (s.layer_end - s.layer_start) - kept
 
 
-def test_a_moment_of_pure_decode_in_a_prefill_heavy_window_does_not_drop():
-    # measured: a prompt-heavy queue that drained for one reading read as all decode (share 1.0 between
-    # 0.1-0.3) and the cluster dropped on it; the share is summed over the window's readings
-    insts = tuple(InstanceSnapshot(i, 1000, 950, 100, prefill_tokens=0, decode_tokens=150) for i in range(2))
+def test_the_decode_share_is_summed_over_the_window():
+    # one decode-heavy reading in a prefill-heavy window: the share is summed over the window's readings
+    insts = tuple(InstanceSnapshot(i, 1000, 950, 100, prompt_tokens=0, output_tokens=150) for i in range(2))
     past = ((2.0, 5000, 0),            # older than the window: ignored
             (6.0, 300, 2560), (8.0, 250, 2300))
     snap = ClusterSnapshot(MODEL, insts, (), now_s=10.0, work_history=past)

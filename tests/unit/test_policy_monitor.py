@@ -68,17 +68,17 @@ def test_restore_can_be_switched_off():
 
 
 def test_the_decode_share_spans_the_monitors_recent_readings():
-    def snap(used, prefill, decode, now, queued=0):
-        insts = tuple(InstanceSnapshot(i, 1000, used, queued, prefill_tokens=prefill, decode_tokens=decode)
+    def snap(used, prompt, output, now, queued=0):
+        insts = tuple(InstanceSnapshot(i, 1000, used, queued, prompt_tokens=prompt, output_tokens=output)
                       for i in range(2))
         return ClusterSnapshot(MODEL, insts, now_s=now)
     for window, action in ((5.0, "none"), (0.0, "drop")):
         drop = DropConfig(forecast_horizon_s=0.0, min_decode_share=0.5, decode_share_window_s=window)
         state = MonitorState()
-        for t in (0.0, 0.5, 1.0):  # a queue of prompts, below the trigger
+        for t in (0.0, 0.5, 1.0):  # a prompt-heavy mix, below the trigger
             dec, state = monitor_tick(snap(600, 2560, 240, t), state, drop, RESTORE)
             assert dec.action == "none"
-        # one reading over the trigger with only decode left (the queue drained for a moment)
+        # one reading over the trigger with a decode-heavy mix
         dec, state = monitor_tick(snap(950, 0, 200, 1.5, queued=100), state, drop, RESTORE)
         assert dec.action == action, (window, dec.overload)
         assert [w[0] for w in state.work] == [0.0, 0.5, 1.0, 1.5]

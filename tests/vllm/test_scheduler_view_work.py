@@ -1,5 +1,6 @@
-"""The engine's pending work, read from vLLM's own Request objects (scheduler_view.pending_tokens):
-what the drop monitor weighs to tell a decode-bound queue from a prefill-bound one."""
+"""The engine's pending work and request mix, read from vLLM's own Request objects
+(scheduler_view.pending_tokens, request_mix): the mix is what the drop monitor weighs to tell a
+decode-bound load from a prefill-bound one."""
 
 from __future__ import annotations
 
@@ -30,3 +31,6 @@ def test_pending_tokens_from_real_requests():
     prefill, decode = SchedulerView.pending_tokens(view)
     assert prefill == 64 + 256 + 60 + 0
     assert decode == 320 + 24 + 50 + 7
+    # the mix counts whole requests, however far along: prompt lengths and output budgets
+    prompt, output = SchedulerView.request_mix(view)
+    assert (prompt, output) == (64 + 256 + 100 + 32, 320 + 24 + 50 + 10)

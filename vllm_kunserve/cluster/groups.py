@@ -105,8 +105,8 @@ class GroupController:
                          "held": held, "healthy": self.front.fleet.engines[i].accepting,
                          "base_blocks": s["capacity"].get("blocks_base", 0),
                          "max_blocks": s["capacity"].get("blocks_max", 0),
-                         "prefill_tokens": s.get("requests", {}).get("prefill_tokens", 0),
-                         "decode_tokens": s.get("requests", {}).get("decode_tokens", 0)})
+                         "prompt_tokens": s.get("requests", {}).get("mix_prompt_tokens", 0),
+                         "output_tokens": s.get("requests", {}).get("mix_output_tokens", 0)})
         s0 = states[members[0]]
         layer_bytes = max(x["bytes"] for x in s0["layers"])
         groups = [tuple(g.members) for g in self.groups if g.state in ("forming", "grouped", "leaving")]

@@ -566,6 +566,7 @@ class EngineAgent:
         used, queued, growth = self.sched.demand()
         waiting, running = self.sched.requests()
         prefill, decode = self.sched.pending_tokens()
+        mix_prompt, mix_output = self.sched.request_mix()
         dropped = set(self.group["drop"]) if self.group else set()
         layers = ["streamed" if i in self.remapped else "dropped" if i in dropped else "resident"
                   for i in range(self.num_layers)]
@@ -576,7 +577,8 @@ class EngineAgent:
                          "block_size": self.sched.block_size, "block_bytes": self.block_bytes},
             "blocks": {"used": used, "free": st.free, "queued": queued, "demand": used + queued + growth,
                        "draining": st.draining},
-            "requests": {"waiting": waiting, "running": running, "prefill_tokens": prefill, "decode_tokens": decode},
+            "requests": {"waiting": waiting, "running": running, "prefill_tokens": prefill, "decode_tokens": decode,
+                         "mix_prompt_tokens": mix_prompt, "mix_output_tokens": mix_output},
             "layers": [{"index": i, "state": s, "bytes": self.layer_bytes_each[i]} for i, s in enumerate(layers)],
             "remapped_layers": list(self.remapped), "slots": self.slots,
             "dropped_layers": sorted(dropped), "group": self.group, "pipeline": self._pipeline_times(),

@@ -47,7 +47,8 @@ def cluster_input(*, num_layers: int, layer_bytes: int, block_bytes: int, block_
     """The drop / restore policies' cluster snapshot from per-instance rows (``instance_id``,
     ``capacity_blocks``, ``used_blocks``, ``queued_blocks``, ``held``: the (start, end) layer range
     it runs in a group or None for all, ``healthy``, optional ``base_blocks``: capacity holding every
-    layer, optional ``max_blocks``: the most its KV cache can reach, optional ``prefill_tokens`` / ``decode_tokens``: work still to compute). Capacity and use count one block per
+    layer, optional ``max_blocks``: the most its KV cache can reach, optional ``prompt_tokens`` / ``output_tokens``: the request mix, the prompt lengths and output budgets of
+    the requests in the engine). Capacity and use count one block per
     ``block_size`` tokens of a request, whichever members hold its layers."""
     from vllm_kunserve.policy.snapshot import ClusterSnapshot, InstanceSnapshot, ModelSpec
 
@@ -58,8 +59,8 @@ def cluster_input(*, num_layers: int, layer_bytes: int, block_bytes: int, block_
                                    layer_end=(r["held"] or (0, 0))[1] if r["held"] else 0,
                                    healthy=bool(r.get("healthy", True)),
                                    kv_blocks_base=int(r.get("base_blocks") or 0),
-                                   prefill_tokens=int(r.get("prefill_tokens") or 0),
-                                   decode_tokens=int(r.get("decode_tokens") or 0),
+                                   prompt_tokens=int(r.get("prompt_tokens") or 0),
+                                   output_tokens=int(r.get("output_tokens") or 0),
                                    kv_blocks_max=int(r.get("max_blocks") or 0)) for r in rows)
     return ClusterSnapshot(model=model, instances=insts, groups=tuple(groups), now_s=now_s,
                            demand_history=tuple(history), work_history=tuple(work_history))

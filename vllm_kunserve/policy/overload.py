@@ -7,16 +7,16 @@ to a burst that is still ramping up.
 
 Also beyond the paper: demand over capacity is an overload worth dropping for only where KV is what
 limits throughput. Extra KV admits a bigger decode batch, which is nearly free per token where decode
-is weight-bandwidth-bound; it does nothing for a queue of prompts, whose prefill is compute-bound
-and which a pipeline group would only slow down. So the report also gives the *decode share* of the
-work still to compute, outputs to come / (outputs to come + prompt tokens to prefill), and calls the
-cluster overloaded only where it is at least ``min_decode_share`` (``compute_bound`` otherwise). The
-share sums the current reading with the snapshot's ``work_history`` of the last
-``decode_share_window_s``: a prompt-heavy queue that drains for a moment reads as all decode (only
-running requests' outputs left), and a drop on that one reading is not undone until demand falls
-(measured: the prefill-heavy cluster burst dropped on a single reading of 1.0 between readings of
-0.1-0.3). An instance that reports no pending tokens counts as decode (the check then never blocks
-a drop).
+is weight-bandwidth-bound; it does nothing for a stream of long prompts and short outputs, whose
+prefill is compute-bound and which a pipeline group would only slow down. So the report also gives
+the *decode share* of the request mix, the output budgets (``max_tokens``) of the requests in the
+engines over their prompt lengths plus those budgets, and calls the cluster overloaded only where
+it is at least ``min_decode_share`` (``compute_bound`` otherwise). It is the mix of whole requests,
+not of the work left to do: with no queue, the work left is the running requests' outputs, all
+decode, in any mix; that view dropped the prefill-heavy cluster burst during its warm start (a 5-s
+share of 0.74 where its requests are 256 prompt + 16-32 output tokens, a mix of 0.09). The share
+sums the current reading with the snapshot's ``work_history`` of the last ``decode_share_window_s``.
+An instance that reports no tokens counts as decode (the check then never blocks a drop).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class OverloadReport:
     overloaded: bool
     need_blocks: float  # blocks to free (shortfall plus headroom); 0 when not overloaded
     need_bytes: float
-    decode_share: float = 1.0  # outputs to come / (outputs to come + prompt tokens to prefill)
+    decode_share: float = 1.0  # the request mix: output budgets / (prompt lengths + output budgets)
     compute_bound: bool = False  # over the trigger, but the pending work is mostly prefill: no drop
 
     def to_dict(self) -> dict:
@@ -107,8 +107,9 @@ def assess_overload(cluster: ClusterSnapshot, cfg: DropConfig = DropConfig()) ->
 
 
 def decode_share(cluster: ClusterSnapshot, window_s: float = 0.0) -> float:
-    """Outputs still to come over all tokens still to compute (healthy instances), summed over the
-    current reading and the ``work_history`` readings of the last ``window_s``; 1.0 with none."""
+    """The requests' output budgets over their prompt lengths plus output budgets (healthy
+    instances), summed over the current reading and the ``work_history`` readings of the last
+    ``window_s``; 1.0 with none."""
     _, dec, pre = cluster.work_now()
     if window_s > 0:
         for t, d, p in cluster.work_history:

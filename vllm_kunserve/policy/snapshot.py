@@ -96,16 +96,17 @@ class InstanceSnapshot:
     layer_end: int = 0  # exclusive; 0 = num_layers
     healthy: bool = True
     kv_blocks_base: int = 0  # capacity holding every layer, where the engine knows it (0: derive it)
-    prefill_tokens: int = 0  # prompt tokens still to prefill (waiting requests, running ones mid-prefill)
-    decode_tokens: int = 0   # output tokens still to come (max_tokens less what was generated)
+    # the request mix: the requests in the engine (waiting and running), whole lives, not what is left
+    prompt_tokens: int = 0   # their prompt lengths
+    output_tokens: int = 0   # their output budgets (max_tokens)
     kv_blocks_max: int = 0   # the most blocks its KV cache can reach (memory.max_kv_ratio x base; 0: unknown)
 
     def __post_init__(self) -> None:
         if (self.kv_blocks_total < 0 or self.kv_blocks_used < 0 or self.queued_blocks < 0 or self.kv_blocks_base < 0
                 or self.kv_blocks_max < 0):
             raise ValueError(f"instance {self.instance_id}: block counts must be >= 0")
-        if self.prefill_tokens < 0 or self.decode_tokens < 0:
-            raise ValueError(f"instance {self.instance_id}: pending token counts must be >= 0")
+        if self.prompt_tokens < 0 or self.output_tokens < 0:
+            raise ValueError(f"instance {self.instance_id}: request-mix token counts must be >= 0")
 
     def held_layers(self, num_layers: int) -> int:
         end = self.layer_end or num_layers
@@ -124,8 +125,8 @@ class InstanceSnapshot:
     def from_dict(cls, d: Any, where: str = "instance") -> "InstanceSnapshot":
         d = need_mapping(d, where)
         check_unknown(d, {"instance_id", "kv_blocks_total", "kv_blocks_used", "queued_blocks",
-                          "layer_start", "layer_end", "healthy", "kv_blocks_base", "prefill_tokens",
-                          "decode_tokens", "kv_blocks_max"}, where)
+                          "layer_start", "layer_end", "healthy", "kv_blocks_base", "prompt_tokens",
+                          "output_tokens", "kv_blocks_max"}, where)
         return cls(instance_id=get(d, "instance_id", int, where),
                    kv_blocks_total=get(d, "kv_blocks_total", int, where, lo=0),
                    kv_blocks_used=get(d, "kv_blocks_used", int, where, lo=0),
@@ -134,8 +135,8 @@ class InstanceSnapshot:
                    layer_end=get(d, "layer_end", int, where, 0, lo=0),
                    healthy=get(d, "healthy", bool, where, True),
                    kv_blocks_base=get(d, "kv_blocks_base", int, where, 0, lo=0),
-                   prefill_tokens=get(d, "prefill_tokens", int, where, 0, lo=0),
-                   decode_tokens=get(d, "decode_tokens", int, where, 0, lo=0),
+                   prompt_tokens=get(d, "prompt_tokens", int, where, 0, lo=0),
+                   output_tokens=get(d, "output_tokens", int, where, 0, lo=0),
                    kv_blocks_max=get(d, "kv_blocks_max", int, where, 0, lo=0))
 
 
@@ -148,8 +149,8 @@ class ClusterSnapshot:
     groups: tuple[tuple[int, ...], ...] = ()  # empty = every instance alone
     now_s: float = 0.0
     demand_history: tuple[tuple[float, float], ...] = ()  # (time_s, cluster demand blocks)
-    #: earlier readings of the work still to compute, (time_s, decode tokens, prefill tokens), healthy
-    #: instances summed; the current reading is the instances' own (not repeated here)
+    #: earlier readings of the request mix, (time_s, output tokens, prompt tokens), healthy instances
+    #: summed; the current reading is the instances' own (not repeated here)
     work_history: tuple[tuple[float, int, int], ...] = ()
 
     def __post_init__(self) -> None:
@@ -191,15 +192,15 @@ class ClusterSnapshot:
         for k, s in enumerate(get(d, "work_history", list, where, [])):
             s = need_list(s, f"{where}.work_history[{k}]")
             if len(s) != 3 or int(s[1]) < 0 or int(s[2]) < 0:
-                raise ValueError(f"{where}.work_history[{k}]: expected [time_s, decode_tokens, prefill_tokens] (>= 0)")
+                raise ValueError(f"{where}.work_history[{k}]: expected [time_s, output_tokens, prompt_tokens] (>= 0)")
             work.append((float(s[0]), int(s[1]), int(s[2])))
         return cls(model=model, instances=insts, groups=groups, now_s=get(d, "now_s", float, where, 0.0),
                    demand_history=tuple(hist), work_history=tuple(work))
 
     def work_now(self) -> tuple[float, int, int]:
-        """This reading of the work still to compute: (now_s, decode tokens, prefill tokens), healthy instances."""
+        """This reading of the request mix: (now_s, output tokens, prompt tokens), healthy instances."""
         live = [i for i in self.instances if i.healthy]
-        return (self.now_s, sum(i.decode_tokens for i in live), sum(i.prefill_tokens for i in live))
+        return (self.now_s, sum(i.output_tokens for i in live), sum(i.prompt_tokens for i in live))
 
 
 def ceil_div(a: float, b: float) -> int:

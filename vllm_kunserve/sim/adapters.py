@@ -64,8 +64,8 @@ def cluster_snapshot(sim) -> ps.ClusterSnapshot:
         k = s.k
         queued = s.queued_blocks()
         cap = s.capacity
-        prefill = queued_work(s)
-        decode = sum(r.output - r.generated for r in s.running) + sum(r.output - r.generated for r in s.waiting)
+        reqs = [*s.running, *s.waiting]
+        prompt, output = sum(r.prompt for r in reqs), sum(r.output for r in reqs)  # the request mix
         for j, i in enumerate(s.instances):
             share = lambda x: x // k + (1 if j < x % k else 0)  # noqa: E731
             lo, hi = sim.layer_range[i]
@@ -73,7 +73,7 @@ def cluster_snapshot(sim) -> ps.ClusterSnapshot:
                 instance_id=i, kv_blocks_total=share(cap), kv_blocks_used=share(s.used),
                 queued_blocks=share(queued), layer_start=lo,
                 layer_end=0 if (lo, hi) == (0, sim.cfg.model.layers) else hi,
-                prefill_tokens=share(prefill), decode_tokens=share(decode)))
+                prompt_tokens=share(prompt), output_tokens=share(output)))
         groups.append(tuple(s.instances))
     return ps.ClusterSnapshot(model=policy_model(sim), instances=tuple(insts), groups=tuple(groups),
                               now_s=sim.now)

@@ -27,7 +27,9 @@ peer's attention plan is made again in this process, see ``_local_metadata``).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -51,9 +53,90 @@ _BULK_BYTES = 8 << 20  # KV exchange chunk
 #: how long a step waits for a peer's span before declaring the peer lost
 SPAN_TIMEOUT_S = 30.0
 
+class Turn:
+    """Whether this member's own microbatch is due at its stage, so a peer's span that finds the
+    core free waits for it (at most ``turn_s``) instead of taking the core.
+
+    A grouped member's microbatch leaves its stage only while it hops to the peer; in between steps
+    (vLLM's engine core asks for the sampling in a second call about a millisecond after
+    ``execute_model`` returns, then outputs and schedules the next step in a few milliseconds) it
+    comes straight back. A peer's span that took the core in such a gap held this member's
+    sampling or next step for a whole span while the peer's own stage had nothing to run: a
+    *collision*, both microbatches at one stage (``bench/pipeline_trace.py`` measures them). So the
+    member marks its turn due from the end of a step until its next step hops (sampling due, then
+    the next step expected within ``turn_s``), and a span waits for the turn to pass, at most
+    ``turn_s``: the two stages alternate between their own microbatch and the peer's. ``turn_s``
+    is ``KUNSERVE_STAGE_TURN_MS`` (default 8 ms; 0: off)."""
+
+    def __init__(self, turn_s: float) -> None:
+        self.turn_s = turn_s
+        self._cv = threading.Condition()
+        self._until = 0.0
+
+    def due(self) -> None:
+        """This member's own work comes next (a step ended, a sampling ended, a step is starting)."""
+        if self.turn_s > 0:
+            with self._cv:
+                self._until = time.monotonic() + self.turn_s
+
+    def away(self) -> None:
+        """This member's microbatch left the stage (it hops) or its work failed: spans may run."""
+        with self._cv:
+            self._until = 0.0
+            self._cv.notify_all()
+
+    def is_due(self) -> bool:
+        return time.monotonic() < self._until
+
+    def wait(self) -> None:
+        """Until the turn has passed, at most ``turn_s`` from now."""
+        deadline = time.monotonic() + self.turn_s
+        with self._cv:
+            while True:
+                left = min(self._until, deadline) - time.monotonic()
+                if left <= 0:
+                    return
+                self._cv.wait(left)
+
+
+def turn_s(raw: str) -> float:
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = -1.0
+    if not 0 <= ms <= 1000:
+        raise ValueError(f"KUNSERVE_STAGE_TURN_MS={raw!r}: a number of milliseconds in 0..1000")
+    return ms / 1e3
+
+
+#: this process's member's turn (one worker per process)
+TURN = Turn(turn_s(os.environ.get("KUNSERVE_STAGE_TURN_MS", "8")))
+
 
 class GroupError(RuntimeError):
     pass
+
+
+#: ``KUNSERVE_PIPELINE_TRACE=DIR``: every worker records when its steps, samplings, hops and the
+#: peers' spans it serves start, get their core and end (``time.perf_counter``: CLOCK_MONOTONIC on
+#: Linux, one clock for every process of the host) and writes them to ``DIR`` when its group splits: where a stage idles
+_TRACE_DIR = os.environ.get("KUNSERVE_PIPELINE_TRACE", "")
+_TRACE: list[tuple] = []
+
+
+def _trace(kind: str, *marks: float) -> None:
+    if _TRACE_DIR and len(_TRACE) < 1_000_000:
+        _TRACE.append((kind, *marks))
+
+
+def _dump_trace(name: str) -> None:
+    if not _TRACE_DIR or not _TRACE:
+        return
+    os.makedirs(_TRACE_DIR, exist_ok=True)
+    path = os.path.join(_TRACE_DIR, f"{name}-{os.getpid()}-{int(time.time() * 1e3)}.json")
+    with open(path, "w") as f:
+        json.dump({"member": name, "events": _TRACE}, f)
+    _TRACE.clear()
 
 
 class HopTimes:
@@ -159,6 +242,10 @@ class GroupMember:
         self.peer_steps[origin] = (time.monotonic(), _step_chunks(meta["attn"]))
         t_wait = time.perf_counter()
         COMPUTE.acquire()  # held until the reply is sent (the stage server calls the release)
+        if TURN.is_due():  # checked holding the core: a step marks its turn before it lets go
+            COMPUTE.release()
+            TURN.wait()
+            COMPUTE.acquire()
         try:
             t0 = time.perf_counter()
             self._local_metadata(meta["attn"])
@@ -180,6 +267,7 @@ class GroupMember:
         except BaseException:
             COMPUTE.release()
             raise
+        _trace("span", t_wait, t0, time.perf_counter())
         return ({"wait_ms": (t0 - t_wait) * 1e3, "span_ms": span_ms}, {"hidden": hidden, "residual": residual},
                 COMPUTE.release)
 
@@ -243,7 +331,11 @@ class GroupMember:
             # this thread would then compete for the core with the peer span taking the lock
 
             def let_go() -> None:
+                marks.append(time.perf_counter())
+                TURN.away()
                 held.append(_release(COMPUTE))
+
+            marks: list[float] = []
 
             try:
                 t0 = time.perf_counter()
@@ -256,8 +348,10 @@ class GroupMember:
                 self.hops.add((time.perf_counter() - t0) * 1e3, float(timing.get("wait_ms", 0.0)),
                               float(timing.get("span_ms", 0.0)))
             finally:
+                t_back = time.perf_counter()
                 if held and held[0]:
                     COMPUTE.acquire()
+                _trace("hop", t0, marks[0] if marks else t0, t_back, time.perf_counter())
             return out["hidden"].to(hidden_states.dtype), out["residual"]
         return forward
 
@@ -274,7 +368,7 @@ class GroupMember:
             for name in _LOCKED_METHODS:
                 orig = getattr(self.worker, name, None)
                 if orig is not None:
-                    self.worker.__dict__[name] = _locked(orig)
+                    self.worker.__dict__[name] = _locked(orig, name)
                     self._locked.append(name)
 
     def _uninstall(self) -> None:
@@ -284,6 +378,7 @@ class GroupMember:
         for name in self._locked:
             self.worker.__dict__.pop(name, None)
         self._locked = []
+        TURN.away()
 
     # -- barriers and KV exchange -----------------------------------------------------------------
     def _signal(self, tag: str, payload: Any = None) -> None:
@@ -429,6 +524,7 @@ class GroupMember:
         t0 = time.perf_counter()
         mapped = self.res.leave(blocks, (lambda: None) if abandon else exchange, images=images)
         self._uninstall()
+        _dump_trace(self.name)
         self.spans, self.views, self.lost = [], {}, ""
         self._close()
         hops = self.hops.summary()
@@ -490,10 +586,24 @@ def _step_chunks(attn: Any) -> list[tuple[int, int]]:
     return [(int(s) - int(n), int(n)) for s, n in zip(seq.tolist()[:len(new)], new)]
 
 
-def _locked(fn):
+def _locked(fn, name: str):
+    """``fn`` under the compute lock (traced as ``name``), keeping this member's turn (``Turn``):
+    due while a step starts, after it ends (its sampling or the next step follows) and after a
+    sampling (the next step follows); away when either fails."""
     def call(*args, **kwargs):
+        t0 = time.perf_counter()
+        TURN.due()
         with COMPUTE:
-            return fn(*args, **kwargs)
+            t1 = time.perf_counter()
+            try:
+                out = fn(*args, **kwargs)
+            except BaseException:
+                TURN.away()
+                raise
+            finally:
+                _trace(name, t0, t1, time.perf_counter())
+            TURN.due()
+            return out
     return call
 
 

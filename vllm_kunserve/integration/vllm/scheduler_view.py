@@ -87,8 +87,8 @@ class SchedulerView:
     def pending_tokens(self) -> tuple[int, int]:
         """(prefill, decode) tokens still to compute: prompt tokens not yet prefilled (waiting
         requests, preempted ones included, and running ones mid-prefill) and outputs still to come
-        (``max_tokens`` less what each request has generated). The drop monitor reads their ratio:
-        more KV buys throughput only through bigger decode batches."""
+        (``max_tokens`` less what each request has generated): what the engine still has to compute
+        (status)."""
         sched = self.scheduler
 
         def prefill(r) -> int:
@@ -99,6 +99,14 @@ class SchedulerView:
 
         reqs = [*sched.waiting, *sched.running]
         return sum(prefill(r) for r in reqs), sum(decode(r) for r in reqs)
+
+    def request_mix(self) -> tuple[int, int]:
+        """(prompt, output) tokens of the requests in the engine (waiting, preempted ones included,
+        and running), whole requests: their prompt lengths and output budgets (``max_tokens``). The
+        drop monitor reads their ratio: more KV buys throughput only through bigger decode batches."""
+        reqs = [*self.scheduler.waiting, *self.scheduler.running]
+        return (sum(int(getattr(r, "num_prompt_tokens", r.num_tokens)) for r in reqs),
+                sum(int(getattr(r, "max_tokens", None) or 0) for r in reqs))
 
     def requests(self) -> tuple[int, int]:
         """(waiting, running) request counts."""
