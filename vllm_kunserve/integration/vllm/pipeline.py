@@ -53,6 +53,7 @@ _BULK_BYTES = 8 << 20  # KV exchange chunk
 #: how long a step waits for a peer's span before declaring the peer lost
 SPAN_TIMEOUT_S = 30.0
 
+
 class Turn:
     """Whether this member's own microbatch is due at its stage, so a peer's span that finds the
     core free waits for it (at most ``turn_s``) instead of taking the core.
@@ -119,7 +120,8 @@ class GroupError(RuntimeError):
 
 #: ``KUNSERVE_PIPELINE_TRACE=DIR``: every worker records when its steps, samplings, hops and the
 #: peers' spans it serves start, get their core and end (``time.perf_counter``: CLOCK_MONOTONIC on
-#: Linux, one clock for every process of the host) and writes them to ``DIR`` when its group splits: where a stage idles
+#: Linux, one clock for every process of the host) and writes them to ``DIR`` when its group
+#: splits, for ``bench/pipeline_trace.py`` (where a stage idles)
 _TRACE_DIR = os.environ.get("KUNSERVE_PIPELINE_TRACE", "")
 _TRACE: list[tuple] = []
 
