@@ -103,14 +103,7 @@ def _trace(directory: Path, before: set[str]) -> dict | None:
     """The step-trace analysis of the group whose dumps appeared in ``directory`` since ``before``."""
     from vllm_kunserve.bench.pipeline_trace import analyse, load
 
-    new = directory / "new"
-    new.mkdir(parents=True, exist_ok=True)
-    fresh = [f for f in directory.glob("*.json") if f.name not in before]
-    for f in fresh:
-        (new / f.name).write_bytes(f.read_bytes())
-    groups = load(new)
-    for f in new.iterdir():
-        f.unlink()
+    groups = load(f for f in directory.glob("*.json") if f.name not in before)
     return analyse(groups[-1]) if groups else None
 
 

@@ -72,6 +72,6 @@ def test_load_groups_the_members_dumps_by_time(tmp_path):
     for k, (m, ev) in enumerate([*first.items(), *later.items()]):
         (tmp_path / f"{m}-{k}.json").write_text(json.dumps({"member": m, "events": ev}))
     (tmp_path / "empty.json").write_text(json.dumps({"member": "e9", "events": []}))
-    groups = load(tmp_path)
+    groups = load(tmp_path.glob("*.json"))
     assert [sorted(g) for g in groups] == [["e0", "e1"], ["e0", "e1"]]
     assert groups[1]["e0"][0][1] == pytest.approx(10.0)

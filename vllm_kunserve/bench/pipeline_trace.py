@@ -163,11 +163,11 @@ def analyse(members: dict[str, Sequence[Sequence]], trim: float = 0.2, step_s: f
     return out
 
 
-def load(directory: str | Path) -> list[dict[str, list]]:
-    """The traces in ``directory``, one dict (member -> events) per group: the members' dumps whose
-    spans of time overlap."""
+def load(files: Iterable[str | Path]) -> list[dict[str, list]]:
+    """The trace dumps ``files`` (a trace directory's ``*.json``), one dict (member -> events) per
+    group: the members' dumps whose spans of time overlap."""
     dumps = []
-    for p in sorted(Path(directory).glob("*.json")):
+    for p in sorted(map(Path, files)):
         d = json.loads(p.read_text())
         ev = d.get("events") or []
         if not ev or "member" not in d:
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("directory", help="the KUNSERVE_PIPELINE_TRACE directory")
     a = ap.parse_args(argv)
-    groups = load(a.directory)
+    groups = load(Path(a.directory).glob("*.json"))
     if not groups:
         print(f"no traces in {a.directory}", file=sys.stderr)
         return 1
