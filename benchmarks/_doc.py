@@ -23,12 +23,16 @@ def rel(path: Path) -> str:
     return (path.relative_to(ROOT) if path.is_relative_to(ROOT) else path).as_posix()
 
 
-def doc_header(title: str, script: str, device: str, raw: Path, *paragraphs: str) -> list[str]:
-    """Title, provenance, the given paragraphs and the machine-load caveat, as markdown lines."""
+def doc_header(title: str, script: str, device: str, raw: Path, *paragraphs: str,
+               load: float | str | None = None) -> list[str]:
+    """Title, provenance, the given paragraphs and the machine-load caveat, as markdown lines (``load``:
+    the 1-min load average the measuring run recorded, or a note saying it was not; default: now)."""
     lines = [f"# {title}", "",
              f"Produced by `python benchmarks/{script}` on **{device}**; raw numbers in `{rel(raw)}`.", ""]
     for p in paragraphs:
         lines += [p, ""]
-    lines += [f"Machine load (1-min load average at the end, {os.cpu_count()} cores): {os.getloadavg()[0]:.1f}; "
+    load = os.getloadavg()[0] if load is None else load
+    lines += [f"Machine load (1-min load average at the end, {os.cpu_count()} cores): "
+              f"{load if isinstance(load, str) else f'{load:.1f}'}; "
               "2 shared cores, so repeat on a quiet machine before trusting small differences.", ""]
     return lines

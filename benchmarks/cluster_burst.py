@@ -165,6 +165,48 @@ def paired(out: Path, systems: list[str], reps: int, window: tuple[float, float]
     return rows
 
 
+def tail_requests(out: Path, systems: list[str], reps: int, window: tuple[float, float], top: int = 3) -> dict:
+    """Per system and repetition, the window's largest TTFTs with their arrival times, and how many
+    requests arrived within 1 s either side of the largest one's arrival: with some 50 requests in the
+    window, P99 lies between the two largest TTFTs, so it is set by a handful of requests."""
+    lo, hi = window
+    res: dict = {}
+    for s in systems:
+        for k in range(1, reps + 1):
+            f = out / s / f"rep{k}" / "requests.csv"
+            if not f.exists():
+                continue
+            rows = [r for r in read_requests(f) if lo <= float(r["arrival_s"]) < hi]
+            done = sorted(((float(r["ttft_s"]), float(r["arrival_s"])) for r in rows if r["ok"] == "1" and r["ttft_s"]),
+                          reverse=True)
+            if not done:
+                continue
+            t_top = done[0][1]
+            res.setdefault(s, {})[k] = {
+                "n": len(done), "top": [[round(t, 2), round(at, 2)] for t, at in done[:top]],
+                "around_top": sum(1 for r in rows if abs(float(r["arrival_s"]) - t_top) <= 1.0)}
+    return res
+
+
+def tail_section(tails: dict) -> list[str]:
+    if not tails:
+        return []
+    reps = sorted({k for v in tails.values() for k in v})
+    L = ["## Which requests set the P99", "",
+         "The window's largest TTFTs (s) with their arrival times (s, trace time), per system and repetition, and "
+         "the requests arriving within 1 s either side of the largest one's: with about 50 requests in the window, "
+         "P99 lies between the largest TTFT and the second, so a few requests arriving together set it.", "",
+         "| rep | " + " | ".join(tails) + " |", "|---:|" + "---|" * len(tails)]
+    for k in reps:
+        cells = []
+        for s, per in tails.items():
+            t = per.get(k)
+            cells.append("-" if t is None else ", ".join(f"{x:.2f} @{at:.1f}" for x, at in t["top"])
+                         + f" ({t['around_top']} within 1 s)")
+        L.append(f"| {k} | " + " | ".join(cells) + " |")
+    return L + [""]
+
+
 def kept(r: dict, key: str) -> bool:
     """Whether ``r[key]`` counts: every run the ratio compares sent all its requests on time."""
     return r.get(key) is not None and r.get("ok", {}).get(key, r["valid"])
@@ -425,7 +467,7 @@ def pipeline_section(pipe: dict, systems: list[str]) -> list[str]:
 
 def render(scaling: dict, cap: dict, a: argparse.Namespace, argv: list[str], rows: list[dict], systems: list[str],
            window: tuple[float, float], name: str, mix: dict, cpu: dict, host: dict, short: dict,
-           preempt: dict | None = None, pipe: dict | None = None) -> str:
+           preempt: dict | None = None, pipe: dict | None = None, tails: dict | None = None) -> str:
     others = [s for s in systems if s not in ("vllm", "oracle")]
     keys = ["stock_over_oracle"] + [f"{n}_{k}" for n in others
                                     for k in ("over_stock", "over_oracle", "gap_closed", "tpot_p50_over_stock")]
@@ -511,7 +553,7 @@ def render(scaling: dict, cap: dict, a: argparse.Namespace, argv: list[str], row
           "load is prompts to prefill, compute-bound on this CPU, where a pipeline group costs more than the "
           "freed KV buys, so kunserve should not drop there (the monitor's decode share, "
           "`drop.min_decode_share`).", "",
-          ] + pipeline_section(pipe or {}, systems) + host_section(host, systems) + [
+          ] + tail_section(tails or {}) + pipeline_section(pipe or {}, systems) + host_section(host, systems) + [
           "CPU share of one core per repetition (client = the replay process; servers = the front end, the API "
           "servers and the engines, summed): " + json.dumps(cpu), "",
           f"Raw data: `{name}/compare.json` (every repetition's summary), `{name}.json` (the paired rows), "
@@ -624,13 +666,16 @@ def main() -> int:
     short = shortfall(out, systems, a.repeat)
     preempt = {s: [r.get("preemptions") for r in res["runs"].get(s, [])] for s in systems}
     pipe = {s: [r.get("server", {}).get("pipeline") for r in res["runs"].get(s, [])] for s in systems}
+    tails = tail_requests(out, systems, a.repeat, window)
     (DOCS / f"{name}.json").write_text(json.dumps(
         {"scaling": scaling, "stock_capacity": cap, "phases": phases, "window": window, "mix": mix,
          "paired": rows, "argv": argv, "forced": a.force, "cpu_share": cpu, "host": host, "command": command,
          "verdict": verdict(rows, systems, harsh(a)) if "oracle" in systems else None,
-         "kv_cap_x": a.kv_cap_x, "shortfall": short, "preemptions": preempt, "pipeline": pipe}, indent=1) + "\n")
+         "kv_cap_x": a.kv_cap_x, "shortfall": short, "preemptions": preempt, "pipeline": pipe,
+         "tail_requests": tails}, indent=1) + "\n")
     doc = DOCS / f"{name}.md"
-    doc.write_text(render(scaling, cap, a, argv, rows, systems, window, name, mix, cpu, host, short, preempt, pipe))
+    doc.write_text(render(scaling, cap, a, argv, rows, systems, window, name, mix, cpu, host, short, preempt, pipe,
+                          tails))
     print(doc.read_text())
     return 0
 

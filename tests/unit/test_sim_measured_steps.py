@@ -215,3 +215,27 @@ def test_a_runs_variant_is_simulated_with_its_own_kunserve_config():
     with pytest.raises(ValueError, match="variant"):
         cb.make_sim(st, None, settings, "nope", [])
 
+
+
+def test_held_out_lines_come_from_the_other_repetitions_only():
+    """--held-out: repetition 1 is predicted from repetitions 2 and 3 (their seconds pooled but never
+    joined into one run across repetitions, their warm-request prefill samples), nothing of its own."""
+    cb = _bench()
+
+    def secs(a, c, start):   # 5 seconds at a batch of 2, then 2 at a batch of 8
+        return [{"second": float(s), "running": 2 * b, "tokens": 2 * b / (a + c * b), "batch": float(b)}
+                for s, b in zip(range(start, start + 7), [2] * 5 + [8] * 2)]
+
+    data = {("vllm", 1): {"secs": {"single": secs(0.04, 0.005, 0), "grouped": []}, "pf": [0.001] * 6},
+            ("vllm", 2): {"secs": {"single": secs(0.06, 0.002, 0), "grouped": []}, "pf": [0.003] * 6},
+            ("vllm", 3): {"secs": {"single": secs(0.06, 0.002, 7), "grouped": []}, "pf": [0.003] * 6},
+            ("oracle", 1): {"secs": {"single": secs(0.01, 0.001, 0), "grouped": []}, "pf": [0.009] * 6}}
+    fits, pf = cb.held_out(data, "vllm", 1)
+    # rep 3's seconds 7.. follow rep 2's 0..6 in number; a run joining them would pool rep 2's batch-8
+    # seconds with rep 3's batch-2 ones and bend the line: runs never span two repetitions
+    assert fits["single"]["a_s"] == pytest.approx(0.06) and fits["single"]["c_s"] == pytest.approx(0.002)
+    assert fits["single"]["runs"] == 4
+    assert fits["grouped"] is None
+    assert pf == [0.003] * 12
+    own, _ = cb.held_out(data, "vllm", 2)
+    assert own["single"]["a_s"] != pytest.approx(0.06)   # rep 1's line is in it
