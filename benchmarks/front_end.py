@@ -12,11 +12,17 @@ is not a slow server). Paired ratios (proxy / direct, same repetition) with thei
 (issue 12): <= 2 ms added P50 TTFT, no throughput lost at 200 streams.
 
     python benchmarks/front_end.py [--reps 3] [--levels 1 32 200] [--output-len 32] [--min-requests 20]
-        [--rounds] [--frontend-core N] [--out docs/benchmarks/front_end.json] [--md docs/benchmarks/front_end.md]
+        [--rounds] [--frontend-core N [--no-load-arm]] [--analyse-only]
+        [--out docs/benchmarks/front_end.json] [--md docs/benchmarks/front_end.md]
 
 Without ``--frontend-core`` all processes (client, front end, engine) share this machine's cores: on
 2 cores the proxy's CPU time competes with the engine's, which a deployment with a core for the
-front end would not see.
+front end would not see. With it, levels above 1 get a third arm, ``direct+load`` (``--no-load-arm``
+leaves it out): straight to the engine while a stand-in process keeps the front end's core as busy
+as the front end kept it in the level's last proxied wave, which tells what a busy neighbouring core
+costs the engine on this host from what relaying costs it. Every wave records each process's CPU
+time per streamed token (client, front end, the engine's API server, engine core and worker), and
+``--analyse-only`` re-writes the doc from the raw JSON.
 """
 
 from __future__ import annotations
