@@ -572,7 +572,11 @@ def main(argv=None) -> int:
                                     or len(os.sched_getaffinity(0)) < 2):
         ap.error(f"--frontend-core {args.frontend_core}: not one of this process's cores "
                  f"{sorted(os.sched_getaffinity(0))}, or no other core left for the client and the engine")
+    if args.no_load_arm and args.frontend_core < 0:
+        ap.error("--no-load-arm: the third arm exists only with --frontend-core (a core of the front end's own)")
     if args.analyse_only:   # the doc again from the raw data of an earlier run (no measurement)
+        if not args.out.is_file():
+            ap.error(f"--analyse-only: no raw data at {args.out} (run the benchmark first, or pass --out)")
         raw = json.loads(args.out.read_text())
         old = ap.parse_args(raw["command"][1:])
         old.out, old.md = args.out, args.md
