@@ -90,13 +90,17 @@ def load(url: str, k: int, prompts: list[list[int]], n: int) -> dict:
 
 
 def _turns(text: str) -> list[float]:
+    from vllm_kunserve.integration.vllm.pipeline import turn_s  # the engines' own KUNSERVE_STAGE_TURN_MS check
+
+    parts = [x.strip() for x in text.split(",") if x.strip()]
     try:
-        out = [float(x) for x in text.split(",") if x.strip()]
+        for x in parts:
+            turn_s(x)
     except ValueError:
-        out = []
-    if not out or any(not 0 <= g <= 1000 for g in out):
+        parts = []
+    if not parts:
         raise SystemExit(f"--stage-turn-ms {text!r}: comma-separated milliseconds in 0..1000")
-    return out
+    return [float(x) for x in parts]
 
 
 def _trace(directory: Path, before: set[str]) -> dict | None:
