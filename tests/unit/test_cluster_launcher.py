@@ -179,6 +179,11 @@ def test_log_excerpt_shows_the_first_error_and_the_last_lines(tmp_path):
     text = log_excerpt(log)
     assert text.startswith("first error:\nERROR root cause\nline 0")
     assert text.endswith("line 199") and "line 100" not in text
+    warn = ("(APIServer pid=1) WARNING 11-26 [system_utils.py:255] Found ulimit of 20000 ... This can cause "
+            "fd limit errors like `OSError: [Errno 24] Too many open files`.")
+    log.write_text("\n".join([warn] + ["INFO a"] * 100 + ["(EngineCore pid=2) ValueError: kunserve.bogus: unknown key"]
+                             + [f"line {i}" for i in range(200)]))
+    assert log_excerpt(log).startswith("first error:\n(EngineCore pid=2) ValueError: kunserve.bogus")
     log.write_text("\n".join(f"line {i}" for i in range(100)))  # no error: the tail
     assert log_excerpt(log).splitlines() == [f"line {i}" for i in range(50, 100)]
     assert log_excerpt(tmp_path / "missing.log") == "(no log)"

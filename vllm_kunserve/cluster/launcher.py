@@ -104,7 +104,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise RuntimeError("no free port that was not handed out already")
 
 
-_FIRST_ERROR = re.compile(r"Traceback \(most recent call last\)|\bERROR\b|Error:")
+# a traceback, an ERROR log line, or a line that is an exception ("ValueError: ...", after vLLM's
+# "(EngineCore pid=..)" prefix); not a WARNING that merely names one (vLLM's ulimit warning quotes
+# "OSError: [Errno 24]")
+_FIRST_ERROR = re.compile(r"Traceback \(most recent call last\)|\bERROR\b|"
+                          r"^(?:\(\w+ pid=\d+\) )?[\w.]*(?:Error|Exception): ")
 
 
 def log_excerpt(path: Path, first: int = 30, last: int = 20) -> str:
