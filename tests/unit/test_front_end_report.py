@@ -148,3 +148,34 @@ def test_cpu_by_process_finds_the_engine_processes_below_the_front_end():
     finally:
         child.kill()
         child.wait()
+
+
+def test_where_time_goes_engine_view_cores_and_the_throughput_verdict():
+    """The engine's own means come from its histogram deltas; the cores' shares from /proc/stat
+    deltas; the no-loss verdict reads the median's 95% interval, not the median alone."""
+    before = {"ttft_sum": 10.0, "ttft_count": 100.0, "e2e_sum": 50.0, "e2e_count": 100.0}
+    after = {"ttft_sum": 13.0, "ttft_count": 110.0, "e2e_sum": 62.0, "e2e_count": 110.0}
+    assert fe.engine_view(before, after) == {"engine_ttft_mean_ms": 300.0, "engine_e2e_mean_ms": 1200.0}
+    assert fe.engine_view(after, after) == {}   # no request in between: no mean
+    t0 = {"total": 1000, "idle": 400, "irq": 10, "steal": 0}
+    t1 = {"total": 2000, "idle": 500, "irq": 60, "steal": 100}
+    assert fe.core_shares(t0, t1) == {"engine_cores_busy": 0.9, "engine_cores_irq": 0.05, "engine_cores_steal": 0.1}
+    now = fe.core_times(os.sched_getaffinity(0))
+    assert now["total"] >= now["idle"] + now["irq"] + now["steal"] > 0
+
+    assert "met" in fe.throughput_verdict({"ratio_ci95": (0.96, 1.04)})
+    assert "missed" in fe.throughput_verdict({"ratio_ci95": (0.80, 0.97)})
+    assert "not settled" in fe.throughput_verdict({"ratio_ci95": (0.85, 1.05)})
+    assert "not settled" in fe.throughput_verdict({"ratio_ci95": None})
+    rows = [{"rep": k, "concurrency": 200,
+             "direct": {"ttft_p50_ms": 1, "ttft_p99_ms": 1, "itl_p50_ms": 1, "itl_p99_ms": 1, "tokens_per_s": 100.0,
+                        "send_lag_p99_ms": 0, "ttft_mean_all_ms": 700.0, "engine_ttft_mean_ms": 500.0},
+             "proxy": {"ttft_p50_ms": 1, "ttft_p99_ms": 1, "itl_p50_ms": 1, "itl_p99_ms": 1,
+                       "tokens_per_s": 100.0 * (0.9 + 0.02 * k), "send_lag_p99_ms": 0, "frontend_cpu_us_per_token": 60,
+                       "ttft_mean_all_ms": 760.0, "engine_ttft_mean_ms": 510.0}} for k in range(9)]
+    s = fe.summarize(rows)[0]
+    assert s["tokens_per_s"]["ratio_ci95"] == pytest.approx((0.92, 1.04))   # x_(2), x_(8) of 0.90..1.06
+    assert s["where_time_goes"]["proxy"] == {"ttft_mean_all_ms": 760.0, "engine_ttft_mean_ms": 510.0}
+    table = "\n".join(fe.where_time_goes_table([s]))
+    assert "| 200 | proxy | 760.0 | 510.0 | - | 250.0 |" in table
+    assert "not settled" in "\n".join(fe.throughput_verdicts([s]))

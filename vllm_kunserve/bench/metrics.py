@@ -35,6 +35,22 @@ def percentiles(values: Iterable[float], ps: Sequence[float] = PERCENTILES) -> d
     return out
 
 
+def median_ci(values: Iterable[float], level: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free confidence interval for the median (the sign test's order statistics):
+    [x_(k), x_(n-k+1)] with the largest k whose binomial tail P(Binom(n, 1/2) < k) <= (1 - level) / 2,
+    so it covers the median with probability >= ``level``. None when too few values for one
+    (fewer than 6 at 95%)."""
+    v = sorted(x for x in values if x == x)
+    n, alpha = len(v), (1.0 - level) / 2
+    k, tail = 0, 0.0
+    for j in range(n + 1):
+        tail += math.comb(n, j) / 2.0 ** n
+        if tail > alpha:
+            break
+        k = j + 1
+    return (v[k - 1], v[n - k]) if k >= 1 else None
+
+
 def slo_attainment(results: Sequence[RequestResult], ref_ttft_s: float, ref_tpot_s: float | None,
                    scales: Sequence[float] = SLO_SCALES) -> dict[str, dict[str, float]]:
     if not results:

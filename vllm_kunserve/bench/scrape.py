@@ -2,7 +2,8 @@
 
 Kept per scrape (values summed over label sets, except percentages which are averaged):
 ``vllm:kv_cache_usage_perc``, ``vllm:num_preemptions_total``, ``vllm:num_requests_running``,
-``vllm:num_requests_waiting``, the queue-time histogram's sum and count, and every sample whose
+``vllm:num_requests_waiting``, the sums and counts of the queue-time, time-to-first-token and
+end-to-end latency histograms (the engine's own view of a request), and every sample whose
 name starts with ``kunserve:`` (kept with its labels, e.g. ``kunserve:groups{...}``).
 ``vllm:cache_config_info`` labels (num_gpu_blocks, block_size) are read once.
 """
@@ -24,6 +25,10 @@ VLLM_SERIES = {
     "vllm:num_requests_waiting": "waiting",
     "vllm:request_queue_time_seconds_sum": "queue_time_sum",
     "vllm:request_queue_time_seconds_count": "queue_time_count",
+    "vllm:time_to_first_token_seconds_sum": "ttft_sum",
+    "vllm:time_to_first_token_seconds_count": "ttft_count",
+    "vllm:e2e_request_latency_seconds_sum": "e2e_sum",
+    "vllm:e2e_request_latency_seconds_count": "e2e_count",
 }
 _MEAN = {"kv_usage"}
 
