@@ -197,7 +197,8 @@ def means_all(res: list[dict]) -> dict:
 
 def engine_view(before: dict[str, float], after: dict[str, float]) -> dict:
     """Mean TTFT, request time and queue time of the requests the engine served between two scrapes
-    of its ``/metrics`` (vLLM's histograms: from the request's arrival at its API server)."""
+    of its ``/metrics`` (vLLM's histograms: from the moment its API server hands the parsed request
+    to vLLM's engine)."""
     out = {}
     for key in ("ttft", "e2e", "queue_time"):
         n = after.get(f"{key}_count", 0.0) - before.get(f"{key}_count", 0.0)
@@ -405,7 +406,8 @@ def throughput_verdict(ratio: dict) -> str:
         return f"**missed**: a loss, the interval lies below 1 (a loss of {1 - hi:.0%} to {1 - lo:.0%})"
     if lo >= 0.95:
         return "**met**: no loss detected, and a loss of 5% or more is ruled out"
-    return f"**not settled**: no loss detected (the interval holds 1), but one of up to {1 - lo:.0%} is not ruled out"
+    return (f"**not settled**: no loss detected (the interval holds 1), but one of up to {1 - lo:.0%} is not "
+            "ruled out")
 
 
 def throughput_verdicts(summary: list[dict]) -> list[str]:
@@ -422,17 +424,19 @@ def throughput_verdicts(summary: list[dict]) -> list[str]:
 
 def where_time_goes_table(summary: list[dict]) -> list[str]:
     """Means over every request of a wave, the client's beside the engine's own (vLLM's histograms,
-    from the request's arrival at the engine's API server): what the engine does not see is the
-    front end and the connections on the way; and how busy the engine's cores were."""
+    from the moment the engine's API server hands the parsed request on): what they do not see is
+    the engine's HTTP server, the connections and the front end; and how busy the engine's cores were."""
     rows = [(s["concurrency"], a, v) for s in summary for a, v in s.get("where_time_goes", {}).items()]
     if not rows:
         return []
     out = ["", "Where a request's time goes (means over every request of the wave, median over repetitions): "
                "the client's TTFT and request time beside the engine's own (vLLM's `time_to_first_token`, "
-               "`request_queue_time` and `e2e_request_latency` histograms, counted from the request's arrival "
-               "at the engine's API server); `outside` = client - engine: the front end and the connections on "
-               "the way (direct: the connection alone). The engine's cores: their busy share over the wave "
-               "(/proc/stat) and the share of it in interrupts.", "",
+               "`request_queue_time` and `e2e_request_latency` histograms, counted from the moment the "
+               "engine's API server hands the parsed, tokenized request to vLLM's engine); `outside` = client "
+               "- engine: what the histograms do not see, the engine's HTTP server before a request reaches "
+               "vLLM's engine and the stream's way back, the connections, and, proxied, the front end (the "
+               "difference between the arms is the front end's share). The engine's cores: their busy share "
+               "over the wave (/proc/stat) and the share of it in interrupts.", "",
            "| streams | arm | TTFT client | TTFT engine | of it queued | TTFT outside | request client | request engine "
            "| request outside | engine cores busy | in interrupts |", "|---:|---|" + "---:|" * 9]
 
@@ -698,7 +702,8 @@ def device_text(args) -> str:
         return "client, front end and one vLLM-CPU engine on the same cores"
     client = getattr(args, "client_core", -1)
     if client < 0:
-        return f"the front end on core {args.frontend_core} of its own, the client and one vLLM-CPU engine on the others"
+        return (f"the front end on core {args.frontend_core} of its own, the client and one vLLM-CPU engine on "
+                "the others")
     where = "beside the front end" if client == args.frontend_core else "of its own"
     return (f"the front end on core {args.frontend_core}, the client on core {client} {where}, one vLLM-CPU "
             "engine on the others")
