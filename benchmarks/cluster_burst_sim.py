@@ -486,6 +486,40 @@ def ratio(p, m):
     return p / m if p is not None and m else None
 
 
+#: --sensitivity: every step time scaled by these, and arrivals jittered by up to JITTER_S
+STEP_SCALES = (0.9, 1.1)
+JITTER_S, JITTER_SEEDS = 0.3, 10
+
+
+def sensitivity(single: dict, grouped: dict, tps: float, settings: dict, system: str, trace) -> dict:
+    """How far the prediction moves when nothing but the inputs' own uncertainty changes: every step
+    time (decode lines and prefill rate) x0.9 and x1.1, and each arrival moved by a uniform
+    +-``JITTER_S`` s (``JITTER_SEEDS`` seeds; min, median, max)."""
+    import random
+
+    from vllm_kunserve.sim.steptime import MeasuredStepTime
+    from vllm_kunserve.sim.trace import TraceRequest
+
+    def line(fit, sc):
+        return MeasuredStepTime.linear(fit["a_s"] * sc, fit["c_s"] * sc, tps / sc)
+
+    out = {}
+    for sc in STEP_SCALES:
+        p = predict(line(single, sc), line(grouped, sc), settings, system, trace)
+        out[f"steps_x{sc:g}"] = {"ttft_p50": p["ttft_p50"], "ttft_p99": p["ttft_p99"]}
+    got = {"ttft_p50": [], "ttft_p99": []}
+    for seed in range(JITTER_SEEDS):
+        rng = random.Random(seed)
+        moved = sorted((TraceRequest(t.id, max(0.0, t.arrival_s + rng.uniform(-JITTER_S, JITTER_S)), t.prompt,
+                                     t.output) for t in trace), key=lambda t: t.arrival_s)
+        p = predict(line(single, 1.0), line(grouped, 1.0), settings, system, moved)
+        for k in got:
+            if p[k] is not None:
+                got[k].append(p[k])
+    out["jitter"] = {k: [min(v), statistics.median(v), max(v)] for k, v in got.items() if v}
+    return out
+
+
 # ------------------------------------------------------------------------------------------ the doc
 def f2(x, nd=2) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
@@ -533,6 +567,7 @@ def render(res: dict) -> str:
     for k, v in res["per_system"].items():
         L.append(f"| {k} | {v['n']} | {f2(v['median_ratio'])} | {'yes' if v['median_within'] else '**no**'} "
                  f"({v['within']}/{v['n']} reps) | {f2(v['median_ratio_ref'])} |")
+    L += sensitivity_section(res)
     L += ["", "## Inputs", "",
           f"- Run: `{res['run']}`; repetitions {', '.join(str(k) for k in res['reps'])}"
           + (f" ({res['note']})" if res.get("note") else "") + f". Settings from {s['source']} (first found wins): "
@@ -589,6 +624,89 @@ def render(res: dict) -> str:
           "their cost in the run shows only through the grouped line.",
           "", f"Raw: `docs/benchmarks/{res['out_name']}.json` (every row, the settings, the step lines and points)."]
     return "\n".join(L) + "\n"
+
+
+def sensitivity_summary(rows: list[dict]) -> dict:
+    """Per system (``--sensitivity``): the medians over repetitions of how far P50 and P99 move with
+    the step times x0.9 / x1.1 and the widest jitter range over the prediction, beside the measured
+    spread across the repetitions (max / min)."""
+    out = {}
+    for s in dict.fromkeys(r["system"] for r in rows):
+        rs = [r for r in rows if r["system"] == s and r.get("sensitivity") and r["predicted"]["ttft_p50"]]
+        if not rs:
+            continue
+        v = {}
+        for q in ("ttft_p50", "ttft_p99"):
+            base = [(r, r["predicted"][q]) for r in rs if r["predicted"][q]]
+            v[q] = {f"steps_x{sc:g}": statistics.median(r["sensitivity"][f"steps_x{sc:g}"][q] / b for r, b in base
+                                                       if r["sensitivity"][f"steps_x{sc:g}"][q])
+                    for sc in STEP_SCALES}
+            spans = [(r["sensitivity"]["jitter"][q][2] - r["sensitivity"]["jitter"][q][0]) / b for r, b in base
+                     if q in r["sensitivity"]["jitter"]]
+            v[q]["jitter_span"] = statistics.median(spans) if spans else None
+            meas = [r["measured"][q] for r in rows if r["system"] == s and r["measured"][q]]
+            v[q]["measured"] = [min(meas), statistics.median(meas), max(meas)] if meas else None
+        tpot = [r["measured"]["tpot_p50"] for r in rows if r["system"] == s and r["measured"].get("tpot_p50")]
+        v["tpot_p50_measured"] = [min(tpot), statistics.median(tpot), max(tpot)] if tpot else None
+        out[s] = v
+    return out
+
+
+def sensitivity_verdict(rows: list[dict]) -> list[str]:
+    """A line per system: how far P50 moves with the inputs, against the 25% target and the measured spread."""
+    out = []
+    for s, v in sensitivity_summary(rows).items():
+        x, mm = v["ttft_p50"], v["ttft_p50"]["measured"]
+        if mm is None or x["jitter_span"] is None:
+            continue
+        out.append(f"Sensitivity of {s}'s P50 TTFT: every step time x0.9 / x1.1 moves the prediction to "
+                   f"{x['steps_x0.9']:.2f}x / {x['steps_x1.1']:.2f}x, arrivals moved by +-{JITTER_S:g} s spread it "
+                   f"over {x['jitter_span']:.0%} of its value (medians over repetitions); measured, it ranges "
+                   f"{mm[0]:.2f}-{mm[2]:.2f} s over the repetitions of one trace ({mm[2] / mm[0]:.1f}x), against a "
+                   f"+-{TOL:.0%} target"
+                   + (f", while its P50 TPOT moved {v['tpot_p50_measured'][2] / v['tpot_p50_measured'][0]:.2f}x"
+                      if v.get("tpot_p50_measured") else "") + ".")
+    return out
+
+
+def sensitivity_section(res: dict) -> list[str]:
+    if not res.get("sensitivity"):
+        return []
+    L = ["", "## How far the inputs' own uncertainty moves the prediction (`--sensitivity`)", "",
+         f"Each repetition predicted again with every step time (decode lines and prefill rate) x{STEP_SCALES[0]:g} "
+         f"and x{STEP_SCALES[1]:g}, and with each arrival moved by a uniform +-{JITTER_S:g} s ({JITTER_SEEDS} seeds: "
+         "min / median / max), beside what was measured. How much the real step times moved between the "
+         "repetitions shows in the last column of the summary below (the measured P50 TPOT, min / median / max).",
+         "",
+         "| system | rep | P50 measured | P50 predicted x0.9 / x1 / x1.1 | P50 jittered | P99 measured | "
+         "P99 predicted x0.9 / x1 / x1.1 | P99 jittered |", "|---|---:|---:|---|---|---:|---|---|"]
+    for r in res["rows"]:
+        sv = r.get("sensitivity")
+        if not sv:
+            continue
+        m, p = r["measured"], r["predicted"]
+        cells = []
+        for q in ("ttft_p50", "ttft_p99"):
+            j = sv["jitter"].get(q)
+            cells += [f2(m[q]), f"{f2(sv['steps_x0.9'][q])} / {f2(p[q])} / {f2(sv['steps_x1.1'][q])}",
+                      f"{f2(j[0])} / {f2(j[1])} / {f2(j[2])}" if j else "-"]
+        L.append(f"| {r['system']} | {r['rep']} | " + " | ".join(cells) + " |")
+    summ = sensitivity_summary(res["rows"])
+    L += ["", "Per system, median over repetitions (prediction at the changed input over the prediction; the "
+              "jitter's range over the prediction; the measured values across repetitions, min / median / max, "
+              "and max / min):", "",
+          "| system | P50 x0.9 | P50 x1.1 | P50 jitter range | P50 measured | P99 x0.9 | P99 x1.1 | P99 jitter range "
+          "| P99 measured | P50 TPOT measured |", "|---|---:|---:|---:|---|---:|---:|---:|---|---|"]
+    for s, v in summ.items():
+        cells = []
+        for q in ("ttft_p50", "ttft_p99"):
+            x, mm = v[q], v[q]["measured"]
+            cells += [f2(x["steps_x0.9"]), f2(x["steps_x1.1"]), f"{x['jitter_span']:.0%}" if x["jitter_span"] is not None
+                      else "-", f"{f2(mm[0])} / {f2(mm[1])} / {f2(mm[2])} ({mm[2] / mm[0]:.1f}x)" if mm else "-"]
+        tp = v["tpot_p50_measured"]
+        cells.append(f"{f2(tp[0], 3)} / {f2(tp[1], 3)} / {f2(tp[2], 3)} ({tp[2] / tp[0]:.2f}x)" if tp else "-")
+        L.append(f"| {s} | " + " | ".join(cells) + " |")
+    return L
 
 
 def stalled(r: dict) -> bool:
@@ -725,6 +843,10 @@ def main() -> int:
     ap.add_argument("--held-out", action="store_true",
                     help="fit each repetition's step lines and prefill rate on the system's other repetitions "
                          "(pooled), not on the repetition predicted (needs 2 or more repetitions per system)")
+    ap.add_argument("--sensitivity", action="store_true",
+                    help="also predict each repetition with every step time x0.9 and x1.1 and with arrivals "
+                         f"jittered by +-{JITTER_S:g} s ({JITTER_SEEDS} seeds): how far the inputs' own "
+                         "uncertainty moves P50 and P99, beside the measured spread across repetitions")
     ap.add_argument("--out-name", default="cluster_burst_sim", help="writes docs/benchmarks/<name>.{md,json}")
     a = ap.parse_args()
 
@@ -795,7 +917,9 @@ def main() -> int:
         pred = predict(st, st_g, settings, s, trace)
         ref = predict(st_ref, None, settings, s, trace)
         r = ratio(pred["ttft_p99"], meas["ttft_p99"])
+        sens = sensitivity(single, grouped, pf["tps"], settings, s, trace) if a.sensitivity else None
         row = {"system": s, "rep": k, "measured": meas, "predicted": pred, "reference": ref, "ratio": r,
+               "sensitivity": sens,
                "within": r is not None and abs(r - 1) <= TOL, "ratio_ref": ratio(ref["ttft_p99"], meas["ttft_p99"]),
                "steps": {"single": fits["single"], "grouped": fits["grouped"]}, "prefill": pf, "events": ev}
         out_rows.append(row)
@@ -827,12 +951,12 @@ def main() -> int:
     cmd = "python benchmarks/cluster_burst_sim.py " + " ".join(sys.argv[1:])
     res = {"run": str(run), "command": cmd, "settings": settings, "reps": sorted({k for _, k, _ in reps}),
            "note": note, "out_name": a.out_name, "tolerance": TOL, "rows": out_rows, "per_system": per,
-           "held_out": a.held_out, "stock_over_oracle": gap,
+           "held_out": a.held_out, "stock_over_oracle": gap, "sensitivity": a.sensitivity,
            "solo_prefill": solo_txt, "prefill_table": scaling.get("prefill"),
            "prefill_line": scaling.get("prefill_line"),
            "table": [[float(x["batch"]), x["step_ms"] / 1e3] for x in scaling["rows"]],
            "scaling_source": str(Path(a.scaling))}
-    res["verdict"] = verdict(out_rows, per, a.held_out, gap)
+    res["verdict"] = verdict(out_rows, per, a.held_out, gap) + (sensitivity_verdict(out_rows) if a.sensitivity else [])
     res["reading"] = reading(out_rows, limits)
     (DOCS / f"{a.out_name}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
     (DOCS / f"{a.out_name}.md").write_text(render(res))

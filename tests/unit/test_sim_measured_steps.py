@@ -239,3 +239,34 @@ def test_held_out_lines_come_from_the_other_repetitions_only():
     assert pf == [0.003] * 12
     own, _ = cb.held_out(data, "vllm", 2)
     assert own["single"]["a_s"] != pytest.approx(0.06)   # rep 1's line is in it
+
+
+def test_sensitivity_moves_the_prediction_with_the_step_times_and_jitter():
+    """--sensitivity: slower steps queue an overloaded stock cluster longer (P50 up), faster ones
+    shorter; arrival jitter gives a range that holds the unjittered prediction's neighbourhood; the
+    summary and the verdict line report it beside the measured spread."""
+    cb = _bench()
+    from vllm_kunserve.sim.trace import TraceRequest
+
+    settings = {"block_size": 16, "kv_tokens": 512, "kunserve_config": {}, "model": "small", "instances": 2,
+                "max_num_batched_tokens": 2048, "max_num_seqs": 128, "oracle_x": 10.0, "dispatch": "least-work",
+                "window": (0.0, 30.0)}
+    trace = [TraceRequest(i, 0.5 * i, 64, 128) for i in range(60)]   # twice what the KV holds: a queue
+    line = {"a_s": 0.04, "c_s": 0.004}
+    sv = cb.sensitivity(line, line, 400.0, settings, "vllm", trace)
+    from vllm_kunserve.sim.steptime import MeasuredStepTime
+
+    st = MeasuredStepTime.linear(0.04, 0.004, 400.0)
+    base = cb.predict(st, st, settings, "vllm", trace)
+    assert sv["steps_x0.9"]["ttft_p50"] < base["ttft_p50"] < sv["steps_x1.1"]["ttft_p50"]
+    lo, med, hi = sv["jitter"]["ttft_p50"]
+    assert lo <= med <= hi and lo > 0
+    rows = [{"system": "vllm", "rep": k, "sensitivity": sv, "predicted": base,
+             "measured": {"ttft_p50": m50, "ttft_p99": 2 * m50, "tpot_p50": 0.1 * k}}
+            for k, m50 in ((1, 10.0), (2, 25.0))]
+    summ = cb.sensitivity_summary(rows)["vllm"]
+    assert summ["ttft_p50"]["steps_x0.9"] == pytest.approx(sv["steps_x0.9"]["ttft_p50"] / base["ttft_p50"])
+    assert summ["ttft_p50"]["measured"] == [10.0, 17.5, 25.0]
+    assert summ["tpot_p50_measured"] == pytest.approx([0.1, 0.15, 0.2])
+    (line_out,) = cb.sensitivity_verdict(rows)
+    assert "10.00-25.00 s" in line_out and "(2.5x)" in line_out and "P50 TPOT moved 2.00x" in line_out
