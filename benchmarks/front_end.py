@@ -223,7 +223,8 @@ def core_times(cores: set[int]) -> dict[str, int]:
 
 
 def core_shares(before: dict[str, int], after: dict[str, int]) -> dict:
-    """The engine's cores between two :func:`core_times`: the share busy, and of it in interrupts."""
+    """The engine's cores between two :func:`core_times`: the share busy, of it in interrupts, and the
+    share the hypervisor gave another guest (steal)."""
     total = after["total"] - before["total"]
     if total <= 0:
         return {}
@@ -238,7 +239,8 @@ def spread(xs: list[float]) -> dict:
 
 #: per wave: the client's means over every request, the engine's own (vLLM's histograms), its cores
 TIME_KEYS = ("ttft_mean_all_ms", "engine_ttft_mean_ms", "engine_queue_time_mean_ms", "e2e_mean_all_ms",
-             "engine_e2e_mean_ms", "engine_cores_busy", "engine_cores_irq")
+             "engine_e2e_mean_ms", "tail_mean_all_ms", "engine_cores_busy", "engine_cores_irq",
+             "engine_cores_steal")
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -435,10 +437,11 @@ def where_time_goes_table(summary: list[dict]) -> list[str]:
                "engine's API server hands the parsed, tokenized request to vLLM's engine); `outside` = client "
                "- engine: what the histograms do not see, the engine's HTTP server before a request reaches "
                "vLLM's engine and the stream's way back, the connections, and, proxied, the front end (the "
-               "difference between the arms is the front end's share). The engine's cores: their busy share "
-               "over the wave (/proc/stat) and the share of it in interrupts.", "",
+               "difference between the arms is the front end's share); `tail` = the client's wait from a request's last "
+               "token to its response's end. The engine's cores: their busy share over the wave (/proc/stat), "
+               "the share of it in interrupts, and the share stolen by the hypervisor.", "",
            "| streams | arm | TTFT client | TTFT engine | of it queued | TTFT outside | request client | request engine "
-           "| request outside | engine cores busy | in interrupts |", "|---:|---|" + "---:|" * 9]
+           "| request outside | tail | engine cores busy | in interrupts | steal |", "|---:|---|" + "---:|" * 11]
 
     def ms(v, k):
         return f"{v[k]:.1f}" if k in v else "-"
@@ -448,11 +451,12 @@ def where_time_goes_table(summary: list[dict]) -> list[str]:
                     if "engine_ttft_mean_ms" in v and "ttft_mean_all_ms" in v else "-")
         out_e2e = (f"{v['e2e_mean_all_ms'] - v['engine_e2e_mean_ms']:.1f}"
                    if "engine_e2e_mean_ms" in v and "e2e_mean_all_ms" in v else "-")
-        busy = f"{v['engine_cores_busy']:.2f}" if "engine_cores_busy" in v else "-"
-        irq = f"{v['engine_cores_irq']:.3f}" if "engine_cores_irq" in v else "-"
+        share = {k: f"{v[k]:.3f}" if k in v else "-" for k in ("engine_cores_busy", "engine_cores_irq",
+                                                                 "engine_cores_steal")}
         out.append(f"| {level} | {arm} | {ms(v, 'ttft_mean_all_ms')} | {ms(v, 'engine_ttft_mean_ms')} | "
                    f"{ms(v, 'engine_queue_time_mean_ms')} | {out_ttft} | {ms(v, 'e2e_mean_all_ms')} | "
-                   f"{ms(v, 'engine_e2e_mean_ms')} | {out_e2e} | {busy} | {irq} |")
+                   f"{ms(v, 'engine_e2e_mean_ms')} | {out_e2e} | {ms(v, 'tail_mean_all_ms')} | "
+                   f"{share['engine_cores_busy']} | {share['engine_cores_irq']} | {share['engine_cores_steal']} |")
     return out
 
 

@@ -177,5 +177,5 @@ def test_where_time_goes_engine_view_cores_and_the_throughput_verdict():
     assert s["tokens_per_s"]["ratio_ci95"] == pytest.approx((0.92, 1.04))   # x_(2), x_(8) of 0.90..1.06
     assert s["where_time_goes"]["proxy"] == {"ttft_mean_all_ms": 760.0, "engine_ttft_mean_ms": 510.0}
     table = "\n".join(fe.where_time_goes_table([s]))
-    assert "| 200 | proxy | 760.0 | 510.0 | - | 250.0 |" in table
+    assert "| 200 | proxy | 760.0 | 510.0 | - | 250.0 | - | - | - | - | - | - | - |" in table
     assert "not settled" in "\n".join(fe.throughput_verdicts([s]))
