@@ -507,12 +507,13 @@ def sensitivity(single: dict, grouped: dict, tps: float, settings: dict, system:
     for sc in STEP_SCALES:
         p = predict(line(single, sc), line(grouped, sc), settings, system, trace)
         out[f"steps_x{sc:g}"] = {"ttft_p50": p["ttft_p50"], "ttft_p99": p["ttft_p99"]}
+    st, st_g = line(single, 1.0), line(grouped, 1.0)
     got = {"ttft_p50": [], "ttft_p99": []}
     for seed in range(JITTER_SEEDS):
         rng = random.Random(seed)
         moved = sorted((TraceRequest(t.id, max(0.0, t.arrival_s + rng.uniform(-JITTER_S, JITTER_S)), t.prompt,
                                      t.output) for t in trace), key=lambda t: t.arrival_s)
-        p = predict(line(single, 1.0), line(grouped, 1.0), settings, system, moved)
+        p = predict(st, st_g, settings, system, moved)
         for k in got:
             if p[k] is not None:
                 got[k].append(p[k])
@@ -628,7 +629,7 @@ def render(res: dict) -> str:
 
 def sensitivity_summary(rows: list[dict]) -> dict:
     """Per system (``--sensitivity``): the medians over repetitions of how far P50 and P99 move with
-    the step times x0.9 / x1.1 and the widest jitter range over the prediction, beside the measured
+    the step times x0.9 / x1.1 and how wide the jitter's range is over the prediction, beside the measured
     spread across the repetitions (max / min)."""
     out = {}
     for s in dict.fromkeys(r["system"] for r in rows):

@@ -282,10 +282,14 @@ def summarize(rows: list[dict]) -> list[dict]:
                                  for a, ws in by_arm.items() if ws}
         s["tokens_per_s_by_arm"] = {a: statistics.median(w["tokens_per_s"] for w in ws)
                                     for a, ws in by_arm.items() if ws}
-        views = {a: {k: statistics.median(w[k] for w in ws if k in w) for k in TIME_KEYS if any(k in w for w in ws)}
-                 for a, ws in ((a, [r[a] for r in level_rows if a in r]) for a in ("direct", "proxy", LOADED))}
-        if any(views.values()):   # where a request's time goes (runs before these keys existed have none)
-            s["where_time_goes"] = {a: v for a, v in views.items() if v}
+        views = {}   # where a request's time goes (runs before these keys existed have none)
+        for a in ("direct", "proxy", LOADED):
+            waves = [r[a] for r in level_rows if a in r]
+            v = {k: statistics.median(w[k] for w in waves if k in w) for k in TIME_KEYS if any(k in w for w in waves)}
+            if v:
+                views[a] = v
+        if views:
+            s["where_time_goes"] = views
         out.append(s)
     return out
 
