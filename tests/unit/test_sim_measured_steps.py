@@ -270,3 +270,69 @@ def test_sensitivity_moves_the_prediction_with_the_step_times_and_jitter():
     assert summ["tpot_p50_measured"] == pytest.approx([0.1, 0.15, 0.2])
     (line_out,) = cb.sensitivity_verdict(rows)
     assert "10.00-25.00 s" in line_out and "(2.5x)" in line_out and "P50 TPOT moved 2.00x" in line_out
+
+
+def test_crossing_interpolates_where_the_curve_meets_one():
+    cb = _bench()
+    assert cb.crossing([(0.8, 0.9), (0.9, 0.95), (1.0, 1.05)]) == (pytest.approx(0.95), True)
+    assert cb.crossing([(0.8, 1.2), (0.9, 1.3)]) == (0.8, False)      # never crosses: the nearest, flagged
+    assert cb.crossing([(0.8, 0.7), (0.9, 0.8)]) == (0.9, False)
+
+
+def _rows_from(sim_reqs, records):
+    """requests.csv rows of a simulated run: what the calibration reads (trace and client TPOT)."""
+    rows = []
+    for r in sim_reqs:
+        x = records[r.id]
+        rows.append({"idx": str(r.id), "arrival_s": str(r.arrival), "send_s": str(r.arrival), "ok": "1",
+                     "prompt_len": str(r.prompt), "server_prompt_tokens": str(r.prompt), "output_len": str(r.output),
+                     "ttft_s": str(x["ttft_s"]), "e2e_s": str(x["latency_s"]), "tpot_s": str(x["tpot_s"])})
+    return rows
+
+
+def test_calibrate_finds_the_scale_the_runs_decoded_at():
+    """Two repetitions whose engines really decoded at 0.8x the fitted line: the calibration, fed the
+    unscaled line, finds a scale near 0.8 (the grid is 0.05 apart, interpolated), and the uncalibrated
+    simulator's TPOT would have been at least 1.25x theirs (more: slower steps hold more requests at once)."""
+    cb = _bench()
+    from vllm_kunserve.sim.steptime import MeasuredStepTime
+    from vllm_kunserve.sim.trace import TraceRequest
+
+    settings = {"block_size": 16, "kv_tokens": 4096, "kunserve_config": {}, "model": "small", "instances": 2,
+                "max_num_batched_tokens": 2048, "max_num_seqs": 128, "oracle_x": 10.0, "dispatch": "least-work",
+                "window": (20.0, 40.0)}
+    line = {"a_s": 0.05, "c_s": 0.004}
+    true = MeasuredStepTime.linear(0.05 * 0.8, 0.004 * 0.8, 400.0)
+    data = {}
+    for k, gap in ((1, 0.5), (2, 0.4)):
+        trace = [TraceRequest(i, gap * i, 64, 96 + 8 * (i % 5)) for i in range(60)]
+        sim = cb.make_sim(true, true, settings, "oracle", trace).run()
+        data[("oracle", k)] = {"rows": _rows_from(sim.reqs, {r.id: r.record() for r in sim.reqs}), "tl": []}
+    cal = cb.calibrate(data, "oracle", [1, 2], line, line, settings, fixed_tps=400.0)
+    assert cal["crossed"] and cal["scale"] == pytest.approx(0.8, abs=0.03)
+    at_one = dict(cal["curve"])[1.0]
+    assert at_one >= 1.2 and dict(cal["curve"])[0.8] == pytest.approx(1.0, abs=0.05)
+    assert cal["tps"] == 400.0 and cal["source_reps"] == [1, 2]
+
+
+def test_calibration_summary_and_the_benchmarks_own_stock_over_oracle():
+    """Before / after medians per system; stock over the oracle as the benchmark reports it (median
+    over repetitions of each side), beside the per-repetition pairing."""
+    cb = _bench()
+
+    def row(system, rep, meas99, before99, after99):
+        m = {"ttft_p50": 1.0, "ttft_p99": meas99, "tpot_p50": 0.1}
+        return {"system": system, "rep": rep, "measured": m, "calibration": {"scale": 0.9, "crossed": True},
+                "uncalibrated": {**m, "ttft_p99": before99, "tpot_p50": 0.12},
+                "predicted": {**m, "ttft_p99": after99, "tpot_p50": 0.1}}
+    rows = [row("vllm", 1, 100.0, 120.0, 110.0), row("oracle", 1, 0.5, 0.5, 0.5),
+            row("vllm", 2, 50.0, 120.0, 110.0), row("oracle", 2, 1.0, 0.5, 0.5),
+            row("vllm", 3, 80.0, 120.0, 110.0), row("oracle", 3, 0.5, 0.5, 0.5)]
+    summ = cb.calibration_summary(rows)
+    assert summ["vllm"]["ttft_p99_before"] == pytest.approx(1.5) and summ["vllm"]["ttft_p99_after"] == pytest.approx(
+        110 / 80)
+    assert summ["vllm"]["tpot_p50_before"] == pytest.approx(1.2) and summ["vllm"]["tpot_p50_after_within"] == 3
+    # measured stock / oracle per repetition 200, 50, 160 (median 160); predicted 220 every time
+    assert summ["stock_over_oracle"]["after"] == pytest.approx(220 / 160)
+    paired = cb.stock_over_oracle(rows)
+    assert [round(g["ratio"], 3) for g in paired] == [1.1, 4.4, 1.375]
