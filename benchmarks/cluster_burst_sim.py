@@ -642,9 +642,12 @@ def calibration_verdict(rows: list[dict]) -> list[str]:
 
     def both(q):
         return ", ".join(f"{s} {f2(v[f'{q}_before'])} -> {f2(v[f'{q}_after'])}" for s, v in summ.items())
+    above = [s for s, v in summ.items() if (v["tpot_p50_before"] or 0) > 1]
     return [f"Calibrated (`--calibrate`): the decode lines scaled by {min(sc):.2f}-{max(sc):.2f} to reproduce the "
-            "median TPOT of the repetitions they come from (at scale 1 the simulator's TPOT was above the measured "
-            "for every system). Median predicted / measured, before -> after: P50 TPOT " + both("tpot_p50")
+            f"median TPOT of the repetitions they come from (at scale 1 the simulated P50 TPOT over the window was "
+            f"above the measured for {len(above)} of {len(summ)} systems"
+            + (f": {', '.join(above)}" if 0 < len(above) < len(summ) else "")
+            + "). Median predicted / measured, before -> after: P50 TPOT " + both("tpot_p50")
             + "; P50 TTFT " + both("ttft_p50") + "; P99 TTFT " + both("ttft_p99")
             + f"; stock's P99 over the oracle's (median over repetitions, predicted / measured) {f2(gap['before'])} "
             f"-> {f2(gap['after'])}. The verdict lines above "
