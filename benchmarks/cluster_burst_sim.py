@@ -33,8 +33,10 @@ same fixed cost of a prefill-alone step: only the decode steps differ.
 Systems: ``vllm`` = stock (recompute preemption); ``oracle`` = stock with the run's oracle KV
 multiplier (not the simulator's unbounded one); ``kunserve`` = the simulator's KunServe policy (the
 real monitor and drop planner) with the run's config, a group's KV capped at ``memory.max_kv_ratio``
-x the base per member; ``static`` = the same group formed at t=0 and kept. Nothing is fitted to the
-latencies predicted.
+x the base per member, and each member an engine of its own as built here (``SimConfig.member_queues``:
+its own scheduler, queue, token budget and 1/k of the group's KV, the front end's least-work dispatch
+choosing the member; its requests are its microbatch); ``static`` = the same group formed at t=0 and
+kept. Nothing is fitted to the latencies predicted.
 
 The run's parameters come from its ``compare.json``; where that is missing or older than the
 repetitions (a run still being written into a directory holding an earlier one; repetitions older
@@ -52,8 +54,9 @@ and reports P50 TTFT and stock's P99 over the oracle's beside P99.
 simulator reproduces the median TPOT of the repetitions the lines come from (held out: the others),
 deriving the prefill rate again on the scaled line at every scale tried. The clean seconds are a
 biased sample of a run's steps: they fall in the warm phase and the drain, where the run's engines
-decoded slower per step than in its overload (stock's median inter-token gap over a run is 51-55 ms,
-its line gives 64 ms at the overload's batch), and at scale 1 the simulated TPOT is 1.08-1.21x the
+decoded slower per step than in its overload (stock's median inter-token gap over a run is 51-55 ms
+in four of five repetitions, where the lines fitted on the others give 63-64 ms at the overload's
+4.6 requests per engine), and at scale 1 the simulated TPOT is 1.13-1.21x the
 measured for every system. The uncalibrated prediction is reported beside the calibrated one.
 
 Writes docs/benchmarks/<out-name>.{json,md} (default ``cluster_burst_sim``).
@@ -414,24 +417,7 @@ def make_sim(st, st_group, settings: dict, system: str, trace):
                 s.step_time = st_group
             return s
 
-    class MemberSteps(KunServePolicy):
-        """KunServe as built here: every member of a group keeps its own requests and its step is one
-        microbatch through every member's stage (``integration/vllm/pipeline.py``). The group's step
-        is split in k: decodes alternate between the members, each prefill chunk goes to the member
-        with the fewest tokens so far (the monitor, drop planner and capacities are the policy's)."""
-
-        def _microbatch(self, server, pairs):
-            mbs = [[] for _ in range(server.k)]
-            toks = [0] * server.k
-            dec = 0
-            for p, c in pairs:
-                j = dec % server.k if c == 1 else toks.index(min(toks))
-                dec += c == 1
-                mbs[j].append((p, c))
-                toks[j] += c
-            return [mb for mb in mbs if mb]
-
-    class StaticGroup(MemberSteps):
+    class StaticGroup(KunServePolicy):
         """``drop.static_group``: one pipeline group of every instance from t=0, kept (no monitor)."""
 
         name = "static"
@@ -452,13 +438,17 @@ def make_sim(st, st_group, settings: dict, system: str, trace):
                     kv_blocks=kv_blocks, runtime_reserve_bytes=0,
                     # vLLM's default, on in the runs' engines (summary.json: server_cache_config)
                     prefix_cache=True,
+                    # kunserve as built here: a group's members are engines with their own scheduler,
+                    # queue and 1/k of the group's KV (integration/vllm/pipeline.py), the front end
+                    # dispatching to members
+                    member_queues=True,
                     # the members share one host: stage hand-offs and KV exchange in shared memory (the
                     # grouped step line carries what the hand-offs cost in the run)
                     link=Link(1e15, 0.0, "local"))
     if system in ("vllm", "oracle"):
         pol = build_policy("vllm", settings["dispatch"])
     elif system == "kunserve" or variant is not None:
-        pol = MemberSteps(kcfg, settings["dispatch"])
+        pol = KunServePolicy(kcfg, settings["dispatch"])
     elif system == "static":
         pol = StaticGroup(kcfg, settings["dispatch"])
     else:
@@ -797,8 +787,9 @@ def render(res: dict) -> str:
              "the phase of the run beyond that." if res.get("calibrate") else "."),
           "- A mixed step is priced as decode step + prefill tokens / rate, the rate one number per repetition "
           "(attention's growth with a long recompute's context is in the in-process line's two lengths only).",
-          "- kunserve / static: one scheduler over the members' pooled KV with its step split into one microbatch "
-          "per member; the real members keep separate schedulers. Transitions (weight drop, KV exchange) are free; "
+          "- kunserve / static: the members keep their own schedulers, queues and KV shares as the real ones do, but "
+          "step together (one group cycle carries every member's microbatch) where the real members step on their "
+          "own clocks, and share one prefix-cache free queue. Transitions (weight drop, KV exchange) are free; "
           "their cost in the run shows only through the grouped line.",
           "", f"Raw: `docs/benchmarks/{res['out_name']}.json` (every row, the settings, the step lines and points)."]
     return "\n".join(L) + "\n"

@@ -231,3 +231,76 @@ def test_stock_under_overload_finishes_everything_with_or_without_the_prefix_cac
     assert recomputed > 0
     if cache:  # resuming from cached blocks computes fewer tokens than recomputing everything
         assert sim._tok < Simulator(make_cfg(), build_policy("vllm"), burst()).run()._tok
+
+
+def _member_group(kv_blocks=20, capacity=40):
+    """A 2-member group whose members keep their requests (SimConfig.member_queues): 20 blocks each."""
+    cfg = make_cfg(kv_blocks=kv_blocks, instances=2, member_queues=True)
+    sim = Simulator(cfg, build_policy("kunserve"), [])
+    s = sim.new_server((0, 1))
+    s.capacity = capacity
+    return sim, s
+
+
+def test_a_member_admits_from_its_own_queue_only_and_preempts_its_own_newest():
+    """Member 0 is full and has a request waiting; member 1 has room: the waiting one stays in member
+    0's queue (no member takes another's request), member 1's arrival is admitted, and when member
+    0's running request needs a block the victim is member 0's newest, never member 1's."""
+    from vllm_kunserve.sim.request import Req
+
+    sim, s = _member_group()
+    assert s.members and s.member_cap() == 20
+    old, new0 = Req(TraceRequest(0, 0.0, 16 * 9, 50)), Req(TraceRequest(1, 0.0, 16 * 10, 50))
+    for r, blocks in ((old, 9), (new0, 10)):   # member 0: 19 of its 20 blocks
+        r.member, r.computed, r.blocks = 0, r.prompt, blocks
+        r.generated = 1
+        s.running.append(r)
+        s.used += blocks
+    m1 = Req(TraceRequest(2, 0.0, 32, 10))
+    m1.member = 1
+    wait0 = Req(TraceRequest(3, 0.0, 32, 10))
+    wait0.member = 0
+    s.waiting.extend([wait0, m1])                # member 0's waiting request is ahead of member 1's
+    batch = dict(s.schedule())
+    # old (145 tokens in 9 blocks of 16 = 144) needs a 10th block: member 0 has 1 free -> no preemption;
+    # new0 (161 tokens in 10 blocks) needs an 11th: none left in member 0 -> its newest (new0) goes
+    assert old in batch and new0 not in batch and new0.preempts == 1 and new0 in s.waiting
+    assert m1 in batch and m1 in s.running            # member 1 admits from its own queue
+    assert wait0 not in batch and wait0 in s.waiting  # member 0 preempted this step: admits nothing
+    assert s.member_used() == [10, 2] and s.used == 12
+
+
+def test_arrivals_go_to_the_member_with_the_least_prefill_queued():
+    from vllm_kunserve.sim.request import Req
+
+    sim, s = _member_group()
+    queued = Req(TraceRequest(0, 0.0, 300, 10))
+    queued.member = 0
+    s.waiting.append(queued)
+    assert s.pick_member(Req(TraceRequest(1, 0.0, 64, 10))) == 1
+    s.waiting.popleft()
+    assert s.pick_member(Req(TraceRequest(1, 0.0, 64, 10))) == 0   # a tie: the lower index
+
+
+def test_a_group_of_member_queues_finishes_every_request_and_keeps_them_on_their_instance():
+    """kunserve with member_queues under a burst: drop and restore happen, every request finishes
+    once, and requests that ran through a group change stayed on the instance they started on."""
+    trace = burst(100, 0.005) + [TraceRequest(100 + i, 5 + i * 2.0, 64, 8) for i in range(12)]
+    cfg = make_cfg(kv_blocks=64, member_queues=True)
+    sim = Simulator(cfg, build_policy("kunserve"), trace)
+    seen: dict[int, set] = {}
+    orig = sim._step_done
+
+    def step_done(srv, batch):
+        for r, _ in batch:
+            seen.setdefault(r.id, set()).add(srv.instances[r.member] if srv.members else srv.instances[0])
+        return orig(srv, batch)
+    sim._step_done = step_done
+    sim.run()
+    kinds = [e["kind"] for e in sim.events]
+    assert "drop" in kinds and "restore" in kinds
+    assert all(r.finishes == 1 and r.generated == r.output for r in sim.reqs)
+    assert all(sv.used == 0 and not sv.running and not sv.waiting for sv in sim.servers)
+    assert sum(len(v) > 1 for v in seen.values()) == 0
+    with pytest.raises(ValueError, match="recompute"):
+        Simulator(make_cfg(member_queues=True), build_policy("infercept"), []).new_server((0, 1))

@@ -47,6 +47,10 @@ class SimConfig:
     # a recompute-preempted request resumes from its blocks still in vLLM's prefix cache
     # (Server.cached_blocks); False: it recomputes everything (the earlier model)
     prefix_cache: bool = False
+    # a group's members keep their own requests (vllm-kunserve's pipeline groups: each member is an
+    # engine with its own scheduler, queue and 1/k of the group's KV, the front end dispatching to
+    # members); False: one scheduler over the pooled KV (the KunServe paper's group)
+    member_queues: bool = False
 
     @property
     def block_bytes(self) -> int:
@@ -144,6 +148,8 @@ class Simulator:
 
     def new_server(self, instances: tuple[int, ...]) -> Server:
         c = self.cfg
+        if c.member_queues and self.policy.preempt_mode != "recompute":
+            raise ValueError("member_queues models recompute preemption only")
         s = Server(next(self._sid), instances, self.capacity_blocks(instances), c.block_size, c.max_tokens,
                    c.max_seqs, c.step_time, self.policy.preempt_mode)
         act = c.model.activation_bytes_per_token()
@@ -152,6 +158,7 @@ class Simulator:
         s.microbatcher = self.policy.microbatch
         s.peak_admission = self.policy.peak_admission and len(instances) > 1
         s.prefix_cache = c.prefix_cache
+        s.members = c.member_queues and len(instances) > 1
         return s
 
     def kick(self, s: Server) -> None:
@@ -225,6 +232,8 @@ class Simulator:
         self._arrived += 1
         s = self.policy.dispatch(self, r)
         r.server = s
+        if s.members:
+            r.member = s.pick_member(r)
         s.waiting.append(r)
         self.kick(s)
 
@@ -257,6 +266,8 @@ class Simulator:
             stall = stall()
         running = sorted((r for s in old for r in s.running), key=lambda r: r.arrival)
         waiting = [r for s in old for r in s.waiting]
+        # the instance each request was on (a member's requests stay on it: member_queues)
+        was_on = {id(r): s.instances[r.member if s.members else 0] for s in old for r in (*s.running, *s.waiting)}
         swapped = [r for r in waiting if r.swapped]
         for s in old:
             s.alive = False
@@ -268,9 +279,17 @@ class Simulator:
         for s in new:
             s.stall_until = self.now + stall
             self.servers.append(s)
+        def home(r) -> "Server | None":   # member_queues: the new server holding the request's instance
+            if not self.cfg.member_queues:
+                return None
+            dst = next((s for s in new if was_on[id(r)] in s.instances), None)
+            if dst is not None:
+                r.member = dst.instances.index(was_on[id(r)]) if dst.members else 0
+            return dst
+
         # running requests keep their KV: place each on the new server with the most free blocks
         for r in running:
-            dst = max(new, key=lambda s: s.free)
+            dst = home(r) or max(new, key=lambda s: s.free)
             if dst.free >= r.blocks:
                 dst.running.append(r)
                 dst.used += r.blocks
@@ -283,7 +302,7 @@ class Simulator:
             r.swapped = False  # host copy is re-read as a prefill after a regroup (rare)
             r.computed = 0
         for r in sorted(waiting, key=lambda r: r.arrival):
-            dst = min(new, key=lambda s: s.load())
+            dst = home(r) or min(new, key=lambda s: s.load())
             dst.waiting.append(r)
             r.server = dst
         self.log(kind, groups=[list(g) for g in groups], stall_s=round(stall, 6),

@@ -7,7 +7,7 @@ from .trace import TraceRequest
 
 class Req:
     __slots__ = ("id", "arrival", "prompt", "output", "computed", "generated", "blocks", "first_t",
-                 "finish_t", "preempts", "swapped", "server", "migrations", "last_tok_t", "finishes")
+                 "finish_t", "preempts", "swapped", "server", "migrations", "last_tok_t", "finishes", "member")
 
     def __init__(self, tr: TraceRequest):
         self.id = tr.id
@@ -25,6 +25,7 @@ class Req:
         self.migrations = 0
         self.last_tok_t = None
         self.finishes = 0      # conservation check: must end at exactly 1
+        self.member = 0        # its member's index in a group whose members keep their requests
 
     @property
     def need(self) -> int:

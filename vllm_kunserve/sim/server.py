@@ -99,6 +99,7 @@ class Server:
         self.preempt_mode = preempt_mode  # "recompute" | "swap"
         self.peak_admission = False  # admit only what can finish in KV (policy.admission; groups, kunserve)
         self.prefix_cache = False    # a preempted request resumes from its blocks still cached (vLLM v1)
+        self.members = False         # a group whose members keep their requests (SimConfig.member_queues)
         self._used = 0
         self._taken = 0              # blocks taken from the free queue's head so far (prefix_cache)
         self._tail = capacity_blocks  # the free queue position the next freed block goes to
@@ -213,6 +214,8 @@ class Server:
         self.waiting.appendleft(victim)
 
     def schedule(self) -> list[tuple[Req, int]]:
+        if self.members:
+            return self._schedule_members()
         self.version += 1
         budget = self.max_tokens * self.k
         max_seqs = self.max_seqs * self.k
@@ -279,11 +282,119 @@ class Server:
                 budget -= n
         return out
 
+    # ---- a group whose members keep their requests (``members``) ------------------------------
+    # Each member is an engine of its own: its scheduler sees its own running and waiting requests,
+    # a token budget and max_num_seqs of its own and 1/k of the group's KV blocks; it preempts its
+    # own newest request and admits FCFS from its own queue (peak-aware where the group is); its step
+    # is one microbatch through every member's stage. What stays pooled is an approximation: the
+    # prefix cache's free queue (one for the group).
+    def member_cap(self) -> int:
+        return self.capacity // self.k
+
+    def member_used(self) -> list[int]:
+        used = [0] * self.k
+        for r in self.running:
+            used[r.member] += r.blocks
+        return used
+
+    def pick_member(self, r: Req) -> int:
+        """Where the front end sends an arrival (its least-work dispatch over the members as engines)."""
+        from vllm_kunserve.policy.dispatch import InstanceLoad, choose_instance
+
+        used, queued, work, n = self.member_used(), [0] * self.k, [0] * self.k, [0] * self.k
+        for q in self.waiting:
+            queued[q.member] += self.blocks_for(q.length)
+            work[q.member] += q.need
+            n[q.member] += 1
+        for q in self.running:
+            n[q.member] += 1
+            if q.need > 1:
+                work[q.member] += q.need
+        cap = self.member_cap()
+        loads = [InstanceLoad(m, used[m], queued[m], cap, work[m], n[m]) for m in range(self.k)]
+        return choose_instance(loads, "least-work", prompt_blocks=self.blocks_for(r.length))
+
+    def _schedule_members(self) -> list[tuple[Req, int]]:
+        self.version += 1
+        k, bs, cap = self.k, self.block_size, self.member_cap()
+        used = self.member_used()
+        budget = [self.max_tokens] * k
+        nrun = [0] * k
+        for r in self.running:
+            nrun[r.member] += 1
+        out: list[tuple[Req, int]] = []
+        blocked = [False] * k          # a member that preempted this step admits nothing (vLLM)
+        i = 0
+        while i < len(self.running):
+            r = self.running[i]
+            m = r.member
+            if budget[m] <= 0:
+                i += 1
+                continue
+            n = min(r.need, budget[m])
+            extra = self.blocks_for(r.computed + n) - r.blocks
+            lost = False
+            while extra > cap - used[m]:
+                victim = next(q for q in reversed(self.running) if q.member == m)  # its newest: index >= i
+                used[m] -= victim.blocks
+                nrun[m] -= 1
+                self._preempt(victim)
+                blocked[m] = True
+                if victim is r:
+                    lost = True
+                    break
+            if lost:
+                continue                 # r left running: running[i] is the next request
+            r.blocks += extra
+            self.used += extra
+            used[m] += extra
+            out.append((r, n))
+            budget[m] -= n
+            i += 1
+        allowed = [self.max_seqs] * k
+        if self.peak_admission and self.waiting:
+            def need(q):
+                return KvNeed(q.prompt + q.generated, q.output - q.generated)
+            for m in range(k):
+                allowed[m] = nrun[m] + admit_count([need(q) for q in self.running if q.member == m],
+                                                   (need(q) for q in self.waiting if q.member == m), cap, bs)
+        for r in list(self.waiting):
+            m = r.member
+            if blocked[m] or budget[m] <= 0 or nrun[m] >= min(self.max_seqs, allowed[m]):
+                blocked[m] = True
+                continue
+            if self.prefix_cache and r in self._seg:
+                hit = min(self.cached_blocks(r), (r.length - 1) // bs)
+                if hit and self.blocks_for(hit * bs + min(r.length - hit * bs, budget[m])) - hit <= cap - used[m] - hit:
+                    self._reuse(r, hit)
+                    used[m] += hit
+                elif not hit:
+                    del self._seg[r]
+            n = min(r.need, budget[m])
+            extra = self.blocks_for(r.computed + n) - r.blocks
+            if extra > cap - used[m]:
+                blocked[m] = True
+                continue
+            self.waiting.remove(r)
+            r.blocks += extra
+            self.used += extra
+            used[m] += extra
+            nrun[m] += 1
+            self.running.append(r)
+            out.append((r, n))
+            budget[m] -= n
+            if all(blocked):
+                break
+        return out
+
     def cycle_time(self, batch: Sequence[tuple[Req, int]]) -> float:
         pairs = [(r.computed, n) for r, n in batch]
         if self.k == 1:
             return self.step_time.batch_time(pairs)
-        mbs = self.microbatcher(self, pairs) if self.microbatcher else [pairs]
+        if self.members:     # each member's requests are its own microbatch
+            mbs = [[(r.computed, n) for r, n in batch if r.member == m] for m in range(self.k)]
+        else:
+            mbs = self.microbatcher(self, pairs) if self.microbatcher else [pairs]
         k = self.k
         costs = [self.step_time.batch_time(mb) for mb in mbs if mb]
         hops = [self.hop_time(sum(c for _, c in mb)) for mb in mbs if mb]
