@@ -495,6 +495,13 @@ def scaled(fit: dict | None, sc: float) -> dict | None:
     return None if fit is None else {**fit, "a_s": fit["a_s"] * sc, "c_s": fit["c_s"] * sc}
 
 
+def step_times(single: dict, grouped: dict, sc: float, tps: float):
+    """The simulator's step times, single and grouped: the decode lines times ``sc``, prefill at ``tps``."""
+    from vllm_kunserve.sim.steptime import MeasuredStepTime
+
+    return tuple(MeasuredStepTime.linear(f["a_s"] * sc, f["c_s"] * sc, tps) for f in (single, grouped))
+
+
 def measured_tpot_p50(rows: list[dict]) -> float | None:
     """Median TPOT over every completed request of a repetition (the client's, preemption waits in)."""
     return pct([float(r["tpot_s"]) for r in rows if r["ok"] == "1" and r.get("tpot_s")], 0.5)
@@ -516,8 +523,6 @@ def calibrate(data: dict, system: str, src: list[int], single: dict, grouped: di
     At each scale the prefill rate is derived again from their warm requests on the scaled line
     (``TTFT - 1.5 step(b)``: a faster step leaves more of a first token's wait to its prefill), then each
     of them is simulated and its median TPOT over every request compared with its measured one."""
-    from vllm_kunserve.sim.steptime import MeasuredStepTime
-
     lo, inst = settings["window"][0], settings["instances"]
 
     def warm(sc: float) -> list[float]:   # seconds per prompt token of the warm requests, on the scaled line
@@ -531,9 +536,7 @@ def calibrate(data: dict, system: str, src: list[int], single: dict, grouped: di
         if fixed_tps is None and (len(samples) < MIN_PREFILL or statistics.median(samples) <= 0):
             continue   # too few warm requests, or a step so slow it leaves the prompts no time
         tps = fixed_tps or 1 / statistics.median(samples)
-        fs = {"single": scaled(single, sc), "grouped": scaled(grouped, sc)}
-        st = MeasuredStepTime.linear(fs["single"]["a_s"], fs["single"]["c_s"], tps)
-        st_g = MeasuredStepTime.linear(fs["grouped"]["a_s"], fs["grouped"]["c_s"], tps)
+        st, st_g = step_times(single, grouped, sc, tps)
         got = []
         for j in src:
             sim = predict(st, st_g, settings, system, trace_of(data[(system, j)]["rows"]))["tpot_p50_all"]
@@ -564,17 +567,13 @@ def sensitivity(single: dict, grouped: dict, tps: float, settings: dict, system:
     +-``JITTER_S`` s (``JITTER_SEEDS`` seeds; min, median, max)."""
     import random
 
-    from vllm_kunserve.sim.steptime import MeasuredStepTime
     from vllm_kunserve.sim.trace import TraceRequest
-
-    def line(fit, sc):
-        return MeasuredStepTime.linear(fit["a_s"] * sc, fit["c_s"] * sc, tps / sc)
 
     out = {}
     for sc in STEP_SCALES:
-        p = predict(line(single, sc), line(grouped, sc), settings, system, trace)
+        p = predict(*step_times(single, grouped, sc, tps / sc), settings, system, trace)
         out[f"steps_x{sc:g}"] = {"ttft_p50": p["ttft_p50"], "ttft_p99": p["ttft_p99"]}
-    st, st_g = line(single, 1.0), line(grouped, 1.0)
+    st, st_g = step_times(single, grouped, 1.0, tps)
     got = {"ttft_p50": [], "ttft_p99": []}
     for seed in range(JITTER_SEEDS):
         rng = random.Random(seed)
@@ -1087,14 +1086,11 @@ def main() -> int:
         if a.calibrate:   # the lines scaled to the TPOT of the repetitions they come from
             src = sorted(j for s2, j in data if s2 == s and j != k) if a.held_out else [k]
             cal = calibrate(data, s, src, single, grouped, settings, a.prefill_tps or None)
-            uncal = predict(MeasuredStepTime.linear(single["a_s"], single["c_s"], pf["tps"]),
-                            MeasuredStepTime.linear(grouped["a_s"], grouped["c_s"], pf["tps"]), settings, s,
-                            trace_of(v["rows"]))
+            uncal = predict(*step_times(single, grouped, 1.0, pf["tps"]), settings, s, trace_of(v["rows"]))
             uncal["tps"] = pf["tps"]
             single, grouped = scaled(single, cal["scale"]), scaled(grouped, cal["scale"])
             pf = {"tps": cal["tps"], "n": cal["n"], "pooled": False, "source": "--calibrate"}
-        st = MeasuredStepTime.linear(single["a_s"], single["c_s"], pf["tps"])
-        st_g = MeasuredStepTime.linear(grouped["a_s"], grouped["c_s"], pf["tps"])
+        st, st_g = step_times(single, grouped, 1.0, pf["tps"])
         # only the decode steps differ: same prefill rate and fixed part of a prefill-alone step
         st_ref = MeasuredStepTime([(x["batch"], x["step_ms"] * 1e-3) for x in scaling["rows"]], pf["tps"],
                                   single["a_s"])

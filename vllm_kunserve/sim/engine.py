@@ -279,6 +279,7 @@ class Simulator:
         for s in new:
             s.stall_until = self.now + stall
             self.servers.append(s)
+
         def home(r) -> "Server | None":   # member_queues: the new server holding the request's instance
             if not self.cfg.member_queues:
                 return None
