@@ -59,6 +59,10 @@ in four of five repetitions, where the lines fitted on the others give 63-64 ms 
 4.6 requests per engine), and at scale 1 the simulated TPOT is 1.13-1.21x the
 measured for every system. The uncalibrated prediction is reported beside the calibrated one.
 
+``--what-if-group S1,S2,...`` predicts the grouped systems again with their grouped decode line
+times each factor (a cheaper group cycle; prefill unchanged) and reports their P99 over the
+oracle's and P50 TPOT over stock's: how much of issue 13's P99 target the group's cycle cost holds.
+
 Writes docs/benchmarks/<out-name>.{json,md} (default ``cluster_burst_sim``).
 """
 
@@ -682,6 +686,76 @@ def calibration_section(res: dict) -> list[str]:
     return L
 
 
+#: issue 13's targets the what-if is read against: P99 TTFT over the oracle's, P50 TPOT over stock's
+P99_TARGET, TPOT_TARGET = 1.3, 1.3
+
+
+def what_if_summary(rows: list[dict]) -> dict:
+    """``--what-if-group``, per grouped system and factor: per repetition its predicted P99 over the
+    oracle's predicted P99 and its predicted P50 TPOT over stock's (same repetition, both at their
+    own lines), and the medians; factor 1 beside the measured ratios shows how far the model is off."""
+    out: dict = {}
+    for k in sorted({r["rep"] for r in rows}):
+        got = {r["system"]: r for r in rows if r["rep"] == k}
+        o, v = got.get("oracle"), got.get("vllm")
+        for s, r in got.items():
+            if not r.get("what_if_group") or o is None or not o["predicted"]["ttft_p99"]:
+                continue
+            for g, p in r["what_if_group"].items():
+                d = out.setdefault(s, {}).setdefault(g, {"p99_over_oracle": [], "tpot_over_stock": []})
+                d["p99_over_oracle"].append(p["ttft_p99"] / o["predicted"]["ttft_p99"])
+                if v is not None and v["predicted"]["tpot_p50"] and p["tpot_p50"]:
+                    d["tpot_over_stock"].append(p["tpot_p50"] / v["predicted"]["tpot_p50"])
+            m = out[s].setdefault("measured", {"p99_over_oracle": [], "tpot_over_stock": []})
+            if o["measured"]["ttft_p99"]:
+                m["p99_over_oracle"].append(r["measured"]["ttft_p99"] / o["measured"]["ttft_p99"])
+            if v is not None and v["measured"]["tpot_p50"]:
+                m["tpot_over_stock"].append(r["measured"]["tpot_p50"] / v["measured"]["tpot_p50"])
+    for s in out:
+        for d in out[s].values():
+            for key in list(d):
+                d[f"{key}_median"] = statistics.median(d[key]) if d[key] else None
+    return out
+
+
+def what_if_verdict(rows: list[dict]) -> list[str]:
+    out = []
+    for s, v in what_if_summary(rows).items():
+        scales = sorted((g for g in v if g != "measured"), key=float, reverse=True)
+        meet = [g for g in scales if (v[g]["p99_over_oracle_median"] or 99) <= P99_TARGET]
+        out.append(f"What the grouped cycle would have to cost ({s}, `--what-if-group`): with its grouped line x"
+                   + ", x".join(f"{g}: P99 {f2(v[g]['p99_over_oracle_median'])}x the oracle's, P50 TPOT "
+                                f"{f2(v[g]['tpot_over_stock_median'])}x stock's" for g in scales)
+                   + f" (predicted / predicted, medians over repetitions; measured {f2(v['measured']['p99_over_oracle_median'])}x"
+                   f" and {f2(v['measured']['tpot_over_stock_median'])}x). P99 <= {P99_TARGET:g}x the oracle's at "
+                   + (", ".join(f"x{g}" for g in meet) if meet else "no factor tried")
+                   + f"; from x{scales[0]} to x{scales[-1]} the P50 TPOT ratio goes {f2(v[scales[0]]['tpot_over_stock_median'])}"
+                   f" -> {f2(v[scales[-1]]['tpot_over_stock_median'])} and the P99 ratio "
+                   f"{f2(v[scales[0]]['p99_over_oracle_median'])} -> {f2(v[scales[-1]]['p99_over_oracle_median'])} "
+                   "(the factor scales the decode cycle, not a prompt's prefill).")
+    return out
+
+
+def what_if_section(res: dict) -> list[str]:
+    summ = what_if_summary(res["rows"])
+    if not summ:
+        return []
+    L = ["", "## What the grouped cycle would have to cost (`--what-if-group`)", "",
+         "Each grouped system predicted again with its grouped decode line (the group's measured cycle at a "
+         "microbatch of running / engines) times each factor, everything else as above; its P99 TTFT over the "
+         "oracle's predicted P99 and its P50 TPOT over stock's predicted one, in the same repetition. Factor 1 is "
+         "the prediction itself; the measured ratios are beside it.", "",
+         "| system | grouped line x | P99 / oracle per repetition | median | P50 TPOT / stock per repetition | "
+         "median |", "|---|---|---|---:|---|---:|"]
+    for s, v in summ.items():
+        for g in sorted(v, key=lambda x: -1.0 if x == "measured" else -float(x)):
+            d = v[g]
+            L.append(f"| {s} | {g} | " + " ".join(f"{x:.2f}" for x in d["p99_over_oracle"])
+                     + f" | {f2(d['p99_over_oracle_median'])} | " + " ".join(f"{x:.2f}" for x in d["tpot_over_stock"])
+                     + f" | {f2(d['tpot_over_stock_median'])} |")
+    return L
+
+
 # ------------------------------------------------------------------------------------------ the doc
 def f2(x, nd=2) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
@@ -732,6 +806,7 @@ def render(res: dict) -> str:
         L.append(f"| {k} | {v['n']} | {f2(v['median_ratio'])} | {'yes' if v['median_within'] else '**no**'} "
                  f"({v['within']}/{v['n']} reps) | {f2(v['median_ratio_ref'])} |")
     L += calibration_section(res)
+    L += what_if_section(res)
     L += sensitivity_section(res)
     L += ["", "## Inputs", "",
           f"- Run: `{res['run']}`; repetitions {', '.join(str(k) for k in res['reps'])}"
@@ -1027,9 +1102,19 @@ def main() -> int:
                     help="scale the decode lines until the simulator reproduces the median TPOT of the repetitions "
                          "they come from (with --held-out: the other repetitions), the prefill rate derived again "
                          "on the scaled line; the uncalibrated prediction is reported beside it")
+    ap.add_argument("--what-if-group", default="", metavar="S1,S2,...",
+                    help="also predict the grouped systems with their grouped line (the group's cycle) times each "
+                         "factor, and report their P99 over the oracle's and P50 TPOT over stock's: what a grouped "
+                         "cycle would have to cost to meet the targets")
     ap.add_argument("--out-name", default="cluster_burst_sim", help="writes docs/benchmarks/<name>.{md,json}")
     a = ap.parse_args()
 
+    try:
+        group_scales = [float(x) for x in a.what_if_group.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--what-if-group {a.what_if_group!r}: comma-separated factors, e.g. 1,0.8,0.7") from None
+    if any(not 0 < g <= 2 for g in group_scales):
+        raise SystemExit(f"--what-if-group {a.what_if_group!r}: every factor in (0, 2]")
     from vllm_kunserve.sim.harness import load_run_requests, solo_profile_rows
     from vllm_kunserve.sim.steptime import MeasuredStepTime
 
@@ -1105,8 +1190,12 @@ def main() -> int:
         ref = predict(st_ref, None, settings, s, trace)
         r = ratio(pred["ttft_p99"], meas["ttft_p99"])
         sens = sensitivity(single, grouped, pf["tps"], settings, s, trace) if a.sensitivity else None
+        whatif = None
+        if group_scales and s not in ("vllm", "oracle"):   # the grouped cycle at a fraction of its cost
+            whatif = {f"{g:g}": predict(*step_times(single, scaled(grouped, g), 1.0, pf["tps"]), settings, s, trace)
+                      for g in group_scales}
         row = {"system": s, "rep": k, "measured": meas, "predicted": pred, "reference": ref, "ratio": r,
-               "sensitivity": sens, "calibration": cal, "uncalibrated": uncal,
+               "sensitivity": sens, "calibration": cal, "uncalibrated": uncal, "what_if_group": whatif,
                "within": r is not None and abs(r - 1) <= TOL, "ratio_ref": ratio(ref["ttft_p99"], meas["ttft_p99"]),
                "steps": {"single": fits["single"], "grouped": fits["grouped"]}, "prefill": pf, "events": ev}
         out_rows.append(row)
@@ -1133,13 +1222,13 @@ def main() -> int:
     res = {"run": str(run), "command": cmd, "settings": settings, "reps": sorted({k for _, k, _ in reps}),
            "note": note, "out_name": a.out_name, "tolerance": TOL, "rows": out_rows, "per_system": per,
            "held_out": a.held_out, "stock_over_oracle": gap, "sensitivity": a.sensitivity,
-           "calibrate": a.calibrate,
+           "calibrate": a.calibrate, "what_if_group": group_scales,
            "solo_prefill": solo_txt, "prefill_table": scaling.get("prefill"),
            "prefill_line": scaling.get("prefill_line"),
            "table": [[float(x["batch"]), x["step_ms"] / 1e3] for x in scaling["rows"]],
            "scaling_source": str(Path(a.scaling))}
     res["verdict"] = (verdict(out_rows, per, a.held_out, gap) + calibration_verdict(out_rows)
-                      + (sensitivity_verdict(out_rows) if a.sensitivity else []))
+                      + (sensitivity_verdict(out_rows) if a.sensitivity else []) + what_if_verdict(out_rows))
     res["reading"] = reading(out_rows, limits)
     (DOCS / f"{a.out_name}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
     (DOCS / f"{a.out_name}.md").write_text(render(res))

@@ -336,3 +336,29 @@ def test_calibration_summary_and_the_benchmarks_own_stock_over_oracle():
     assert summ["stock_over_oracle"]["after"] == pytest.approx(220 / 160)
     paired = cb.stock_over_oracle(rows)
     assert [round(g["ratio"], 3) for g in paired] == [1.1, 4.4, 1.375]
+
+
+def test_what_if_group_reads_each_factor_against_the_same_repetitions_oracle_and_stock(monkeypatch):
+    """--what-if-group: per repetition the grouped system's P99 at each factor over the oracle's
+    predicted P99, its P50 TPOT over stock's; the verdict names the largest factor meeting 1.3x."""
+    cb = _bench()
+
+    def row(system, rep, p99, tpot, whatif=None):
+        v = {"ttft_p50": 0.3, "ttft_p99": p99, "tpot_p50": tpot}
+        return {"system": system, "rep": rep, "measured": dict(v), "predicted": dict(v), "what_if_group": whatif}
+    rows = []
+    for k, o99 in ((1, 0.5), (2, 0.4)):
+        rows += [row("oracle", k, o99, 0.1), row("vllm", k, 80.0, 0.1),
+                 row("kunserve", k, 2 * o99, 0.13, {"1": {"ttft_p99": 2 * o99, "tpot_p50": 0.13},
+                                                    "0.7": {"ttft_p99": 1.2 * o99, "tpot_p50": 0.09}})]
+    summ = cb.what_if_summary(rows)["kunserve"]
+    assert summ["1"]["p99_over_oracle"] == pytest.approx([2.0, 2.0])
+    assert summ["0.7"]["p99_over_oracle_median"] == pytest.approx(1.2)
+    assert summ["0.7"]["tpot_over_stock_median"] == pytest.approx(0.9)
+    assert summ["measured"]["p99_over_oracle_median"] == pytest.approx(2.0)
+    (line,) = cb.what_if_verdict(rows)
+    assert "1.3x the oracle's at x0.7;" in line and "P99 ratio 2.00 -> 1.20" in line
+    for bad in ("0.8,x", "0,1", "3"):
+        monkeypatch.setattr(cb.sys, "argv", ["cluster_burst_sim.py", "--run", ".", "--what-if-group", bad])
+        with pytest.raises(SystemExit, match="what-if-group"):
+            cb.main()
