@@ -688,6 +688,15 @@ def calibration_section(res: dict) -> list[str]:
 
 #: issue 13's targets the what-if is read against: P99 TTFT over the oracle's, P50 TPOT over stock's
 P99_TARGET, TPOT_TARGET = 1.3, 1.3
+#: --what-if-group: the key suffix of the predictions whose group prefill is scaled too
+PREFILL_TOO = " +prefill"
+
+
+def _factor(key: str) -> tuple:
+    """Table order of a what-if key: the measured row, then decode-only factors, then +prefill, high to low."""
+    if key == "measured":
+        return (0, 0.0)
+    return (2 if key.endswith(PREFILL_TOO) else 1, -float(key.removesuffix(PREFILL_TOO)))
 
 
 def what_if_summary(rows: list[dict]) -> dict:
@@ -721,7 +730,8 @@ def what_if_summary(rows: list[dict]) -> dict:
 def what_if_verdict(rows: list[dict]) -> list[str]:
     out = []
     for s, v in what_if_summary(rows).items():
-        scales = sorted((g for g in v if g != "measured"), key=float, reverse=True)
+        scales = sorted((g for g in v if g != "measured" and not g.endswith(PREFILL_TOO)), key=_factor)
+        both = sorted((g for g in v if g.endswith(PREFILL_TOO)), key=_factor)
         meet = [g for g in scales if (v[g]["p99_over_oracle_median"] or 99) <= P99_TARGET]
         out.append(f"What the grouped cycle would have to cost ({s}, `--what-if-group`): with its grouped line x"
                    + ", x".join(f"{g}: P99 {f2(v[g]['p99_over_oracle_median'])}x the oracle's, P50 TPOT "
@@ -732,7 +742,10 @@ def what_if_verdict(rows: list[dict]) -> list[str]:
                    + f"; from x{scales[0]} to x{scales[-1]} the P50 TPOT ratio goes {f2(v[scales[0]]['tpot_over_stock_median'])}"
                    f" -> {f2(v[scales[-1]]['tpot_over_stock_median'])} and the P99 ratio "
                    f"{f2(v[scales[0]]['p99_over_oracle_median'])} -> {f2(v[scales[-1]]['p99_over_oracle_median'])} "
-                   "(the factor scales the decode cycle, not a prompt's prefill).")
+                   "(the factor scales the decode cycle, not a prompt's prefill)"
+                   + (". With the group's prefill scaled by the same factor: " + ", ".join(
+                       f"x{g.removesuffix(PREFILL_TOO)} P99 {f2(v[g]['p99_over_oracle_median'])}x" for g in both)
+                      if both else "") + ".")
     return out
 
 
@@ -742,13 +755,14 @@ def what_if_section(res: dict) -> list[str]:
         return []
     L = ["", "## What the grouped cycle would have to cost (`--what-if-group`)", "",
          "Each grouped system predicted again with its grouped decode line (the group's measured cycle at a "
-         "microbatch of running / engines) times each factor, everything else as above; its P99 TTFT over the "
+         "microbatch of running / engines) times each factor, everything else as above, then (`+prefill`) with a "
+         "prompt's prefill in the group at the same factor too (single engines unchanged); its P99 TTFT over the "
          "oracle's predicted P99 and its P50 TPOT over stock's predicted one, in the same repetition. Factor 1 is "
          "the prediction itself; the measured ratios are beside it.", "",
          "| system | grouped line x | P99 / oracle per repetition | median | P50 TPOT / stock per repetition | "
          "median |", "|---|---|---|---:|---|---:|"]
     for s, v in summ.items():
-        for g in sorted(v, key=lambda x: -1.0 if x == "measured" else -float(x)):
+        for g in sorted(v, key=_factor):
             d = v[g]
             L.append(f"| {s} | {g} | " + " ".join(f"{x:.2f}" for x in d["p99_over_oracle"])
                      + f" | {f2(d['p99_over_oracle_median'])} | " + " ".join(f"{x:.2f}" for x in d["tpot_over_stock"])
@@ -1192,8 +1206,11 @@ def main() -> int:
         sens = sensitivity(single, grouped, pf["tps"], settings, s, trace) if a.sensitivity else None
         whatif = None
         if group_scales and s not in ("vllm", "oracle"):   # the grouped cycle at a fraction of its cost
-            whatif = {f"{g:g}": predict(*step_times(single, scaled(grouped, g), 1.0, pf["tps"]), settings, s, trace)
-                      for g in group_scales}
+            whatif = {}
+            for g in group_scales:   # the decode cycle alone, then with the group's prefill
+                whatif[f"{g:g}"] = predict(st, step_times(single, grouped, g, pf["tps"])[1], settings, s, trace)
+                whatif[f"{g:g}{PREFILL_TOO}"] = predict(st, step_times(single, grouped, g, pf["tps"] / g)[1],
+                                                        settings, s, trace)
         row = {"system": s, "rep": k, "measured": meas, "predicted": pred, "reference": ref, "ratio": r,
                "sensitivity": sens, "calibration": cal, "uncalibrated": uncal, "what_if_group": whatif,
                "within": r is not None and abs(r - 1) <= TOL, "ratio_ref": ratio(ref["ttft_p99"], meas["ttft_p99"]),

@@ -350,7 +350,8 @@ def test_what_if_group_reads_each_factor_against_the_same_repetitions_oracle_and
     for k, o99 in ((1, 0.5), (2, 0.4)):
         rows += [row("oracle", k, o99, 0.1), row("vllm", k, 80.0, 0.1),
                  row("kunserve", k, 2 * o99, 0.13, {"1": {"ttft_p99": 2 * o99, "tpot_p50": 0.13},
-                                                    "0.7": {"ttft_p99": 1.2 * o99, "tpot_p50": 0.09}})]
+                                                    "0.7": {"ttft_p99": 1.2 * o99, "tpot_p50": 0.09},
+                                                    "0.7 +prefill": {"ttft_p99": 0.8 * o99, "tpot_p50": 0.08}})]
     summ = cb.what_if_summary(rows)["kunserve"]
     assert summ["1"]["p99_over_oracle"] == pytest.approx([2.0, 2.0])
     assert summ["0.7"]["p99_over_oracle_median"] == pytest.approx(1.2)
@@ -358,6 +359,9 @@ def test_what_if_group_reads_each_factor_against_the_same_repetitions_oracle_and
     assert summ["measured"]["p99_over_oracle_median"] == pytest.approx(2.0)
     (line,) = cb.what_if_verdict(rows)
     assert "1.3x the oracle's at x0.7;" in line and "P99 ratio 2.00 -> 1.20" in line
+    assert "prefill scaled by the same factor: x0.7 P99 0.80x" in line
+    assert [k for k in sorted(cb.what_if_summary(rows)["kunserve"], key=cb._factor)] == [
+        "measured", "1", "0.7", "0.7 +prefill"]
     for bad in ("0.8,x", "0,1", "3"):
         monkeypatch.setattr(cb.sys, "argv", ["cluster_burst_sim.py", "--run", ".", "--what-if-group", bad])
         with pytest.raises(SystemExit, match="what-if-group"):
