@@ -21,6 +21,7 @@ from collections import deque
 from typing import Callable, Sequence
 
 from vllm_kunserve.policy.admission import KvNeed, admit_count
+from vllm_kunserve.policy.dispatch import InstanceLoad, choose_instance
 
 from .request import Req
 from .steptime import Pair, StepTime
@@ -299,8 +300,6 @@ class Server:
 
     def pick_member(self, r: Req) -> int:
         """Where the front end sends an arrival (its least-work dispatch over the members as engines)."""
-        from vllm_kunserve.policy.dispatch import InstanceLoad, choose_instance
-
         used, queued, work, n = self.member_used(), [0] * self.k, [0] * self.k, [0] * self.k
         for q in self.waiting:
             queued[q.member] += self.blocks_for(q.length)
