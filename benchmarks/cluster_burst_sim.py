@@ -1207,10 +1207,11 @@ def main() -> int:
         whatif = None
         if group_scales and s not in ("vllm", "oracle"):   # the grouped cycle at a fraction of its cost
             whatif = {}
-            for g in group_scales:   # the decode cycle alone, then with the group's prefill
-                whatif[f"{g:g}"] = predict(st, step_times(single, grouped, g, pf["tps"])[1], settings, s, trace)
-                whatif[f"{g:g}{PREFILL_TOO}"] = predict(st, step_times(single, grouped, g, pf["tps"] / g)[1],
-                                                        settings, s, trace)
+            for g in group_scales:   # the decode cycle alone, then with the group's prefill (x1: the prediction)
+                whatif[f"{g:g}"] = pred if g == 1 else predict(
+                    st, step_times(single, grouped, g, pf["tps"])[1], settings, s, trace)
+                whatif[f"{g:g}{PREFILL_TOO}"] = pred if g == 1 else predict(
+                    st, step_times(single, grouped, g, pf["tps"] / g)[1], settings, s, trace)
         row = {"system": s, "rep": k, "measured": meas, "predicted": pred, "reference": ref, "ratio": r,
                "sensitivity": sens, "calibration": cal, "uncalibrated": uncal, "what_if_group": whatif,
                "within": r is not None and abs(r - 1) <= TOL, "ratio_ref": ratio(ref["ttft_p99"], meas["ttft_p99"]),
