@@ -168,7 +168,8 @@ class MemoryConfig:
         "up to 1/2.",
         lo=0.0, hi=64.0)
     chunk_kib: int = _opt(
-        0, "Physical chunk size in KiB (0: the device granularity on CUDA; on host, ~1/16 of a layer).",
+        0, "Physical chunk size in KiB (0: ~1/16 of the smallest layer, a power of two from the "
+        "granularity up to 32 MiB on CUDA, 2 MiB on host).",
         lo=0, hi=1 << 20)
 
 

@@ -85,6 +85,7 @@ def test_uninstall_restores_the_resident_model(llama):
         after = _layer_params(layers[i])
         assert all(after[n] is p for n, p in before[i].items())
         assert not layers[i]._forward_pre_hooks and not layers[i]._forward_hooks
+        assert "forward" not in vars(layers[i])  # the class's own forward again
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref_logits)
 

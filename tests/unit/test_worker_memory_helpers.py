@@ -4,7 +4,8 @@ from torch import nn
 
 from vllm_kunserve.config import parse_config
 from vllm_kunserve.integration.vllm import PATCH_CLASSES
-from vllm_kunserve.integration.vllm.worker_memory import _detached, _shared_owners, auto_chunk_bytes
+from vllm_kunserve.integration.vllm.worker_memory import (DEVICE_CHUNK_CAP, _detached, _shared_owners,
+                                                          auto_chunk_bytes)
 
 pytestmark = pytest.mark.unit
 
@@ -28,14 +29,16 @@ def test_shared_submodules_are_found_and_detached_temporarily():
     assert layers[0].rope is rope and layers[1].rope is rope
 
 
-@pytest.mark.parametrize("layers, gran, default, want", [
-    ([9_000_000], 4096, 2 << 20, 512 << 10),     # host: ~1/16 of the smallest layer, power of two
-    ([100_000], 4096, 2 << 20, 4096),            # tiny layers: the granularity
-    ([1 << 30], 4096, 2 << 20, 2 << 20),         # never above the default
-    ([9_000_000], 2 << 20, 2 << 20, 2 << 20),    # CUDA: the device granularity
+@pytest.mark.parametrize("layers, gran, cap, want", [
+    ([9_000_000], 4096, 2 << 20, 512 << 10),          # host: ~1/16 of the smallest layer, power of two
+    ([100_000], 4096, 2 << 20, 4096),                 # tiny layers: the granularity
+    ([1 << 30], 4096, 2 << 20, 2 << 20),              # never above the cap
+    ([9_000_000], 2 << 20, DEVICE_CHUNK_CAP, 2 << 20),  # CUDA, small layers: the device granularity
+    ([404_000_000, 500_000_000], 2 << 20, DEVICE_CHUNK_CAP, 16 << 20),  # CUDA, a 7B layer: ~1/16 of it
+    ([1 << 33], 2 << 20, DEVICE_CHUNK_CAP, 32 << 20),  # CUDA, huge layers: the cap
 ])
-def test_auto_chunk_bytes(layers, gran, default, want):
-    got = auto_chunk_bytes(layers, gran, default)
+def test_auto_chunk_bytes(layers, gran, cap, want):
+    got = auto_chunk_bytes(layers, gran, cap)
     assert got == want and got % gran == 0
 
 

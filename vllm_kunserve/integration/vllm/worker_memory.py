@@ -27,8 +27,13 @@ from vllm_kunserve.memory.streaming import copy_overlaps
 
 logger = logging.getLogger("vllm.kunserve")
 
-#: how many chunks the smallest decoder layer should span when choosing a host chunk size
+#: how many chunks the smallest decoder layer should span when choosing a chunk size
 _CHUNKS_PER_LAYER = 16
+
+#: largest automatic chunk on CUDA. Each chunk is one cuMemMap/cuMemUnmap call (~50 us on an H100):
+#: 10 GB into KV took 238 ms at the 2 MiB granularity and 17-20 ms at 32 MiB
+#: (docs/benchmarks/mechanisms_memory_pool_gpu.md).
+DEVICE_CHUNK_CAP = 32 << 20
 
 
 def decoder_layers(model: nn.Module | None) -> list[nn.Module]:
@@ -69,13 +74,12 @@ def _detached(layer: nn.Module, shared: set[int]) -> Iterator[None]:
             parent._modules[name] = child
 
 
-def auto_chunk_bytes(layer_bytes: list[int], granularity: int, default: int) -> int:
-    """Host chunks small enough that the smallest layer spans ~16 chunks; device: the default."""
-    if granularity >= default:
-        return default
+def auto_chunk_bytes(layer_bytes: list[int], granularity: int, cap: int) -> int:
+    """Chunks small enough that the smallest layer spans ~16 (little rounding waste per layer), as
+    large as that allows up to ``cap``: every chunk costs one map or unmap call."""
     target = max(granularity, min(layer_bytes) // _CHUNKS_PER_LAYER)
     size = granularity
-    while size * 2 <= min(target, default):
+    while size * 2 <= min(target, cap):
         size *= 2
     return size
 
@@ -131,7 +135,8 @@ def build_worker_memory(model: nn.Module, kv_cache_config: Any, device: torch.de
     places = _kv_places(kv_cache_config, max_blocks)
     backend = make_backend(cfg.memory.backend, device=device)
     chunk = cfg.memory.chunk_kib * 1024 if cfg.memory.chunk_kib else auto_chunk_bytes(
-        layer_bytes, backend.granularity, backend.default_chunk_bytes)
+        layer_bytes, backend.granularity,
+        DEVICE_CHUNK_CAP if backend.name == "cuda" else backend.default_chunk_bytes)
 
     def chunks(nbytes: int) -> int:
         return -(-nbytes // chunk)
