@@ -234,7 +234,11 @@ class FrontEnd:
         return e.url if e.accepting else None
 
     def loads(self):
-        return instance_loads(self.fleet.engines, self.monitor.reports, self.book)
+        return instance_loads(self.fleet.engines, self.monitor.reports, self.book, self._group_id)
+
+    def _group_id(self, instance: int) -> int | None:
+        g = self.groups.group_of(instance) if self.groups is not None else None
+        return g.gid if g is not None else None
 
     def request_loads(self):
         from vllm_kunserve.policy.migration import RequestLoad

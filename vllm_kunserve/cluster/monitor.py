@@ -17,7 +17,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import aiohttp
 
@@ -133,9 +133,11 @@ class FlightBook:
         return len(self._by_instance.get(instance, {}))
 
 
-def instance_loads(engines: Sequence[Any], reports: dict[int, EngineReport], book: FlightBook) -> list[InstanceLoad]:
+def instance_loads(engines: Sequence[Any], reports: dict[int, EngineReport], book: FlightBook,
+                   group_of: Callable[[int], int | None] = lambda i: None) -> list[InstanceLoad]:
     """The dispatch policy's snapshot: capacity from the engine's last poll, load from the book
-    (exact and current for requests through this front end) or the poll, whichever is larger."""
+    (exact and current for requests through this front end) or the poll, whichever is larger;
+    ``group_of(index)``: the pipeline group an engine is a member of, if any."""
     out = []
     for e in engines:
         r = reports.get(e.index)
@@ -147,7 +149,7 @@ def instance_loads(engines: Sequence[Any], reports: dict[int, EngineReport], boo
         out.append(InstanceLoad(instance_id=e.index, used_blocks=used, queued_blocks=queued,
                                 capacity_blocks=cap or max(used + queued, 1),
                                 queued_prefill_tokens=t.queued_prompt_tokens, requests=t.requests,
-                                alive=bool(e.accepting)))
+                                alive=bool(e.accepting), group=group_of(e.index)))
     return out
 
 

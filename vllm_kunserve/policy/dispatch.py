@@ -5,7 +5,14 @@ The caller describes every unit with an immutable :class:`InstanceLoad` and call
 
 * ``least-work`` (queue-aware, the default): among units whose KV takes the prompt, the least
   queued prefill per instance of compute (a pipeline group of ``k`` has ``k`` GPUs); if none takes
-  it, the least KV demand as a share of capacity;
+  it, the least KV demand as a share of capacity. Where the chosen unit is a member of a pipeline
+  group (``InstanceLoad.group``), the request goes to the member of that group whose KV takes it
+  with the least queued prefill, then the **fewest requests**: every member's step is a microbatch
+  through the same stages, so the group's cycle is twice the larger microbatch, and a decode
+  step's cost is set by its batch, not by its KV tokens. Measured on the cluster burst
+  (``benchmarks/cluster_burst.py`` reports each run's split): balancing KV sent one member 29-30
+  of a burst's 48 arrivals in four of five runs, and a traced run with a 44/34 split had one member's
+  microbatch costing 1.5-1.9x the other's through most of the burst;
 * ``least-load``: the least KV demand (used + queued blocks) as a share of capacity, blind to compute;
 * ``round-robin``: the ``turn``-th accepting unit (the caller counts turns);
 * ``mell``: MELL's placement on a **fixed** cluster (below): among units whose KV takes the prompt,
@@ -64,6 +71,7 @@ class InstanceLoad:
     requests: int = 0           # running + waiting requests
     k: int = 1                  # instances in the unit (pipeline width)
     alive: bool = True          # accepts new work
+    group: int | None = None    # the pipeline group this instance is a member of (while grouped)
 
     @property
     def demand_blocks(self) -> int:
@@ -97,7 +105,11 @@ def choose_instance(units: Sequence[InstanceLoad], mode: str = DEFAULT_DISPATCH,
         def key(u: InstanceLoad):
             fits = u.fits(prompt_blocks)
             return (not fits, u.queued_prefill_tokens / u.k if fits else u.load, u.load, u.instance_id)
-        return min(live, key=key).instance_id
+        best = min(live, key=key)
+        mates = [u for u in live if best.group is not None and u.group == best.group and u.fits(prompt_blocks)]
+        if mates:  # balance the group's microbatches (module docstring)
+            best = min(mates, key=lambda u: (u.queued_prefill_tokens, u.requests, u.load, u.instance_id))
+        return best.instance_id
     if mode == "mell":
         def headroom(u: InstanceLoad):
             fits = u.fits(prompt_blocks)

@@ -310,7 +310,7 @@ class Server:
             if q.need > 1:
                 work[q.member] += q.need
         cap = self.member_cap()
-        loads = [InstanceLoad(m, used[m], queued[m], cap, work[m], n[m]) for m in range(self.k)]
+        loads = [InstanceLoad(m, used[m], queued[m], cap, work[m], n[m], group=0) for m in range(self.k)]
         return choose_instance(loads, "least-work", prompt_blocks=self.blocks_for(r.length))
 
     def _schedule_members(self) -> list[tuple[Req, int]]:
