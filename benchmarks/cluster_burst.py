@@ -165,27 +165,67 @@ def paired(out: Path, systems: list[str], reps: int, window: tuple[float, float]
     return rows
 
 
+def run_files(out: Path, systems: list[str], reps: int, name: str):
+    """(system, repetition, path) of every run's ``name`` file that exists under ``out``."""
+    for s in systems:
+        for k in range(1, reps + 1):
+            f = out / s / f"rep{k}" / name
+            if f.exists():
+                yield s, k, f
+
+
 def tail_requests(out: Path, systems: list[str], reps: int, window: tuple[float, float], top: int = 3) -> dict:
     """Per system and repetition, the window's largest TTFTs with their arrival times, and how many
     requests arrived within 1 s either side of the largest one's arrival: with some 50 requests in the
     window, P99 lies between the two largest TTFTs, so it is set by a handful of requests."""
     lo, hi = window
     res: dict = {}
-    for s in systems:
-        for k in range(1, reps + 1):
-            f = out / s / f"rep{k}" / "requests.csv"
-            if not f.exists():
-                continue
-            rows = [r for r in read_requests(f) if lo <= float(r["arrival_s"]) < hi]
-            done = sorted(((float(r["ttft_s"]), float(r["arrival_s"])) for r in rows if r["ok"] == "1" and r["ttft_s"]),
-                          reverse=True)
-            if not done:
-                continue
-            t_top = done[0][1]
-            res.setdefault(s, {})[k] = {
-                "n": len(done), "top": [[round(t, 2), round(at, 2)] for t, at in done[:top]],
-                "around_top": sum(1 for r in rows if abs(float(r["arrival_s"]) - t_top) <= 1.0)}
+    for s, k, f in run_files(out, systems, reps, "requests.csv"):
+        rows = [r for r in read_requests(f) if lo <= float(r["arrival_s"]) < hi]
+        done = sorted(((float(r["ttft_s"]), float(r["arrival_s"])) for r in rows if r["ok"] == "1" and r["ttft_s"]),
+                      reverse=True)
+        if not done:
+            continue
+        t_top = done[0][1]
+        res.setdefault(s, {})[k] = {
+            "n": len(done), "top": [[round(t, 2), round(at, 2)] for t, at in done[:top]],
+            "around_top": sum(1 for r in rows if abs(float(r["arrival_s"]) - t_top) <= 1.0)}
     return res
+
+
+def dispatch_split(out: Path, systems: list[str], reps: int, window: tuple[float, float]) -> dict:
+    """Per system and repetition, how many requests the front end gave each engine over the window
+    (its ``kunserve:dispatched_total{instance=i}`` counters in timeline.csv, at the window's ends)."""
+    lo, hi = window
+    res: dict = {}
+    for s, k, f in run_files(out, systems, reps, "timeline.csv"):
+        with f.open() as fh:
+            rows = list(csv.DictReader(fh))
+        cols = sorted((c for c in (rows[0] if rows else {}) if c.startswith("kunserve:dispatched_total{instance=")),
+                      key=lambda c: int(c.split("=")[1].rstrip("}")))
+
+        def at(t: float, col: str) -> float:
+            seen = [float(r[col]) for r in rows if r.get(col) and float(r["second"]) <= t]
+            return seen[-1] if seen else 0.0
+        if cols:
+            res.setdefault(s, {})[k] = [round(at(hi, c) - at(lo, c)) for c in cols]
+    return res
+
+
+def dispatch_section(split: dict) -> list[str]:
+    if not split:
+        return []
+    reps = sorted({k for v in split.values() for k in v})
+    L = ["## Dispatch split", "",
+         "The window's arrivals the front end gave each engine (engine 0 / engine 1 ...; its "
+         "`kunserve:dispatched_total` counters). In a pipeline group each member's requests are its own "
+         "microbatch through both stages, so an uneven split makes one microbatch the longer and sets the "
+         "group's cycle (policy/dispatch.py: inside a group least-work balances requests).", "",
+         "| rep | " + " | ".join(split) + " |", "|---:|" + "---|" * len(split)]
+    for k in reps:
+        L.append(f"| {k} | " + " | ".join(" / ".join(map(str, per[k])) if k in per else "-"
+                                          for per in split.values()) + " |")
+    return L + [""]
 
 
 def tail_section(tails: dict) -> list[str]:
@@ -233,7 +273,8 @@ def verdict(rows: list[dict], systems: list[str], harsh: bool = False) -> list[d
         if not v:
             return {**out, "measured": "no repetition whose runs were all on time", "met": False, "every_rep": None}
         med = statistics.median(v)
-        return {**out, "measured": summary(v), "met": ok(med), "every_rep": all(ok(x) for x in v)}
+        return {**out, "measured": summary(v), "met": ok(med), "every_rep": all(ok(x) for x in v),
+                "reps_met": [sum(1 for x in v if ok(x)), len(v)]}
     out = [one("stock P99 TTFT >= 3x the oracle's (the gap is real)", "stock_over_oracle", lambda x: x >= 3)]
     if "kunserve" in systems:
         out += [one("the peak exceeds what dropping frees: drop + fallback still beats stock (kunserve / stock "
@@ -467,7 +508,8 @@ def pipeline_section(pipe: dict, systems: list[str]) -> list[str]:
 
 def render(scaling: dict, cap: dict, a: argparse.Namespace, argv: list[str], rows: list[dict], systems: list[str],
            window: tuple[float, float], name: str, mix: dict, cpu: dict, host: dict, short: dict,
-           preempt: dict | None = None, pipe: dict | None = None, tails: dict | None = None) -> str:
+           preempt: dict | None = None, pipe: dict | None = None, tails: dict | None = None,
+           split: dict | None = None) -> str:
     others = [s for s in systems if s not in ("vllm", "oracle")]
     keys = ["stock_over_oracle"] + [f"{n}_{k}" for n in others
                                     for k in ("over_stock", "over_oracle", "gap_closed", "tpot_p50_over_stock")]
@@ -518,7 +560,7 @@ def render(scaling: dict, cap: dict, a: argparse.Namespace, argv: list[str], row
         L.append("| " + " | ".join(cells) + " |")
     L += ["", "## Verdict against the targets (median (min..max, n) over the ratios whose runs were all on time)", ""]
     L += [f"- {v['target']}: {v['measured']} -> **{'met' if v['met'] else 'missed'}**"
-          + ("" if v["every_rep"] is None else f" (every such repetition: {'yes' if v['every_rep'] else 'no'})")
+          + ("" if v.get("reps_met") is None else " (met in {} of {} such repetitions)".format(*v["reps_met"]))
           + (f"; all repetitions, late-client ones included: {v['all_reps']}" if v.get("all_reps") else "")
           for v in verdict(rows, systems, harsh(a))] if "oracle" in systems and a.mix == "decode" else [
         "Not the issue's target run (" + ("no oracle" if "oracle" not in systems else f"the {a.mix} mix") +
@@ -553,7 +595,8 @@ def render(scaling: dict, cap: dict, a: argparse.Namespace, argv: list[str], row
           "load is prompts to prefill, compute-bound on this CPU, where a pipeline group costs more than the "
           "freed KV buys, so kunserve should not drop there (the monitor's decode share, "
           "`drop.min_decode_share`).", "",
-          ] + tail_section(tails or {}) + pipeline_section(pipe or {}, systems) + host_section(host, systems) + [
+          ] + tail_section(tails or {}) + dispatch_section(split or {}) + pipeline_section(pipe or {}, systems) \
+        + host_section(host, systems) + [
           "CPU share of one core per repetition (client = the replay process; servers = the front end, the API "
           "servers and the engines, summed): " + json.dumps(cpu), "",
           f"Raw data: `{name}/compare.json` (every repetition's summary), `{name}.json` (the paired rows), "
@@ -667,15 +710,16 @@ def main() -> int:
     preempt = {s: [r.get("preemptions") for r in res["runs"].get(s, [])] for s in systems}
     pipe = {s: [r.get("server", {}).get("pipeline") for r in res["runs"].get(s, [])] for s in systems}
     tails = tail_requests(out, systems, a.repeat, window)
+    split = dispatch_split(out, systems, a.repeat, window)
     (DOCS / f"{name}.json").write_text(json.dumps(
         {"scaling": scaling, "stock_capacity": cap, "phases": phases, "window": window, "mix": mix,
          "paired": rows, "argv": argv, "forced": a.force, "cpu_share": cpu, "host": host, "command": command,
          "verdict": verdict(rows, systems, harsh(a)) if "oracle" in systems else None,
          "kv_cap_x": a.kv_cap_x, "shortfall": short, "preemptions": preempt, "pipeline": pipe,
-         "tail_requests": tails}, indent=1) + "\n")
+         "tail_requests": tails, "dispatch_split": split}, indent=1) + "\n")
     doc = DOCS / f"{name}.md"
     doc.write_text(render(scaling, cap, a, argv, rows, systems, window, name, mix, cpu, host, short, preempt, pipe,
-                          tails))
+                          tails, split))
     print(doc.read_text())
     return 0
 

@@ -26,6 +26,7 @@ def test_harsh_window_verdict_is_beating_stock_not_the_oracle_bound():
     harsh = {v["target"]: v for v in cb.verdict(rows, ["vllm", "kunserve", "oracle"], harsh=True)}
     beats = next(v for t, v in harsh.items() if "beats stock" in t)
     assert beats["met"] and beats["every_rep"]       # the late repetition (1.1) is kept out
+    assert beats["reps_met"][0] == beats["reps_met"][1]
     assert "n=1" in beats["measured"] and "n=2" in beats["all_reps"]
     assert not any("1.3x the oracle" in t for t in harsh)  # not the bound the capped run can reach
     normal = [v["target"] for v in cb.verdict(rows, ["vllm", "kunserve", "oracle"])]
@@ -81,3 +82,26 @@ def test_tail_requests_name_the_arrivals_that_set_the_p99(tmp_path):
     assert t["around_top"] == 3   # 93.2, 93.3, 93.9 (95.5 is 2.2 s away)
     md = "\n".join(cb.tail_section(got))
     assert "1.20 @93.3" in md and "(3 within 1 s)" in md
+
+
+def test_dispatch_split_counts_each_engines_arrivals_inside_the_window(tmp_path):
+    """The front end's per-engine dispatch counters at the window's ends (the last sample at or
+    before each end; an empty cell is no sample), per system and repetition; runs without the
+    counters (or without a timeline) are left out."""
+    cb = _bench()
+    d = tmp_path / "kunserve" / "rep2"
+    d.mkdir(parents=True)
+    c0, c1 = "kunserve:dispatched_total{instance=0}", "kunserve:dispatched_total{instance=1}"
+    with open(d / "timeline.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, ["second", c1, c0])  # column order is not engine order
+        w.writeheader()
+        for sec, a, b in [(0, "", ""), (59, "3", "2"), (60, "4", "2"), (80, "", ""), (99, "10", "5"),
+                          (100, "11", "5"), (120, "11", "9")]:
+            w.writerow({"second": sec, c0: a, c1: b})
+    (tmp_path / "vllm" / "rep2").mkdir(parents=True)
+    (tmp_path / "vllm" / "rep2" / "timeline.csv").write_text("second,running\n0,1\n")
+    got = cb.dispatch_split(tmp_path, ["vllm", "kunserve"], 2, (60.0, 100.0))
+    assert got == {"kunserve": {2: [7, 3]}}   # engine 0: 11 - 4; engine 1: 5 - 2
+    md = "\n".join(cb.dispatch_section(got))
+    assert "| 2 | 7 / 3 |" in md
+    assert cb.dispatch_section({}) == []
