@@ -12,7 +12,9 @@ The caller describes every unit with an immutable :class:`InstanceLoad` and call
   step's cost is set by its batch, not by its KV tokens. Measured on the cluster burst
   (``benchmarks/cluster_burst.py`` reports each run's split): balancing KV sent one member 29-30
   of a burst's 48 arrivals in four of five runs, and a traced run with a 44/34 split had one member's
-  microbatch costing 1.5-1.9x the other's through most of the burst;
+  microbatch costing 1.5-1.9x the other's through most of the burst. With this rule the split was
+  22-26 per member, and the burst's P99 TTFT and TPOT moved within the spread between runs
+  (docs/benchmarks/cluster_burst_balanced.md);
 * ``least-load``: the least KV demand (used + queued blocks) as a share of capacity, blind to compute;
 * ``round-robin``: the ``turn``-th accepting unit (the caller counts turns);
 * ``mell``: MELL's placement on a **fixed** cluster (below): among units whose KV takes the prompt,
