@@ -4,8 +4,7 @@ from torch import nn
 
 from vllm_kunserve.config import parse_config
 from vllm_kunserve.integration.vllm import PATCH_CLASSES
-from vllm_kunserve.integration.vllm.worker_memory import (DEVICE_CHUNK_CAP, _detached, _shared_owners,
-                                                          auto_chunk_bytes)
+from vllm_kunserve.integration.vllm.worker_memory import _detached, _shared_owners, auto_chunk_bytes
 
 pytestmark = pytest.mark.unit
 
@@ -29,13 +28,16 @@ def test_shared_submodules_are_found_and_detached_temporarily():
     assert layers[0].rope is rope and layers[1].rope is rope
 
 
+CUDA_CAP = 32 << 20  # the CUDA backend's max_auto_chunk_bytes
+
+
 @pytest.mark.parametrize("layers, gran, cap, want", [
     ([9_000_000], 4096, 2 << 20, 512 << 10),          # host: ~1/16 of the smallest layer, power of two
     ([100_000], 4096, 2 << 20, 4096),                 # tiny layers: the granularity
     ([1 << 30], 4096, 2 << 20, 2 << 20),              # never above the cap
-    ([9_000_000], 2 << 20, DEVICE_CHUNK_CAP, 2 << 20),  # CUDA, small layers: the device granularity
-    ([404_000_000, 500_000_000], 2 << 20, DEVICE_CHUNK_CAP, 16 << 20),  # CUDA, a 7B layer: ~1/16 of it
-    ([1 << 33], 2 << 20, DEVICE_CHUNK_CAP, 32 << 20),  # CUDA, huge layers: the cap
+    ([9_000_000], 2 << 20, CUDA_CAP, 2 << 20),  # CUDA, small layers: the device granularity
+    ([404_000_000, 500_000_000], 2 << 20, CUDA_CAP, 16 << 20),  # CUDA, a 7B layer: ~1/16 of it
+    ([1 << 33], 2 << 20, CUDA_CAP, 32 << 20),  # CUDA, huge layers: the cap
 ])
 def test_auto_chunk_bytes(layers, gran, cap, want):
     got = auto_chunk_bytes(layers, gran, cap)
@@ -55,3 +57,10 @@ def test_memory_touchpoints_only_with_remap():
     stock_sched = parse_config({"drop": {"group_member": True},
                                 "lookahead": {"enable": False, "admission": "vllm"}})
     assert {c.name for c in PATCH_CLASSES if c().wanted(stock_sched)} == wanted_on
+
+
+def test_host_backend_caps_automatic_chunks_at_its_default():
+    from vllm_kunserve.memory import make_backend
+
+    b = make_backend("host")
+    assert b.max_auto_chunk_bytes == b.default_chunk_bytes

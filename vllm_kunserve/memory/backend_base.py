@@ -19,6 +19,12 @@ class Backend(abc.ABC):
     name: str = "?"
     device: torch.device
     granularity: int  # chunk sizes and reservations are multiples of this
+    default_chunk_bytes: int  # the pool's chunk when none is given
+
+    @property
+    def max_auto_chunk_bytes(self) -> int:
+        """Largest chunk an automatic choice (``memory.chunk_kib = 0``) may take on this device."""
+        return self.default_chunk_bytes
 
     @abc.abstractmethod
     def reserve(self, nbytes: int) -> int:

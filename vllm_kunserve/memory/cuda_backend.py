@@ -119,6 +119,12 @@ class CudaBackend(Backend):
             "cuMemGetAllocationGranularity"))
         self.default_chunk_bytes = max(self.granularity, 2 << 20)
 
+    @property
+    def max_auto_chunk_bytes(self) -> int:
+        # each chunk is one cuMemMap/cuMemUnmap call (~50 us on an H100): 10 GB into KV took 238 ms
+        # at the 2 MiB granularity, 17-20 ms at 32 MiB (docs/benchmarks/mechanisms_memory_pool_gpu.md)
+        return max(self.granularity, 32 << 20)
+
     def _ptr(self, va: int):
         return self._drv.CUdeviceptr(int(va))
 

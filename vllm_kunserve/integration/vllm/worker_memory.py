@@ -30,11 +30,6 @@ logger = logging.getLogger("vllm.kunserve")
 #: how many chunks the smallest decoder layer should span when choosing a chunk size
 _CHUNKS_PER_LAYER = 16
 
-#: largest automatic chunk on CUDA. Each chunk is one cuMemMap/cuMemUnmap call (~50 us on an H100):
-#: 10 GB into KV took 238 ms at the 2 MiB granularity and 17-20 ms at 32 MiB
-#: (docs/benchmarks/mechanisms_memory_pool_gpu.md).
-DEVICE_CHUNK_CAP = 32 << 20
-
 
 def decoder_layers(model: nn.Module | None) -> list[nn.Module]:
     """The decoder layers this engine runs, in execution order (Llama-style ``model.model.layers``).
@@ -135,8 +130,7 @@ def build_worker_memory(model: nn.Module, kv_cache_config: Any, device: torch.de
     places = _kv_places(kv_cache_config, max_blocks)
     backend = make_backend(cfg.memory.backend, device=device)
     chunk = cfg.memory.chunk_kib * 1024 if cfg.memory.chunk_kib else auto_chunk_bytes(
-        layer_bytes, backend.granularity,
-        DEVICE_CHUNK_CAP if backend.name == "cuda" else backend.default_chunk_bytes)
+        layer_bytes, backend.granularity, backend.max_auto_chunk_bytes)
 
     def chunks(nbytes: int) -> int:
         return -(-nbytes // chunk)
