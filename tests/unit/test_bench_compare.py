@@ -10,6 +10,7 @@ import pytest
 
 from vllm_kunserve.config import parse_kunserve_config
 
+from vllm_kunserve.bench import compare as C
 from vllm_kunserve.bench import systems as S
 from vllm_kunserve.bench.compare import aggregate, compare, ratio, table, write_compare
 from vllm_kunserve.bench.prompts import PromptFactory
@@ -234,3 +235,46 @@ def test_cpu_times_sum_a_process_tree_by_name():
         child.kill()
         child.wait()
     assert cpu_times(None) == {} and cpu_times(2 ** 22 + 12345) == {}
+
+
+def test_a_server_whose_port_was_taken_starts_again_on_another(tmp_path, monkeypatch, capsys):
+    """The port is free when picked; another process may bind it first (the server exits with
+    'address already in use'): the system starts again on a new port, other failures still fail."""
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    ports = []
+
+    def flaky_plan(spec, common, host, port):
+        ports.append(port)
+        if len(ports) == 1:
+            return S.LaunchPlan([sys.executable, "-c", "import sys; print('ERROR:    [Errno 98] error while "
+                                 "attempting to bind on address: address already in use'); sys.exit(1)"])
+        return S.LaunchPlan([sys.executable, str(script), str(port)], {"FAKE_FIRST_S": "0.01"})
+
+    monkeypatch.setitem(S.LAUNCHERS, "flaky", flaky_plan)
+    tr = synthetic(np.array([4] * 2), np.array([3] * 2), np.linspace(0, 0.1, 2), "t")
+
+    def bench(spec, rep, endpoint, run_dir):
+        opts = BenchOptions(endpoint=endpoint, model="m", warmup=0, progress=False, plots=False)
+        return run_bench(tr, PromptFactory(vocab_size=50), opts, run_dir)
+
+    res = compare([S.SystemSpec("vllm", launcher="flaky")], S.CommonArgs(model="m"), tmp_path / "out", 1, bench,
+                  startup_timeout_s=60, log=lambda m: None)
+    assert len(ports) == 2 and ports[0] != ports[1]
+    assert res.runs["vllm"][0]["completed"] == 2
+    assert "was taken before the server bound it" in capsys.readouterr().err
+
+    monkeypatch.setattr(C, "PORT_TRIES", 2)
+    always = lambda spec, common, host, port: S.LaunchPlan(  # noqa: E731
+        [sys.executable, "-c", "import sys; print('address already in use'); sys.exit(1)"])
+    monkeypatch.setitem(S.LAUNCHERS, "taken", always)
+    with pytest.raises(RuntimeError, match="address already in use"):
+        compare([S.SystemSpec("vllm", launcher="taken")], S.CommonArgs(model="m"), tmp_path / "o2", 1, bench,
+                startup_timeout_s=60, log=lambda m: None)
+
+
+def test_port_taken_reads_the_startup_error():
+    assert C.port_taken("ERROR: [Errno 98] error while attempting to bind on address ('127.0.0.1', 1): address "
+                        "already in use")
+    assert C.port_taken("kunserve serve: error: --host h --port 1: cannot listen there (Address already in use)")
+    assert not C.port_taken("server exited with code 3: no such model")

@@ -60,3 +60,33 @@ def test_make_model_tiny_loads_in_transformers(tmp_path, capsys):
     assert torch.isfinite(logits).all()
     n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert abs(n_bytes - meta["weight_mb"] * 2**20) / n_bytes < 0.01
+
+
+def test_serve_refuses_a_port_in_use_before_starting_any_engine(capsys):
+    """The front end binds its port first: a port in use is one clear error, nothing started."""
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    try:
+        assert main(["serve", "/no/such/model", "--instances", "2", "--port", str(port)]) == 2
+    finally:
+        busy.close()
+    err = capsys.readouterr().err
+    assert f"--port {port}: cannot listen there" in err and "nothing was started" in err
+    assert "[kunserve] starting" not in capsys.readouterr().out
+
+
+def test_serve_listen_socket_is_bound_and_not_inherited():
+    from vllm_kunserve.cli.serve import listen_socket
+
+    s = listen_socket("127.0.0.1", 0)
+    try:
+        assert s.getsockname()[0] == "127.0.0.1" and s.getsockname()[1] > 0
+        assert not s.get_inheritable()
+    finally:
+        s.close()
+    with pytest.raises(ValueError, match="--host no.such.host.invalid"):
+        listen_socket("no.such.host.invalid", 8000)

@@ -8,6 +8,8 @@ goes next to the run's files in ``OUT/<system>/rep<k>/``.
 from __future__ import annotations
 
 import math
+import re
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,7 +22,7 @@ from vllm_kunserve.bench import report
 from vllm_kunserve.bench.hostwatch import HostSampler, faults_in
 from vllm_kunserve.bench.runner import BenchRun
 from vllm_kunserve.bench.systems import LAUNCHERS, CommonArgs, SystemSpec
-from vllm_kunserve.cluster.launcher import ServerProcess, free_port
+from vllm_kunserve.cluster.launcher import ServerProcess, StartupExited, free_port
 from vllm_kunserve.looplag import lag_cause
 
 # (key in the table, label, getter from a summary, scale for display)
@@ -116,16 +118,37 @@ def table(agg: dict[str, dict[str, dict[str, Any]]], systems: Sequence[str], bas
     return "\n".join([fmt(header), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows])
 
 
+#: how many ports a system's server is started on before a run gives up (:func:`port_taken`)
+PORT_TRIES = 3
+_PORT_TAKEN = re.compile(r"address already in use|Errno 98|EADDRINUSE", re.IGNORECASE)
+
+
+def port_taken(startup_error: str) -> bool:
+    """Whether a server's startup failure (its log's excerpt) is its port being in use."""
+    return bool(_PORT_TAKEN.search(startup_error))
+
+
 def run_system(spec: SystemSpec, common: CommonArgs, run_dir: Path, startup_timeout_s: float,
                body: Callable[[str], BenchRun]) -> tuple[BenchRun, dict[str, Any]]:
     """Start ``spec``, run ``body(endpoint)``, stop it. Returns the run and server facts."""
     host = "127.0.0.1"
-    port = free_port(host)
-    plan = LAUNCHERS[spec.launcher](spec, common, host, port)
     run_dir.mkdir(parents=True, exist_ok=True)
-    server = ServerProcess(plan, host, port, run_dir / "server.log").start()
+    for attempt in range(1, PORT_TRIES + 1):
+        # the port is free when picked, but another process may bind it before the server does:
+        # then (only then) the server starts again on another one
+        port = free_port(host)
+        plan = LAUNCHERS[spec.launcher](spec, common, host, port)
+        server = ServerProcess(plan, host, port, run_dir / "server.log").start()
+        try:
+            startup = server.wait_ready(startup_timeout_s)
+            break
+        except StartupExited as exc:
+            server.stop()
+            if attempt == PORT_TRIES or not port_taken(str(exc)):
+                raise
+            print(f"[{spec.name}] port {port} was taken before the server bound it; again on another "
+                  f"(attempt {attempt + 1} of {PORT_TRIES})", file=sys.stderr, flush=True)
     with server:
-        startup = server.wait_ready(startup_timeout_s)
         pid = server.proc.pid if server.proc else None
         with HostSampler(pid, run_dir / "host.csv") as host:
             before, t0, c0 = cpu_times(pid), time.perf_counter(), time.process_time()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 
 _OWN = ("--host", "--port", "--additional-config")
@@ -121,32 +122,58 @@ def build(model: str, opts: argparse.Namespace, engine_args: list[str], engine_n
     return fleet, front
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The front end's listening socket, bound now: before any engine starts, so that a port in
+    use fails at once with a clear error, and no engine's own ports (vLLM picks free ones while
+    it starts, which takes tens of seconds) can take it meanwhile. uvicorn serves on it."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host}: {exc}") from exc
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds its own
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc}); "
+                         f"nothing was started") from exc
+    sock.set_inheritable(False)  # the engines started after it must not hold it
+    return sock
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from vllm_kunserve.cluster.frontend import build_app
 
     opts, engine_args = parse(args)
-    engine_ns = check_engine_args(args.model, engine_args)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    fleet, front = build(args.model, opts, engine_args, engine_ns)
-    from vllm_kunserve.memory.hostlock import lock_if_wanted
-
-    lock_if_wanted()  # KUNSERVE_MLOCK=1 (inherited by the engines, whose plugin locks them too)
-    front.freeze_gc = True  # gc.freeze() once started (KUNSERVE_GC_FREEZE=0 to measure without)
-    kind = "kunserve" if fleet.spec.kunserve is not None else "stock vLLM"
-    print(f"[kunserve] starting {opts.instances} {kind} engine(s) on the {opts.backend} backend ...", flush=True)
-    fleet.start()
+    sock = listen_socket(opts.host, opts.port)
     try:
-        app = build_app(front)
-        config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning", timeout_keep_alive=30)
-        server = uvicorn.Server(config)
-        print(f"[kunserve] serving {opts.instances} instance(s) at http://{opts.host}:{opts.port} "
-              f"(dispatch {opts.dispatch}; status: kunserve status --url http://{opts.host}:{opts.port})", flush=True)
-        server.run()
+        engine_ns = check_engine_args(args.model, engine_args)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        fleet, front = build(args.model, opts, engine_args, engine_ns)
+        from vllm_kunserve.memory.hostlock import lock_if_wanted
+
+        lock_if_wanted()  # KUNSERVE_MLOCK=1 (inherited by the engines, whose plugin locks them too)
+        front.freeze_gc = True  # gc.freeze() once started (KUNSERVE_GC_FREEZE=0 to measure without)
+        kind = "kunserve" if fleet.spec.kunserve is not None else "stock vLLM"
+        print(f"[kunserve] starting {opts.instances} {kind} engine(s) on the {opts.backend} backend ...", flush=True)
+        fleet.start()
+        try:
+            app = build_app(front)
+            config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning", timeout_keep_alive=30)
+            server = uvicorn.Server(config)
+            print(f"[kunserve] serving {opts.instances} instance(s) at http://{opts.host}:{opts.port} "
+                  f"(dispatch {opts.dispatch}; status: kunserve status --url http://{opts.host}:{opts.port})",
+                  flush=True)
+            server.run(sockets=[sock])
+        finally:
+            print("[kunserve] stopping engines ...", flush=True)
+            fleet.stop()
     finally:
-        print("[kunserve] stopping engines ...", flush=True)
-        fleet.stop()
+        sock.close()
     return 0
 
 

@@ -1,0 +1,139 @@
+"""Where a pipeline group's stages idle during a burst run, from its workers' step traces.
+
+    python benchmarks/pipeline_idle.py --trace DIR --run RUN_DIR --run-command "kunserve compare ..."
+                                       [--name pipeline_idle]
+
+``DIR``: the ``KUNSERVE_PIPELINE_TRACE`` directory of a ``kunserve compare`` run (the workers write
+it when their group splits, so run it with a restore that splits the group before the end);
+``RUN_DIR``: that run's output (its requests, for the burst window's TTFT and TPOT). Writes
+``docs/benchmarks/NAME.md`` and ``.json`` (the analysis of ``bench/pipeline_trace.py`` and the
+distribution of each stage's time) and the traces themselves, gzipped, under ``NAME/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _doc import command, rel  # noqa: E402
+from cluster_burst import read_requests, window_stats  # noqa: E402
+
+from vllm_kunserve.bench.pipeline_trace import analyse, load  # noqa: E402
+
+
+def cpu_name() -> str:
+    return next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+                "unknown CPU")
+
+
+def pcts(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    if not xs:
+        return {}
+    return {f"p{q}": round(xs[min(len(xs) - 1, int(q / 100 * len(xs)))] * 1e3, 2) for q in (10, 50, 90, 99)}
+
+
+def stage_times(events: list) -> dict:
+    """A member's own stage per step (the step less its hop) and the peer spans it ran, in ms."""
+    steps = [e for e in events if e[0] == "execute_model"]
+    hops = sorted((e for e in events if e[0] == "hop"), key=lambda e: e[1])
+    own = []
+    for e in steps:
+        h = next((x for x in hops if e[2] <= x[1] <= e[3]), None)
+        if h is not None:
+            own.append((e[3] - e[2]) - (h[4] - h[1]))
+    spans = [e[3] - e[2] for e in events if e[0] == "span"]
+    waits = [e[2] - e[1] for e in events if e[0] == "span"]
+    return {"own_stage_ms": pcts(own), "peer_span_ms": pcts(spans), "span_wait_ms": pcts(waits),
+            "steps": len(steps), "spans": len(spans)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", required=True, help="the KUNSERVE_PIPELINE_TRACE directory")
+    ap.add_argument("--run", required=True, help="the compare run's output directory")
+    ap.add_argument("--run-command", required=True, help="the command that made the run (recorded)")
+    ap.add_argument("--system", default="kunserve")
+    ap.add_argument("--window", default="60,100", help="the burst window's arrivals, seconds: LO,HI")
+    ap.add_argument("--name", default="pipeline_idle")
+    ap.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks"))
+    a = ap.parse_args(argv)
+    files = sorted(Path(a.trace).glob("*.json"))
+    groups = load(files)
+    if not groups:
+        print(f"no traces in {a.trace}", file=sys.stderr)
+        return 1
+    lo, hi = (float(x) for x in a.window.split(","))
+    reqs = sorted(Path(a.run).glob(f"{a.system}/rep*/requests.csv"))
+    window = {p.parent.name: window_stats(read_requests(p), lo, hi) for p in reqs}
+    cmd = command("pipeline_idle.py").replace(shlex.quote(a.run_command), "RUN_COMMAND")
+    out = {"command": cmd, "run_command": a.run_command, "window": [lo, hi],
+           "groups": [{"analysis": analyse(g), "stages": {m: stage_times(ev) for m, ev in g.items()}} for g in groups],
+           "requests": window}
+    docs = Path(a.docs)
+    raw = docs / a.name
+    raw.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        with open(f, "rb") as src, gzip.open(raw / (f.name + ".gz"), "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    (docs / f"{a.name}.json").write_text(json.dumps(out, indent=1))
+    L = ["# Where a pipeline group's stages idle (written by benchmarks/pipeline_idle.py)", "",
+         f"Command: `{out['command']}`, where `RUN_COMMAND` is the run it reads (its restore settings let the "
+         "group split before the end, so that the workers write their traces):", "", "```", a.run_command, "```", "",
+         "Each member of a 2-engine group runs its own requests as one microbatch through both stages (its kept "
+         "layers here, the rest as a span on the peer), so two microbatches share two stages. A stage idles when "
+         "both microbatches are at the other one: a *collision* (this member's microbatch waits at the peer's "
+         "stage behind the peer's own), *between steps* (this member's engine core is outputting and scheduling "
+         "and the peer's microbatch is not here) or *in transit* (both between stages). From the workers' traces "
+         "(`KUNSERVE_PIPELINE_TRACE`, analysed by `vllm_kunserve/bench/pipeline_trace.py`, the middle 60% of "
+         "each group's life).", "", f"Machine: {cpu_name()}; each engine one compute thread on its own core "
+         "(the run's `OMP_NUM_THREADS=1`, `KUNSERVE_ENGINE_CPUS=0|1`).", ""]
+    for k, g in enumerate(out["groups"], 1):
+        L += [f"## Group {k}", "", "| member | steps | cycle P50 (ms) | own stage | peer spans | sampling | idle | "
+              "idle: collision | between steps | in transit |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for m, r in sorted(g["analysis"].items()):
+            c, i = r["core"], r.get("idle_by_cause", {})
+            L.append(f"| {m} | {r['steps']} | {r['cycle_ms']} | {c['own_step']:.1%} | {c['peer_spans']:.1%} | "
+                     f"{c['sampling']:.1%} | {c['idle']:.1%} | {i.get('collision', 0):.1%} | "
+                     f"{i.get('between steps', 0):.1%} | {i.get('in transit', 0):.1%} |")
+        L += ["", "Shares of each member's core over the window. Stage times (ms, P10 / P50 / P90 / P99 over the "
+              "group's life): a member's own stage per step, the peers' spans it ran, and how long those spans "
+              "waited for its core.", "",
+              "| member | own stage | peer span | span wait |", "|---|---|---|---|"]
+        for m, s in sorted(g["stages"].items()):
+            cell = lambda d: " / ".join(f"{v:g}" for v in d.values()) if d else "-"  # noqa: E731
+            L.append(f"| {m} | {cell(s['own_stage_ms'])} | {cell(s['peer_span_ms'])} | {cell(s['span_wait_ms'])} |")
+        rows = list(g["analysis"].values())
+        st = list(g["stages"].values())
+        if rows and st and all(x["own_stage_ms"] for x in st):
+            idle = sum(r["core"]["idle"] for r in rows) / len(rows)
+            coll = sum(r.get("idle_by_cause", {}).get("collision", 0) for r in rows) / len(rows)
+            spread = [x["own_stage_ms"]["p90"] / x["own_stage_ms"]["p50"] for x in st]
+            L += ["", f"Reading: each core idled {idle:.0%} of the group's life, {coll:.0%} in collisions. A member's "
+                  f"own stage varies from step to step (P90 / P50: {min(spread):.2f}x-{max(spread):.2f}x; its batch "
+                  "and its prefill chunk change every step), and with one microbatch per member the "
+                  "shorter of two stages that should overlap waits for the longer one."]
+        L.append("")
+    L += ["## The run's burst window", "",
+          f"Arrivals in [{lo:g}, {hi:g}) s of the `{a.system}` runs: P50 / P99 TTFT and P50 TPOT (s).", "",
+          "| rep | requests | failed | TTFT P50 | TTFT P99 | TPOT P50 |", "|---|---:|---:|---:|---:|---:|"]
+    for rep, w in window.items():
+        f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        L.append(f"| {rep} | {w['n']} | {w['failed']} | {f(w['ttft_p50'])} | {f(w['ttft_p99'])} | {f(w['tpot_p50'])} |")
+    L += ["", f"Raw data: `{rel(docs / (a.name + '.json'))}` (this analysis), `{rel(raw)}/` (the workers' traces, "
+          "gzipped: `python -m vllm_kunserve.bench.pipeline_trace` reads them unzipped)."]
+    (docs / f"{a.name}.md").write_text("\n".join(L) + "\n")
+    print("\n".join(L))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
