@@ -66,12 +66,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="pipeline_idle")
     ap.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks"))
     a = ap.parse_args(argv)
+    try:
+        lo, hi = (float(x) for x in a.window.split(","))
+        if not 0 <= lo < hi:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--window {a.window!r}: LO,HI seconds with 0 <= LO < HI")
     files = sorted(Path(a.trace).glob("*.json"))
     groups = load(files)
     if not groups:
-        print(f"no traces in {a.trace}", file=sys.stderr)
-        return 1
-    lo, hi = (float(x) for x in a.window.split(","))
+        ap.error(f"--trace {a.trace}: no worker traces (*.json) there")
     reqs = sorted(Path(a.run).glob(f"{a.system}/rep*/requests.csv"))
     window = {p.parent.name: window_stats(read_requests(p), lo, hi) for p in reqs}
     cmd = command("pipeline_idle.py").replace(shlex.quote(a.run_command), "RUN_COMMAND")
@@ -94,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
          "stage behind the peer's own), *between steps* (this member's engine core is outputting and scheduling "
          "and the peer's microbatch is not here) or *in transit* (both between stages). From the workers' traces "
          "(`KUNSERVE_PIPELINE_TRACE`, analysed by `vllm_kunserve/bench/pipeline_trace.py`, the middle 60% of "
-         "each group's life).", "", f"Machine: {cpu_name()}; each engine one compute thread on its own core "
-         "(the run's `OMP_NUM_THREADS=1`, `KUNSERVE_ENGINE_CPUS=0|1`).", ""]
+         "each group's life).", "", f"Machine: {cpu_name()}; the engines' threads and cores: the run's `--env` "
+         "settings above.", ""]
     for k, g in enumerate(out["groups"], 1):
         L += [f"## Group {k}", "", "| member | steps | cycle P50 (ms) | own stage | peer spans | sampling | idle | "
               "idle: collision | between steps | in transit |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -1,0 +1,57 @@
+"""benchmarks/pipeline_idle.py: a member's own stage per step (its step less its hop), the spans it
+ran and their waits, and the doc it writes from a trace directory; bad input is refused."""
+
+import json
+
+import pytest
+
+from tests.unit.benchmod import load_benchmark
+
+pytestmark = pytest.mark.unit
+
+
+def _member(t0: float, own_s: float, span_s: float, n: int) -> list:
+    """``n`` steps of one member: own stage ``own_s``, then a hop of ``span_s`` (the peer's span), and
+    one span of the peer's run here per step, each waiting 1 ms for the core."""
+    ev, t = [], t0
+    for _ in range(n):
+        ev.append(["execute_model", t, t, t + own_s + span_s])
+        ev.append(["hop", t + own_s, t + own_s, t + own_s + span_s, t + own_s + span_s])
+        ev.append(["span", t + own_s, t + own_s + 0.001, t + own_s + 0.001 + span_s])
+        ev.append(["sample_tokens", t + own_s + span_s, t + own_s + span_s, t + own_s + span_s + 0.0005])
+        t += own_s + span_s + 0.001
+    return ev
+
+
+def test_stage_times_take_the_step_less_its_hop():
+    pi = load_benchmark("pipeline_idle")
+    s = pi.stage_times(_member(0.0, 0.030, 0.020, 50))
+    assert s["own_stage_ms"]["p50"] == pytest.approx(30.0, abs=0.01)
+    assert s["peer_span_ms"]["p50"] == pytest.approx(20.0, abs=0.01)
+    assert s["span_wait_ms"]["p50"] == pytest.approx(1.0, abs=0.01)
+    assert s["steps"] == s["spans"] == 50
+    assert pi.stage_times([]) == {"own_stage_ms": {}, "peer_span_ms": {}, "span_wait_ms": {}, "steps": 0, "spans": 0}
+
+
+def test_the_doc_is_written_from_a_trace_directory_and_bad_input_is_refused(tmp_path, capsys):
+    pi = load_benchmark("pipeline_idle")
+    trace, run, docs = tmp_path / "trace", tmp_path / "run", tmp_path / "docs"
+    trace.mkdir()
+    for name, t0 in (("e0", 0.0), ("e1", 0.025)):
+        (trace / f"{name}-1-1.json").write_text(json.dumps({"member": name, "events": _member(t0, 0.030, 0.020, 40)}))
+    rep = run / "kunserve" / "rep1"
+    rep.mkdir(parents=True)
+    (rep / "requests.csv").write_text("idx,arrival_s,send_s,prompt_len,output_len,ok,error,ttft_s,tpot_s\n"
+                                      "0,61.0,61.001,64,300,1,,0.4,0.12\n1,5.0,5.0,64,300,1,,0.3,0.1\n")
+    args = ["--trace", str(trace), "--run", str(run), "--run-command", "kunserve compare --out run", "--docs", str(docs)]
+    assert pi.main(args) == 0
+    md = (docs / "pipeline_idle.md").read_text()
+    assert "kunserve compare --out run" in md and "| e0 |" in md and "| e1 |" in md
+    assert "| rep1 | 1 | 0 | 0.400 | 0.400 | 0.120 |" in md      # only the window's arrival
+    saved = json.loads((docs / "pipeline_idle.json").read_text())
+    assert set(saved["groups"][0]["analysis"]) == {"e0", "e1"}
+    assert sorted(p.name for p in (docs / "pipeline_idle").iterdir()) == ["e0-1-1.json.gz", "e1-1-1.json.gz"]
+    for bad, needle in ((["--window", "9,3"], "--window"), (["--trace", str(tmp_path / "none")], "no worker traces")):
+        with pytest.raises(SystemExit):
+            pi.main(args + bad)
+        assert needle in capsys.readouterr().err
