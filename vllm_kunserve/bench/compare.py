@@ -142,9 +142,9 @@ def run_system(spec: SystemSpec, common: CommonArgs, run_dir: Path, startup_time
         try:
             startup = server.wait_ready(startup_timeout_s)
             break
-        except StartupExited as exc:
+        except BaseException as exc:  # the server never outlives a failed start
             server.stop()
-            if attempt == PORT_TRIES or not port_taken(str(exc)):
+            if attempt == PORT_TRIES or not (isinstance(exc, StartupExited) and port_taken(str(exc))):
                 raise
             print(f"[{spec.name}] port {port} was taken before the server bound it; again on another "
                   f"(attempt {attempt + 1} of {PORT_TRIES})", file=sys.stderr, flush=True)
