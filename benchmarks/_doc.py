@@ -13,11 +13,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says."""
+    return next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+                platform.processor())
+
+
 def cpu_device(what: str) -> str:
     """``<CPU model>, <n> threads (<what>)`` for a benchmark run without a GPU."""
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.processor())
-    return f"{cpu}, {torch.get_num_threads()} threads ({what})"
+    return f"{cpu_model()}, {torch.get_num_threads()} threads ({what})"
 
 
 def rel(path: Path) -> str:

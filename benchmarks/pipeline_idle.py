@@ -23,22 +23,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _doc import command, rel  # noqa: E402
+from _doc import command, cpu_model, rel  # noqa: E402
 from cluster_burst import read_requests, window_stats  # noqa: E402
 
+from vllm_kunserve.bench.metrics import percentiles  # noqa: E402
 from vllm_kunserve.bench.pipeline_trace import analyse, load  # noqa: E402
 
 
-def cpu_name() -> str:
-    return next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-                "unknown CPU")
-
-
 def pcts(xs: list[float]) -> dict:
-    xs = sorted(xs)
+    """P10 / P50 / P90 / P99 of ``xs`` seconds, in ms ({} when empty)."""
     if not xs:
         return {}
-    return {f"p{q}": round(xs[min(len(xs) - 1, int(q / 100 * len(xs)))] * 1e3, 2) for q in (10, 50, 90, 99)}
+    return {k: round(v * 1e3, 2) for k, v in percentiles(xs, (10, 50, 90, 99)).items() if k.startswith("p")}
 
 
 def stage_times(events: list) -> dict:
@@ -86,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = docs / a.name
     raw.mkdir(parents=True, exist_ok=True)
     for f in files:
-        with open(f, "rb") as src, gzip.open(raw / (f.name + ".gz"), "wb") as dst:
+        with open(f, "rb") as src, gzip.GzipFile(raw / (f.name + ".gz"), "wb", mtime=0) as dst:  # same bytes each run
             shutil.copyfileobj(src, dst)
     (docs / f"{a.name}.json").write_text(json.dumps(out, indent=1))
     L = ["# Where a pipeline group's stages idle (written by benchmarks/pipeline_idle.py)", "",
@@ -98,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
          "stage behind the peer's own), *between steps* (this member's engine core is outputting and scheduling "
          "and the peer's microbatch is not here) or *in transit* (both between stages). From the workers' traces "
          "(`KUNSERVE_PIPELINE_TRACE`, analysed by `vllm_kunserve/bench/pipeline_trace.py`, the middle 60% of "
-         "each group's life).", "", f"Machine: {cpu_name()}; the engines' threads and cores: the run's `--env` "
+         "each group's life).", "", f"Machine: {cpu_model()}; the engines' threads and cores: the run's `--env` "
          "settings above.", ""]
     for k, g in enumerate(out["groups"], 1):
         L += [f"## Group {k}", "", "| member | steps | cycle P50 (ms) | own stage | peer spans | sampling | idle | "
