@@ -159,6 +159,12 @@ def paired(out: Path, systems: list[str], reps: int, window: tuple[float, float]
             row[f"{n}_tpot_p50_over_stock"] = r(st[n]["tpot_p50"], s.get("tpot_p50"))
             uses.update({f"{n}_over_stock": ["vllm", n], f"{n}_over_oracle": [n, "oracle"],
                          f"{n}_gap_closed": ["vllm", n, "oracle"], f"{n}_tpot_p50_over_stock": ["vllm", n]})
+        if "static" in st:  # the bound without transition cost: how far each dynamic system is from it
+            for n in st:
+                if n not in ("vllm", "oracle", "static"):
+                    row[f"{n}_over_static"] = r(st[n]["ttft_p99"], st["static"]["ttft_p99"])
+                    row[f"{n}_tpot_p50_over_static"] = r(st[n]["tpot_p50"], st["static"]["tpot_p50"])
+                    uses.update({f"{n}_over_static": [n, "static"], f"{n}_tpot_p50_over_static": [n, "static"]})
         # a ratio is kept out where a run it compares had a late client (a late run, not the repetition)
         row["ok"] = {k: all(st.get(x, {}).get("late_sends", 0) == 0 for x in xs) for k, xs in uses.items()}
         rows.append(row)
@@ -210,6 +216,48 @@ def dispatch_split(out: Path, systems: list[str], reps: int, window: tuple[float
         if cols:
             res.setdefault(s, {})[k] = [round(at(hi, c) - at(lo, c)) for c in cols]
     return res
+
+
+def group_times(out: Path, systems: list[str], reps: int, window: tuple[float, float]) -> dict:
+    """Per system and repetition that grouped: the first second its engines were in a pipeline group
+    and the share of the burst window's seconds they were (``kunserve:grouped_instances`` >= 2 in
+    timeline.csv, the front end's gauge sampled every second)."""
+    lo, hi = window
+    res: dict = {}
+    for s, k, f in run_files(out, systems, reps, "timeline.csv"):
+        with f.open() as fh:
+            rows = [r for r in csv.DictReader(fh) if r.get("kunserve:grouped_instances")]
+        grouped = [float(r["second"]) for r in rows if float(r["kunserve:grouped_instances"]) >= 2]
+        inside = [r for r in rows if lo <= float(r["second"]) < hi]
+        if grouped:
+            res.setdefault(s, {})[k] = {
+                "first_s": grouped[0],
+                "window_share": round(sum(float(r["kunserve:grouped_instances"]) >= 2 for r in inside)
+                                      / len(inside), 3) if inside else None}
+    return res
+
+
+def group_section(groups: dict, rows: list[dict]) -> list[str]:
+    if not groups:
+        return []
+    reps = sorted({k for v in groups.values() for k in v})
+    L = ["## When the engines were grouped", "",
+         "The first second each system's engines were in a pipeline group and the share of the burst window's "
+         "seconds they were (the front end's `kunserve:grouped_instances`). `static` is grouped from the start.", "",
+         "| rep | " + " | ".join(groups) + " |", "|---:|" + "---|" * len(groups)]
+    for k in reps:
+        L.append(f"| {k} | " + " | ".join(
+            "-" if k not in per else f"{per[k]['first_s']:g} s ({f2(per[k]['window_share'])} of the window)"
+            for per in groups.values()) + " |")
+    ks, st = groups.get("kunserve", {}), groups.get("static", {})
+    if ks and st and all((v.get("window_share") or 0) >= 1 for v in [*ks.values(), *st.values()]):
+        p99 = spread(rows, "kunserve_over_static")
+        tpot = spread(rows, "kunserve_tpot_p50_over_static")
+        L += ["", "kunserve grouped before the burst and stayed grouped through the window in every repetition, so "
+              "inside the window it ran the static bound's configuration; what separates the two there is the "
+              f"run-to-run spread: kunserve / static P99 TTFT {f2(p99.get('median'))} ({f2(p99.get('min'))}.."
+              f"{f2(p99.get('max'))}), P50 TPOT {f2(tpot.get('median'))} ({f2(tpot.get('min'))}..{f2(tpot.get('max'))})."]
+    return L + [""]
 
 
 def dispatch_section(split: dict) -> list[str]:
@@ -509,10 +557,11 @@ def pipeline_section(pipe: dict, systems: list[str]) -> list[str]:
 def render(scaling: dict, cap: dict, a: argparse.Namespace, argv: list[str], rows: list[dict], systems: list[str],
            window: tuple[float, float], name: str, mix: dict, cpu: dict, host: dict, short: dict,
            preempt: dict | None = None, pipe: dict | None = None, tails: dict | None = None,
-           split: dict | None = None) -> str:
+           split: dict | None = None, groups: dict | None = None) -> str:
     others = [s for s in systems if s not in ("vllm", "oracle")]
     keys = ["stock_over_oracle"] + [f"{n}_{k}" for n in others
                                     for k in ("over_stock", "over_oracle", "gap_closed", "tpot_p50_over_stock")]
+    keys += sorted({k for r in rows for k in r if k.endswith("_over_static")})
     sp = {k: spread(rows, k) for k in keys}
     L = [f"# Cluster drop under a burst, {a.mix} mix (written by benchmarks/cluster_burst.py)", "",
          f"Command: `{a.command}`" + (f" (this doc re-written from its raw data by `{a.rewritten}`)"
@@ -595,7 +644,8 @@ def render(scaling: dict, cap: dict, a: argparse.Namespace, argv: list[str], row
           "load is prompts to prefill, compute-bound on this CPU, where a pipeline group costs more than the "
           "freed KV buys, so kunserve should not drop there (the monitor's decode share, "
           "`drop.min_decode_share`).", "",
-          ] + tail_section(tails or {}) + dispatch_section(split or {}) + pipeline_section(pipe or {}, systems) \
+          ] + tail_section(tails or {}) + group_section(groups or {}, rows) + dispatch_section(split or {}) \
+        + pipeline_section(pipe or {}, systems) \
         + host_section(host, systems) + [
           "CPU share of one core per repetition (client = the replay process; servers = the front end, the API "
           "servers and the engines, summed): " + json.dumps(cpu), "",
@@ -711,15 +761,16 @@ def main() -> int:
     pipe = {s: [r.get("server", {}).get("pipeline") for r in res["runs"].get(s, [])] for s in systems}
     tails = tail_requests(out, systems, a.repeat, window)
     split = dispatch_split(out, systems, a.repeat, window)
+    groups = group_times(out, systems, a.repeat, window)
     (DOCS / f"{name}.json").write_text(json.dumps(
         {"scaling": scaling, "stock_capacity": cap, "phases": phases, "window": window, "mix": mix,
          "paired": rows, "argv": argv, "forced": a.force, "cpu_share": cpu, "host": host, "command": command,
          "verdict": verdict(rows, systems, harsh(a)) if "oracle" in systems else None,
          "kv_cap_x": a.kv_cap_x, "shortfall": short, "preemptions": preempt, "pipeline": pipe,
-         "tail_requests": tails, "dispatch_split": split}, indent=1) + "\n")
+         "tail_requests": tails, "dispatch_split": split, "grouped": groups}, indent=1) + "\n")
     doc = DOCS / f"{name}.md"
     doc.write_text(render(scaling, cap, a, argv, rows, systems, window, name, mix, cpu, host, short, preempt, pipe,
-                          tails, split))
+                          tails, split, groups))
     print(doc.read_text())
     return 0
 

@@ -87,14 +87,17 @@ def test_the_step_trace_records_steps_and_is_written_when_asked(tmp_path, monkey
 
     monkeypatch.setattr(p, "_TRACE", [])
     monkeypatch.setattr(p, "_TRACE_DIR", "")
+    monkeypatch.setattr(p, "_TRACE_PART_S", 3600.0)
+    monkeypatch.setattr(p, "_TRACE_AT", {"name": "e0", "group": 1, "part": 0, "written": 0.0})
     p._locked(lambda: "out", "execute_model")()
     assert p._TRACE == []                    # off unless KUNSERVE_PIPELINE_TRACE names a directory
     monkeypatch.setattr(p, "_TRACE_DIR", str(tmp_path / "trace"))
+    p._trace_group("e0")                     # joined: parts every _TRACE_PART_S from now
     p._locked(lambda: "out", "execute_model")()
     p._locked(lambda: "tokens", "sample_tokens")()
     (kind, t0, t1, t2), (kind2, *_) = p._TRACE
     assert (kind, kind2) == ("execute_model", "sample_tokens") and t0 <= t1 <= t2
-    p._dump_trace("e0")
+    p._dump_trace()
     (f,) = (tmp_path / "trace").iterdir()
     d = json.loads(f.read_text())
     assert d["member"] == "e0" and [e[0] for e in d["events"]] == ["execute_model", "sample_tokens"]
@@ -108,3 +111,37 @@ def test_the_stage_turn_setting_is_checked():
     for bad in ("x", "-1", "5000", "nan"):
         with pytest.raises(ValueError, match="KUNSERVE_STAGE_TURN_MS"):
             turn_s(bad)
+
+
+def test_a_traced_step_records_its_requests_tokens_and_prefill_tokens():
+    from types import SimpleNamespace
+
+    from vllm_kunserve.integration.vllm.pipeline import _step_load
+
+    # three decodes, a 64-token prompt and a 30-token chunk of another: vLLM's SchedulerOutput field
+    out = SimpleNamespace(num_scheduled_tokens={"a": 1, "b": 1, "c": 1, "p": 64, "q": 30})
+    assert _step_load(out) == (5, 97, 94)
+    assert _step_load(SimpleNamespace(num_scheduled_tokens={})) == (0, 0, 0)
+    assert _step_load(None) == ()            # sample_tokens' argument: no step to describe
+
+
+def test_a_groups_trace_is_written_in_parts_that_load_joins_again(tmp_path, monkeypatch):
+    from vllm_kunserve.bench.pipeline_trace import load
+    from vllm_kunserve.integration.vllm import pipeline
+
+    monkeypatch.setattr(pipeline, "_TRACE_DIR", str(tmp_path))
+    monkeypatch.setattr(pipeline, "_TRACE_PART_EVENTS", 4)
+    monkeypatch.setattr(pipeline, "_TRACE", [])
+    monkeypatch.setattr(pipeline, "_TRACE_PART_S", 3600.0)
+    monkeypatch.setattr(pipeline, "_TRACE_AT", {"name": "", "group": 0, "part": 0, "written": 0.0})
+    for group, (name, t0) in enumerate((("e0", 0.0), ("e0", 50.0)), 1):
+        pipeline._trace_group(name)
+        for k in range(10):                  # 10 steps: two parts of 4 as it goes, the rest at the split
+            pipeline._trace("execute_model", t0 + k, t0 + k, t0 + k + 0.5, 20, 20, 0)
+        pipeline._dump_trace()
+        pipeline._dump_trace()               # nothing new: no empty part
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) == 6 and all(f.startswith("e0-") for f in files)
+    groups = load(tmp_path.glob("*.json"))   # two groups, each e0's parts joined in order
+    assert [[e[1] for e in g["e0"]] for g in groups] == [[float(k) for k in range(10)],
+                                                         [50.0 + k for k in range(10)]]

@@ -10,12 +10,20 @@ from tests.unit.benchmod import load_benchmark
 pytestmark = pytest.mark.unit
 
 
-def _member(t0: float, own_s: float, span_s: float, n: int) -> list:
+def _member(t0: float, own_s: float, span_s: float, n: int, prompt_every: int = 0) -> list:
     """``n`` steps of one member: own stage ``own_s``, then a hop of ``span_s`` (the peer's span), and
-    one span of the peer's run here per step, each waiting 1 ms for the core."""
+    one span of the peer's run here per step, each waiting 1 ms for the core. With ``prompt_every``,
+    steps carry their load (20 decodes), and every such step also a 64-token prompt, 3x as long."""
     ev, t = [], t0
-    for _ in range(n):
-        ev.append(["execute_model", t, t, t + own_s + span_s])
+    for k in range(n):
+        if prompt_every:
+            pre = 64 if k % prompt_every == 0 else 0
+            own_s_k = own_s * (3 if pre else 1)
+            ev.append(["execute_model", t, t, t + own_s_k + span_s, 20, 20 + pre, pre])
+            t += own_s_k - own_s
+            ev[-1][3] = t + own_s + span_s
+        else:
+            ev.append(["execute_model", t, t, t + own_s + span_s])
         ev.append(["hop", t + own_s, t + own_s, t + own_s + span_s, t + own_s + span_s])
         ev.append(["span", t + own_s, t + own_s + 0.001, t + own_s + 0.001 + span_s])
         ev.append(["sample_tokens", t + own_s + span_s, t + own_s + span_s, t + own_s + span_s + 0.0005])
@@ -55,3 +63,21 @@ def test_the_doc_is_written_from_a_trace_directory_and_bad_input_is_refused(tmp_
         with pytest.raises(SystemExit):
             pi.main(args + bad)
         assert needle in capsys.readouterr().err
+
+
+def test_the_doc_says_what_a_prompt_costs_the_group_when_steps_carry_their_load(tmp_path):
+    pi = load_benchmark("pipeline_idle")
+    trace, run, docs = tmp_path / "trace", tmp_path / "run", tmp_path / "docs"
+    trace.mkdir()
+    for name, t0, every in (("e0", 0.0, 5), ("e1", 0.025, 7)):
+        ev = _member(t0, 0.030, 0.020, 60, prompt_every=every)
+        (trace / f"{name}-1-1.json").write_text(json.dumps({"member": name, "events": ev}))
+    (run / "kunserve").mkdir(parents=True)
+    args = ["--trace", str(trace), "--run", str(run), "--run-command", "kunserve compare", "--docs", str(docs)]
+    assert pi.main(args) == 0
+    md = (docs / "pipeline_idle.md").read_text()
+    assert "### What a prompt costs the group" in md
+    cycles = json.loads((docs / "pipeline_idle.json").read_text())["groups"][0]["analysis"]["e0"]["prefill_cycles"]
+    assert cycles["decode only"]["prefill_tokens"] == 0 and cycles["own prefill"]["prefill_tokens"] == 64
+    # a cycle of its own prompt is 60 ms longer (its own stage ran 3x 30 ms)
+    assert cycles["own prefill"]["cycle_p50_ms"] == pytest.approx(cycles["decode only"]["cycle_p50_ms"] + 60, abs=0.5)

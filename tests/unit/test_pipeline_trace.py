@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from vllm_kunserve.bench.pipeline_trace import _merge, _minus, analyse, load
+from vllm_kunserve.bench.pipeline_trace import _merge, _minus, analyse, load, prefill_cycles
 
 pytestmark = pytest.mark.unit
 
@@ -75,3 +75,46 @@ def test_load_groups_the_members_dumps_by_time(tmp_path):
     groups = load(tmp_path.glob("*.json"))
     assert [sorted(g) for g in groups] == [["e0", "e1"], ["e0", "e1"]]
     assert groups[1]["e0"][0][1] == pytest.approx(10.0)
+
+
+def loaded(t: float, dur: float, reqs: int, prefill: int) -> list:
+    """A step traced with what it carried: (start, core, end, requests, tokens, prefill tokens)."""
+    return ["execute_model", t, t, t + dur, reqs, reqs + prefill - (1 if prefill else 0), prefill]
+
+
+def test_prefill_cycles_split_a_members_cycles_by_where_prefill_ran():
+    # e0 steps every 100 ms, except that its step at 0.3 carries a prompt and the next one starts
+    # at 0.65; e1 prefills in its step at 0.5-0.6 (inside e0's cycle 0.3-0.65 and nowhere else)
+    e0 = [loaded(0.0, 0.05, 20, 0), loaded(0.1, 0.05, 20, 0), loaded(0.2, 0.05, 20, 0), loaded(0.3, 0.3, 21, 64),
+          loaded(0.65, 0.05, 21, 0), loaded(0.75, 0.05, 21, 0), loaded(0.85, 0.05, 21, 0)]
+    e1 = [loaded(0.05, 0.05, 20, 0), loaded(0.5, 0.1, 21, 64), loaded(0.7, 0.05, 21, 0), loaded(0.8, 0.11, 21, 32)]
+    out = prefill_cycles(e0, e1)
+    assert set(out) == {"decode only", "both", "peer prefill"}
+    assert out["decode only"]["cycles"] == 4 and out["decode only"]["cycle_p50_ms"] == pytest.approx(100.0)
+    assert out["both"] == {"cycles": 1, "seconds": pytest.approx(0.35), "cycle_p50_ms": pytest.approx(350.0), "cycle_p90_ms": pytest.approx(350.0),
+                           "requests": 21.0, "prefill_tokens": 64.0}
+    # with the core's busy time: its own steps here (0.3-0.6 of the 0.35 s "both" cycle, 0.05 of each 0.1)
+    busy = prefill_cycles(e0, e1, busy=[(e[1], e[3]) for e in e0])
+    assert busy["both"]["idle"] == pytest.approx(0.05 / 0.35, abs=1e-3)
+    assert busy["decode only"]["idle"] == pytest.approx(0.5, abs=1e-3)
+    # e0's cycle 0.75-0.85 overlaps e1's step 0.8-0.91 with 32 prefill tokens
+    assert out["peer prefill"]["cycles"] == 1 and out["peer prefill"]["cycle_p50_ms"] == pytest.approx(100.0)
+    # the peer's side: its cycle 0.05-0.5 saw e0's prompt (0.3-0.6), 0.5-0.7 its own and e0's, 0.7-0.8
+    # neither (its last step has no next one: no cycle)
+    theirs = prefill_cycles(e1, e0)
+    assert {k: v["cycles"] for k, v in theirs.items()} == {"peer prefill": 1, "both": 1, "decode only": 1}
+    assert theirs["peer prefill"]["cycle_p50_ms"] == pytest.approx(450.0)
+    assert theirs["both"]["cycle_p50_ms"] == pytest.approx(200.0)
+
+
+def test_prefill_cycles_of_a_trace_without_step_loads_is_empty():
+    assert prefill_cycles(trace()["e0"], trace()["e1"]) == {}
+    assert "prefill_cycles" not in analyse(trace(), trim=0.0)["e0"]
+
+
+def test_load_reads_steps_with_their_loads(tmp_path):
+    ev = [loaded(1.0, 0.05, 20, 0), loaded(1.1, 0.3, 21, 64)]  # the last mark (prefill tokens) is not a time
+    (tmp_path / "e0-1.json").write_text(json.dumps({"member": "e0", "events": ev}))
+    (tmp_path / "e1-1.json").write_text(json.dumps({"member": "e1", "events": [loaded(1.2, 0.05, 20, 0)]}))
+    groups = load(tmp_path.glob("*.json"))
+    assert len(groups) == 1 and sorted(groups[0]) == ["e0", "e1"]

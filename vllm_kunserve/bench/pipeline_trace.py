@@ -1,9 +1,10 @@
 """Where a pipeline group's stages idle, from the workers' step traces.
 
-With ``KUNSERVE_PIPELINE_TRACE=DIR`` set for the engines, each worker of a group writes, when the
-group splits, when its steps (``execute_model``), samplings (``sample_tokens``), hops (its span run
-on the peer) and the peer spans it served waited for its core, got it and ended
-(``integration/vllm/pipeline.py``; ``time.perf_counter``, one clock for every process of the host).
+With ``KUNSERVE_PIPELINE_TRACE=DIR`` set for the engines, each worker of a group writes, in parts as
+it goes and when the group splits, when its steps (``execute_model``), samplings
+(``sample_tokens``), hops (its span run on the peer) and the peer spans it served waited for its
+core, got it and ended, and what each step carried (``integration/vllm/pipeline.py``;
+``time.perf_counter``, one clock for every process of the host).
 :func:`analyse` turns one group's traces into, per member:
 
 - the cycle (median time between its steps' starts) and what its core did: its own step's compute (the step less
@@ -65,6 +66,12 @@ def _minus(iv: Sequence[Sequence[float]], holes: Sequence[Sequence[float]]) -> l
 
 def _total(iv: Iterable[Sequence[float]], lo: float, hi: float) -> float:
     return sum(min(b, hi) - max(a, lo) for a, b in _merge(iv) if b > lo and a < hi)
+
+
+def _times(e: Sequence) -> Sequence[float]:
+    """An event's time marks: a hop has four, the others three (a step's are followed by what it
+    carried: requests, tokens, prefill tokens)."""
+    return e[1:5] if e[0] == "hop" else e[1:4]
 
 
 def _segments(events: Sequence[Sequence]) -> list[tuple[float, float, str]]:
@@ -150,6 +157,9 @@ def analyse(members: dict[str, Sequence[Sequence]], trim: float = 0.2, step_s: f
         if chain:
             row["chain_ms"] = {k: round(statistics.fmean(c[k] for c in chain) * 1e3, 2) for k in chain[0]}
         peers = [m for m in members if m != me]
+        loads = prefill_cycles(inside, [e for p in peers for e in members[p] if e[0] == "execute_model"], busy)
+        if loads:
+            row["prefill_cycles"] = loads
         if len(peers) == 1:
             causes = dict.fromkeys(CAUSES, 0.0)
             for a, b in idle:
@@ -163,16 +173,58 @@ def analyse(members: dict[str, Sequence[Sequence]], trim: float = 0.2, step_s: f
     return out
 
 
+#: a member's cycle by where prefill tokens ran during it (``prefill_cycles``)
+CYCLE_KINDS = ("decode only", "own prefill", "peer prefill", "both")
+
+
+def prefill_cycles(steps: Sequence[Sequence], peer_steps: Sequence[Sequence],
+                   busy: Sequence[Sequence[float]] | None = None) -> dict[str, dict]:
+    """A member's cycles (one step's start to the next's) by whether its own step and any peer
+    step running during the cycle carried prefill tokens: how many, their total time (s), the
+    cycle's median and P90 (ms),
+    the member's requests per step and its prefill tokens per step (means), and with ``busy`` (its
+    core's busy intervals, merged) the share of these cycles' time its core idled. Steps traced
+    without their load (older traces) give ``{}``."""
+    steps = sorted((e for e in steps if len(e) >= 7), key=lambda e: e[1])
+    peer = sorted((e for e in peer_steps if len(e) >= 7 and e[6] > 0), key=lambda e: e[1])
+    peer_starts = [e[1] for e in peer]
+    by: dict[str, list[tuple[float, int, int, float]]] = {k: [] for k in CYCLE_KINDS}
+    for e, nxt in zip(steps, steps[1:]):
+        a, b = e[1], nxt[1]
+        k = bisect.bisect_left(peer_starts, b)
+        theirs = any(p[3] > a for p in peer[max(0, k - 8):k])  # a peer prefill step overlapping [a, b)
+        kind = CYCLE_KINDS[(e[6] > 0) + 2 * theirs]
+        by[kind].append((b - a, e[4], e[6], _total(busy, a, b) if busy is not None else 0.0))
+    out = {}
+    for kind, rows in by.items():
+        if rows:
+            c = sorted(x[0] for x in rows)
+            out[kind] = {"cycles": len(rows), "seconds": round(sum(c), 3),
+                         "cycle_p50_ms": round(statistics.median(c) * 1e3, 2),
+                         "cycle_p90_ms": round(c[min(len(c) - 1, int(0.9 * len(c)))] * 1e3, 2),
+                         "requests": round(statistics.fmean(x[1] for x in rows), 1),
+                         "prefill_tokens": round(statistics.fmean(x[2] for x in rows), 1)}
+            if busy is not None:
+                out[kind]["idle"] = round(1 - sum(x[3] for x in rows) / sum(c), 3)
+    return out
+
+
 def load(files: Iterable[str | Path]) -> list[dict[str, list]]:
     """The trace dumps ``files`` (a trace directory's ``*.json``), one dict (member -> events) per
-    group: the members' dumps whose spans of time overlap."""
-    dumps = []
-    for p in sorted(map(Path, files)):
+    group: the members' dumps whose spans of time overlap. A worker writes a group's events in
+    parts (``pid``, ``group``, ``part``); the parts of one are joined first."""
+    parts: dict[tuple, list] = {}
+    for k, p in enumerate(sorted(map(Path, files))):
         d = json.loads(p.read_text())
         ev = d.get("events") or []
         if not ev or "member" not in d:
             continue
-        dumps.append((min(e[1] for e in ev), max(e[-1] for e in ev), d["member"], ev))
+        key = (d["member"], d["pid"], d["group"]) if "pid" in d and "group" in d else (d["member"], "file", k)
+        parts.setdefault(key, []).append((d.get("part", 0), ev))
+    dumps = []
+    for (name, *_), chunks in parts.items():
+        ev = [e for _, c in sorted(chunks, key=lambda x: x[0]) for e in c]
+        dumps.append((min(e[1] for e in ev), max(max(_times(e)) for e in ev), name, ev))
     groups: list[tuple[float, float, dict]] = []
     for a, b, name, ev in sorted(dumps):
         for k, (ga, gb, g) in enumerate(groups):

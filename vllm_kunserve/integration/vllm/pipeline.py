@@ -120,25 +120,53 @@ class GroupError(RuntimeError):
 
 #: ``KUNSERVE_PIPELINE_TRACE=DIR``: every worker records when its steps, samplings, hops and the
 #: peers' spans it serves start, get their core and end (``time.perf_counter``: CLOCK_MONOTONIC on
-#: Linux, one clock for every process of the host) and writes them to ``DIR`` when its group
-#: splits, for ``bench/pipeline_trace.py`` (where a stage idles)
+#: Linux, one clock for every process of the host), and what each step carried (requests, tokens,
+#: prefill tokens). It writes them to ``DIR`` in parts as it goes (every ``_TRACE_PART_EVENTS``
+#: events or ``_TRACE_PART_S`` seconds, so a group still formed when its engines are stopped is
+#: traced too: vLLM kills the worker process at shutdown) and when its group splits, for ``bench/pipeline_trace.py`` (where a
+#: stage idles, what a prompt costs the group), which joins a group's parts again.
 _TRACE_DIR = os.environ.get("KUNSERVE_PIPELINE_TRACE", "")
 _TRACE: list[tuple] = []
+_TRACE_PART_EVENTS = 2000
+_TRACE_PART_S = 5.0
+_TRACE_LOCK = threading.Lock()
+#: this process's member name in its latest group, that group's number here, the next part's and
+#: when the latest part was written
+_TRACE_AT = {"name": "", "group": 0, "part": 0, "written": 0.0}
 
 
 def _trace(kind: str, *marks: float) -> None:
-    if _TRACE_DIR and len(_TRACE) < 1_000_000:
+    if _TRACE_DIR:
         _TRACE.append((kind, *marks))
+        if len(_TRACE) >= _TRACE_PART_EVENTS or time.perf_counter() - _TRACE_AT["written"] >= _TRACE_PART_S:
+            _dump_trace()
 
 
-def _dump_trace(name: str) -> None:
-    if not _TRACE_DIR or not _TRACE:
+def _trace_group(name: str) -> None:
+    """A new group: its events go to parts of their own."""
+    with _TRACE_LOCK:
+        _TRACE_AT.update(name=name, group=_TRACE_AT["group"] + 1, part=0, written=time.perf_counter())
+
+
+def _dump_trace() -> None:
+    """Write the events traced since the last part (the stage server thread and the step's thread
+    both trace: the part takes what was there, appends made meanwhile go to the next)."""
+    if not _TRACE_DIR:
         return
+    with _TRACE_LOCK:
+        n = len(_TRACE)
+        if not n:
+            return
+        events = _TRACE[:n]
+        del _TRACE[:n]
+        at = dict(_TRACE_AT, pid=os.getpid())
+        _TRACE_AT["part"] += 1
+        _TRACE_AT["written"] = time.perf_counter()
     os.makedirs(_TRACE_DIR, exist_ok=True)
-    path = os.path.join(_TRACE_DIR, f"{name}-{os.getpid()}-{int(time.time() * 1e3)}.json")
+    name = at["name"] or "worker"
+    path = os.path.join(_TRACE_DIR, f"{name}-{at['pid']}-g{at['group']}-{at['part']:05d}.json")
     with open(path, "w") as f:
-        json.dump({"member": name, "events": _TRACE}, f)
-    _TRACE.clear()
+        json.dump({"member": name, "pid": at["pid"], "group": at["group"], "part": at["part"], "events": events}, f)
 
 
 class HopTimes:
@@ -423,6 +451,7 @@ class GroupMember:
             raise GroupError(f"already in a group (dropped layers {list(self.res.dropped)})")
         timeout = float(p.get("timeout_s", 120.0))
         self.name = p["name"]
+        _trace_group(self.name)
         peers = p["peers"]
         nbytes = max(1 << 20, int(p.get("stage_bytes", 1 << 20)))
         try:
@@ -526,7 +555,7 @@ class GroupMember:
         t0 = time.perf_counter()
         mapped = self.res.leave(blocks, (lambda: None) if abandon else exchange, images=images)
         self._uninstall()
-        _dump_trace(self.name)
+        _dump_trace()
         self.spans, self.views, self.lost = [], {}, ""
         self._close()
         hops = self.hops.summary()
@@ -588,6 +617,16 @@ def _step_chunks(attn: Any) -> list[tuple[int, int]]:
     return [(int(s) - int(n), int(n)) for s, n in zip(seq.tolist()[:len(new)], new)]
 
 
+def _step_load(scheduler_output: Any) -> tuple[int, ...]:
+    """A step's (requests, tokens, prefill tokens) from vLLM's ``SchedulerOutput``: prefill tokens
+    are those of requests scheduled with more than one token (a decode is one); () for a call that
+    carries no step (``sample_tokens``)."""
+    n = getattr(scheduler_output, "num_scheduled_tokens", None)
+    if not isinstance(n, dict):
+        return ()
+    return len(n), sum(n.values()), sum(v for v in n.values() if v > 1)
+
+
 def _locked(fn, name: str):
     """``fn`` under the compute lock (traced as ``name``), keeping this member's turn (``Turn``):
     due while a step starts, after it ends (its sampling or the next step follows) and after a
@@ -603,7 +642,7 @@ def _locked(fn, name: str):
                 TURN.away()
                 raise
             finally:
-                _trace(name, t0, t1, time.perf_counter())
+                _trace(name, t0, t1, time.perf_counter(), *(_step_load(args[0]) if args and _TRACE_DIR else ()))
             TURN.due()
             return out
     return call
