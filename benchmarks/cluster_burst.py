@@ -219,9 +219,10 @@ def dispatch_split(out: Path, systems: list[str], reps: int, window: tuple[float
 
 
 def group_times(out: Path, systems: list[str], reps: int, window: tuple[float, float]) -> dict:
-    """Per system and repetition that grouped: the first second its engines were in a pipeline group
-    and the share of the burst window's seconds they were (``kunserve:grouped_instances`` >= 2 in
-    timeline.csv, the front end's gauge sampled every second)."""
+    """Per system and repetition that grouped: the first second its engines were in a pipeline group,
+    the share of the burst window's seconds they were (``kunserve:grouped_instances`` >= 2 in
+    timeline.csv, the front end's gauge sampled every second) and, at the window's last sample, the
+    layers and KV blocks each engine held (``kunserve:layers_held`` / ``kunserve:kv_blocks_total``)."""
     lo, hi = window
     res: dict = {}
     for s, k, f in run_files(out, systems, reps, "timeline.csv"):
@@ -230,10 +231,17 @@ def group_times(out: Path, systems: list[str], reps: int, window: tuple[float, f
         grouped = [float(r["second"]) for r in rows if float(r["kunserve:grouped_instances"]) >= 2]
         inside = [r for r in rows if lo <= float(r["second"]) < hi]
         if grouped:
+            last = inside[-1] if inside else {}
+
+            def per_engine(prefix: str) -> list[int]:
+                cols = sorted((c for c in last if c.startswith(prefix + "{instance=") and last[c]),
+                              key=lambda c: int(c.split("=")[1].rstrip("}")))
+                return [int(float(last[c])) for c in cols]
             res.setdefault(s, {})[k] = {
                 "first_s": grouped[0],
                 "window_share": round(sum(float(r["kunserve:grouped_instances"]) >= 2 for r in inside)
-                                      / len(inside), 3) if inside else None}
+                                      / len(inside), 3) if inside else None,
+                "layers": per_engine("kunserve:layers_held"), "kv_blocks": per_engine("kunserve:kv_blocks_total")}
     return res
 
 
@@ -250,13 +258,16 @@ def group_section(groups: dict, rows: list[dict]) -> list[str]:
             "-" if k not in per else f"{per[k]['first_s']:g} s ({f2(per[k]['window_share'])} of the window)"
             for per in groups.values()) + " |")
     ks, st = groups.get("kunserve", {}), groups.get("static", {})
-    if ks and st and all((v.get("window_share") or 0) >= 1 for v in [*ks.values(), *st.values()]):
+    same = {(tuple(v.get("layers") or ()), tuple(v.get("kv_blocks") or ())) for v in [*ks.values(), *st.values()]}
+    if ks and st and len(same) == 1 and all((v.get("window_share") or 0) >= 1 for v in [*ks.values(), *st.values()]):
         p99 = spread(rows, "kunserve_over_static")
         tpot = spread(rows, "kunserve_tpot_p50_over_static")
-        L += ["", "kunserve grouped before the burst and stayed grouped through the window in every repetition, so "
-              "inside the window it ran the static bound's configuration; what separates the two there is the "
-              f"run-to-run spread: kunserve / static P99 TTFT {f2(p99.get('median'))} ({f2(p99.get('min'))}.."
-              f"{f2(p99.get('max'))}), P50 TPOT {f2(tpot.get('median'))} ({f2(tpot.get('min'))}..{f2(tpot.get('max'))})."]
+        layers, blocks = next(iter(same))
+        L += ["", "kunserve grouped before the burst and stayed grouped through the window in every repetition, "
+              f"holding what static holds (layers per engine {list(layers)}, KV blocks {list(blocks)}): inside the "
+              "window it ran the static bound's configuration. kunserve / static there, paired per repetition: "
+              f"P99 TTFT {f2(p99.get('median'))} ({f2(p99.get('min'))}..{f2(p99.get('max'))}), P50 TPOT "
+              f"{f2(tpot.get('median'))} ({f2(tpot.get('min'))}..{f2(tpot.get('max'))})."]
     return L + [""]
 
 

@@ -116,18 +116,23 @@ def test_group_times_and_kunserve_over_the_static_bound(tmp_path):
     for system, first in (("kunserve", 30), ("static", 0), ("vllm", None)):
         d = tmp_path / system / "rep1"
         d.mkdir(parents=True)
+        lay, blk = "kunserve:layers_held{instance=", "kunserve:kv_blocks_total{instance="
         with open(d / "timeline.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, ["second", g])
+            w = csv.DictWriter(f, ["second", g, lay + "1}", lay + "0}", blk + "0}", blk + "1}"])
             w.writeheader()
             for sec in range(0, 120, 5):
-                w.writerow({"second": sec, g: "" if first is None else (2 if sec >= first else 0)})
+                on = first is not None and sec >= first
+                w.writerow({"second": sec, g: "" if first is None else (2 if on else 0),
+                            lay + "0}": 6 if on else 12, lay + "1}": 6 if on else 12,
+                            blk + "0}": 400 if on else 40, blk + "1}": 400 if on else 40})
         ttft = {"kunserve": 0.9, "static": 0.75, "vllm": 80.0}[system]
         tpot = {"kunserve": 0.15, "static": 0.12, "vllm": 0.12}[system]
         (d / "requests.csv").write_text("idx,arrival_s,send_s,ok,ttft_s,tpot_s\n"
                                         f"0,70.0,70.0,1,{ttft},{tpot}\n1,80.0,80.0,1,{ttft},{tpot}\n")
     groups = cb.group_times(tmp_path, ["vllm", "kunserve", "static"], 1, (60.0, 100.0))
-    assert groups == {"kunserve": {1: {"first_s": 30.0, "window_share": 1.0}},
-                      "static": {1: {"first_s": 0.0, "window_share": 1.0}}}
+    held = {"layers": [6, 6], "kv_blocks": [400, 400]}
+    assert groups == {"kunserve": {1: {"first_s": 30.0, "window_share": 1.0, **held}},
+                      "static": {1: {"first_s": 0.0, "window_share": 1.0, **held}}}
     rows = cb.paired(tmp_path, ["vllm", "kunserve", "static"], 1, (60.0, 100.0))
     assert rows[0]["kunserve_over_static"] == pytest.approx(0.9 / 0.75)
     assert rows[0]["kunserve_tpot_p50_over_static"] == pytest.approx(0.15 / 0.12)
@@ -135,7 +140,11 @@ def test_group_times_and_kunserve_over_the_static_bound(tmp_path):
     md = "\n".join(cb.group_section(groups, rows))
     assert "| 1 | 30 s (1.00 of the window) | 0 s (1.00 of the window) |" in md
     assert "ran the static bound's configuration" in md and "P99 TTFT 1.20 (1.20..1.20)" in md
-    # kunserve grouped only after the window opened: no such reading
-    late = {"kunserve": {1: {"first_s": 80.0, "window_share": 0.5}}, "static": groups["static"]}
+    assert "layers per engine [6, 6], KV blocks [400, 400]" in md
+    # kunserve grouped only after the window opened, or holding other layers: no such reading
+    late = {"kunserve": {1: {"first_s": 80.0, "window_share": 0.5, **held}}, "static": groups["static"]}
     assert "static bound's configuration" not in "\n".join(cb.group_section(late, rows))
+    other = {"kunserve": {1: {"first_s": 30.0, "window_share": 1.0, "layers": [8, 4], "kv_blocks": [400, 400]}},
+             "static": groups["static"]}
+    assert "static bound's configuration" not in "\n".join(cb.group_section(other, rows))
     assert cb.group_section({}, rows) == []

@@ -17,7 +17,10 @@ core, got it and ended, and what each step carried (``integration/vllm/pipeline.
   member's microbatch is at the peer's stage and so is the peer's own: one of them waits there
   while this stage has nothing), *between steps* (this member's engine core is between steps and
   the peer's microbatch is not here), *in transit* (both microbatches between stages: the link and
-  the hand-over of the core) and *other*.
+  the hand-over of the core) and *other*;
+- its cycles by where prefill tokens ran meanwhile (:func:`prefill_cycles`: its own step, a step
+  of the peer's, both, neither), with each kind's cycle time and core idle share: what a prompt in
+  one member's step costs the other.
 
     python -m vllm_kunserve.bench.pipeline_trace DIR
 """
@@ -181,10 +184,9 @@ def prefill_cycles(steps: Sequence[Sequence], peer_steps: Sequence[Sequence],
                    busy: Sequence[Sequence[float]] | None = None) -> dict[str, dict]:
     """A member's cycles (one step's start to the next's) by whether its own step and any peer
     step running during the cycle carried prefill tokens: how many, their total time (s), the
-    cycle's median and P90 (ms),
-    the member's requests per step and its prefill tokens per step (means), and with ``busy`` (its
-    core's busy intervals, merged) the share of these cycles' time its core idled. Steps traced
-    without their load (older traces) give ``{}``."""
+    cycle's median and P90 (ms), the member's requests per step and its prefill tokens per step
+    (means), and with ``busy`` (its core's busy intervals, merged) the share of these cycles' time
+    its core idled. Steps traced without their load (older traces) give ``{}``."""
     steps = sorted((e for e in steps if len(e) >= 7), key=lambda e: e[1])
     peer = sorted((e for e in peer_steps if len(e) >= 7 and e[6] > 0), key=lambda e: e[1])
     peer_starts = [e[1] for e in peer]

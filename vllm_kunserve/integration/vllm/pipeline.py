@@ -122,9 +122,10 @@ class GroupError(RuntimeError):
 #: peers' spans it serves start, get their core and end (``time.perf_counter``: CLOCK_MONOTONIC on
 #: Linux, one clock for every process of the host), and what each step carried (requests, tokens,
 #: prefill tokens). It writes them to ``DIR`` in parts as it goes (every ``_TRACE_PART_EVENTS``
-#: events or ``_TRACE_PART_S`` seconds, so a group still formed when its engines are stopped is
-#: traced too: vLLM kills the worker process at shutdown) and when its group splits, for ``bench/pipeline_trace.py`` (where a
-#: stage idles, what a prompt costs the group), which joins a group's parts again.
+#: events or ``_TRACE_PART_S`` seconds, a few ms each; so a group still formed when its engines
+#: are stopped is traced too: vLLM kills the worker process at shutdown) and when its group
+#: splits, for ``bench/pipeline_trace.py`` (where a stage idles, what a prompt costs the group),
+#: which joins a group's parts again.
 _TRACE_DIR = os.environ.get("KUNSERVE_PIPELINE_TRACE", "")
 _TRACE: list[tuple] = []
 _TRACE_PART_EVENTS = 2000
