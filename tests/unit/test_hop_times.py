@@ -145,3 +145,20 @@ def test_a_groups_trace_is_written_in_parts_that_load_joins_again(tmp_path, monk
     groups = load(tmp_path.glob("*.json"))   # two groups, each e0's parts joined in order
     assert [[e[1] for e in g["e0"]] for g in groups] == [[float(k) for k in range(10)],
                                                          [50.0 + k for k in range(10)]]
+
+
+def test_a_trace_that_cannot_be_written_turns_tracing_off_instead_of_failing_the_step(tmp_path, monkeypatch,
+                                                                                       caplog):
+    from vllm_kunserve.integration.vllm import pipeline as p
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setattr(p, "_TRACE_DIR", str(blocker / "trace"))   # under a file: makedirs fails
+    monkeypatch.setattr(p, "_TRACE", [])
+    monkeypatch.setattr(p, "_TRACE_PART_EVENTS", 2)
+    monkeypatch.setattr(p, "_TRACE_AT", {"name": "e0", "group": 1, "part": 0, "written": 1e18})
+    assert p._locked(lambda: "out", "execute_model")() == "out"
+    assert p._locked(lambda: "out", "execute_model")() == "out"   # the part is due here, and fails
+    assert p._TRACE_DIR == "" and p._TRACE == []
+    assert "cannot write" in caplog.text and "tracing is off" in caplog.text
+    assert p._locked(lambda: "out", "execute_model")() == "out" and p._TRACE == []

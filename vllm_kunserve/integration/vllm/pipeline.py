@@ -163,11 +163,22 @@ def _dump_trace() -> None:
         at = dict(_TRACE_AT, pid=os.getpid())
         _TRACE_AT["part"] += 1
         _TRACE_AT["written"] = time.perf_counter()
-    os.makedirs(_TRACE_DIR, exist_ok=True)
     name = at["name"] or "worker"
     path = os.path.join(_TRACE_DIR, f"{name}-{at['pid']}-g{at['group']}-{at['part']:05d}.json")
-    with open(path, "w") as f:
-        json.dump({"member": name, "pid": at["pid"], "group": at["group"], "part": at["part"], "events": events}, f)
+    try:
+        os.makedirs(_TRACE_DIR, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"member": name, "pid": at["pid"], "group": at["group"], "part": at["part"],
+                       "events": events}, f)
+    except OSError as exc:  # a trace that cannot be written must not fail the step that wrote it
+        _stop_tracing(f"KUNSERVE_PIPELINE_TRACE={_TRACE_DIR}: cannot write {path} ({exc}); tracing is off")
+
+
+def _stop_tracing(why: str) -> None:
+    global _TRACE_DIR
+    logger.warning("kunserve: %s", why)
+    _TRACE_DIR = ""
+    _TRACE.clear()
 
 
 class HopTimes:
