@@ -218,6 +218,17 @@ def dispatch_split(out: Path, systems: list[str], reps: int, window: tuple[float
     return res
 
 
+def rep_section(title: str, text: str, per_system: dict, cell) -> list[str]:
+    """A doc section: ``title``, ``text`` and a table of one row per repetition, one column per
+    system (``per_system``: system -> repetition -> value; ``cell`` formats a value, "-" where none)."""
+    reps = sorted({k for v in per_system.values() for k in v})
+    L = [f"## {title}", "", text, "", "| rep | " + " | ".join(per_system) + " |", "|---:|" + "---|" * len(per_system)]
+    for k in reps:
+        L.append(f"| {k} | " + " | ".join("-" if per.get(k) is None else cell(per[k]) for per in per_system.values())
+                 + " |")
+    return L
+
+
 def group_times(out: Path, systems: list[str], reps: int, window: tuple[float, float]) -> dict:
     """Per system and repetition that grouped: the first second its engines were in a pipeline group,
     the share of the burst window's seconds they were (``kunserve:grouped_instances`` >= 2 in
@@ -248,15 +259,11 @@ def group_times(out: Path, systems: list[str], reps: int, window: tuple[float, f
 def group_section(groups: dict, rows: list[dict]) -> list[str]:
     if not groups:
         return []
-    reps = sorted({k for v in groups.values() for k in v})
-    L = ["## When the engines were grouped", "",
-         "The first second each system's engines were in a pipeline group and the share of the burst window's "
-         "seconds they were (the front end's `kunserve:grouped_instances`). `static` is grouped from the start.", "",
-         "| rep | " + " | ".join(groups) + " |", "|---:|" + "---|" * len(groups)]
-    for k in reps:
-        L.append(f"| {k} | " + " | ".join(
-            "-" if k not in per else f"{per[k]['first_s']:g} s ({f2(per[k]['window_share'])} of the window)"
-            for per in groups.values()) + " |")
+    L = rep_section("When the engines were grouped",
+                    "The first second each system's engines were in a pipeline group and the share of the burst "
+                    "window's seconds they were (the front end's `kunserve:grouped_instances`). `static` is grouped "
+                    "from the start.", groups,
+                    lambda g: f"{g['first_s']:g} s ({f2(g['window_share'])} of the window)")
     ks, st = groups.get("kunserve", {}), groups.get("static", {})
     same = {(tuple(v.get("layers") or ()), tuple(v.get("kv_blocks") or ())) for v in [*ks.values(), *st.values()]}
     if ks and st and len(same) == 1 and all((v.get("window_share") or 0) >= 1 for v in [*ks.values(), *st.values()]):
@@ -274,36 +281,25 @@ def group_section(groups: dict, rows: list[dict]) -> list[str]:
 def dispatch_section(split: dict) -> list[str]:
     if not split:
         return []
-    reps = sorted({k for v in split.values() for k in v})
-    L = ["## Dispatch split", "",
-         "The window's arrivals the front end gave each engine (engine 0 / engine 1 ...; its "
-         "`kunserve:dispatched_total` counters). In a pipeline group each member's requests are its own "
-         "microbatch through both stages, so an uneven split makes one microbatch the longer and sets the "
-         "group's cycle (policy/dispatch.py: inside a group least-work balances requests).", "",
-         "| rep | " + " | ".join(split) + " |", "|---:|" + "---|" * len(split)]
-    for k in reps:
-        L.append(f"| {k} | " + " | ".join(" / ".join(map(str, per[k])) if k in per else "-"
-                                          for per in split.values()) + " |")
-    return L + [""]
+    return rep_section(
+        "Dispatch split",
+        "The window's arrivals the front end gave each engine (engine 0 / engine 1 ...; its "
+        "`kunserve:dispatched_total` counters). In a pipeline group each member's requests are its own "
+        "microbatch through both stages, so an uneven split makes one microbatch the longer and sets the "
+        "group's cycle (policy/dispatch.py: inside a group least-work balances requests).",
+        split, lambda v: " / ".join(map(str, v))) + [""]
 
 
 def tail_section(tails: dict) -> list[str]:
     if not tails:
         return []
-    reps = sorted({k for v in tails.values() for k in v})
-    L = ["## Which requests set the P99", "",
-         "The window's largest TTFTs (s) with their arrival times (s, trace time), per system and repetition, and "
-         "the requests arriving within 1 s either side of the largest one's: with about 50 requests in the window, "
-         "P99 lies between the largest TTFT and the second, so a few requests arriving together set it.", "",
-         "| rep | " + " | ".join(tails) + " |", "|---:|" + "---|" * len(tails)]
-    for k in reps:
-        cells = []
-        for s, per in tails.items():
-            t = per.get(k)
-            cells.append("-" if t is None else ", ".join(f"{x:.2f} @{at:.1f}" for x, at in t["top"])
-                         + f" ({t['around_top']} within 1 s)")
-        L.append(f"| {k} | " + " | ".join(cells) + " |")
-    return L + [""]
+    return rep_section(
+        "Which requests set the P99",
+        "The window's largest TTFTs (s) with their arrival times (s, trace time), per system and repetition, and "
+        "the requests arriving within 1 s either side of the largest one's: with about 50 requests in the window, "
+        "P99 lies between the largest TTFT and the second, so a few requests arriving together set it.",
+        tails, lambda t: ", ".join(f"{x:.2f} @{at:.1f}" for x, at in t["top"]) + f" ({t['around_top']} within 1 s)"
+    ) + [""]
 
 
 def kept(r: dict, key: str) -> bool:
