@@ -4,7 +4,7 @@
                                        [--name pipeline_idle]
 
 ``DIR``: the ``KUNSERVE_PIPELINE_TRACE`` directory of a ``kunserve compare`` run (the workers write
-it when their group splits and when they shut down);
+it in parts as their group runs and when it splits);
 ``RUN_DIR``: that run's output (its requests, for the burst window's TTFT and TPOT). Writes
 ``docs/benchmarks/NAME.md`` and ``.json`` (the analysis of ``bench/pipeline_trace.py`` and the
 distribution of each stage's time) and the traces themselves, gzipped, under ``NAME/``.
@@ -52,6 +52,52 @@ def stage_times(events: list) -> dict:
             "steps": len(steps), "spans": len(spans)}
 
 
+def prompt_cost_section(analysis: dict) -> list[str]:
+    """What a prompt costs the group: each member's cycles by where prefill tokens ran
+    (``pipeline_trace.prefill_cycles``), as a table and a reading; [] for traces without step loads."""
+    cyc = {m: r["prefill_cycles"] for m, r in sorted(analysis.items()) if r.get("prefill_cycles")}
+    if not cyc:
+        return []
+    L = ["", "### What a prompt costs the group", "",
+         "Each member's cycles (one step's start to the next's, the middle of the group's life) by where "
+         "prefill tokens ran meanwhile: in neither member's step, in its own step only, only in a step of "
+         "the peer's that overlapped the cycle, or in both. Requests and prefill tokens: the member's "
+         "own step's, mean.", "",
+         "| member | cycle | cycles | share of time | P50 (ms) | P90 (ms) | core idle | requests | "
+         "prefill tokens |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for m, kinds in cyc.items():
+        total = sum(c["seconds"] for c in kinds.values()) or 1.0
+        for kind in CYCLE_KINDS:
+            if kind in kinds:
+                c = kinds[kind]
+                idle = f"{c['idle']:.0%}" if "idle" in c else "-"
+                L.append(f"| {m} | {kind} | {c['cycles']} | {c['seconds'] / total:.0%} | "
+                         f"{c['cycle_p50_ms']:g} | {c['cycle_p90_ms']:g} | {idle} | {c['requests']:g} | "
+                         f"{c['prefill_tokens']:g} |")
+
+    def vals(kind: str, key: str) -> list[float]:
+        return [k[kind][key] for k in cyc.values() if kind in k and key in k[kind]]
+
+    def rng(xs: list[float], fmt: str) -> str:
+        lo, hi = format(min(xs), fmt), format(max(xs), fmt)
+        return lo if lo == hi else f"{lo}-{hi}"
+
+    base, peer = vals("decode only", "cycle_p50_ms"), vals("peer prefill", "cycle_p50_ms")
+    if base and peer:
+        L += ["", f"Reading: a prompt in one member's step lengthens the *other* member's cycle too, from "
+              f"{rng(base, 'g')} ms (no prefill anywhere) to {rng(peer, 'g')} ms at P50: its microbatch "
+              "waits behind the prefill at the shared stage. Alone, an engine's step pays only for its "
+              "own prompts."]
+        lone = vals("own prefill", "idle") + vals("peer prefill", "idle")
+        if vals("decode only", "idle") and lone:
+            both = vals("both", "idle")
+            L[-1] += (f" Each core idled {rng(vals('decode only', 'idle'), '.0%')} of the decode-only cycles' "
+                      f"time and {rng(lone, '.0%')} of the cycles where one member alone prefilled"
+                      + (f" ({rng(both, '.0%')} where both did: two balanced microbatches)" if both else "")
+                      + ".")
+    return L
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", required=True, help="the KUNSERVE_PIPELINE_TRACE directory")
@@ -87,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     (docs / f"{a.name}.json").write_text(json.dumps(out, indent=1))
     L = ["# Where a pipeline group's stages idle (written by benchmarks/pipeline_idle.py)", "",
          f"Command: `{out['command']}`, where `RUN_COMMAND` is the run it reads (its workers wrote their traces "
-         "when their group split or when they shut down):", "", "```", a.run_command, "```", "",
+         "in parts as their group ran and when it split):", "", "```", a.run_command, "```", "",
          "Each member of a 2-engine group runs its own requests as one microbatch through both stages (its kept "
          "layers here, the rest as a span on the peer), so two microbatches share two stages. A stage idles when "
          "both microbatches are at the other one: a *collision* (this member's microbatch waits at the peer's "
@@ -121,44 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"own stage varies from step to step (P90 / P50: {min(spread):.2f}x-{max(spread):.2f}x; its batch "
                   "and its prefill chunk change every step), and with one microbatch per member the "
                   "shorter of two stages that should overlap waits for the longer one."]
-        cyc = {m: r["prefill_cycles"] for m, r in sorted(g["analysis"].items()) if r.get("prefill_cycles")}
-        if cyc:
-            L += ["", "### What a prompt costs the group", "",
-                  "Each member's cycles (one step's start to the next's, the middle of the group's life) by where "
-                  "prefill tokens ran meanwhile: in neither member's step, in its own step only, only in a step of "
-                  "the peer's that overlapped the cycle, or in both. Requests and prefill tokens: the member's "
-                  "own step's, mean.", "",
-                  "| member | cycle | cycles | share of time | P50 (ms) | P90 (ms) | core idle | requests | "
-                  "prefill tokens |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-            for m, kinds in cyc.items():
-                total = sum(c["seconds"] for c in kinds.values()) or 1.0
-                for kind in CYCLE_KINDS:
-                    if kind in kinds:
-                        c = kinds[kind]
-                        idle = f"{c['idle']:.0%}" if "idle" in c else "-"
-                        L.append(f"| {m} | {kind} | {c['cycles']} | {c['seconds'] / total:.0%} | "
-                                 f"{c['cycle_p50_ms']:g} | {c['cycle_p90_ms']:g} | {idle} | {c['requests']:g} | "
-                                 f"{c['prefill_tokens']:g} |")
-            def vals(kind: str, key: str) -> list[float]:
-                return [k[kind][key] for k in cyc.values() if kind in k and key in k[kind]]
-
-            def rng(xs: list[float], fmt: str) -> str:
-                lo, hi = format(min(xs), fmt), format(max(xs), fmt)
-                return lo if lo == hi else f"{lo}-{hi}"
-
-            base, peer = vals("decode only", "cycle_p50_ms"), vals("peer prefill", "cycle_p50_ms")
-            if base and peer:
-                L += ["", f"Reading: a prompt in one member's step lengthens the *other* member's cycle too, from "
-                      f"{rng(base, 'g')} ms (no prefill anywhere) to {rng(peer, 'g')} ms at P50: its microbatch "
-                      "waits behind the prefill at the shared stage. Alone, an engine's step pays only for its "
-                      "own prompts."]
-                lone = vals("own prefill", "idle") + vals("peer prefill", "idle")
-                if vals("decode only", "idle") and lone:
-                    both = vals("both", "idle")
-                    L[-1] += (f" Each core idled {rng(vals('decode only', 'idle'), '.0%')} of the decode-only cycles' "
-                              f"time and {rng(lone, '.0%')} of the cycles where one member alone prefilled"
-                              + (f" ({rng(both, '.0%')} where both did: two balanced microbatches)" if both else "")
-                              + ".")
+        L += prompt_cost_section(g["analysis"])
         L.append("")
     L += ["## The run's burst window", "",
           f"Arrivals in [{lo:g}, {hi:g}) s of the `{a.system}` runs: P50 / P99 TTFT and P50 TPOT (s).", "",
