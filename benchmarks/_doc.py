@@ -24,6 +24,13 @@ def cpu_device(what: str) -> str:
     return f"{cpu_model()}, {torch.get_num_threads()} threads ({what})"
 
 
+def device_name(dev: torch.device) -> str:
+    """The GPU's name for a CUDA device, else ``cpu_device("CPU, no GPU lent")``."""
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return cpu_device("CPU, no GPU lent")
+
+
 def rel(path: Path) -> str:
     """``path`` relative to the repository when inside it (as written in the docs)."""
     return (path.relative_to(ROOT) if path.is_relative_to(ROOT) else path).as_posix()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -31,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._doc import cpu_device, doc_header, rel  # noqa: E402
+from benchmarks._doc import device_name, doc_header, rel  # noqa: E402
 
 #: model shapes: the cluster burst's CPU model (``kunserve make-model`` preset ``decode-bf16``) and a
 #: Llama-2-7B-sized one (GPU only: 13 GB of bf16 weights)
@@ -108,7 +109,8 @@ def summarise(times: dict[int, list[float]]) -> dict:
     med = {t: statistics.median(v) * 1e3 for t, v in times.items()}
     first = min(med)
     rows = [{"tokens": t, "ms": round(m, 3), "ms_per_token": round(m / t, 4), "over_one": round(m / med[first], 3),
-             "spread_ms": [round(min(times[t]) * 1e3, 3), round(max(times[t]) * 1e3, 3)]} for t, m in sorted(med.items())]
+             "spread_ms": [round(min(times[t]) * 1e3, 3), round(max(times[t]) * 1e3, 3)]}
+            for t, m in sorted(med.items())]
     head = None
     if BASE_T in med and WITH_PROMPT_T in med:
         head = {"base_tokens": BASE_T, "with_prompt_tokens": WITH_PROMPT_T,
@@ -163,10 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     graphs = dev.type == "cuda" and not a.eager
     times = measure(model, tokens, a.reps, a.warmup, dev, graphs=graphs)
-    name = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
-            else cpu_device("CPU, no GPU lent"))
-    res = {"device": name, "preset": a.preset, "dtype": a.dtype, "threads": torch.get_num_threads(), "cuda_graphs": graphs,
-           "weights_mb": weights / 1e6, "reps": a.reps, "warmup": a.warmup, "load": __import__("os").getloadavg()[0],
+    res = {"device": device_name(dev), "preset": a.preset, "dtype": a.dtype, "threads": torch.get_num_threads(),
+           "cuda_graphs": graphs, "weights_mb": weights / 1e6, "reps": a.reps, "warmup": a.warmup,
+           "load": os.getloadavg()[0],
            **summarise(times), "raw_ms": {str(t): [round(x * 1e3, 3) for x in v] for t, v in times.items()}}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=1) + "\n")

@@ -27,15 +27,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._doc import cpu_device, doc_header  # noqa: E402
+from benchmarks._doc import device_name, doc_header  # noqa: E402
 from vllm_kunserve.memory.streaming import install_streaming  # noqa: E402
 from vllm_kunserve.policy.remap import max_remapped  # noqa: E402
-
-
-def device_name(dev: torch.device) -> str:
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    return cpu_device("CPU, no GPU lent")
 
 
 def sync(dev):
