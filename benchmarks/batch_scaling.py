@@ -10,9 +10,9 @@ batch size. A run is called valid for the cluster benchmark only where a batch o
 fitted as ``fixed + tokens / rate``: the rate at which an engine prefills (and recomputes a
 preempted request), apart from what a request costs on its way in.
 
-    python benchmarks/batch_scaling.py [--batches 1,4,16,64] [--model DIR]
+    python benchmarks/batch_scaling.py [--batches 1,4,16,64] [--model DIR] [--preset P --name NAME]
 
-Writes docs/benchmarks/batch_scaling.{json,md}.
+Writes docs/benchmarks/batch_scaling.{json,md} (``--name``: NAME.{json,md}).
 """
 
 from __future__ import annotations
@@ -59,6 +59,9 @@ def main() -> int:
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--model", default=str(ROOT / "models"))
     ap.add_argument("--no-doc", action="store_true")
+    ap.add_argument("--preset", default=None,
+                    help="model preset (default: the one the CPU suits, decode-bf16 or decode-fp32)")
+    ap.add_argument("--name", default="batch_scaling", help="doc name under docs/benchmarks/")
     a = ap.parse_args()
     os.environ.update(OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_HOST_IP="127.0.0.1")
     import torch
@@ -69,7 +72,9 @@ def main() -> int:
     from vllm_kunserve.tools.make_model import PRESETS, build_model
 
     flags = cpu_flags()
-    preset = pick_preset(flags)
+    preset = a.preset or pick_preset(flags)
+    if preset not in PRESETS:
+        ap.error(f"--preset {preset!r}: choose one of {', '.join(PRESETS)}")
     spec = PRESETS[preset]
     model = Path(a.model) / preset
     if not (model / "config.json").exists():
@@ -113,7 +118,8 @@ def main() -> int:
     ratio = by[16] / by[1] if 1 in by and 16 in by else None
     valid = ratio is not None and ratio <= 3.0
     res = {"cpu": cpu_model(), "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
-           "preset": preset, "dtype": spec.dtype, "weight_bytes": spec.weight_bytes(), "threads": threads,
+           "preset": preset, "dtype": spec.dtype, "weight_bytes": spec.weight_bytes(),
+           "kv_bytes_per_token": spec.kv_bytes_per_token(), "threads": threads,
            "load_avg": os.getloadavg(), "rows": rows, "step16_over_step1": ratio, "valid_regime": valid,
            "prefill": pre, "prefill_line": prefill_line,
            "command": "python benchmarks/batch_scaling.py " + " ".join(sys.argv[1:])}
@@ -121,7 +127,7 @@ def main() -> int:
     llm.llm_engine.engine_core.shutdown()
     if not a.no_doc:
         OUT.mkdir(parents=True, exist_ok=True)
-        (OUT / "batch_scaling.json").write_text(json.dumps(res, indent=1) + "\n")
+        (OUT / f"{a.name}.json").write_text(json.dumps(res, indent=1) + "\n")
         lines = ["# Decode step time vs batch size (written by benchmarks/batch_scaling.py)", "",
                  f"Command: `{res['command']}`", "",
                  f"CPU: {res['cpu']} (avx512_bf16: {res['avx512_bf16']}, amx_bf16: {res['amx_bf16']}); "
@@ -138,7 +144,7 @@ def main() -> int:
                   + ", ".join(f"{r['tokens']} tokens {r['ms']} ms" for r in pre)
                   + (f"; as a line: {prefill_line['fixed_ms']} ms + tokens / {prefill_line['tokens_per_s']:.0f} "
                      "tokens/s" if prefill_line else "; not increasing with length (no line)") + "."]
-        (OUT / "batch_scaling.md").write_text("\n".join(lines) + "\n")
+        (OUT / f"{a.name}.md").write_text("\n".join(lines) + "\n")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Cluster drop under a burst: stock vs kunserve vs oracle (and the static PP=2 bound) on 2 engines.
+"""Cluster drop under a burst: stock vs kunserve vs oracle (and a static PP=2 group) on 2 engines.
 
 1. The batch-scaling table of this machine (``benchmarks/batch_scaling.py``): decode step at batch
    1 / 4 / 16 / 64 with one compute thread and the model preset the CPU suits; the run is refused
@@ -15,7 +15,7 @@
    engine core otherwise spins ~0.35 of a core away) and the replay client at real-time priority
    (``--client-realtime``, on by default: at normal priority its loop waited up to seconds for a
    core, and it sent late): stock vLLM, kunserve (cluster drop), static (one pipeline group from the start:
-   the bound without transition cost) and the oracle (stock with 10x KV), ``--repeat`` interleaved
+   an alternative configuration without transition cost, not a bound: kunserve can beat it) and the oracle (stock with 10x KV), ``--repeat`` interleaved
    repetitions on one workload: the Azure LLM conversation trace's (2023) arrival times, re-timed
    into the phases, with a synthetic decode-heavy length mix (``--prompt-len`` prompts,
    ``--output-len``..``--output-len-max`` outputs); ``--mix prefill`` is the negative control
@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks"
 TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure_llm_2023_conv.csv"
 SYSTEMS = ("vllm", "kunserve", "static", "oracle")
-LABEL = {"vllm": "stock vLLM", "kunserve": "kunserve (cluster drop)", "static": "static PP=2 (bound)",
+LABEL = {"vllm": "stock vLLM", "kunserve": "kunserve (cluster drop)", "static": "static PP=2 group",
          "oracle": "oracle (10x KV)"}
 #: decode: KV is the limit; prefill: the negative control (long prompts, short outputs)
 MIXES = {"decode": {"prompt_len": 64, "output_len": 256, "output_len_max": 384},
@@ -159,7 +159,7 @@ def paired(out: Path, systems: list[str], reps: int, window: tuple[float, float]
             row[f"{n}_tpot_p50_over_stock"] = r(st[n]["tpot_p50"], s.get("tpot_p50"))
             uses.update({f"{n}_over_stock": ["vllm", n], f"{n}_over_oracle": [n, "oracle"],
                          f"{n}_gap_closed": ["vllm", n, "oracle"], f"{n}_tpot_p50_over_stock": ["vllm", n]})
-        if "static" in st:  # the bound without transition cost: how far each dynamic system is from it
+        if "static" in st:  # the group without transition cost: how each dynamic system compares with it
             for n in st:
                 if n not in ("vllm", "oracle", "static"):
                     row[f"{n}_over_static"] = r(st[n]["ttft_p99"], st["static"]["ttft_p99"])
@@ -272,7 +272,7 @@ def group_section(groups: dict, rows: list[dict]) -> list[str]:
         layers, blocks = next(iter(same))
         L += ["", "kunserve grouped before the burst and stayed grouped through the window in every repetition, "
               f"holding what static holds (layers per engine {list(layers)}, KV blocks {list(blocks)}): inside the "
-              "window it ran the static bound's configuration. kunserve / static there, paired per repetition: "
+              "window it ran the static group's configuration. kunserve / static there, paired per repetition: "
               f"P99 TTFT {f2(p99.get('median'))} ({f2(p99.get('min'))}..{f2(p99.get('max'))}), P50 TPOT "
               f"{f2(tpot.get('median'))} ({f2(tpot.get('min'))}..{f2(tpot.get('max'))})."]
     return L + [""]
@@ -600,7 +600,9 @@ def render(scaling: dict, cap: dict, a: argparse.Namespace, argv: list[str], row
           f"prompts, outputs uniform in {mix['output_len']}..{mix['output_len_max']} tokens.",
           f"Stock's capacity from the table: a decode batch of {cap['batch']} per engine (KV tokens over a request's "
           f"mid-life length) at {cap['step_ms']} ms per step: {cap['req_per_s']:.3f} req/s for both engines; the "
-          f"warm start runs at {a.warm_share:.2f}x and the burst at {a.burst_x:.2f}x that.",
+          f"warm start runs at {a.warm_share:.2f}x and the burst at {a.burst_x:.2f}x that. That capacity is modelled, "
+          "not measured (a saturated stock pair completes less: it preempts); `benchmarks/burst_value.py` measures "
+          "capacity with a closed-loop saturation run and calibrates the load to it.",
           f"Burst window for the ratios: arrivals in [{window[0]:g}, {window[1]:g}) s.", "",
           "## Paired ratios per repetition (P99 TTFT over the burst window)", ""]
     head = "| rep | stock / oracle | " + " | ".join(

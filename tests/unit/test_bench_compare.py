@@ -166,11 +166,20 @@ def test_server_that_dies_reports_its_log(tmp_path, monkeypatch):
                 lambda *a: None, log=lambda m: None)
 
 
+def test_compare_order_is_shuffled_or_fixed(capsys):
+    with pytest.raises(SystemExit):
+        main(["compare", "--model", "m", "--kv-capacity-tokens", "1", "--out", "o", "--order", "random"])
+    assert "invalid choice: 'random'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--systems", "vllm,foo"], "unknown system(s) foo"),
     (["--kunserve-config", "{bad"], "not valid JSON"),
     (["--trace", "/nonexistent.csv"], "no such file"),
     (["--repeat", "0"], "--repeat must be >= 1"),
+    (["--tuned-max-num-seqs", "0"], "--tuned-max-num-seqs must be >= 1"),
+    (["--oracle-equal-kv-multiplier", "0.5"], "--oracle-equal-kv-multiplier must be >= 1"),
+    (["--systems", "vllm,vllm-tuned"], "unknown system(s) vllm-tuned"),
 ])
 def test_compare_cli_errors(argv, needle, tmp_path, capsys):
     model = tmp_path / "m"
@@ -278,3 +287,48 @@ def test_port_taken_reads_the_startup_error():
                         "already in use")
     assert C.port_taken("kunserve serve: error: --host h --port 1: cannot listen there (Address already in use)")
     assert not C.port_taken("server exited with code 3: no such model")
+
+
+def test_the_baselines_a_user_would_deploy():
+    b = S.builtin_systems(instances=2, dispatch="least-work", tuned_max_num_seqs=12, oracle_equal_kv_multiplier=1.75)
+    common = S.CommonArgs(model="/m", block_size=32, kv_cache_bytes=1000, max_model_len=512, extra_args=("--x",))
+    tuned = S.kunserve_serve_plan(b["vllm-tuned"], common, "127.0.0.1", 9).argv
+    assert tuned[-2:] == ["--max-num-seqs", "12"] and b["vllm-tuned"].additional_config is None
+    assert "--max-num-seqs" not in S.kunserve_serve_plan(b["vllm"], common, "127.0.0.1", 9).argv
+    eq = S.kunserve_serve_plan(b["oracle-equal"], common, "127.0.0.1", 9).argv
+    assert eq[eq.index("--kv-cache-memory-bytes") + 1] == "1750"
+    router = S.vllm_router_plan(b["vllm-router"], common, "127.0.0.1", 9)
+    a = router.argv
+    assert a[a.index("-m") + 1] == "vllm_kunserve.bench.router_fleet" and a[a.index("--instances") + 1] == "2"
+    engine = a[a.index("--") + 1:]
+    assert engine[engine.index("--kv-cache-memory-bytes") + 1] == "1000" and engine[-1] == "--x"
+    rr = S.vllm_router_plan(b["vllm-router-rr"], common, "h", 9).argv
+    assert rr[rr.index("--policy") + 1] == "round_robin" and rr.index("--policy") < rr.index("--")
+    assert "vllm-tuned" not in S.builtin_systems(instances=2) and "oracle-equal" not in S.builtin_systems(instances=2)
+    assert "vllm-router" not in S.builtin_systems()        # one engine: nothing to route between
+    assert "not a bound" in b["static"].description
+
+
+def test_each_repetition_runs_the_systems_in_an_order_of_its_own():
+    systems = [S.SystemSpec(n) for n in ("a", "b", "c", "d", "e")]
+    orders = [[s.name for s in C.run_order(systems, rep, 1)] for rep in range(6)]
+    assert all(sorted(o) == ["a", "b", "c", "d", "e"] for o in orders)
+    assert len({tuple(o) for o in orders}) > 1 and len({o[0] for o in orders}) > 1
+    assert orders == [[s.name for s in C.run_order(systems, rep, 1)] for rep in range(6)]   # seeded
+    assert [s.name for s in C.run_order(systems, 3, None)] == ["a", "b", "c", "d", "e"]
+
+
+def test_router_fleet_pins_each_engine_and_names_its_workers(monkeypatch):
+    from vllm_kunserve.bench import router_fleet as R
+
+    env = R.engine_environ(1, {"KUNSERVE_ENGINE_CPUS": "0|1", "X": "y"})
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and env["X"] == "y" and "KUNSERVE_ENGINE_CPUS" not in env
+    assert R.engine_environ(2, {"KUNSERVE_ENGINE_CPUS": "0|1"})["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert env["PROMETHEUS_MULTIPROC_DIR"] != R.engine_environ(1, {})["PROMETHEUS_MULTIPROC_DIR"]
+    a = R.router_argv("/bin/vllm-router", "127.0.0.1", 80, ["http://a", "http://b"], "round_robin", 81)
+    assert a[a.index("--worker-urls") + 1:a.index("--worker-urls") + 3] == ["http://a", "http://b"]
+    assert a[a.index("--policy") + 1] == "round_robin" and a[a.index("--prometheus-port") + 1] == "81"
+    monkeypatch.setattr(R.sys, "executable", "/nonexistent/python")
+    monkeypatch.setattr(R.shutil, "which", lambda _: None)
+    with pytest.raises(FileNotFoundError, match="pip install vllm-router"):
+        R.router_binary()

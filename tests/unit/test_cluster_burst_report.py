@@ -107,9 +107,9 @@ def test_dispatch_split_counts_each_engines_arrivals_inside_the_window(tmp_path)
     assert cb.dispatch_section({}) == []
 
 
-def test_group_times_and_kunserve_over_the_static_bound(tmp_path):
+def test_group_times_and_kunserve_over_the_static_group(tmp_path):
     """When each system's engines were grouped (the front end's gauge), the share of the window they
-    were, and kunserve's ratios to the static bound paired per repetition; the reading that kunserve
+    were, and kunserve's ratios to the static group paired per repetition; the reading that kunserve
     ran the static configuration is written only when both were grouped through the whole window."""
     cb = _bench()
     g = "kunserve:grouped_instances"
@@ -139,12 +139,12 @@ def test_group_times_and_kunserve_over_the_static_bound(tmp_path):
     assert "static_over_static" not in rows[0]
     md = "\n".join(cb.group_section(groups, rows))
     assert "| 1 | 30 s (1.00 of the window) | 0 s (1.00 of the window) |" in md
-    assert "ran the static bound's configuration" in md and "P99 TTFT 1.20 (1.20..1.20)" in md
+    assert "ran the static group's configuration" in md and "P99 TTFT 1.20 (1.20..1.20)" in md
     assert "layers per engine [6, 6], KV blocks [400, 400]" in md
     # kunserve grouped only after the window opened, or holding other layers: no such reading
     late = {"kunserve": {1: {"first_s": 80.0, "window_share": 0.5, **held}}, "static": groups["static"]}
-    assert "static bound's configuration" not in "\n".join(cb.group_section(late, rows))
+    assert "static group's configuration" not in "\n".join(cb.group_section(late, rows))
     other = {"kunserve": {1: {"first_s": 30.0, "window_share": 1.0, "layers": [8, 4], "kv_blocks": [400, 400]}},
              "static": groups["static"]}
-    assert "static bound's configuration" not in "\n".join(cb.group_section(other, rows))
+    assert "static group's configuration" not in "\n".join(cb.group_section(other, rows))
     assert cb.group_section({}, rows) == []

@@ -1,7 +1,8 @@
 """Run several systems on the same trace, in turn, and tabulate them with ratios to stock vLLM.
 
 Repeats are interleaved (rep 1 of every system, then rep 2, ...) so slow drift of a shared machine
-spreads over all systems. Each run: start the server, wait for /health, replay, stop; the server log
+spreads over all systems, and with a shuffle seed each repetition runs its systems in an order of its
+own (``run_order``), so no system keeps one position. Each run: start the server, wait for /health, replay, stop; the server log
 goes next to the run's files in ``OUT/<system>/rep<k>/``.
 """
 
@@ -51,6 +52,7 @@ class CompareResult:
     baseline: str = ""
     workload: dict[str, Any] = field(default_factory=dict)
     args: dict[str, Any] = field(default_factory=dict)  # the CLI arguments, for reproducibility
+    orders: list[list[str]] = field(default_factory=list)  # per repetition, the order its systems ran in
 
 
 def _stats(values: Sequence[float | None]) -> dict[str, float | None]:
@@ -285,20 +287,35 @@ def cpu_times(pid: int | None) -> dict[str, float]:
     return out
 
 
+def run_order(systems: Sequence[SystemSpec], rep: int, shuffle_seed: int | None) -> list[SystemSpec]:
+    """The systems in the order repetition ``rep`` runs them: as given, or (``shuffle_seed`` set) a
+    permutation drawn per repetition, so no system always runs first or right after another (drift
+    inside a repetition then spreads over all systems instead of favouring a position)."""
+    order = list(systems)
+    if shuffle_seed is not None:
+        import random
+
+        random.Random(shuffle_seed * 1000 + rep).shuffle(order)
+    return order
+
+
 def compare(systems: Sequence[SystemSpec], common: CommonArgs, out: Path, repeat: int,
             bench: Callable[[SystemSpec, int, str, Path], BenchRun], *, startup_timeout_s: float = 600.0,
-            log: Callable[[str], None] = print) -> CompareResult:
+            log: Callable[[str], None] = print, shuffle_seed: int | None = None) -> CompareResult:
     names = [s.name for s in systems]
     baseline = "vllm" if "vllm" in names else names[0]
     res = CompareResult(systems=[s.to_dict() for s in systems], common=asdict(common), baseline=baseline)
     runs: dict[str, list[BenchRun]] = {n: [] for n in names}
     for rep in range(repeat):
-        for spec in systems:
+        order = run_order(systems, rep, shuffle_seed)
+        res.orders.append([s.name for s in order])
+        for position, spec in enumerate(order):
             run_dir = out / spec.name / f"rep{rep + 1}"
             log(f"[{spec.name} rep {rep + 1}/{repeat}] starting server ...")
             run, facts = run_system(spec, common, run_dir, startup_timeout_s,
                                     lambda ep, _s=spec, _r=rep, _d=run_dir: bench(_s, _r, ep, _d))
             run.summary["server"] = facts
+            run.summary["position"] = position  # where in its repetition this run came (0: first)
             report.write_json(run_dir / "summary.json", run.summary)
             s = run.summary
             log(f"[{spec.name} rep {rep + 1}/{repeat}] done: {s['completed']}/{s['requests']} ok, "

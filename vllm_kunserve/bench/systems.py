@@ -10,6 +10,7 @@ shutdown are :mod:`vllm_kunserve.cluster.launcher`'s.
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -43,6 +44,7 @@ class SystemSpec:
     num_instances: int = 1
     env: tuple[tuple[str, str], ...] = ()
     description: str = ""
+    engine_extra: tuple[str, ...] = ()  # given to each of its engines (e.g. a batch cap), after the common ones
 
     def __post_init__(self) -> None:
         if self.launcher not in LAUNCHERS:
@@ -63,13 +65,19 @@ class SystemSpec:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "launcher": self.launcher, "engine_args": list(self.engine_args),
                 "additional_config": self.additional_config, "kv_multiplier": self.kv_multiplier,
-                "num_instances": self.num_instances, "env": dict(self.env), "description": self.description}
+                "num_instances": self.num_instances, "env": dict(self.env), "description": self.description,
+                "engine_extra": list(self.engine_extra)}
 
 
 def builtin_systems(kunserve_config: dict[str, Any] | None = None, oracle_kv_multiplier: float = 10.0,
-                    instances: int = 1, dispatch: str | None = None) -> dict[str, SystemSpec]:
+                    instances: int = 1, dispatch: str | None = None, tuned_max_num_seqs: int | None = None,
+                    oracle_equal_kv_multiplier: float | None = None) -> dict[str, SystemSpec]:
     """Stock vLLM, kunserve and the oracle; with ``instances`` > 1 each is a ``kunserve serve``
-    cluster of that many engines behind the same front end (stock engines for vllm and oracle)."""
+    cluster of that many engines behind the same front end (stock engines for vllm and oracle), and
+    ``static`` and ``vllm-router`` / ``vllm-router-rr`` (the same stock engines behind vllm-router,
+    its default policy and round robin) join them. ``tuned_max_num_seqs`` adds ``vllm-tuned`` (stock
+    with that batch cap per engine), ``oracle_equal_kv_multiplier`` adds ``oracle-equal`` (stock
+    with the KV a kunserve group reaches: the same memory, no pipeline)."""
     fleet = {} if instances == 1 and dispatch is None else {
         "launcher": "kunserve-serve", "num_instances": instances,
         "engine_args": ("--dispatch", dispatch) if dispatch else ()}
@@ -84,9 +92,27 @@ def builtin_systems(kunserve_config: dict[str, Any] | None = None, oracle_kv_mul
                                              "overloads)", **fleet),
         **({"static": SystemSpec("static", additional_config={CONFIG_KEY: merge_sections(kunserve_config, {"drop": {"static_group": True}})},
                                  description=n + "kunserve with one pipeline group of all engines from the start "
-                                                 "(static pipeline parallelism holding the freed KV: the bound a "
-                                                 "dynamic drop approaches without transition cost)", **fleet)}
+                                                 "(static pipeline parallelism holding the freed KV: an "
+                                                 "alternative configuration without transition cost, not a "
+                                                 "bound: a dynamic drop can beat it)", **fleet)}
            if instances > 1 else {}),
+        **({"vllm-router": SystemSpec("vllm-router", launcher="vllm-router", num_instances=instances,
+                                      description=f"{instances} stock `vllm serve` engines behind vllm-router "
+                                                  "(its default policy, cache_aware)"),
+            "vllm-router-rr": SystemSpec("vllm-router-rr", launcher="vllm-router", num_instances=instances,
+                                         engine_args=("--policy", "round_robin"),
+                                         description=f"{instances} stock `vllm serve` engines behind vllm-router "
+                                                     "(round_robin)")}
+           if instances > 1 else {}),
+        **({"vllm-tuned": SystemSpec("vllm-tuned", engine_extra=("--max-num-seqs", str(tuned_max_num_seqs)),
+                                     description=n + f"stock vLLM with the batch cap --max-num-seqs "
+                                                     f"{tuned_max_num_seqs} per engine", **fleet)}
+           if tuned_max_num_seqs else {}),
+        **({"oracle-equal": SystemSpec("oracle-equal", kv_multiplier=oracle_equal_kv_multiplier,
+                                       description=n + f"stock vLLM with {oracle_equal_kv_multiplier:g}x KV "
+                                                       "capacity: the KV a kunserve group reaches, without the "
+                                                       "pipeline", **fleet)}
+           if oracle_equal_kv_multiplier else {}),
     }
 
 
@@ -150,7 +176,7 @@ def _engine_args(spec: SystemSpec, common: CommonArgs) -> list[str]:
         args += ["--max-model-len", str(common.max_model_len)]
     if common.max_num_seqs:
         args += ["--max-num-seqs", str(common.max_num_seqs)]
-    return [*args, *common.extra_args]
+    return [*args, *common.extra_args, *spec.engine_extra]
 
 
 def _env(spec: SystemSpec, common: CommonArgs) -> dict[str, str]:
@@ -183,7 +209,18 @@ def kunserve_serve_plan(spec: SystemSpec, common: CommonArgs, host: str, port: i
     return LaunchPlan(argv, _env(spec, common), unset_env=("VLLM_CPU_KVCACHE_SPACE",) if kv is not None else ())
 
 
+def vllm_router_plan(spec: SystemSpec, common: CommonArgs, host: str, port: int) -> LaunchPlan:
+    """``num_instances`` stock ``vllm serve`` engines behind vllm-router (``bench/router_fleet.py``);
+    ``spec.engine_args`` are its options (``--policy``), the common arguments go to every engine."""
+    argv = [sys.executable, "-m", "vllm_kunserve.bench.router_fleet", common.model, "--instances",
+            str(spec.num_instances), "--host", host, "--port", str(port), *spec.engine_args,
+            "--", *_engine_args(spec, common)]
+    kv = spec.kv_bytes(common)
+    return LaunchPlan(argv, _env(spec, common), unset_env=("VLLM_CPU_KVCACHE_SPACE",) if kv is not None else ())
+
+
 LAUNCHERS: dict[str, Callable[[SystemSpec, CommonArgs, str, int], LaunchPlan]] = {
     "vllm-serve": vllm_serve_plan,
     "kunserve-serve": kunserve_serve_plan,
+    "vllm-router": vllm_router_plan,
 }

@@ -19,7 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "trace, stop it; repeat; print a table with ratios to stock and write "
                                    "OUT/compare.json, OUT/compare.md and per-run outputs under OUT/<system>/rep<k>/.")
     p.add_argument("--model", required=True, help="local model directory (e.g. from `kunserve make-model`)")
-    p.add_argument("--systems", default="vllm,kunserve,oracle", help="comma-separated: vllm, kunserve, oracle, and with --instances > 1 static (one pipeline group from the start)")
+    p.add_argument("--systems", default="vllm,kunserve,oracle", help="comma-separated: vllm, kunserve, oracle; with --instances > 1 static (one pipeline group "
+                        "from the start), vllm-router and vllm-router-rr (stock engines behind vllm-router, "
+                        "cache_aware / round_robin); vllm-tuned and oracle-equal with their options below")
     p.add_argument("--repeat", type=int, default=3, help="repetitions of every system (interleaved)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                    help="one more kunserve system NAME: the --kunserve-config with JSON's sections merged over it "
@@ -34,6 +36,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="engines per system (> 1: each system is a `kunserve serve` cluster of that many engines)")
     p.add_argument("--dispatch", default=None, help="the cluster's dispatch policy (kunserve serve --dispatch)")
     p.add_argument("--oracle-kv-multiplier", type=float, default=10.0, help="oracle KV capacity / base capacity")
+    p.add_argument("--oracle-equal-kv-multiplier", type=float, default=None,
+                   help="adds the system oracle-equal: stock with this KV capacity / base capacity (the KV a "
+                        "kunserve group reaches: 1 + w / (2 (1 - w)) for 2 engines of weight share w)")
+    p.add_argument("--tuned-max-num-seqs", type=int, default=None,
+                   help="adds the system vllm-tuned: stock with this batch cap (--max-num-seqs) per engine")
+    p.add_argument("--order", choices=("shuffled", "fixed"), default="shuffled",
+                   help="each repetition runs the systems in an order of its own drawn from --seed (shuffled, "
+                        "the default) or in the order --systems lists them (fixed)")
     p.add_argument("--dtype", default="float32", help="model dtype (float32 on CPU)")
     p.add_argument("--max-model-len", type=int, help="default: min(model max positions, base KV capacity)")
     p.add_argument("--max-num-seqs", type=int, help="engine batch limit (default: vLLM's)")
@@ -97,7 +107,12 @@ def run(args: argparse.Namespace) -> int:
     if args.dispatch is not None:
         from vllm_kunserve.policy.dispatch import check_mode
         check_mode(args.dispatch)
-    available = builtin_systems(kcfg, args.oracle_kv_multiplier, args.instances, args.dispatch)
+    if args.oracle_equal_kv_multiplier is not None and not args.oracle_equal_kv_multiplier >= 1:
+        raise ValueError(f"--oracle-equal-kv-multiplier must be >= 1, got {args.oracle_equal_kv_multiplier}")
+    if args.tuned_max_num_seqs is not None and args.tuned_max_num_seqs < 1:
+        raise ValueError(f"--tuned-max-num-seqs must be >= 1, got {args.tuned_max_num_seqs}")
+    available = builtin_systems(kcfg, args.oracle_kv_multiplier, args.instances, args.dispatch,
+                                args.tuned_max_num_seqs, args.oracle_equal_kv_multiplier)
     available.update(variant_systems(args.variant, kcfg, available))
     systems = select_systems(args.systems, available)
 
@@ -138,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
                          kv_capacity_tokens=cap_tokens, workload_info=winfo)
 
     try:
-        res = compare(systems, common, out, args.repeat, bench, startup_timeout_s=args.startup_timeout, log=log)
+        res = compare(systems, common, out, args.repeat, bench, startup_timeout_s=args.startup_timeout, log=log,
+                      shuffle_seed=args.seed if args.order == "shuffled" else None)
     except RuntimeError as e:  # a server failed to start: its log tail is in the message
         print(f"kunserve compare: error: {e}", file=sys.stderr)
         return 1

@@ -14,7 +14,8 @@ The caller describes every unit with an immutable :class:`InstanceLoad` and call
   of a burst's 48 arrivals in four of five runs, and a traced run with a 44/34 split had one member's
   microbatch costing 1.5-1.9x the other's through most of the burst. With this rule the split was
   22-26 per member, and the burst's P99 TTFT and TPOT moved within the spread between runs
-  (docs/benchmarks/cluster_burst_balanced.md);
+  (the run that measured it, docs/benchmarks/cluster_burst_balanced.md, is in git history; the
+  current run is docs/benchmarks/cluster_burst.md);
 * ``least-load``: the least KV demand (used + queued blocks) as a share of capacity, blind to compute;
 * ``round-robin``: the ``turn``-th accepting unit (the caller counts turns);
 * ``mell``: MELL's placement on a **fixed** cluster (below): among units whose KV takes the prompt,

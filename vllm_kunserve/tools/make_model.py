@@ -74,6 +74,11 @@ PRESETS: dict[str, CheckpointSpec] = {
     "decode-bf16": CheckpointSpec(layers=12, hidden=1536, heads=24, kv_heads=4, intermediate=4096, vocab=4096,
                                   dtype="bfloat16"),
     "decode-fp32": CheckpointSpec(layers=12, hidden=1536, heads=24, kv_heads=4, intermediate=4096, vocab=4096),
+    # the paper-like memory ratio (issue 34, R1): full multi-head attention (kv heads = heads), so a
+    # token's KV is 72 KiB in bf16 (6x decode-bf16's) and KV binds at a weight share of 0.5-0.65
+    # while a decode step is still mostly the weight read (672 MB)
+    "decode-bf16-mha": CheckpointSpec(layers=12, hidden=1536, heads=24, kv_heads=24, intermediate=4096,
+                                      vocab=4096, dtype="bfloat16"),
 }
 
 _WORDS = (

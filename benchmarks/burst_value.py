@@ -1,0 +1,615 @@
+"""What dropping parameters buys under a burst, against what users deploy instead (issue 34).
+
+Two engines, each pinned to its own core (one compute thread), on the Azure LLM conversation trace's
+(2023, CC BY 4.0) arrival times re-timed into a warm phase and a burst, decode-heavy lengths. The
+systems, every one on the same engines, trace, client and cores, run interleaved with the order
+shuffled per repetition (``kunserve compare --order shuffled``):
+
+- ``vllm``: stock defaults; ``vllm-tuned``: stock with the batch cap (``--max-num-seqs``) that gave
+  the lowest P99 TTFT in the sweep (step 2); ``vllm-router`` / ``vllm-router-rr``: two ``vllm serve``
+  engines behind vllm-router (PyPI, the vLLM project's Rust router; cache_aware, its default, and
+  round_robin);
+- ``static`` (one PP=2 group from the start: an alternative configuration, not a bound) and
+  ``kunserve``;
+- ``oracle-equal``: stock engines with the KV a kunserve group reaches (the same memory, no
+  pipeline; 1 + w / (2 (1 - w)) for weight share w): the bound for what dropping can buy; and
+  ``oracle`` (10x KV) where asked for, the extreme.
+
+Regimes (``--regime``):
+
+- ``r1``, paper-like: preset ``decode-bf16-mha`` (full multi-head attention, 72 KiB of KV per token)
+  with KV for ``--kv-tokens`` (6080) tokens per engine: weights are 60% of an engine's weights + KV,
+  so a group holds 1.75x the KV of its members apart.
+- ``r0``, extreme: the ``decode-bf16`` preset at 1280 tokens (weights 97%); its doc is written from
+  the runs of ``benchmarks/cluster_burst.py`` (``--run``) with this script's pooled statistics.
+
+Steps (``--steps``, each kept in ``--out`` and skipped when its file is there):
+
+1. ``capacity``: a closed-loop saturation run of two stock engines behind ``kunserve serve``, driven
+   by vLLM's own client (``vllm bench serve``, random dataset with the workload's lengths,
+   ``--ignore-eos``, ``--max-concurrency`` each of ``--concurrency``): the sustainable req/s is the
+   best completed rate. The warm phase runs at ``--warm-share`` of it, the burst at ``--burst-x``.
+2. ``sweep``: ``vllm-tuned`` at each batch cap of ``--caps`` on the calibrated trace; the cap with
+   the lowest window P99 TTFT is the tuned baseline.
+3. ``compare``: every system, ``--repeat`` shuffled repetitions.
+4. the doc: pooled window statistics (``vllm_kunserve/bench/pooled.py``: P50 / P90 / P99 TTFT with
+   bootstrap 95% intervals, TPOT, goodput, output tokens/s, preemptions, lost), the gap to
+   ``oracle-equal`` closed, when kunserve grouped, the client's send lag, and a PNG.
+
+    python benchmarks/burst_value.py --regime r1 [--repeat 5] [--out runs/burst_r1]
+    python benchmarks/burst_value.py --regime r0 --run docs/benchmarks/cluster_burst   # analysis only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cluster_burst import dispatch_split, group_times, kunserve_config
+
+from vllm_kunserve.bench import pooled
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "benchmarks"
+TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure_llm_2023_conv.csv"
+REGIMES = {
+    "r1": {"preset": "decode-bf16-mha", "kv_tokens": 6080, "scaling": "batch_scaling_mha"},
+    "r0": {"preset": "decode-bf16", "kv_tokens": 1280, "scaling": "batch_scaling"},
+}
+MIX = {"prompt_len": 64, "output_len": 256, "output_len_max": 384}
+ALTERNATIVES = ("vllm", "vllm-tuned", "vllm-router", "vllm-router-rr")
+LABEL = {"vllm": "stock vLLM (defaults)", "vllm-tuned": "stock, tuned batch cap", "vllm-router": "vllm-router "
+         "(cache_aware)", "vllm-router-rr": "vllm-router (round_robin)", "static": "static PP=2 group",
+         "kunserve": "kunserve (cluster drop)", "oracle-equal": "oracle-equal (same memory, no pipeline)",
+         "oracle": "oracle (10x KV)"}
+LATE_S = 0.05
+ENGINE_ENV = ["KUNSERVE_ENGINE_CPUS=0|1", "OMP_NUM_THREADS=1", "KUNSERVE_ENGINE_NICE=5", "KUNSERVE_SHM_WAIT_MS=1"]
+
+
+def weight_share(weight_bytes: int, kv_bytes: int) -> float:
+    return weight_bytes / (weight_bytes + kv_bytes)
+
+
+def group_kv_factor(w: float, members: int = 2) -> float:
+    """KV of a group of ``members`` engines keeping one copy of the weights, over theirs apart:
+    each member's KV grows by (members - 1) / members of a copy, 1 + (m - 1) w / (m (1 - w))."""
+    return 1 + (members - 1) * w / (members * (1 - w))
+
+
+def kunserve(argv: list[str]) -> int:
+    from vllm_kunserve.cli.main import main
+
+    print("running: kunserve " + shlex.join(argv), flush=True)
+    return main(argv)
+
+
+def common_argv(a: argparse.Namespace, model: Path, dtype: str) -> list[str]:
+    return ["--model", str(model), "--instances", "2", "--dispatch", "least-work",
+            "--kv-capacity-tokens", str(a.kv_tokens), "--block-size", "32", "--dtype", dtype,
+            "--max-model-len", "1024", "--engine-arg=--enforce-eager",
+            *[x for e in ENGINE_ENV for x in ("--env", e)], "--client-realtime", "--no-progress"]
+
+
+def trace_argv(a: argparse.Namespace, phases: str) -> list[str]:
+    return ["--trace", str(a.trace), "--format", "azure", "--window-offset", "0", "--synthetic-lengths",
+            "--prompt-len", str(MIX["prompt_len"]), "--output-len", str(MIX["output_len"]),
+            "--output-len-max", str(MIX["output_len_max"]), "--phases", phases, "--seed", str(a.seed)]
+
+
+# ------------------------------------------------------------------------------------------ capacity
+def saturation(a: argparse.Namespace, model: Path, dtype: str, out: Path) -> dict:
+    """Closed-loop runs of two stock engines behind ``kunserve serve`` at each concurrency of
+    ``a.concurrency``, driven by ``vllm bench serve``; the best completed req/s is the capacity."""
+    from vllm_kunserve.bench.systems import LAUNCHERS, CommonArgs, builtin_systems
+    from vllm_kunserve.cli.compare import model_kv_bytes_per_token
+    from vllm_kunserve.cluster.launcher import ServerProcess, free_port
+
+    per_token = model_kv_bytes_per_token(model, dtype)
+    common = CommonArgs(model=str(model), dtype=dtype, block_size=32, kv_cache_bytes=a.kv_tokens * per_token,
+                        max_model_len=1024, extra_args=("--enforce-eager",),
+                        env=tuple(tuple(e.split("=", 1)) for e in ENGINE_ENV))
+    spec = builtin_systems(None, 10.0, 2, "least-work")["vllm"]
+    mean_out = (MIX["output_len"] + MIX["output_len_max"]) / 2
+    rows = []
+    for conc in a.concurrency:
+        host, port = "127.0.0.1", free_port()
+        d = out / "capacity" / f"c{conc}"
+        server = ServerProcess(LAUNCHERS[spec.launcher](spec, common, host, port), host, port,
+                               d / "server.log").start()
+        try:
+            server.wait_ready(600)
+            n = max(3 * conc, a.capacity_requests)
+            argv = [str(Path(sys.executable).parent / "vllm"), "bench", "serve", "--backend", "vllm",
+                    "--base-url", server.endpoint, "--model", "model", "--tokenizer", str(model),
+                    "--dataset-name", "random", "--random-input-len", str(MIX["prompt_len"]),
+                    "--random-output-len", str(int(mean_out)),
+                    "--random-range-ratio", f"{(MIX['output_len_max'] - mean_out) / mean_out:.3f}",
+                    "--ignore-eos", "--num-prompts", str(n), "--max-concurrency", str(conc), "--request-rate", "inf",
+                    "--seed", str(a.seed), "--save-result", "--result-dir", str(d), "--result-filename", "bench.json",
+                    "--disable-tqdm"]
+            t0 = time.perf_counter()
+            with open(d / "client.log", "w") as log:
+                subprocess.run(argv, check=True, stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "VLLM_HOST_IP": "127.0.0.1"})
+            res = json.loads((d / "bench.json").read_text())
+            rows.append({"concurrency": conc, "requests": n, "completed": res.get("completed"),
+                         "req_per_s": res.get("request_throughput"), "output_tokens_per_s": res.get("output_throughput"),
+                         "median_tpot_ms": res.get("median_tpot_ms"), "median_ttft_ms": res.get("median_ttft_ms"),
+                         "wall_s": round(time.perf_counter() - t0, 1), "argv": argv})
+            print(f"capacity at concurrency {conc}: {rows[-1]['req_per_s']:.3f} req/s", flush=True)
+        finally:
+            server.stop()
+    best = max(rows, key=lambda r: r["req_per_s"] or 0)
+    return {"rows": rows, "req_per_s": best["req_per_s"], "concurrency": best["concurrency"]}
+
+
+def phases_of(cap: float, a: argparse.Namespace) -> str:
+    return f"{a.warm_s:g}@{round(a.warm_share * cap, 4):g},{a.burst_s:g}@{round(a.burst_x * cap, 4):g}"
+
+
+def window_of(a: argparse.Namespace) -> tuple[float, float]:
+    return (a.warm_s, a.warm_s + a.burst_s)
+
+
+# ------------------------------------------------------------------------------------------ analysis
+def load_runs(run: Path, systems: list[str], window: tuple[float, float]) -> dict[str, list[pooled.Request]]:
+    """Per system, the requests of every repetition arriving in ``window``: runs laid out
+    ``<system>/rep<k>/`` (``kunserve compare``) or ``rep<k>/<system>/`` (a doc's copy of them)."""
+    out: dict[str, list[pooled.Request]] = {}
+    for s in systems:
+        files = [(int(f.parent.name[3:]), f) for f in (run / s).glob("rep*/requests.csv")] or \
+                [(int(f.parent.parent.name[3:]), f) for f in run.glob(f"rep*/{s}/requests.csv")]
+        reqs = [r for k, f in sorted(files) for r in pooled.read_window(f, k, *window)]
+        if reqs:
+            out[s] = reqs
+    return out
+
+
+def send_lag(run: Path, systems: list[str]) -> dict[str, dict]:
+    """Per system: the largest client send lag (ms) over every run and how many requests went > 50 ms late."""
+    import csv
+
+    out = {}
+    for s in systems:
+        lags = []
+        for f in [*(run / s).glob("rep*/requests.csv"), *run.glob(f"rep*/{s}/requests.csv")]:
+            with open(f) as fh:
+                lags += [float(r["send_s"]) - float(r["arrival_s"]) for r in csv.DictReader(fh) if r["send_s"]]
+        if lags:
+            out[s] = {"max_ms": round(max(lags) * 1e3, 1), "late": sum(x > LATE_S for x in lags), "n": len(lags)}
+    return out
+
+
+def run_totals(compare: dict, systems: list[str]) -> dict[str, dict]:
+    """Per system, summed over repetitions: preemptions, failed, output tokens/s (mean)."""
+    out = {}
+    routed = {x["name"] for x in compare.get("systems", []) if x.get("launcher") == "vllm-router"}
+    for s in systems:
+        rs = compare["runs"].get(s) or []
+        if not rs:
+            continue
+        # behind vllm-router the client's /metrics scrape reaches one engine's counters only
+        pre = [None if s in routed else r.get("preemptions") for r in rs]
+        tps = [r.get("output_tokens_per_s") for r in rs if r.get("output_tokens_per_s") is not None]
+        out[s] = {"preemptions": None if None in pre else sum(pre), "failed": sum(r["failed"] for r in rs),
+                  "requests": sum(r["requests"] for r in rs), "output_tokens_per_s": sum(tps) / len(tps) if tps else None,
+                  "positions": [r.get("position") for r in rs]}
+    return out
+
+
+def analyse(reqs: dict[str, list[pooled.Request]], ttft_slo: float, tpot_slo: float,
+            equal: str = "oracle-equal") -> dict:
+    """Pooled statistics per system, the best alternative per statistic, and the comparisons with
+    ``equal``, the stock system holding the memory a kunserve group reaches."""
+    stats = {s: {"n": len(r), "lost": sum(not x.ok for x in r), "reps": len({x.rep for x in r}),
+                 "ttft": pooled.tail(r), "tpot": pooled.tpot(r), "goodput": pooled.goodput(r, ttft_slo, tpot_slo)}
+             for s, r in reqs.items()}
+    alts = [s for s in ALTERNATIVES if s in stats]
+    best = {}
+    for q in ("p50", "p90", "p99"):
+        if alts:
+            best[q] = min(alts, key=lambda s: stats[s]["ttft"][q]["value"])
+    if alts:
+        best["goodput"] = max(alts, key=lambda s: stats[s]["goodput"] or 0)
+    cmp: dict = {}
+    for s in reqs:
+        if s in alts:
+            continue
+        c = {}
+        for q in ("p50", "p90", "p99"):
+            qq = float(q[1:])
+            if equal in reqs:
+                c[f"{q}_over_equal"] = pooled.ratio(reqs[s], reqs[equal], qq)
+            if q in best:
+                c[f"{q}_over_best"] = pooled.ratio(reqs[s], reqs[best[q]], qq)
+                if equal in reqs and s != equal:
+                    c[f"{q}_gap_closed"] = pooled.gap_closed(reqs[best[q]], reqs[s], reqs[equal], qq)
+        cmp[s] = c
+    extra = {}
+    if equal in reqs:
+        for q in ("p90", "p99"):
+            if q in best:
+                extra[f"best_{q}_over_equal"] = pooled.ratio(reqs[best[q]], reqs[equal], float(q[1:]))
+    return {"stats": stats, "best": best, "compare": cmp, "equal": equal, **extra}
+
+
+def fmt_ci(c: dict | None, digits: int = 2) -> str:
+    if not c or c.get("value") is None:
+        return "-"
+    f = lambda x: "inf" if x is None or math.isinf(x) else f"{x:.{digits}f}"  # noqa: E731
+    return f"{f(c['value'])} ({f(c['lo'])}..{f(c['hi'])})"
+
+
+def verdict(an: dict, totals: dict, groups: dict, window: tuple[float, float]) -> list[str]:
+    """The issue's R1 targets, each met or missed, with the measured figure."""
+    st, cmp, best = an["stats"], an["compare"].get("kunserve", {}), an["best"]
+    out = []
+
+    def line(target: str, measured: str, ok: bool | None):
+        out.append(f"- {target}: {measured} -> **{'met' if ok else ('missed' if ok is not None else 'not measured')}**")
+    eq = an.get("equal", "oracle-equal")
+    b99 = an.get("best_p99_over_equal")
+    gap = b99 is not None and b99.get("value") is not None and b99["value"] >= 2
+    line(f"a gap to close: the best alternative's P99 >= 2x {eq}'s", fmt_ci(b99),
+         None if b99 is None else gap)
+    for q in ("p90", "p99"):
+        g = cmp.get(f"{q}_gap_closed")
+        line(f"kunserve closes >= 70% of the gap from the best alternative to {eq} at {q.upper()}", fmt_ci(g),
+             None if not g or g.get("value") is None else g["value"] >= 0.7)
+    r = cmp.get("p99_over_equal")
+    line(f"kunserve P99 TTFT <= 1.2x {eq}'s", fmt_ci(r), None if not r else r["value"] <= 1.2)
+    for q in ("p90", "p99"):
+        r = cmp.get(f"{q}_over_best")
+        ok = None if not r or r.get("value") is None else (r["hi"] is not None and r["hi"] <= 0.6)
+        line(f"kunserve {q.upper()} <= 0.6x the best alternative's ({best.get(q)}), the interval's top included",
+             fmt_ci(r), ok)
+    if "kunserve" in st and best.get("p50"):
+        alts = [s for s in ALTERNATIVES if s in st]
+        ref = min(alts, key=lambda s: st[s]["tpot"]["p50"] or math.inf)
+        t = st["kunserve"]["tpot"]["p50"] / st[ref]["tpot"]["p50"]
+        line(f"kunserve P50 TPOT <= 1.2x the best alternative's ({ref})", f"{t:.2f}", t <= 1.2)
+        gb = st[best["goodput"]]["goodput"]
+        gk = st["kunserve"]["goodput"]
+        line(f"kunserve goodput >= 1.3x the best alternative's ({best['goodput']})",
+             f"{gk:.3f} vs {gb:.3f} ({gk / gb:.2f}x)" if gb else f"{gk:.3f} vs 0", bool(gb) and gk / gb >= 1.3)
+    lost = sum(v["failed"] for v in totals.values())
+    line("zero requests lost (every run)", f"{lost} failed", lost == 0)
+    ks = groups.get("kunserve", {})
+    if ks:
+        early = [k for k, g in ks.items() if g["first_s"] < window[0]]
+        line("no group forms in the warm phase (below the trigger)",
+             "first grouped at " + ", ".join(f"{g['first_s']:g} s" for g in ks.values()) + "; warm phase ends at "
+             f"{window[0]:g} s", not early)
+    return out
+
+
+def plot(path: Path, an: dict, systems: list[str], title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(11, 4.2))
+    qs = ("p50", "p90", "p99")
+    shown = [s for s in systems if s in an["stats"]]
+    width = 0.8 / max(1, len(shown))
+    for i, s in enumerate(shown):
+        t = an["stats"][s]["ttft"]
+        vals = [t[q]["value"] for q in qs]
+        err = [[v - t[q]["lo"] for q, v in zip(qs, vals)],
+               [(t[q]["hi"] if math.isfinite(t[q]["hi"]) else v) - v for q, v in zip(qs, vals)]]
+        ax.bar([j + i * width for j in range(len(qs))], vals, width, yerr=err, capsize=3, label=LABEL.get(s, s))
+    ax.set_xticks([j + width * (len(shown) - 1) / 2 for j in range(len(qs))])
+    ax.set_xticklabels([q.upper() + " TTFT" for q in qs])
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds (pooled burst window, 95% bootstrap interval)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict, groups: dict, systems: list[str],
+           name: str) -> str:
+    st = an["stats"]
+    w = meta["weight_share"]
+    L = [f"# What dropping buys under a burst, regime {a.regime.upper()} (written by benchmarks/burst_value.py)", "",
+         f"Command: `{meta['command']}`" + (f" (this doc re-written by `{meta['rewritten']}`)" if meta.get("rewritten")
+                                           else "") + ".", "",
+         f"![pooled TTFT]({name}.png)", "", "## Regime", "",
+         f"{meta['cpu']}; preset `{meta['preset']}` ({meta['weight_bytes'] / 1e6:.0f} MB of weights, "
+         f"{meta['kv_bytes_per_token'] / 1024:.0f} KiB of KV per token); each engine on its own core with one compute "
+         f"thread (`OMP_NUM_THREADS=1`, `KUNSERVE_ENGINE_CPUS=0|1`); KV for {a.kv_tokens} tokens per engine "
+         f"({a.kv_tokens * meta['kv_bytes_per_token'] / 1e6:.0f} MB): weights are **{w:.0%}** of an engine's weights + "
+         f"KV, so a 2-engine group holds **{meta['group_kv_factor']:.2f}x** the KV of its members apart "
+         + ("(paper-like: w in 0.35..0.65)." if 0.35 <= w <= 0.65 else "(**extreme**: outside the paper-like 0.35..0.65)."),
+         "", "Decode step by batch, one thread (`" + meta.get("scaling_doc", "") + "`):", "",
+         "| batch | step (ms) | tokens/s |", "|---:|---:|---:|"]
+    L += [f"| {r['batch']} | {r['step_ms']} | {r['tokens_per_s']} |" for r in meta.get("scaling_rows", [])]
+    cap = meta.get("capacity")
+    L += [""]
+    if cap and cap.get("rows"):
+        L += ["Capacity, measured: a closed-loop saturation run of two stock engines behind `kunserve serve`, driven by "
+              "`vllm bench serve` (random dataset, ~64-token prompts, outputs 256..384 tokens, `--ignore-eos`):", "",
+              "| concurrency | requests | req/s | output tokens/s | median TPOT (ms) |", "|---:|---:|---:|---:|---:|"]
+        L += [f"| {r['concurrency']} | {r['completed']} | {r['req_per_s']:.3f} | {r['output_tokens_per_s']:.1f} | "
+              f"{r['median_tpot_ms']:.1f} |" for r in cap["rows"]]
+        L += ["", f"Capacity: **{cap['req_per_s']:.3f} req/s** (the best row). "]
+    elif cap:
+        L += [f"Capacity: {cap.get('note')}", ""]
+    L += [f"Workload: the Azure LLM conversation trace's (2023, CC BY 4.0) arrival times re-timed into phases "
+          f"`{meta['phases']}`" + (f" ({meta['load_note']})" if meta.get("load_note") else "")
+          + f"; 64-token prompts, outputs uniform in 256..384 tokens. Burst window: arrivals in "
+          f"[{meta['window'][0]:g}, {meta['window'][1]:g}) s.", ""]
+    sw = meta.get("sweep")
+    if sw:
+        L += ["Batch-cap sweep for `vllm-tuned` (one run each on this trace, window P99 TTFT; the lowest is the tuned "
+              "cap):", "", "| --max-num-seqs | P50 TTFT (s) | P99 TTFT (s) | P50 TPOT (ms) | preemptions |",
+              "|---:|---:|---:|---:|---:|"]
+        L += [f"| {r['cap']} | {r['p50']:.2f} | {r['p99']:.2f} | {r['tpot_p50'] * 1e3:.0f} | {r['preemptions']} |"
+              for r in sw["rows"]]
+        L += ["", f"Tuned cap: **{sw['cap']}**.", ""]
+    L += ["## Systems", ""] + [f"- `{s}`: {meta['descriptions'].get(s, '')}" for s in systems] + [""]
+    L += ["## Pooled over the repetitions (burst window)", "",
+          f"{meta['repeat']} repetitions; the order the systems ran in: "
+          + (meta["orders"] if isinstance(meta.get("orders"), str) else
+             "shuffled per repetition, " + "; ".join(", ".join(o) for o in meta.get("orders") or []))
+          + ". TTFT percentiles over every window request of every repetition (a lost "
+          "request counts as an infinite TTFT), with bootstrap 95% intervals (requests resampled within each "
+          f"repetition, {pooled.DRAWS} draws). Goodput: the share of window requests with TTFT <= {meta['ttft_slo']:g} s "
+          f"and TPOT <= {meta['tpot_slo'] * 1e3:.0f} ms ({meta['tpot_slo_note']}).", "",
+          "| system | window requests | P50 TTFT (s) | P90 TTFT (s) | P99 TTFT (s) | P50 / P99 TPOT (ms) | goodput "
+          "| output tok/s (run) | preemptions (all runs) | lost |", "|---|---:|---|---|---|---|---:|---:|---:|---:|"]
+    for s in systems:
+        if s not in st:
+            continue
+        x, t = st[s], totals.get(s, {})
+        tp = x["tpot"]
+        L.append(f"| {s} | {x['n']} | {fmt_ci(x['ttft']['p50'])} | {fmt_ci(x['ttft']['p90'])} | "
+                 f"{fmt_ci(x['ttft']['p99'])} | "
+                 + (f"{tp['p50'] * 1e3:.0f} / {tp['p99'] * 1e3:.0f}" if tp["p50"] else "-")
+                 + f" | {x['goodput']:.3f} | "
+                 + (f"{t['output_tokens_per_s']:.1f}" if t.get("output_tokens_per_s") else "-")
+                 + f" | {'-' if t.get('preemptions') is None else t['preemptions']} | {x['lost']} |")
+    L += ["", "Preemptions are vLLM's counter of both engines over all runs (`-` behind vllm-router: its "
+          "`/metrics` answers with one engine's). Output tok/s is the mean over runs of the whole run's rate.", "",
+          "Best alternative per statistic (the better of " + ", ".join(s for s in ALTERNATIVES if s in st) + "): "
+          + ", ".join(f"{k.upper()} {v}" for k, v in an["best"].items()) + ".", ""]
+    eq = an["equal"]
+    for q in ("p90", "p99"):
+        if f"best_{q}_over_equal" in an:
+            L.append(f"- the best alternative's {q.upper()} TTFT over {eq}'s: {fmt_ci(an[f'best_{q}_over_equal'])}")
+    L += ["", "Ratios (pooled, 95% bootstrap interval of independent resamples):", "",
+          f"| system | P50 / best | P90 / best | P99 / best | P90 / {eq} | P99 / {eq} | gap closed P90 "
+          "| gap closed P99 |", "|---|---|---|---|---|---|---|---|"]
+    for s, c in an["compare"].items():
+        L.append(f"| {s} | " + " | ".join(fmt_ci(c.get(k)) for k in (
+            "p50_over_best", "p90_over_best", "p99_over_best", "p90_over_equal", "p99_over_equal",
+            "p90_gap_closed", "p99_gap_closed")) + " |")
+    L += ["", f"Gap closed = (best alternative - system) / (best alternative - {eq}) at that percentile; it is "
+          f"reported only against {eq}, stock with the memory a kunserve group reaches. static is an alternative "
+          "configuration, not a bound: kunserve can beat it.", "",
+          "## Verdict (issue 34's targets for R1" + (", applied to R0 for reference)" if a.regime == "r0" else ")"),
+          ""]
+    L += verdict(an, totals, groups, meta["window"])
+    ks = groups.get("kunserve", {})
+    if ks:
+        L += ["", "## When kunserve grouped", "",
+              "The first second its engines were in a pipeline group, the share of the burst window's seconds they "
+              "were, and what each engine held at the window's end (layers, KV blocks of 32 tokens):", "",
+              "| rep | first grouped (s) | window share | layers | KV blocks |", "|---:|---:|---:|---|---|"]
+        L += [f"| {k} | {g['first_s']:g} | {g['window_share']} | {g['layers']} | {g['kv_blocks']} |"
+              for k, g in sorted(ks.items())]
+        L += ["", f"oracle-equal holds {meta['oracle_equal_x']:.2f}x the base KV per engine "
+              f"({int(a.kv_tokens * meta['oracle_equal_x'] // 32)} blocks)."]
+    split = meta.get("dispatch_split") or {}
+    if split:
+        L += ["", "## Dispatch split", "",
+              "The burst window's arrivals `kunserve serve`'s front end gave each engine (engine 0 / engine 1; its "
+              "`kunserve:dispatched_total` counters) per repetition. vllm-router's split is not recorded (its "
+              "engines' counters are not behind it).", "",
+              "| system | " + " | ".join(f"rep {k}" for k in range(1, meta["repeat"] + 1)) + " |",
+              "|---|" + "---|" * meta["repeat"]]
+        L += [f"| {s} | " + " | ".join(" / ".join(map(str, v[k])) if k in v else "-"
+                                     for k in range(1, meta["repeat"] + 1)) + " |" for s, v in split.items()]
+    L += ["", "## The client", "", "Largest send lag per system over all its runs, and requests sent > 50 ms late: "
+          + json.dumps(lag) + ".", "",
+          f"Raw data: `{meta['raw']}/compare.json` (every run's summary, the order), `{name}.json` (the pooled "
+          f"statistics), `{meta['raw']}/{meta['raw_layout']}/requests.csv` (every request)."]
+    return "\n".join(L) + "\n"
+
+
+def copy_raw(run: Path, assets: Path, systems: list[str]) -> None:
+    assets.mkdir(parents=True, exist_ok=True)
+    if (run / "compare.json").exists():
+        (assets / "compare.json").write_text((run / "compare.json").read_text())
+    for s in systems:
+        for f in (run / s).glob("rep*/requests.csv"):
+            dst = assets / s / f.parent.name / "requests.csv"
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if f.resolve() != dst.resolve():
+                dst.write_bytes(f.read_bytes())
+
+
+def readme_table(names: list[str]) -> str:
+    """The README's results table, from the docs' JSON (``docs/benchmarks/<name>.json``): per regime
+    and system, the pooled P90 / P99 TTFT with intervals, P50 TPOT and goodput."""
+    L = ["| regime | system | window requests | P90 TTFT (s) | P99 TTFT (s) | P50 TPOT (ms) | goodput |",
+         "|---|---|---:|---|---|---:|---:|"]
+    for name in names:
+        d = json.loads((DOCS / f"{name}.json").read_text())
+        meta, st = d["meta"], d["analysis"]["stats"]
+        w = meta["weight_share"]
+        regime = (f"[{name.rsplit('_', 1)[-1].upper()}]({'docs/benchmarks/' + name + '.md'}): weights {w:.0%}, "
+                  f"a group holds {meta['group_kv_factor']:.2f}x KV"
+                  + ("" if abs(meta["oracle_equal_x"] - meta["group_kv_factor"]) < 0.01 else
+                     f", capped at {meta['oracle_equal_x']:g}x here") + ("" if 0.35 <= w <= 0.65 else " (extreme)"))
+        for i, (s, x) in enumerate(st.items()):
+            label = LABEL.get(s, s) + (f" (--max-num-seqs {meta['sweep']['cap']})" if s == "vllm-tuned"
+                                        and meta.get("sweep") else "")
+            tp = x["tpot"]["p50"]
+            L.append(f"| {regime if i == 0 else ''} | {label} | {x['n']} | {fmt_ci(x['ttft']['p90'])} | "
+                     f"{fmt_ci(x['ttft']['p99'])} | {'-' if tp is None else f'{tp * 1e3:.0f}'} | {x['goodput']:.2f} |")
+    return "\n".join(L)
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--readme"]:   # print the README's table from the docs' JSON
+        print(readme_table(sys.argv[2:] or ["burst_value_r1", "burst_value_r0"]))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--regime", choices=tuple(REGIMES), default="r1")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--systems", default="vllm,vllm-tuned,vllm-router,kunserve,oracle-equal")
+    ap.add_argument("--steps", default="capacity,sweep,compare", help="which measuring steps to run (then the doc)")
+    ap.add_argument("--out", default="", help="run directory (default runs/burst_<regime>)")
+    ap.add_argument("--run", default="", help="--regime r0: the cluster_burst run to analyse (its raw data)")
+    ap.add_argument("--kv-tokens", type=int, default=None, help="KV tokens per engine (default: the regime's)")
+    ap.add_argument("--concurrency", default="24,48", help="capacity: closed-loop concurrencies")
+    ap.add_argument("--capacity-requests", type=int, default=72)
+    ap.add_argument("--caps", default="8,16,24", help="sweep: --max-num-seqs per engine")
+    ap.add_argument("--warm-s", type=float, default=40.0)
+    ap.add_argument("--warm-share", type=float, default=0.5)
+    ap.add_argument("--burst-s", type=float, default=40.0)
+    ap.add_argument("--burst-x", type=float, default=1.6)
+    ap.add_argument("--ttft-slo", type=float, default=2.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--trace", default=str(TRACE))
+    ap.add_argument("--name", default="")
+    a = ap.parse_args()
+    if a.repeat < 1:
+        ap.error("--repeat must be >= 1")
+    if not 0 < a.warm_share < a.burst_x:
+        ap.error("--warm-share must be > 0 and below --burst-x")
+    reg = REGIMES[a.regime]
+    a.kv_tokens = a.kv_tokens or reg["kv_tokens"]
+    a.concurrency = [int(x) for x in a.concurrency.split(",") if x.strip()]
+    caps = [int(x) for x in a.caps.split(",") if x.strip()]
+    steps = {x.strip() for x in a.steps.split(",") if x.strip()}
+    unknown = steps - {"capacity", "sweep", "compare", ""}
+    if unknown:
+        ap.error(f"--steps: unknown {sorted(unknown)}; choose from capacity, sweep, compare")
+    from vllm_kunserve.tools.make_model import PRESETS, build_model
+
+    spec = PRESETS[reg["preset"]]
+    name = a.name or f"burst_value_{a.regime}"
+    model = ROOT / "models" / reg["preset"]
+    if not (model / "config.json").exists():
+        build_model(model, spec)
+    scaling_path = DOCS / f"{reg['scaling']}.json"
+    scaling = json.loads(scaling_path.read_text()) if scaling_path.exists() else {}
+    kv_b = spec.kv_bytes_per_token()
+    w = weight_share(spec.weight_bytes(), a.kv_tokens * kv_b)
+    oracle_x = round(group_kv_factor(w), 3)
+    command = "python benchmarks/burst_value.py " + " ".join(map(shlex.quote, sys.argv[1:]))
+    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    meta: dict = {"cpu": scaling.get("cpu") or "this CPU", "preset": reg["preset"], "weight_bytes": spec.weight_bytes(),
+                  "kv_bytes_per_token": kv_b, "weight_share": w, "group_kv_factor": group_kv_factor(w),
+                  "oracle_equal_x": oracle_x, "scaling_rows": scaling.get("rows", []),
+                  "scaling_doc": f"docs/benchmarks/{reg['scaling']}.md", "repeat": a.repeat, "command": command}
+    if a.regime == "r0":   # analysis of benchmarks/cluster_burst.py's run
+        run = Path(a.run or DOCS / "cluster_burst")
+        prev = json.loads((DOCS / "cluster_burst.json").read_text())
+        window = tuple(prev["window"])
+        meta.update(phases=",".join(f"{d:g}@{r:g}" for d, r in prev["phases"]), window=window,
+                    capacity={"note": "not measured for this run (its phases came from the batch table: "
+                                      f"{prev['stock_capacity']['req_per_s']} req/s modelled; stock completed "
+                                      "0.36-0.44 req/s saturated, so its warm phase is about 1x and its burst about "
+                                      "3x what stock sustains)."},
+                    command=prev.get("command", ""), rewritten=command, oracle_equal_x=10.0,
+                    descriptions={s: LABEL.get(s, s) for s in systems},
+                    orders="fixed, vllm, kunserve, static, oracle in every repetition (that run predates shuffling)",
+                    load_note="from cluster_burst.md; not re-calibrated")
+        out = run
+        compare = json.loads((run / "compare.json").read_text())
+        equal = "oracle"   # kunserve's KV growth was capped at 10x (memory.max_kv_ratio): the oracle's memory
+    else:
+        out = Path(a.out or ROOT / "runs" / f"burst_{a.regime}")
+        out.mkdir(parents=True, exist_ok=True)
+        cap_file = out / "capacity.json"
+        if "capacity" in steps and not cap_file.exists():
+            cap_file.write_text(json.dumps(saturation(a, model, spec.dtype, out), indent=1) + "\n")
+        if not cap_file.exists():
+            ap.error(f"no {cap_file}: run the capacity step first")
+        cap = json.loads(cap_file.read_text())
+        phases = phases_of(cap["req_per_s"], a)
+        window = window_of(a)
+        base = common_argv(a, model, spec.dtype) + trace_argv(a, phases)
+        kcfg = json.dumps(kunserve_config(10.0))
+        sweep_file = out / "sweep.json"
+        if "sweep" in steps and not sweep_file.exists():
+            rows = []
+            for c in caps:
+                d = out / "sweep" / f"cap{c}"
+                if kunserve(["compare", *base, "--systems", "vllm-tuned", "--tuned-max-num-seqs", str(c),
+                             "--repeat", "1", "--out", str(d), "--kunserve-config", kcfg]) != 0:
+                    return 1
+                r = load_runs(d, ["vllm-tuned"], window)["vllm-tuned"]
+                t = pooled.tail(r)
+                summ = json.loads((d / "compare.json").read_text())["runs"]["vllm-tuned"][0]
+                rows.append({"cap": c, "p50": t["p50"]["value"], "p99": t["p99"]["value"],
+                             "tpot_p50": pooled.tpot(r)["p50"], "preemptions": summ.get("preemptions")})
+            best = min(rows, key=lambda r: r["p99"])
+            sweep_file.write_text(json.dumps({"rows": rows, "cap": best["cap"]}, indent=1) + "\n")
+        sweep = json.loads(sweep_file.read_text()) if sweep_file.exists() else None
+        if "compare" in steps and not (out / "compare.json").exists():
+            extra = ["--oracle-equal-kv-multiplier", str(oracle_x)]
+            if sweep:
+                extra += ["--tuned-max-num-seqs", str(sweep["cap"])]
+            if kunserve(["compare", *base, "--systems", ",".join(systems), "--repeat", str(a.repeat), "--out", str(out),
+                         "--kunserve-config", kcfg, "--order", "shuffled", *extra]) != 0:
+                return 1
+        compare = json.loads((out / "compare.json").read_text())
+        meta.update(phases=phases, window=window, capacity=cap, sweep=sweep, orders=compare.get("orders"),
+                    descriptions={s["name"]: s["description"] for s in compare["systems"]},
+                    load_note=f"warm {a.warm_share:g}x and burst {a.burst_x:g}x the measured capacity")
+        equal = "oracle-equal"
+    reqs = load_runs(out, systems, window)
+    # goodput's TPOT bound: vllm bench serve's convention is 1.5x the unloaded TPOT. On this CPU a
+    # batch's decode step grows with the batch (batch table), so 1.5x a batch of one fails every
+    # request of every system; the reference is stock's P50 TPOT in the warm phase instead
+    warm = load_runs(out, ["vllm"], (0.0, window[0])).get("vllm", [])
+    ref = pooled.tpot(warm)["p50"]
+    rows1 = [r for r in meta["scaling_rows"] if r["batch"] == 1]
+    meta["tpot_slo"] = 1.5 * ref if ref else 0.1
+    meta["tpot_slo_note"] = (f"1.5x stock's P50 TPOT in the warm phase, {ref * 1e3:.0f} ms" if ref else
+                             "no warm-phase stock requests: 100 ms") + (
+        f"; 1.5x the unloaded TPOT, a batch of one's decode step of {rows1[0]['step_ms']:.0f} ms, would fail every "
+        "request of every system here" if rows1 else "")
+    meta["ttft_slo"] = a.ttft_slo
+    meta["equal"] = equal
+    an = analyse(reqs, a.ttft_slo, meta["tpot_slo"], equal)
+    totals = run_totals(compare, systems)
+    lag = send_lag(out, systems)
+    groups = group_times(out, [s for s in systems if s in ("kunserve", "static")], a.repeat, meta["window"]) \
+        if a.regime != "r0" else {}
+    if a.regime != "r0":
+        meta["dispatch_split"] = dispatch_split(out, systems, a.repeat, meta["window"])
+    assets = DOCS / name
+    raw = out if a.regime == "r0" else assets
+    meta["raw"] = raw.relative_to(DOCS).as_posix() if raw.is_relative_to(DOCS) else str(raw)
+    meta["raw_layout"] = "rep<k>/<system>" if a.regime == "r0" else "<system>/rep<k>"
+    if a.regime != "r0":
+        copy_raw(out, assets, systems)
+    plot(assets.parent / f"{name}.png", an, systems, f"Regime {a.regime.upper()}: pooled burst-window TTFT")
+    (DOCS / f"{name}.json").write_text(json.dumps({"meta": meta, "analysis": an, "totals": totals, "send_lag": lag,
+                                                   "grouped": groups}, indent=1, default=str) + "\n")
+    doc = DOCS / f"{name}.md"
+    doc.write_text(render(a, meta, an, totals, lag, groups, systems, name))
+    print(doc.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Pooled tail statistics with bootstrap intervals (bench/pooled.py) and the burst-value benchmark's
+analysis (benchmarks/burst_value.py): percentiles over repetitions, ratios, gap closed, goodput."""
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vllm_kunserve.bench import pooled as P
+
+from .benchmod import load_benchmark
+
+pytestmark = pytest.mark.unit
+
+
+def reqs(values, rep=1, tpot=0.05, ok=True):
+    return [P.Request(rep, float(i), ok, v if ok else math.inf, tpot if ok else None, 10, None)
+            for i, v in enumerate(values)]
+
+
+def test_tail_pools_repetitions_and_brackets_the_point():
+    rng = np.random.default_rng(3)
+    a, b = rng.exponential(1.0, 150), rng.exponential(2.0, 150)
+    r = reqs(a, rep=1) + reqs(b, rep=2)
+    t = P.tail(r)
+    for q in (50, 90, 99):
+        cell = t[f"p{q}"]
+        assert cell["value"] == pytest.approx(np.percentile(np.concatenate([a, b]), q))
+        assert cell["lo"] <= cell["value"] <= cell["hi"]
+    assert t["p99"]["hi"] - t["p99"]["lo"] > t["p50"]["hi"] - t["p50"]["lo"]   # the tail is the uncertain end
+
+
+def test_a_lost_request_is_an_infinite_ttft():
+    r = reqs([1.0] * 95) + reqs([0.0] * 5, ok=False)
+    t = P.tail(r)
+    assert t["p50"]["value"] == 1.0 and math.isinf(t["p99"]["value"]) and math.isinf(t["p99"]["hi"])
+
+
+def test_ratio_and_gap_closed():
+    rng = np.random.default_rng(0)
+    base = rng.exponential(1.0, 300)
+    best, bound = reqs(base * 4), reqs(base)
+    r = P.ratio(best, bound, 99)
+    assert r["value"] == pytest.approx(4.0) and r["lo"] < 4.0 < r["hi"]
+    closed = P.gap_closed(best, reqs(base), bound, 90)
+    assert closed["value"] == pytest.approx(1.0) and closed["lo"] < 1.0 < closed["hi"]
+    assert P.gap_closed(best, best, bound, 90)["value"] == pytest.approx(0.0)
+    half = P.gap_closed(best, reqs(base * 2.5), bound, 90)
+    assert half["value"] == pytest.approx(0.5)
+    assert P.gap_closed(bound, best, bound, 90) == {"value": None, "lo": None, "hi": None, "no_gap": True}
+
+
+def test_goodput_counts_failures_as_misses():
+    r = reqs([0.5, 1.5, 2.5]) + reqs([0.5], tpot=0.2) + reqs([0.0], ok=False)
+    assert P.goodput(r, ttft_slo_s=2.0, tpot_slo_s=0.1) == pytest.approx(2 / 5)
+    assert P.goodput([], 2.0, 0.1) is None
+
+
+def test_read_window_keeps_the_window(tmp_path):
+    f = tmp_path / "requests.csv"
+    f.write_text("idx,arrival_s,send_s,ok,ttft_s,tpot_s,e2e_s,output_tokens\n"
+                 "0,10,10,1,0.5,0.05,2,30\n1,20,20,1,0.7,0.06,3,30\n2,25,25,0,,,,0\n3,40,40,1,0.1,0.05,1,30\n")
+    w = P.read_window(f, 3, 15, 40)
+    assert [(x.arrival_s, x.ok, x.rep) for x in w] == [(20.0, True, 3), (25.0, False, 3)]
+    assert math.isinf(w[1].ttft_s) and w[0].tpot_s == 0.06
+
+
+@pytest.fixture
+def bv(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    return load_benchmark("burst_value")
+
+
+def test_group_kv_factor_is_the_issues_formula(bv):
+    assert bv.group_kv_factor(0.5) == pytest.approx(1.5)
+    assert bv.group_kv_factor(0.6) == pytest.approx(1.75)
+    assert bv.group_kv_factor(0.97) == pytest.approx(1 + 0.97 / 0.06)
+    assert bv.weight_share(600, 400) == pytest.approx(0.6)
+
+
+def test_analysis_picks_the_best_alternative_and_judges_the_targets(bv):
+    rng = np.random.default_rng(1)
+    x = rng.exponential(1.0, 320)
+    runs = {"vllm": reqs(x * 10), "vllm-tuned": reqs(x * 6), "kunserve": reqs(x * 1.1), "oracle-equal": reqs(x)}
+    an = bv.analyse(runs, ttft_slo=2.0, tpot_slo=0.1)
+    assert an["best"]["p99"] == "vllm-tuned" and an["best"]["goodput"] == "vllm-tuned"
+    k = an["compare"]["kunserve"]
+    assert k["p99_over_equal"]["value"] == pytest.approx(1.1)
+    assert k["p99_gap_closed"]["value"] == pytest.approx((6 - 1.1) / 5)
+    assert an["best_p99_over_equal"]["value"] == pytest.approx(6.0)
+    totals = {s: {"failed": 0} for s in runs}
+    groups = {"kunserve": {1: {"first_s": 55.0}}}
+    lines = bv.verdict(an, totals, groups, (40.0, 80.0))
+    text = "\n".join(lines)
+    assert "P99 TTFT <= 1.2x oracle-equal's: 1.10" in text and "**met**" in text
+    assert "zero requests lost (every run): 0 failed -> **met**" in text
+    assert "no group forms in the warm phase" in text and text.count("**missed**") == 0
+    early = bv.verdict(an, totals, {"kunserve": {1: {"first_s": 12.0}}}, (40.0, 80.0))
+    assert "first grouped at 12 s; warm phase ends at 40 s -> **missed**" in "\n".join(early)
