@@ -67,6 +67,11 @@ class DropConfig:
     group_member: bool = _opt(
         False, "This engine can join pipeline groups: it keeps a growable KV cache, an engine agent and a "
         "control port (`kunserve serve` sets it on its engines).")
+    allow_unvalidated_cuda: bool = _opt(
+        False, "Let a group member start on a CUDA platform. Pipeline groups have run inside vLLM on CPU only: "
+        "the stage link moves hidden states through host shared memory and a grouped step's attention plan is "
+        "rebuilt for the CPU attention backend, so on CUDA a group's first hop is expected to fail. Off, "
+        "drop.group_member refuses to start there; on, it starts (for validating the CUDA glue).")
 
 
 @dataclass(frozen=True)

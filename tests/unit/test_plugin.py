@@ -136,3 +136,23 @@ def test_shm_wait_setting_makes_every_queue_reader_sleep_instead_of_spinning(mon
             shm_wait.wanted_wait_ms({shm_wait.ENV: bad})
     assert shm_wait.wanted_wait_ms({shm_wait.ENV: "0"}) is None
     assert shm_wait.wanted_wait_ms({shm_wait.ENV: "1.5"}) == 1.5
+
+
+def test_a_group_member_refuses_a_cuda_platform_unless_told(monkeypatch):
+    """Pipeline groups have run inside vLLM on CPU only: on CUDA a group member refuses to start with
+    one line naming the setting that overrides it; a CPU member, a remap-only engine and an engine
+    with the override start."""
+    from vllm_kunserve.config import KunServeConfigError, parse_config
+    from vllm_kunserve.integration.vllm import engine_hooks as H
+
+    member = parse_config({"drop": {"group_member": True}})
+    with pytest.raises(KunServeConfigError) as e:
+        H.check_group_device(member, "cuda")
+    assert "\n" not in str(e.value) and "drop.allow_unvalidated_cuda=true" in str(e.value)
+    H.check_group_device(member, "cpu")
+    H.check_group_device(parse_config({"remap": {"enable": True}}), "cuda")
+    H.check_group_device(parse_config({"drop": {"group_member": True, "allow_unvalidated_cuda": True}}), "cuda")
+    monkeypatch.setattr(H, "platform_device", lambda: "cuda")
+    holder = types.SimpleNamespace(enforce_eager=True)
+    with pytest.raises(KunServeConfigError, match="CPU only"):
+        H.EngineCorePatch().configure(member, holder)

@@ -33,6 +33,29 @@ def agent_of(core: Any):
     return core.__dict__.get("_kunserve")
 
 
+#: what a group member on CUDA says at startup (issue 38: no CUDA data path validated in vLLM yet)
+CUDA_GROUP_REFUSED = (
+    "kunserve drop.group_member: pipeline groups have run inside vLLM on CPU only (on CUDA the stage link "
+    "and the grouped step's attention plan are unvalidated); refusing to start on a CUDA platform "
+    "(set drop.allow_unvalidated_cuda=true to start anyway)")
+
+
+def platform_device() -> str:
+    """vLLM's current platform's device type (``cpu``, ``cuda``, ...); ``unknown`` if it cannot tell."""
+    try:
+        from vllm.platforms import current_platform
+
+        return str(current_platform.device_type or "unknown")
+    except Exception:  # pragma: no cover - vLLM missing or its platform detection failed
+        return "unknown"
+
+
+def check_group_device(cfg: Any, device: str) -> None:
+    """Refuse a pipeline group member on CUDA unless ``drop.allow_unvalidated_cuda`` is set."""
+    if cfg.drop.group_member and device == "cuda" and not cfg.drop.allow_unvalidated_cuda:
+        raise KunServeConfigError(CUDA_GROUP_REFUSED)
+
+
 class EngineCorePatch(VllmPatch):
     name = "engine_core"
     versions = ">=0.32,<0.34"
@@ -40,9 +63,11 @@ class EngineCorePatch(VllmPatch):
     requires = ("moves_memory",)
 
     def configure(self, cfg: Any, holder: Any) -> None:
-        """Streaming uses forward hooks and side copies, which need eager execution."""
+        """Streaming uses forward hooks and side copies, which need eager execution. A pipeline
+        group member refuses a CUDA platform unless told otherwise (:func:`check_group_device`)."""
         if not cfg.moves_memory:
             return
+        check_group_device(cfg, platform_device())
         if hasattr(holder, "enforce_eager"):  # EngineArgs: still time to switch it on
             if not holder.enforce_eager:
                 logger.info("kunserve: remap and pipeline groups replace layer forwards; enabling enforce_eager")
