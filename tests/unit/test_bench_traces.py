@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_kunserve.bench import traces as T
-from vllm_kunserve.bench.kvdemand import DemandModel, demand_stat, kv_demand, rate_for_kv_share
 from vllm_kunserve.bench.workload import WorkloadOptions, build_trace, busiest_offset
+from vllm_kunserve.workload import traces as T
+from vllm_kunserve.workload.kvdemand import DemandModel, demand_stat, kv_demand, rate_for_kv_share
 
 pytestmark = pytest.mark.unit
 

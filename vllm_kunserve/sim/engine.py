@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from vllm_kunserve.policy.transfer import Link, SharedLink
+from vllm_kunserve.workload.models import ModelArch
 
 from .hardware import GpuSpec, UnmapCost
-from .models import ModelArch
 from .request import Req
 from .server import INF_BLOCKS, Server
 from .steptime import StepTime

@@ -436,7 +436,7 @@ def phases(trace: Trace, spec: list[tuple[float, float]]) -> Trace:
                          meta={"phases": [list(x) for x in spec]})
 
 
-#: the name the harness (``bench.workload``, ``bench.kvdemand``) calls; it is :func:`compress_time`
+#: the name the harness (``bench.workload``, ``workload.kvdemand``) calls; it is :func:`compress_time`
 scale_rate = compress_time
 
 
