@@ -164,7 +164,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------ traces
 def load_sources(a):
     """(azure, mooncake or None) as simulator request lists; Mooncake's lengths are Azure's, in order."""
-    from vllm_kunserve.bench import traces as T
+    from vllm_kunserve.workload import traces as T
     from vllm_kunserve.sim.trace import clip_lengths, from_trace
 
     az = T.load_csv(a.azure)
@@ -257,7 +257,7 @@ def row_traces(a, azure, mooncake, analysis: dict) -> list[dict]:
     """Every row's requests on the source time scale: a warm-up of the Azure row's ``warmup_s``
     preceding seconds' requests, then its ``window_s`` window's, under each row's arrival times;
     ``boundary``: the source time measurement starts."""
-    from vllm_kunserve.bench.traces import gamma_arrivals
+    from vllm_kunserve.workload.traces import gamma_arrivals
     from vllm_kunserve.sim.trace import TraceRequest, window
 
     def pick(name: str, override: float | None) -> float:
@@ -499,7 +499,7 @@ def step_check(gpu) -> dict | None:
     token_x * (the rest), least squares over the measured token counts."""
     if not STEP_MEASURED.is_file():
         return None
-    from vllm_kunserve.sim.models import load_model_spec
+    from vllm_kunserve.workload.models import load_model_spec
     from vllm_kunserve.sim.steptime import GpuStepTime
 
     meas = json.loads(STEP_MEASURED.read_text())

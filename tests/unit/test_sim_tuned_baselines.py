@@ -5,7 +5,7 @@ import pytest
 from vllm_kunserve.sim.engine import SimConfig, Simulator
 from vllm_kunserve.sim.hardware import get_gpu
 from vllm_kunserve.sim.metrics import summarize
-from vllm_kunserve.sim.models import BUILTIN
+from vllm_kunserve.workload.models import BUILTIN
 from vllm_kunserve.sim.policies import build_policy, is_policy
 from vllm_kunserve.sim.policies.baselines import group_kv_factor, weight_share
 from vllm_kunserve.sim.runner import simulate
