@@ -492,7 +492,7 @@ def host_facts(res: dict, systems: list[str]) -> dict:
 
 
 def _loop_max(loop: dict | None) -> float | None:
-    """The latest wake-up of an event loop (looplag.LoopLag's view); None where it was not watched."""
+    """The latest wake-up of an event loop (runtime.looplag.LoopLag's view); None where it was not watched."""
     if not loop:
         return None
     return max((e["late_s"] for e in loop.get("longest", [])), default=0.0)
@@ -522,10 +522,10 @@ def host_section(host: dict, systems: list[str]) -> list[str]:
          "A stall: no token of any stream reached the client for >= 0.5 s while >= 2 requests were in flight "
          "(client timings). Major faults: the machine's `pgmajfault` over the run and inside the stalls; steal and "
          "iowait: CPU seconds over the run (`host.csv` per run, sampled every 0.25 s by `bench/hostwatch.py`). GC: "
-         "the longest pause of Python's collector in the replay client and in the front end (`gcpause.py`; "
+         "the longest pause of Python's collector in the replay client and in the front end (`runtime/gcpause.py`; "
          "frozen: the front end froze its startup heap), and how many stalls a pause >= 50 ms of each overlaps. "
          "Loop late: the latest wake-up of the client's and the front end's event loop (a 10 ms timer, "
-         "`looplag.py`); late sends: requests sent >= 50 ms after their arrival time, by what the client's loop "
+         "`runtime/looplag.py`); late sends: requests sent >= 50 ms after their arrival time, by what the client's loop "
          "thread did meanwhile (busy: it ran; no core: runnable, waiting for a CPU; blocked: neither; unseen: "
          "the loop woke on time).", "",
          "| system | rep | stalls | stalled s | longest s | major faults (in stalls) | steal s | iowait s | mlock "
@@ -698,14 +698,14 @@ def main() -> int:
                          "an engine core spinning for its worker's reply took ~0.35 of a core here; 0: vLLM's spin)")
     ap.add_argument("--mlock", action="store_true",
                     help="lock the memory of every serving process and of this client (KUNSERVE_MLOCK=1: host "
-                         "reclaim cannot page them out; see memory/hostlock.py)")
+                         "reclaim cannot page them out; see runtime/hostlock.py)")
     a = ap.parse_args()
     if a.kv_cap_x is None:
         a.kv_cap_x = a.oracle_x
     if not 1.0 <= a.kv_cap_x <= 64.0:
         ap.error(f"--kv-cap-x must be in [1, 64] (memory.max_kv_ratio), got {a.kv_cap_x:g}")
     if a.mlock and not a.analyse_only:
-        from vllm_kunserve.memory.hostlock import lock_process_memory
+        from vllm_kunserve.runtime.hostlock import lock_process_memory
 
         if not lock_process_memory():
             print("--mlock: this process could not lock its memory (see the warning above)", file=sys.stderr)

@@ -190,7 +190,7 @@ def run_settings(run: Path, a: argparse.Namespace, reps: list[tuple[str, int, Pa
         lo, hi = (float(x) for x in a.window.split(":"))
         wsrc = "--window"
     elif phases:
-        from vllm_kunserve.bench.traces import parse_phases
+        from vllm_kunserve.workload.traces import parse_phases
 
         ph = parse_phases(phases)
         lo, hi = ph[0][0], (ph[0][0] + ph[1][0] if len(ph) > 1 else float("inf"))
@@ -398,9 +398,9 @@ def make_sim(st, st_group, settings: dict, system: str, trace):
     from vllm_kunserve.policy.transfer import Link
     from vllm_kunserve.sim.engine import SimConfig, Simulator
     from vllm_kunserve.sim.hardware import get_gpu
-    from vllm_kunserve.sim.models import load_model_spec
     from vllm_kunserve.sim.policies import build_policy
     from vllm_kunserve.sim.policies.kunserve import KunServePolicy
+    from vllm_kunserve.workload.models import load_model_spec
 
     bs = settings["block_size"]
     base = settings["kv_tokens"] // bs

@@ -6,7 +6,7 @@ Setup: Qwen-2.5-14B on 8 single-GPU H100 80 GB servers joined by 200 Gb/s RDMA (
 per-GPU ports shared by concurrent transfers, unmapping charged), vLLM v1 scheduling, least-work
 routing. Workloads (``vllm_kunserve.sim.workload``): 640 s of the Azure LLM conversation trace 2023's
 arrivals (the window with the highest 30-s rate peak-to-mean) after a 120-s warm-up that is not
-measured, upscaled with the pattern kept (``bench.traces.upscale``) to the rate at which the oracle's
+measured, upscaled with the pattern kept (``workload.traces.upscale``) to the rate at which the oracle's
 mean KV demand over the measured 640 s is ``--target`` of capacity, with BurstGPT / ShareGPT /
 LongBench / Azure lengths. Runs are stored in docs/benchmarks/paper_kunserve.json as they finish, so
 the work can be split over several invocations; every invocation re-renders the markdown and PNG
@@ -138,8 +138,8 @@ class Runner:
             if spec.seed == 0:
                 return w
         if tag.endswith("compressed"):
-            from vllm_kunserve.bench import traces as T
             from vllm_kunserve.sim.trace import compress_time, from_trace
+            from vllm_kunserve.workload import traces as T
 
             win = T.window(W.source(spec.trace), spec.offset_s, 600.0)
             base = from_trace(T.with_lengths(win, spec.lengths, seed=spec.seed, max_total=spec.max_model_len))
@@ -210,9 +210,9 @@ def run_factors(r: Runner, mix: str, seeds, names) -> None:
             if name == "wl-compressed":
                 w = r.calibrated("paper-rdma", spec_for(mix, seed), f"{mix}-compressed")
             elif name == "wl-smooth30":
-                from vllm_kunserve.bench import traces as T
                 from vllm_kunserve.sim import workload as W
                 from vllm_kunserve.sim.trace import from_trace
+                from vllm_kunserve.workload import traces as T
 
                 spec = spec_for(mix, seed)
                 up = T.upscale(W.source_window(spec), wb.factor, seed=seed, smooth_s=30.0)
@@ -288,7 +288,7 @@ def render(store: dict, target: float, commands: list[str]) -> tuple[list[str], 
         "for every system. Workloads (`sim.workload`): 640 s of arrivals from the Azure LLM conversation trace 2023 "
         "(source seconds 2740-3380, the 640-s window with the highest 30-s rate peak-to-mean) after a 120-s warm-up "
         "of the source's preceding traffic that is served but not measured, upscaled with the temporal pattern kept "
-        "(`bench.traces.upscale`, TraceUpscaler's approach) to the rate at which the infinite-memory oracle's mean KV "
+        "(`workload.traces.upscale`, TraceUpscaler's approach) to the rate at which the infinite-memory oracle's mean KV "
         f"demand over the measured 640 s is {target:.0%} of capacity; lengths from the mix named in each row. "
         "The factor is fitted at seed 0 and used for every seed; seeds change the length draws and the upscaling "
         "phase. Cells: mean over seeds (min-max). Rows `name @ T` use target T instead. Preemptions and drops count "

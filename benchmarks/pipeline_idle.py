@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _doc import command, cpu_model, rel  # noqa: E402
 from cluster_burst import read_requests, window_stats  # noqa: E402
 
-from vllm_kunserve.bench.metrics import percentiles  # noqa: E402
 from vllm_kunserve.bench.pipeline_trace import CYCLE_KINDS, analyse, load  # noqa: E402
+from vllm_kunserve.workload.stats import percentiles  # noqa: E402
 
 
 def pcts(xs: list[float]) -> dict:

@@ -31,11 +31,11 @@ from vllm_kunserve.policy import (ClusterSnapshot, DropPlan, InstanceSnapshot, M
                                   RequestSnapshot, assess_overload, default_model, fit_with_holdout,
                                   lookahead_microbatches, lower_bound_l2, make_placer, pipeline_bubble,
                                   plan_drop, token_count_microbatches, work_from_requests)
-from vllm_kunserve.bench.traces import load_azure  # noqa: E402
 from vllm_kunserve.config import DropConfig  # noqa: E402
 from vllm_kunserve.policy import costmodel as pc  # noqa: E402
 from vllm_kunserve.policy.costmodel import load_vidur_mlp  # noqa: E402
 from vllm_kunserve.policy.microbatch import min_microbatch_cost  # noqa: E402
+from vllm_kunserve.workload.traces import load_azure  # noqa: E402
 
 import costmodel_fit  # noqa: E402  (benchmarks/costmodel_fit.py: the per-profile form comparison)
 

@@ -65,10 +65,10 @@ def main() -> int:
     from vllm_kunserve.policy import costmodel as pc
     from vllm_kunserve.sim.adapters import eq_from_costmodel
     from vllm_kunserve.sim.engine import SimConfig
-    from vllm_kunserve.sim.harness import discover_runs, run_trace, stalled_seconds
     from vllm_kunserve.sim.hardware import get_gpu
-    from vllm_kunserve.sim.models import load_model_spec
+    from vllm_kunserve.sim.harness import discover_runs, run_trace, stalled_seconds
     from vllm_kunserve.sim.runner import simulate
+    from vllm_kunserve.workload.models import load_model_spec
 
     if a.cost_model:
         cm, fit_report = pc.CostModel.load(a.cost_model), None

@@ -1,7 +1,9 @@
 """vllm-kunserve: drop replicated parameters instead of KV cache under memory bursts.
 
-The package is split into rooms that must stay apart:
+The package is split into rooms that must stay apart (docs/architecture.md orders them):
 
+- ``runtime`` / ``workload``: process-level helpers; traces, KV demand and model shapes shared by
+  the benchmark harness and the simulator;
 - ``policy``: pure decisions over immutable snapshots (no torch, no vLLM);
 - ``memory`` / ``transfer``: engine-agnostic mechanisms (plain torch);
 - ``integration``: the thin vLLM glue, one small version-gated patch class per touchpoint;

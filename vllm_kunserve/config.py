@@ -285,11 +285,14 @@ def _parse_section(name: str, cls: type, raw: Any) -> Any:
 
 def _cross_check(name: str, obj: Any) -> None:
     if isinstance(obj, LookaheadConfig) and obj.cost_model:
-        from vllm_kunserve.policy.costmodel import CostModel
-
+        # the file must be there and hold a JSON object; its fields are read (and checked, naming the
+        # one at fault) by ``policy.costmodel.CostModel.load`` where the model is used: config sits
+        # below policy and imports none of it
         try:
-            CostModel.load(obj.cost_model)
-        except (OSError, ValueError, TypeError, KeyError) as e:
+            model = json.loads(Path(obj.cost_model).read_text(encoding="utf-8"))
+            if not isinstance(model, Mapping):
+                raise ValueError(f"expected a JSON object, got {type(model).__name__}")
+        except (OSError, ValueError) as e:
             raise KunServeConfigError(
                 f"kunserve.lookahead.cost_model={obj.cost_model!r}: not a readable cost model JSON ({e})") from None
     if isinstance(obj, MemoryConfig) and 0.0 < obj.max_kv_ratio < 1.0:

@@ -36,8 +36,8 @@ import threading
 from typing import Any
 
 from vllm_kunserve.config import KunServeConfig, config_from_additional, parse_config
-from vllm_kunserve.memory.hostlock import lock_if_wanted
-from vllm_kunserve.parentwatch import watch_from_env
+from vllm_kunserve.runtime.hostlock import lock_if_wanted
+from vllm_kunserve.runtime.parentwatch import watch_from_env
 
 logger = logging.getLogger("vllm.kunserve")
 
@@ -57,8 +57,8 @@ def register() -> None:
     with _lock:
         if _state["gate"] is None:
             _install_gate()
-    lock_if_wanted()  # KUNSERVE_MLOCK=1: this vLLM process's pages stay in RAM (memory/hostlock.py)
-    watch_from_env()  # launched by kunserve serve: stop when the launcher is gone (parentwatch.py)
+    lock_if_wanted()  # KUNSERVE_MLOCK=1: this vLLM process's pages stay in RAM (runtime/hostlock.py)
+    watch_from_env()  # launched by kunserve serve: stop when the launcher is gone (runtime/parentwatch.py)
     if os.environ.get(ENV_SHM_SPIN, "").strip():  # a host setting, for every engine (shm_wait.py)
         from vllm_kunserve.integration.vllm.shm_wait import apply_from_env
 

@@ -16,10 +16,10 @@ import pytest
 from aiohttp import web
 
 from vllm_kunserve.bench.client import RequestSpec, replay
-from vllm_kunserve.bench.kvdemand import DemandModel
 from vllm_kunserve.bench.prompts import PromptFactory
 from vllm_kunserve.bench.runner import BenchOptions, run_bench
-from vllm_kunserve.bench.traces import synthetic
+from vllm_kunserve.workload.kvdemand import DemandModel
+from vllm_kunserve.workload.traces import synthetic
 
 pytestmark = pytest.mark.unit
 

@@ -15,8 +15,8 @@ from vllm_kunserve.bench import systems as S
 from vllm_kunserve.bench.compare import aggregate, compare, ratio, table, write_compare
 from vllm_kunserve.bench.prompts import PromptFactory
 from vllm_kunserve.bench.runner import BenchOptions, run_bench
-from vllm_kunserve.bench.traces import synthetic
 from vllm_kunserve.cli.main import main
+from vllm_kunserve.workload.traces import synthetic
 
 pytestmark = pytest.mark.unit
 

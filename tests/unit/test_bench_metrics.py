@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from vllm_kunserve.bench.client import RequestResult
-from vllm_kunserve.bench.metrics import percentiles, slo_attainment, summarize, timeline
+from vllm_kunserve.bench.metrics import slo_attainment, summarize, timeline
 from vllm_kunserve.bench.scrape import parse_metrics
+from vllm_kunserve.workload.stats import percentiles
 
 pytestmark = pytest.mark.unit
 

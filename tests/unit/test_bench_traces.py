@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_kunserve.bench import traces as T
-from vllm_kunserve.bench.kvdemand import DemandModel, demand_stat, kv_demand, rate_for_kv_share
 from vllm_kunserve.bench.workload import WorkloadOptions, build_trace, busiest_offset
+from vllm_kunserve.workload import traces as T
+from vllm_kunserve.workload.kvdemand import DemandModel, demand_stat, kv_demand, rate_for_kv_share
 
 pytestmark = pytest.mark.unit
 
@@ -93,6 +93,29 @@ def test_burstgpt_bad_timestamp(tmp_path):
 
 def _conv(h, g):
     return {"id": "x", "conversations": [{"from": "human", "value": h}, {"from": "gpt", "value": g}]}
+
+
+def test_mooncake_jsonl_loads_ms_timestamps_and_names_bad_lines(tmp_path):
+    p = tmp_path / "mc.jsonl"
+    rows = [{"timestamp": 3000, "input_length": 900, "output_length": 4, "hash_ids": [0, 1]},
+            {"timestamp": 0, "input_length": 700, "output_length": 2, "hash_ids": [0]},
+            {"timestamp": 0, "input_length": 800, "output_length": 3, "hash_ids": [2]},
+            {"timestamp": 6000, "input_length": 1000, "output_length": 1, "hash_ids": []}]
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    tr = T.load_mooncake(p)
+    assert tr.arrival_s.tolist() == [0.0, 0.0, 3.0, 6.0]
+    assert tr.prompt_len.tolist() == [700, 800, 900, 1000] and tr.output_len.tolist() == [2, 3, 4, 1]
+    assert tr.source_line.tolist() == [2, 3, 1, 4] and tr.meta["timestamp_tick_s"] == 3.0
+    for body, needle in (('{"timestamp": 0, "input_length": 5}', "output_length"),
+                         ('{"timestamp": -1, "input_length": 5, "output_length": 1}', "timestamp"),
+                         ('{"timestamp": 0, "input_length": 5, "output_length": 1', "JSON syntax"),
+                         ('[1, 2]', "JSON object")):
+        p.write_text(json.dumps(rows[0]) + "\n" + body + "\n")
+        with pytest.raises(T.TraceError, match=f"mc.jsonl:2.*{needle}"):
+            T.load_mooncake(p)
+    p.write_text("")
+    with pytest.raises(T.TraceError, match="no requests"):
+        T.load_mooncake(p)
 
 
 def test_sharegpt_lengths_and_errors(tmp_path):

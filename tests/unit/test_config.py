@@ -121,3 +121,18 @@ def test_every_documented_key_is_read_somewhere():
                     or any(sec.search(t) and key.search(t) for t in texts)):
                 unread.append(f"{section.name}.{f.name}")
     assert not unread, f"documented config keys that no module reads: {unread}"
+
+
+def test_cost_model_path_must_hold_a_json_object_and_its_fields_are_read_by_policy(tmp_path):
+    """config checks the file (there, JSON, an object) without importing policy; the fields are
+    checked where the model is loaded (``policy.costmodel.CostModel.load``, naming the field)."""
+    from vllm_kunserve.policy.costmodel import CostModel
+
+    arr = tmp_path / "list.json"
+    arr.write_text("[1, 2]")
+    with pytest.raises(KunServeConfigError, match=r"lookahead\.cost_model=.*expected a JSON object, got list"):
+        parse_config({"lookahead": {"cost_model": str(arr)}})
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps({"beta": 1.0}))
+    with pytest.raises(ValueError, match=r"partial\.json\.alpha: missing required field"):
+        CostModel.load(partial)

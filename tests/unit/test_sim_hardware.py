@@ -6,11 +6,11 @@ import pytest
 from vllm_kunserve.policy.transfer import Link, SharedLink
 from vllm_kunserve.sim.engine import SimConfig, Simulator
 from vllm_kunserve.sim.hardware import CLUSTERS, UnmapCost, get_cluster, get_gpu, get_link
-from vllm_kunserve.sim.models import BUILTIN
 from vllm_kunserve.sim.policies import build_policy
 from vllm_kunserve.sim.request import Req
 from vllm_kunserve.sim.steptime import EqStepTime
 from vllm_kunserve.sim.trace import TraceRequest
+from vllm_kunserve.workload.models import BUILTIN
 
 pytestmark = pytest.mark.unit
 

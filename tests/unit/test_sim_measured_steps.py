@@ -4,10 +4,10 @@ import pytest
 
 from vllm_kunserve.sim.engine import SimConfig, Simulator
 from vllm_kunserve.sim.hardware import get_gpu
-from vllm_kunserve.sim.models import BUILTIN
 from vllm_kunserve.sim.policies import build_policy
 from vllm_kunserve.sim.steptime import MeasuredStepTime
 from vllm_kunserve.sim.trace import TraceRequest
+from vllm_kunserve.workload.models import BUILTIN
 
 from tests.unit.benchmod import load_benchmark
 

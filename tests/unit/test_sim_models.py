@@ -7,9 +7,9 @@ import pytest
 
 from vllm_kunserve.sim.engine import SimConfig
 from vllm_kunserve.sim.hardware import get_gpu
-from vllm_kunserve.sim.models import BUILTIN, load_model_spec, spec_from_hf_config
 from vllm_kunserve.sim.steptime import EqStepTime
 from vllm_kunserve.sim.trace import compress_time, read_trace_csv, window
+from vllm_kunserve.workload.models import BUILTIN, load_model_spec, spec_from_hf_config
 
 pytestmark = pytest.mark.unit
 DATA = os.path.join(os.path.dirname(__file__), "..", "data", "sim")

@@ -7,15 +7,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_kunserve.bench import traces as T
 from vllm_kunserve.sim import workload as W
 from vllm_kunserve.sim.engine import SimConfig, Simulator
 from vllm_kunserve.sim.hardware import get_gpu
 from vllm_kunserve.sim.metrics import summarize
-from vllm_kunserve.sim.models import BUILTIN
 from vllm_kunserve.sim.policies import build_policy
 from vllm_kunserve.sim.steptime import EqStepTime
 from vllm_kunserve.sim.trace import TraceRequest
+from vllm_kunserve.workload import traces as T
+from vllm_kunserve.workload.models import BUILTIN
 
 pytestmark = pytest.mark.unit
 AZURE = Path(__file__).parents[1] / "data" / "azure_conv_slice.csv"

@@ -1,5 +1,5 @@
 """`kunserve serve` killed with SIGKILL (no shutdown of its own) leaves no engine behind: each
-engine server sees its launcher gone and stops its process group (vllm_kunserve/parentwatch.py)."""
+engine server sees its launcher gone and stops its process group (vllm_kunserve/runtime/parentwatch.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from vllm_kunserve.cluster.launcher import KunserveCluster
-from vllm_kunserve.parentwatch import ENV_PARENT, running
+from vllm_kunserve.runtime.parentwatch import ENV_PARENT, running
 
 pytestmark = pytest.mark.vllm
 

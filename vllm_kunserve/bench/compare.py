@@ -24,7 +24,7 @@ from vllm_kunserve.bench.hostwatch import HostSampler, faults_in
 from vllm_kunserve.bench.runner import BenchRun
 from vllm_kunserve.bench.systems import LAUNCHERS, CommonArgs, SystemSpec
 from vllm_kunserve.cluster.launcher import ServerProcess, StartupExited, free_port
-from vllm_kunserve.looplag import lag_cause
+from vllm_kunserve.runtime.looplag import lag_cause
 
 # (key in the table, label, getter from a summary, scale for display)
 METRICS: list[tuple[str, str, Callable[[dict], Any], float]] = [
@@ -213,7 +213,7 @@ def hop_cells(t: dict) -> list[str]:
 
 def late_sends(results: Sequence[Any], summary: dict[str, Any], min_s: float = 0.05) -> list[dict]:
     """Every request the client sent at least ``min_s`` after its arrival time, with what the client's
-    event loop was doing meanwhile: the late wake-ups (``looplag.LoopLag``) that overlap the interval
+    event loop was doing meanwhile: the late wake-ups (``runtime.looplag.LoopLag``) that overlap the interval
     from arrival to send, their CPU and run-queue seconds summed, and the main cause (``lag_cause``:
     busy, no core, blocked) -- ``unseen`` where no late wake-up overlaps (the loop ran on time)."""
     t0 = summary.get("replay_t0_perf")

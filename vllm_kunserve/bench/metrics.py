@@ -1,9 +1,10 @@
 """Summary statistics and the per-second timeline of a replay.
 
-Percentiles use numpy's linear interpolation over completed requests. SLO attainment at scale s is
-the share of *all* requests (failures count as misses) whose TTFT <= s x the reference P50 TTFT
-and whose TPOT <= s x the reference P50 TPOT (requests of one output token have no TPOT and pass
-that half); the reference is given (e.g. the oracle's P50s in ``kunserve compare``) or the run's own.
+Percentiles (``workload.stats.percentiles``: numpy's linear interpolation) are over completed
+requests. SLO attainment at scale s is the share of *all* requests (failures count as misses) whose
+TTFT <= s x the reference P50 TTFT and whose TPOT <= s x the reference P50 TPOT (requests of one
+output token have no TPOT and pass that half); the reference is given (e.g. the oracle's P50s in
+``kunserve compare``) or the run's own.
 """
 
 from __future__ import annotations
@@ -13,26 +14,12 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 
-if TYPE_CHECKING:  # annotations only: the simulator uses percentiles() without the HTTP client
+from vllm_kunserve.workload.stats import percentiles
+
+if TYPE_CHECKING:  # annotations only
     from vllm_kunserve.bench.client import RequestResult
 
-PERCENTILES = (50.0, 90.0, 99.0, 99.9)
 SLO_SCALES = tuple(range(1, 11))
-
-
-def _pkey(p: float) -> str:
-    return f"p{p:g}"
-
-
-def percentiles(values: Iterable[float], ps: Sequence[float] = PERCENTILES) -> dict[str, float | None]:
-    """{'p50': ..., 'p90': ..., 'p99': ..., 'p99.9': ..., 'mean': ..., 'max': ...}; None when empty."""
-    v = np.asarray([x for x in values if x == x], dtype=np.float64)
-    if v.size == 0:
-        return {**{_pkey(p): None for p in ps}, "mean": None, "max": None}
-    out: dict[str, float | None] = {_pkey(p): float(np.percentile(v, p)) for p in ps}
-    out["mean"] = float(v.mean())
-    out["max"] = float(v.max())
-    return out
 
 
 def median_ci(values: Iterable[float], level: float = 0.95) -> tuple[float, float] | None:

@@ -17,12 +17,12 @@ from vllm_kunserve.bench import metrics as M
 from vllm_kunserve.bench import report
 from vllm_kunserve.bench.client import RequestResult, RequestSpec, completions_url, replay
 from vllm_kunserve.bench.hostwatch import stall_windows
-from vllm_kunserve.bench.kvdemand import DemandModel, kv_demand
 from vllm_kunserve.bench.prompts import PromptFactory
 from vllm_kunserve.bench.scrape import Scraper, scrape_once
-from vllm_kunserve.bench.traces import Trace
-from vllm_kunserve.gcpause import GcPauses, freeze_heap
-from vllm_kunserve.looplag import LoopLag
+from vllm_kunserve.runtime.gcpause import GcPauses, freeze_heap
+from vllm_kunserve.runtime.looplag import LoopLag
+from vllm_kunserve.workload.kvdemand import DemandModel, kv_demand
+from vllm_kunserve.workload.traces import Trace
 
 
 @dataclass
@@ -48,7 +48,7 @@ def client_sched(realtime: bool, out: dict[str, Any]):
     ``SCHED_RESET_ON_FORK`` so no thread or process it starts inherits it) when ``realtime``; the
     previous policy comes back after. The client needs a few percent of a core, but at its send
     times: on a host whose cores the engines, their API servers and the front end keep busy, its
-    loop waited up to seconds for a core at normal priority (``looplag.py``: runnable, not
+    loop waited up to seconds for a core at normal priority (``runtime/looplag.py``: runnable, not
     running). ``out`` records what was asked and what was granted (refused: no root or
     CAP_SYS_NICE, or not Linux; the replay then runs at normal priority and says so)."""
     out.update(realtime_asked=realtime, realtime=False)

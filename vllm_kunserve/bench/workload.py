@@ -9,7 +9,7 @@
    scale the rate by ``rate_scale`` (inter-arrival gaps divided);
 5. keep at most ``max_requests`` (the first ones);
 6. if a target KV share is given, scale the rate again by the factor that puts the estimated mean
-   or peak KV demand (:mod:`vllm_kunserve.bench.kvdemand`) at that share of capacity.
+   or peak KV demand (:mod:`vllm_kunserve.workload.kvdemand`) at that share of capacity.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from vllm_kunserve.bench import traces as T
-from vllm_kunserve.bench.kvdemand import DemandModel, demand_stat, rate_for_kv_share
+from vllm_kunserve.workload import traces as T
+from vllm_kunserve.workload.kvdemand import DemandModel, demand_stat, rate_for_kv_share
 
 FORMATS = ("azure", "burstgpt", "sharegpt", "poisson", "gamma")
 

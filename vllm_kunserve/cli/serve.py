@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         engine_ns = check_engine_args(args.model, engine_args)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         fleet, front = build(args.model, opts, engine_args, engine_ns)
-        from vllm_kunserve.memory.hostlock import lock_if_wanted
+        from vllm_kunserve.runtime.hostlock import lock_if_wanted
 
         lock_if_wanted()  # KUNSERVE_MLOCK=1 (inherited by the engines, whose plugin locks them too)
         front.freeze_gc = True  # gc.freeze() once started (KUNSERVE_GC_FREEZE=0 to measure without)

@@ -30,7 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--link", default="nvlink", help="instance link: nvlink | ib | pcie")
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help=f"comma list (default {DEFAULT_POLICIES}; also kunserve-nolookahead, "
-                        "kunserve-noexchange, kunserve-norestore)")
+                        "kunserve-noexchange, kunserve-norestore, oracle-equal (stock vLLM with a 2-instance "
+                        "group's KV), oracle-equal-gN (an N-instance group's), vllm-capN (stock with "
+                        "max_num_seqs N per instance))")
     p.add_argument("--dispatch", default="least-work",
                    help="router of every policy but MELL (which places with its own placer): least-work "
                         "(default; queue-aware: among instances with room for the prompt, the least queued "
@@ -69,16 +71,17 @@ def _kconfig(raw: str | None):
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_kunserve.sim.policies import DISPATCH, POLICIES
+    from vllm_kunserve.sim.policies import DISPATCH, POLICIES, POLICY_PATTERNS, is_policy
     from vllm_kunserve.sim.report import format_table, write_outputs
     from vllm_kunserve.sim.runner import build_config, config_summary, run_policies
     from vllm_kunserve.sim.scaling import scale_to_mem_share
     from vllm_kunserve.sim.trace import load_trace
 
     names = [n.strip().lower() for n in args.policies.split(",") if n.strip()]
-    bad = [n for n in names if n not in POLICIES]
+    bad = [n for n in names if not is_policy(n)]
     if bad or not names:
-        raise ValueError(f"--policies: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(POLICIES)}")
+        raise ValueError(f"--policies: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(POLICIES)}, "
+                         f"{', '.join(POLICY_PATTERNS)}")
     if args.dispatch not in DISPATCH:
         raise ValueError(f"--dispatch {args.dispatch!r}: choose from {', '.join(DISPATCH)}")
     if args.rate_scale <= 0:

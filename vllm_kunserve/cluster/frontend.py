@@ -42,9 +42,9 @@ import aiohttp
 from vllm_kunserve.cluster.monitor import FlightBook, Monitor, bearer, instance_loads
 from vllm_kunserve.cluster.relay import Flight, Move, Relay, UpstreamLost
 from vllm_kunserve.cluster.validate import BadRequest, error_body, parse_json, prompt_counter, validate
-from vllm_kunserve.gcpause import GcPauses, freeze_heap
-from vllm_kunserve.looplag import LoopLag
 from vllm_kunserve.policy.dispatch import check_mode, choose_instance
+from vllm_kunserve.runtime.gcpause import GcPauses, freeze_heap
+from vllm_kunserve.runtime.looplag import LoopLag
 
 logger = logging.getLogger("kunserve.frontend")
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from vllm_kunserve.parentwatch import ENV_PARENT
+from vllm_kunserve.runtime.parentwatch import ENV_PARENT
 
 __all__ = ["KunserveCluster", "LaunchPlan", "ServerProcess", "StartupExited", "VllmServer", "cluster_argv", "cpu_env",
            "free_port", "serve_argv"]

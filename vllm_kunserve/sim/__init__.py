@@ -3,7 +3,6 @@ vLLM recompute, KV swap, migration, MELL placement, KunServe drop, Oneiros remap
 infinite-memory oracle. Policy decisions come from ``vllm_kunserve.policy``. See docs/simulator.md."""
 
 from .engine import SimConfig, Simulator
-from .models import BUILTIN, ModelArch, load_model_spec
 from .runner import run_policies, simulate
 
-__all__ = ["SimConfig", "Simulator", "ModelArch", "BUILTIN", "load_model_spec", "run_policies", "simulate"]
+__all__ = ["SimConfig", "Simulator", "run_policies", "simulate"]

@@ -19,7 +19,10 @@ from .steptime import EqStepTime, Pair
 
 
 def policy_model(sim) -> ps.ModelSpec:
-    return sim.cfg.model.policy_spec(sim.cfg.block_size)
+    """The memory shape the policies size drops and remaps with (blocks of the simulator's block size)."""
+    m, bs = sim.cfg.model, sim.cfg.block_size
+    return ps.ModelSpec(num_layers=m.layers, layer_bytes=m.layer_bytes, block_bytes=bs * m.kv_bytes_per_token,
+                        block_size=bs)
 
 
 def queued_work(s) -> int:

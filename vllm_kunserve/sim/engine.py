@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from vllm_kunserve.policy.transfer import Link, SharedLink
+from vllm_kunserve.workload.models import ModelArch
 
 from .hardware import GpuSpec, UnmapCost
-from .models import ModelArch
 from .request import Req
 from .server import INF_BLOCKS, Server
 from .steptime import StepTime
@@ -85,7 +85,7 @@ class Simulator:
         self.now = 0.0
         self._heap: list = []
         self._seq = itertools.count()
-        self.base_blocks = cfg.base_kv_blocks()
+        self.base_blocks = policy.kv_blocks(cfg)  # the config's unless the policy changes it
         # decoder layers [start, end) each instance holds (all of them until a drop)
         self.layer_range = {i: (0, cfg.model.layers) for i in range(cfg.instances)}
         self._sid = itertools.count()
@@ -150,8 +150,9 @@ class Simulator:
         c = self.cfg
         if c.member_queues and self.policy.preempt_mode != "recompute":
             raise ValueError("member_queues models recompute preemption only")
+        max_seqs = c.max_seqs if self.policy.max_seqs is None else self.policy.max_seqs
         s = Server(next(self._sid), instances, self.capacity_blocks(instances), c.block_size, c.max_tokens,
-                   c.max_seqs, c.step_time, self.policy.preempt_mode)
+                   max_seqs, c.step_time, self.policy.preempt_mode)
         act = c.model.activation_bytes_per_token()
         s.hop_time = lambda tokens: c.link.time_s(tokens * act)
         s.swap_time = lambda blocks: c.pcie.time_s(blocks * c.block_bytes)

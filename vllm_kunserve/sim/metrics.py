@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_kunserve.bench.metrics import percentiles
+from vllm_kunserve.workload.stats import percentiles
 
 PCTS = (50, 90, 99, 99.9)  # percentiles() also gives the mean and the max
 

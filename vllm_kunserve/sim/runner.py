@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 
+from vllm_kunserve.workload.models import load_model_spec
+
 from .engine import SimConfig, Simulator
 from .hardware import ClusterSpec, UnmapCost, get_cluster, get_gpu, get_link
 from .metrics import ratios_to, summarize
-from .models import load_model_spec
 from .policies import DEFAULT_DISPATCH, build_policy
 from .steptime import GpuStepTime, StepTime
 from .trace import TraceRequest

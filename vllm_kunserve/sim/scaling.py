@@ -5,9 +5,9 @@ memory if nothing queued) and iterating on the mean KV demand over the measured 
 within ``tol`` of the target (:func:`fit_rate`, over any ``factor -> trace`` builder). Two ways to
 apply a factor (``method``):
 
-* ``upscale`` (``bench.traces.upscale``, TraceUpscaler's approach): factor x the arrivals over the
+* ``upscale`` (``workload.traces.upscale``, TraceUpscaler's approach): factor x the arrivals over the
   same span, so bursts keep their height, length and timing against request lifetimes;
-* ``compress`` (``bench.traces.compress_time``): timestamps divided by the factor. A burst of B s
+* ``compress`` (``workload.traces.compress_time``): timestamps divided by the factor. A burst of B s
   becomes B/factor s, shorter than the requests it holds, so KV demand averages it away; kept as
   the default of :func:`scale_to_mem_share` only so earlier runs (``kunserve simulate
   --target-mem-share``, ``benchmarks/sim_paper_scale.py``) reproduce.

@@ -25,8 +25,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from vllm_kunserve.workload.models import ModelArch
+
 from .hardware import GpuSpec, data_dir
-from .models import ModelArch
 
 Pair = tuple[int, int]  # (prefix tokens already in KV, chunk tokens computed now)
 

@@ -1,11 +1,11 @@
 """Traces for the simulator: a list of :class:`TraceRequest` sorted by arrival.
 
-Files are read by the benchmark harness's loader (``vllm_kunserve.bench.traces.load_csv``: the
-Azure LLM inference CSV ``TIMESTAMP, ContextTokens, GeneratedTokens``, "Azure LLM inference trace
-2023, Microsoft Azure, used in Splitwise (Patel et al., ISCA 2024)", CC BY 4.0, or the BurstGPT
-CSV; errors name the line and column), so the simulator and the harness replay the same requests.
-Rate scaling is the harness's too (``bench.traces.upscale``, ``bench.traces.compress_time``): the
-functions here only convert between its :class:`~vllm_kunserve.bench.traces.Trace` and
+Files are read by the loader the benchmark harness uses too (``vllm_kunserve.workload.traces.load_csv``:
+the Azure LLM inference CSV ``TIMESTAMP, ContextTokens, GeneratedTokens``, "Azure LLM inference
+trace 2023, Microsoft Azure, used in Splitwise (Patel et al., ISCA 2024)", CC BY 4.0, or the
+BurstGPT CSV; errors name the line and column), so the simulator and the harness replay the same
+requests. Rate scaling is shared too (``workload.traces.upscale``, ``workload.traces.compress_time``):
+the functions here only convert between its :class:`~vllm_kunserve.workload.traces.Trace` and
 :class:`TraceRequest` lists.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_kunserve.bench import traces as T
+from vllm_kunserve.workload import traces as T
 
 
 @dataclass(frozen=True)
@@ -27,13 +27,13 @@ class TraceRequest:
 
 
 def from_trace(tr: T.Trace) -> list[TraceRequest]:
-    """A harness :class:`Trace` as simulator requests (ids in arrival order)."""
+    """A :class:`~vllm_kunserve.workload.traces.Trace` as simulator requests (ids in arrival order)."""
     return [TraceRequest(i, a, p, o) for i, (a, p, o) in
             enumerate(zip(tr.arrival_s.tolist(), tr.prompt_len.tolist(), tr.output_len.tolist()))]
 
 
 def to_trace(reqs: list[TraceRequest], name: str = "sim") -> T.Trace:
-    """Simulator requests as a harness :class:`Trace` (timestamps kept as they are)."""
+    """Simulator requests as a :class:`~vllm_kunserve.workload.traces.Trace` (timestamps kept as they are)."""
     n = len(reqs)
     return T.Trace(np.array([r.arrival_s for r in reqs], np.float64), np.array([r.prompt for r in reqs], np.int64),
                    np.array([r.output for r in reqs], np.int64), np.zeros(n, np.int64), name=name)
@@ -60,14 +60,14 @@ def window(reqs: list[TraceRequest], offset_s: float = 0.0, duration_s: float | 
 
 
 def compress_time(reqs: list[TraceRequest], factor: float) -> list[TraceRequest]:
-    """``bench.traces.compress_time``: every timestamp divided by ``factor`` (the same requests in
+    """``workload.traces.compress_time``: every timestamp divided by ``factor`` (the same requests in
     1/factor of the time; distorts bursts against request lifetimes, see there)."""
     a = T.compress_time(to_trace(reqs), factor).arrival_s.tolist()
     return [TraceRequest(r.id, t, r.prompt, r.output) for r, t in zip(reqs, a)]
 
 
 def upscale(reqs: list[TraceRequest], factor: float, seed: int = 0) -> list[TraceRequest]:
-    """``bench.traces.upscale``: ``factor`` x the requests over the same span, pattern kept."""
+    """``workload.traces.upscale``: ``factor`` x the requests over the same span, pattern kept."""
     return from_trace(T.upscale(to_trace(reqs), factor, seed=seed))
 
 

@@ -6,9 +6,9 @@ One workload is ``[offset - warmup, offset + duration)`` seconds of the source t
 Azure LLM conversation trace 2023; "Azure LLM inference trace 2023, Microsoft Azure, used in
 Splitwise (Patel et al., ISCA 2024)", CC BY 4.0), rebased to 0, then
 
-1. upscaled by ``factor`` with ``bench.traces.upscale`` (factor x the arrivals over the same
+1. upscaled by ``factor`` with ``workload.traces.upscale`` (factor x the arrivals over the same
    span: bursts keep their height, length and timing; no time compression);
-2. given the lengths of a mix (``bench.traces.LENGTH_MIXES``: ``burstgpt``, ``sharegpt``,
+2. given the lengths of a mix (``workload.traces.LENGTH_MIXES``: ``burstgpt``, ``sharegpt``,
    ``longbench`` or the trace's own ``azure``), drawn with ``seed``, clipped to the context length;
 3. replayed whole; metrics cover the requests arriving in ``[warmup, warmup + duration)``, so the
    cluster is in steady state (its KV filled by the source's own preceding traffic) when
@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from vllm_kunserve.bench import traces as T
+from vllm_kunserve.workload import traces as T
 
 from .engine import SimConfig
 from .hardware import data_dir

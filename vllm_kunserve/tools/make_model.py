@@ -16,7 +16,7 @@ import random
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from vllm_kunserve.sim.models import DTYPE_BYTES, ModelArch
+from vllm_kunserve.workload.models import DTYPE_BYTES, ModelArch
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class CheckpointSpec:
             raise ValueError(f"--vocab {self.vocab} too small for a byte-level BPE tokenizer (>= 300)")
 
     def arch(self) -> ModelArch:
-        """The simulator's architecture figures of this checkpoint (untied embeddings, no bias)."""
+        """This checkpoint's architecture figures (the simulator's too; untied embeddings, no bias)."""
         return ModelArch("checkpoint", hidden=self.hidden, layers=self.layers, heads=self.heads,
                          kv_heads=self.kv_heads, intermediate=self.intermediate, vocab=self.vocab,
                          dtype_bytes=DTYPE_BYTES[self.dtype])

@@ -11,7 +11,7 @@ time the worker computes. With a core to spare per engine that buys microseconds
 cores are shared (vLLM-CPU on a small host, a front end and a client beside the engines) the
 spinner takes the CPU the model and every other serving process need. Measured on a 2-core host
 with two engines under ``kunserve serve``: each engine core took ~0.35 of a core, and the replay
-client's event loop waited up to 5.7 s for a CPU (``looplag.py``: runnable, not running).
+client's event loop waited up to 5.7 s for a CPU (``runtime/looplag.py``: runnable, not running).
 
 ``KUNSERVE_SHM_WAIT_MS=N`` keeps vLLM's busy window but spends it asleep: the reader polls the
 writer's notification for up to ``N`` ms at a time and re-checks the buffer, so it wakes as soon

@@ -31,10 +31,17 @@ class Policy:
     #: splits a pipeline group's step into microbatches: ``(server, [(prefix, tokens)]) -> [[...]]``;
     #: None runs the step as one microbatch
     microbatch: Callable[[object, Sequence[Pair]], list[list[Pair]]] | None = None
+    #: ``max_num_seqs`` of every server this policy runs (None: ``SimConfig.max_seqs``)
+    max_seqs: int | None = None
 
     def __init__(self, dispatch: str = DEFAULT_DISPATCH):
         self.dispatch_mode = check_mode(dispatch)
         self._rr = itertools.count()
+
+    def kv_blocks(self, cfg) -> int:
+        """KV blocks of one instance holding the whole model under this policy (the simulator's
+        ``base_blocks``): the config's (``SimConfig.base_kv_blocks``) unless a policy changes them."""
+        return cfg.base_kv_blocks()
 
     def setup(self, sim) -> None:
         """Called once before the first event."""

@@ -1,5 +1,5 @@
-"""Request traces: loading (Azure LLM CSV, BurstGPT CSV, ShareGPT JSON), synthetic arrivals,
-windows and scaling.
+"""Request traces: loading (Azure LLM CSV, BurstGPT CSV, Mooncake JSON lines, ShareGPT JSON),
+synthetic arrivals, windows and scaling.
 
 A :class:`Trace` is three aligned numpy arrays sorted by arrival: arrival times in seconds from the
 trace start (the first request, or the window start after :func:`window`), prompt lengths and output
@@ -245,6 +245,43 @@ def load_csv(path: str | Path, **kw: Any) -> Trace:
     return load_azure(path) if fmt == "azure" else load_burstgpt(path, **kw)
 
 
+# ------------------------------------------------------------------------------------ Mooncake
+def load_mooncake(path: str | Path) -> Trace:
+    """Mooncake FAST'25 trace release (kvcache-ai/Mooncake ``FAST25-release/traces/``; "Mooncake
+    FAST'25 trace release, Moonshot AI and Tsinghua University (Qin et al., FAST 2025)",
+    Apache-2.0): JSON lines ``{"timestamp" (ms), "input_length", "output_length", "hash_ids"}``.
+    ``hash_ids`` (shared 512-token prefix blocks) are not kept; ``meta['timestamp_tick_s']`` is the
+    most common gap between distinct timestamps (3 s in the conversation trace: requests come in
+    batches stamped on that tick)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"trace file not found: {path}")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for ln, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TraceError(path, ln, e.colno, f"JSON syntax: {e.msg}") from None
+            if not isinstance(d, dict):
+                raise TraceError(path, ln, None, "expected a JSON object per line")
+            vals = []
+            for key, lo in (("timestamp", 0), ("input_length", 1), ("output_length", 1)):
+                v = d.get(key)
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < lo:
+                    raise TraceError(path, ln, None, f"{key}: expected a number >= {lo}, got {v!r}")
+                vals.append(v)
+            rows.append((ln, vals[0] / 1000.0, int(vals[1]), int(vals[2])))
+    if not rows:
+        raise TraceError(path, None, None, "no requests")
+    ticks = np.diff(np.unique([r[1] for r in rows]))
+    tick = float(np.median(ticks)) if len(ticks) else 0.0
+    return _make((r[1] for r in rows), (r[2] for r in rows), (r[3] for r in rows), (r[0] for r in rows),
+                 name=f"mooncake:{path.name}", meta={"timestamp_tick_s": round(tick, 3)})
+
+
 # ------------------------------------------------------------------------------------ ShareGPT
 def iter_json_array(path: str | Path, *, allow_truncated: bool = False) -> Iterable[Any]:
     """Yield the elements of a top-level JSON array one at a time. A syntax error raises
@@ -436,7 +473,7 @@ def phases(trace: Trace, spec: list[tuple[float, float]]) -> Trace:
                          meta={"phases": [list(x) for x in spec]})
 
 
-#: the name the harness (``bench.workload``, ``bench.kvdemand``) calls; it is :func:`compress_time`
+#: the name the harness (``bench.workload``, ``workload.kvdemand``) calls; it is :func:`compress_time`
 scale_rate = compress_time
 
 

@@ -1,9 +1,11 @@
 """Model architecture figures from a HuggingFace config: :class:`ModelArch`.
 
-Only the numbers the simulator needs: parameter bytes (whole model and per decoder layer), KV bytes
-per token, and linear FLOPs per token. Built-in configs cover the models the project benchmarks;
-any decoder-only HF ``config.json`` with the usual Llama/Qwen keys also works. The policies see the
-model through its memory shape only (``policy.snapshot.ModelSpec``, from :meth:`ModelArch.policy_spec`).
+The shape of the model a workload runs on, as numbers: parameter bytes (whole model and per decoder
+layer), KV bytes per token, and linear FLOPs per token. The simulator sizes memory and step times
+with them, ``tools.make_model`` sizes the checkpoints it builds. Built-in configs cover the models
+the project benchmarks; any decoder-only HF ``config.json`` with the usual Llama/Qwen keys also
+works. The policies see the model through its memory shape only (``policy.snapshot.ModelSpec``,
+built by ``sim.adapters.policy_model``).
 """
 
 from __future__ import annotations
@@ -11,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-
-from vllm_kunserve.policy.snapshot import ModelSpec
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "float16": 2, "half": 2,
                "bf16": 2, "fp16": 2, "float8": 1, "fp8": 1, "int8": 1}
@@ -96,11 +96,6 @@ class ModelArch:
     def activation_bytes_per_token(self) -> int:
         """Hidden state passed between pipeline stages, per token."""
         return self.hidden * self.dtype_bytes
-
-    def policy_spec(self, block_size: int) -> ModelSpec:
-        """The memory shape the policies size drops and remaps with (blocks of ``block_size`` tokens)."""
-        return ModelSpec(num_layers=self.layers, layer_bytes=self.layer_bytes,
-                         block_bytes=block_size * self.kv_bytes_per_token, block_size=block_size)
 
     def summary(self) -> dict:
         return {"name": self.name, "params": self.params, "param_bytes": self.param_bytes,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_kunserve.bench.traces import Trace, scale_rate
+from vllm_kunserve.workload.traces import Trace, scale_rate
 
 
 @dataclass(frozen=True)
