@@ -626,7 +626,7 @@ def render(a, cfg, meta: dict, rows: list[dict], cells: list[dict], analysis: di
          "the mean demand is not diluted by the cluster filling up. Compression keeps the inter-arrival CV but "
          "shortens a real trace's minute-scale bursts against request lifetimes (the gamma rows have no time "
          "scale of their own, so for them compressing is only setting the rate); upscaling the arrivals over "
-         "the source time instead (`bench.traces.upscale`, `sim.workload`) keeps bursts but costs about the "
+         "the source time instead (`workload.traces.upscale`, `sim.workload`) keeps bursts but costs about the "
          "rate factor (12-50x) more requests per run, beyond this sweep's time budget.", "",
          "Systems per cell:", "",
          "* `vllm`: stock vLLM (max_num_seqs 1024, recompute preemption);",
