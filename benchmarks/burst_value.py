@@ -57,6 +57,7 @@ import numpy as np
 from cluster_burst import dispatch_split, group_times, kunserve_config
 
 from vllm_kunserve.bench import pooled
+from vllm_kunserve.sim.policies.baselines import group_kv_factor   # one home: the simulator's oracle-equal uses it
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks"
@@ -77,12 +78,6 @@ ENGINE_ENV = ["KUNSERVE_ENGINE_CPUS=0|1", "OMP_NUM_THREADS=1", "KUNSERVE_ENGINE_
 
 def weight_share(weight_bytes: int, kv_bytes: int) -> float:
     return weight_bytes / (weight_bytes + kv_bytes)
-
-
-def group_kv_factor(w: float, members: int = 2) -> float:
-    """KV of a group of ``members`` engines keeping one copy of the weights, over theirs apart:
-    each member's KV grows by (members - 1) / members of a copy, 1 + (m - 1) w / (m (1 - w))."""
-    return 1 + (members - 1) * w / (members * (1 - w))
 
 
 def kunserve(argv: list[str]) -> int:

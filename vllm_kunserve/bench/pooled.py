@@ -22,6 +22,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from vllm_kunserve.workload.stats import percentiles
+
 QUANTILES = (50.0, 90.0, 99.0)
 DRAWS = 2000
 
@@ -136,8 +138,7 @@ def gap_closed(best: Sequence[Request], system: Sequence[Request], bound: Sequen
 
 
 def tpot(reqs: Sequence[Request], qs: Iterable[float] = (50.0, 99.0)) -> dict[str, float | None]:
-    v = [r.tpot_s for r in reqs if r.tpot_s is not None]
-    return {f"p{q:g}": (float(np.percentile(v, q)) if v else None) for q in qs}
+    return percentiles([r.tpot_s for r in reqs if r.tpot_s is not None], tuple(qs))
 
 
 def goodput(reqs: Sequence[Request], ttft_slo_s: float, tpot_slo_s: float) -> float | None:
