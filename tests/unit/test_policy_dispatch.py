@@ -99,30 +99,30 @@ def test_mell_is_a_dispatch_mode():
     assert "mell" in DISPATCH and check_mode("mell") == "mell"
 
 
-def test_least_work_balances_a_groups_microbatches_by_requests():
-    # two members of group 5: the one with less KV has more requests (young ones); least-work alone
-    # would pick it by KV, the group rule picks the smaller batch
-    young = InstanceLoad(0, used_blocks=40, queued_blocks=0, capacity_blocks=400, requests=14, group=5)
-    old = InstanceLoad(1, used_blocks=60, queued_blocks=0, capacity_blocks=400, requests=9, group=5)
+def test_least_work_orders_by_requests_before_kv():
+    # the unit with less KV has more requests (young ones, their KV still to come): the smaller batch
+    young = InstanceLoad(0, used_blocks=40, queued_blocks=0, capacity_blocks=400, requests=14)
+    old = InstanceLoad(1, used_blocks=60, queued_blocks=0, capacity_blocks=400, requests=9)
     assert choose_instance([young, old], "least-work", prompt_blocks=2) == 1
-    # the same loads ungrouped: least-work's KV order, as before
-    free = [InstanceLoad(u.instance_id, u.used_blocks, 0, 400, requests=u.requests) for u in (young, old)]
-    assert choose_instance(free, "least-work", prompt_blocks=2) == 0
-    # queued prefill still comes first inside the group
-    busy = InstanceLoad(1, 60, 0, 400, queued_prefill_tokens=64, requests=9, group=5)
+    # members of a pipeline group: the same rule (a group's cycle is twice its larger microbatch)
+    grouped = [InstanceLoad(u.instance_id, u.used_blocks, 0, 400, requests=u.requests, group=5) for u in (young, old)]
+    assert choose_instance(grouped, "least-work", prompt_blocks=2) == 1
+    # equal requests: the lesser KV demand
+    even = [InstanceLoad(u.instance_id, u.used_blocks, 0, 400, requests=9) for u in (young, old)]
+    assert choose_instance(even, "least-work", prompt_blocks=2) == 0
+    # queued prefill still comes first
+    busy = InstanceLoad(1, 60, 0, 400, queued_prefill_tokens=64, requests=9)
     assert choose_instance([young, busy], "least-work", prompt_blocks=2) == 0
-    # a member the prompt does not fit is not taken
-    full = InstanceLoad(1, 399, 0, 400, requests=2, group=5)
+    # a unit the prompt does not fit is not taken, however few its requests
+    full = InstanceLoad(1, 399, 0, 400, requests=2)
     assert choose_instance([young, full], "least-work", prompt_blocks=2) == 0
 
 
-def test_least_work_group_rule_stays_inside_the_chosen_group():
-    # the lone engine has the least queued prefill: it is chosen, group members do not compete
-    lone = InstanceLoad(2, 10, 0, 100, requests=20)
-    a = InstanceLoad(0, 10, 0, 400, queued_prefill_tokens=64, requests=1, group=1)
-    b = InstanceLoad(1, 10, 0, 400, queued_prefill_tokens=64, requests=2, group=1)
-    assert choose_instance([a, b, lone], "least-work") == 2
-    # another group's members are not mates
-    c = InstanceLoad(3, 0, 0, 400, requests=30, group=2)
-    d = InstanceLoad(4, 50, 0, 400, requests=1, group=3)
-    assert choose_instance([c, d], "least-work") == 3
+def test_least_work_counts_requests_per_instance_of_compute():
+    # a pipeline group of 4 with 20 requests runs 5 per GPU: fewer than a lone engine's 8
+    group = InstanceLoad(0, 100, 0, 1000, requests=20, k=4)
+    lone = InstanceLoad(1, 10, 0, 100, requests=8)
+    assert choose_instance([group, lone], "least-work") == 0
+    # the lone engine with the least queued prefill wins over an idle-but-prefilling group
+    busy = InstanceLoad(0, 10, 0, 400, queued_prefill_tokens=512, requests=1, k=2)
+    assert choose_instance([busy, lone], "least-work") == 1

@@ -4,18 +4,23 @@ The caller describes every unit with an immutable :class:`InstanceLoad` and call
 :func:`choose_instance`; it gets back the chosen ``instance_id``. Modes:
 
 * ``least-work`` (queue-aware, the default): among units whose KV takes the prompt, the least
-  queued prefill per instance of compute (a pipeline group of ``k`` has ``k`` GPUs); if none takes
-  it, the least KV demand as a share of capacity. Where the chosen unit is a member of a pipeline
-  group (``InstanceLoad.group``), the request goes to the member of that group whose KV takes it
-  with the least queued prefill, then the **fewest requests**: every member's step is a microbatch
-  through the same stages, so the group's cycle is twice the larger microbatch, and a decode
-  step's cost is set by its batch, not by its KV tokens. Measured on the cluster burst
-  (``benchmarks/cluster_burst.py`` reports each run's split): balancing KV sent one member 29-30
-  of a burst's 48 arrivals in four of five runs, and a traced run with a 44/34 split had one member's
-  microbatch costing 1.5-1.9x the other's through most of the burst. With this rule the split was
-  22-26 per member, and the burst's P99 TTFT and TPOT moved within the spread between runs
-  (the run that measured it, docs/benchmarks/cluster_burst_balanced.md, is in git history; the
-  current run is docs/benchmarks/cluster_burst.md);
+  queued prefill per instance of compute (a pipeline group of ``k`` has ``k`` GPUs), then the
+  **fewest requests** per instance of compute, then the least KV demand; if none takes it, the
+  least KV demand as a share of capacity. Requests come before KV because the KV a unit holds now
+  undercounts young requests: a 64-token prompt holds 2 blocks and will hold 12 when its 320
+  tokens are out, so ordering by KV sends the next arrivals to the unit whose requests are young,
+  which then runs out of KV first. Measured in regime R1 (``benchmarks/burst_value.py``; 2 stock
+  engines, decode-heavy burst at 1.8x capacity): ordering by KV split a 64-s window's arrivals up
+  to 26 / 39, and the stock pair's window P99 TTFT followed the split (1.7 s at 31 / 34, 27-84 s at
+  26 / 39 and 26 / 38), while vllm-router's balanced split of the same engines gave 0.8-1.4 s.
+  The same order balances the members of a pipeline group (each listed with its ``group``):
+  every member's step is a microbatch through the same stages, so the group's cycle is twice the
+  larger microbatch, and a decode step's cost is set by its batch, not by its KV tokens. Measured
+  on the cluster burst (``benchmarks/cluster_burst.py`` reports each run's split): balancing KV
+  sent one member 29-30 of a burst's 48 arrivals in four of five runs, and a traced run with a
+  44/34 split had one member's microbatch costing 1.5-1.9x the other's through most of the burst;
+  ordering members by requests gave 22-26 per member (docs/benchmarks/cluster_burst_balanced.md,
+  in git history);
 * ``least-load``: the least KV demand (used + queued blocks) as a share of capacity, blind to compute;
 * ``round-robin``: the ``turn``-th accepting unit (the caller counts turns);
 * ``mell``: MELL's placement on a **fixed** cluster (below): among units whose KV takes the prompt,
@@ -107,12 +112,10 @@ def choose_instance(units: Sequence[InstanceLoad], mode: str = DEFAULT_DISPATCH,
     if mode == "least-work":
         def key(u: InstanceLoad):
             fits = u.fits(prompt_blocks)
-            return (not fits, u.queued_prefill_tokens / u.k if fits else u.load, u.load, u.instance_id)
-        best = min(live, key=key)
-        mates = [u for u in live if best.group is not None and u.group == best.group and u.fits(prompt_blocks)]
-        if mates:  # balance the group's microbatches (module docstring)
-            best = min(mates, key=lambda u: (u.queued_prefill_tokens, u.requests, u.load, u.instance_id))
-        return best.instance_id
+            if not fits:
+                return (True, u.load, 0.0, u.instance_id)
+            return (False, u.queued_prefill_tokens / u.k, u.requests / u.k, u.load, u.instance_id)
+        return min(live, key=key).instance_id
     if mode == "mell":
         def headroom(u: InstanceLoad):
             fits = u.fits(prompt_blocks)
