@@ -441,6 +441,10 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
 
 
 def copy_raw(run: Path, assets: Path, systems: list[str]) -> None:
+    """The doc's raw data: compare.json and, per run, requests.csv and timeline.csv gzipped (the
+    per-second engine counters ``benchmarks/burst_value_sim.py`` fits the simulator's step times to)."""
+    import gzip
+
     assets.mkdir(parents=True, exist_ok=True)
     if (run / "compare.json").exists():
         (assets / "compare.json").write_text((run / "compare.json").read_text())
@@ -450,6 +454,10 @@ def copy_raw(run: Path, assets: Path, systems: list[str]) -> None:
             dst.parent.mkdir(parents=True, exist_ok=True)
             if f.resolve() != dst.resolve():
                 dst.write_bytes(f.read_bytes())
+            tl = f.parent / "timeline.csv"
+            if tl.exists():   # mtime 0 in the header: the same bytes from the same timeline
+                with open(tl, "rb") as src, gzip.GzipFile(dst.parent / "timeline.csv.gz", "wb", mtime=0) as out:
+                    out.write(src.read())
 
 
 def readme_table(names: list[str]) -> str:

@@ -435,10 +435,15 @@ def make_sim(st, st_group, settings: dict, system: str, trace):
             layers = {i: (i * L // n, (i + 1) * L // n) for i in range(n)}
             sim.transition(list(sim.servers), [tuple(range(n))], layers, 0.0, "drop")
 
-    kv_blocks = int(round(base * (settings["oracle_x"] if system == "oracle" else 1)))
+    # a system of another harness (benchmarks/burst_value_sim.py): which simulator policy it runs as,
+    # and its KV multiplier, batch cap and dispatch where they differ from the run's
+    spec = settings.get("specs", {}).get(system, {})
+    kind = settings.get("system_as", {}).get(system, system)
+    dispatch = spec.get("dispatch", settings["dispatch"])
+    kv_blocks = int(round(base * spec.get("kv_x", settings["oracle_x"] if system == "oracle" else 1)))
     cfg = SimConfig(model=load_model_spec(settings["model"]), gpu=get_gpu("cpu"), step_time=st,
                     instances=settings["instances"], block_size=bs,
-                    max_tokens=settings["max_num_batched_tokens"], max_seqs=settings["max_num_seqs"],
+                    max_tokens=settings["max_num_batched_tokens"], max_seqs=spec.get("max_seqs", settings["max_num_seqs"]),
                     kv_blocks=kv_blocks, runtime_reserve_bytes=0,
                     # vLLM's default, on in the runs' engines (summary.json: server_cache_config)
                     prefix_cache=True,
@@ -449,12 +454,12 @@ def make_sim(st, st_group, settings: dict, system: str, trace):
                     # the members share one host: stage hand-offs and KV exchange in shared memory (the
                     # grouped step line carries what the hand-offs cost in the run)
                     link=Link(1e15, 0.0, "local"))
-    if system in ("vllm", "oracle"):
-        pol = build_policy("vllm", settings["dispatch"])
-    elif system == "kunserve" or variant is not None:
-        pol = KunServePolicy(kcfg, settings["dispatch"])
-    elif system == "static":
-        pol = StaticGroup(kcfg, settings["dispatch"])
+    if kind in ("vllm", "oracle"):
+        pol = build_policy("vllm", dispatch)
+    elif kind == "kunserve" or variant is not None:
+        pol = KunServePolicy(kcfg, dispatch)
+    elif kind == "static":
+        pol = StaticGroup(kcfg, dispatch)
     else:
         raise ValueError(f"system {system!r}: one of {', '.join(SYSTEMS)} or a --variant of the run")
     return RunSimulator(cfg, pol, trace)

