@@ -122,9 +122,10 @@ class LookaheadConfig:
         "", "Fitted cost model JSON (`kunserve costmodel fit --out`) the group scheduler balances steps with "
         "(empty: the built-in stand-in; only relative costs matter).")
     admission: str = _opt(
-        "peak", "While grouped, when a queued request may start: `peak` only if every started request can "
-        "still reach its max_tokens in the group's KV (no preemption churn when the KV is short); `vllm`: "
-        "vLLM's own (as soon as its prompt fits; the KV's shortfall is met by preempting and recomputing).",
+        "vllm", "While grouped, when a queued request may start: `vllm`: vLLM's own (as soon as its prompt "
+        "fits; a shortfall of KV is met by preempting and recomputing); `peak`: only if every started request "
+        "can still reach its max_tokens in the group's KV (no preemption churn, but a queue that waits for "
+        "whole requests to finish wherever the group's KV is short of the admitted set's peak, even briefly).",
         choices=("peak", "vllm"))
 
 

@@ -36,8 +36,8 @@ def test_installed_only_for_group_members_with_lookahead_or_peak_admission_and_n
     SchedulerPatch().configure(parse_config({"drop": {"group_member": True},
                                              "lookahead": {"enable": False, "admission": "vllm"}}), no_lookahead)
     admission_only = _holder()                              # peak-aware admission alone still needs it
-    SchedulerPatch().configure(parse_config({"drop": {"group_member": True}, "lookahead": {"enable": False}}),
-                               admission_only)
+    SchedulerPatch().configure(parse_config({"drop": {"group_member": True},
+                                             "lookahead": {"enable": False, "admission": "peak"}}), admission_only)
     assert admission_only.scheduler_cls == QUALNAME
     asynchronous = SimpleNamespace(scheduler_cls=None, async_scheduling=True)
     SchedulerPatch().configure(member, asynchronous)

@@ -20,13 +20,13 @@ def _exact_peak(reqs, bs):
                default=0)
 
 
-def test_peak_bounds_the_step_by_step_peak_from_above_by_less_than_a_block_per_request():
+def test_peak_is_the_step_by_step_peak_exactly():
     rng = random.Random(7)
     for _ in range(300):
         bs = rng.choice([1, 16, 32])
         reqs = [KvNeed(rng.randint(1, 400), rng.randint(0, 300)) for _ in range(rng.randint(0, 12))]
         exact, bound = _exact_peak(reqs, bs), peak_blocks(reqs, bs)
-        assert exact <= bound <= exact + len(reqs), (reqs, bs, exact, bound)
+        assert bound == exact, (reqs, bs, exact, bound)
     assert peak_blocks([KvNeed(64, 0)], 1) == 64 and peak_blocks([], 16) == 0
     with pytest.raises(ValueError, match="block_size"):
         peak_blocks([KvNeed(1, 1)], 0)

@@ -203,7 +203,7 @@ def test_a_runs_variant_is_simulated_with_its_own_kunserve_config():
     cb = _bench()
     from vllm_kunserve.sim.steptime import MeasuredStepTime
 
-    base = {"memory": {"max_kv_ratio": 2.0}}
+    base = {"memory": {"max_kv_ratio": 2.0}, "lookahead": {"admission": "peak"}}
     variants = cb.variant_configs(['vllm-admit={"lookahead": {"admission": "vllm"}}'], base)
     assert variants == {"vllm-admit": {"memory": {"max_kv_ratio": 2.0}, "lookahead": {"admission": "vllm"}}}
     settings = {"block_size": 16, "kv_tokens": 1024, "kunserve_config": base, "variants": variants,

@@ -52,10 +52,9 @@ def test_memory_touchpoints_only_with_remap():
     assert wanted_on == {"worker_extension", "kv_plan", "engine_core", "kv_allocation", "cpu_linear"}
     member = parse_config({"drop": {"group_member": True}})
     assert {c.name for c in PATCH_CLASSES if c().wanted(member)} == wanted_on | {"scheduler"}
-    no_lookahead = parse_config({"drop": {"group_member": True}, "lookahead": {"enable": False}})
+    no_lookahead = parse_config({"drop": {"group_member": True}, "lookahead": {"enable": False, "admission": "peak"}})
     assert {c.name for c in PATCH_CLASSES if c().wanted(no_lookahead)} == wanted_on | {"scheduler"}  # admission
-    stock_sched = parse_config({"drop": {"group_member": True},
-                                "lookahead": {"enable": False, "admission": "vllm"}})
+    stock_sched = parse_config({"drop": {"group_member": True}, "lookahead": {"enable": False}})   # vLLM's admission
     assert {c.name for c in PATCH_CLASSES if c().wanted(stock_sched)} == wanted_on
 
 

@@ -70,7 +70,7 @@ def test_group_scheduler_paces_steps_against_the_peer_and_keeps_outputs(group_ru
 
 def test_peak_admission_runs_a_batch_the_group_kv_cannot_hold_without_preempting(group_run):
     """While grouped, a batch needing twice the group's KV at its requests' max_tokens: with
-    peak-aware admission (the default) vLLM never preempts (nothing is recomputed) and the admission
+    peak-aware admission (``lookahead.admission = "peak"``) vLLM never preempts (nothing is recomputed) and the admission
     limit held requests back; with vLLM's own admission the same batch preempts. Outputs are
     token-identical either way."""
     r = group_run["short_kv"]

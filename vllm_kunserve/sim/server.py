@@ -5,8 +5,9 @@ batching: running requests first in admission order (decodes and unfinished pref
 token budget; when a running request cannot get its next KV block, the newest running request is
 preempted (recompute: KV dropped, re-prefilled later; or swap: KV copied to host); waiting
 requests are admitted FCFS only in steps without a preemption, prefill chunked to the budget. A
-kunserve group admits peak-aware (``peak_admission``: :func:`vllm_kunserve.policy.admission.admit_count`,
-as the engine's group scheduler does): only requests that every admitted one can finish beside.
+kunserve group with ``lookahead.admission = "peak"`` admits peak-aware (``peak_admission``:
+:func:`vllm_kunserve.policy.admission.admit_count`, as the engine's group scheduler does): only
+requests that every admitted one can finish beside.
 
 A group of ``k`` instances runs its batch as up to ``k`` microbatches through ``k`` stages. A cycle
 (every scheduled request advances one iteration) lasts

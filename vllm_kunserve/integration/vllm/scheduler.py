@@ -11,12 +11,14 @@ latest steps, which this member's stage server saw pass through (their (prefix, 
 read from the attention metadata of the spans it ran). The budget is applied by lowering
 ``max_num_scheduled_tokens`` for that one call; everything else is vLLM's scheduling.
 
-While grouped, admission is peak-aware too (``lookahead.admission = "peak"``,
-:func:`vllm_kunserve.policy.admission.admit_count`): a queued request starts only if the running
-ones and it can all reach their ``max_tokens`` in the group's KV, applied by lowering
-``max_num_active_reqs`` (vLLM's admission limit) for that one call. A group whose KV is short of
-the burst (no drop plan frees the need) then runs a steady set to completion instead of preempting
-and recomputing requests over and over.
+While grouped, admission can be peak-aware too (``lookahead.admission = "peak"``; the default is
+vLLM's own, ``"vllm"``; :func:`vllm_kunserve.policy.admission.admit_count`): a queued request
+starts only if the running ones and it can all reach their ``max_tokens`` in the group's KV,
+applied by lowering ``max_num_active_reqs`` (vLLM's admission limit) for that one call. A group
+whose KV is short of the burst (no drop plan frees the need) then runs a steady set to completion
+instead of preempting and recomputing requests over and over; where the shortfall is brief (a burst
+that ends before the admitted set's peak), it makes the queue wait for whole requests to finish
+instead (docs/config.md, ``lookahead.admission``).
 
 CPU vLLM forces ``async_scheduling=False``, so subclassing the synchronous ``Scheduler`` loses
 nothing there; on an engine with async scheduling the class is not installed (logged).
@@ -117,7 +119,7 @@ def _make() -> type:
             la = cfg.lookahead if cfg is not None else None
             self.kunserve_min_tokens = la.min_tokens if la else 64
             self.kunserve_lookahead = la.enable if la else True
-            self.kunserve_peak_admission = (la.admission == "peak") if la else True
+            self.kunserve_peak_admission = (la.admission == "peak") if la else False
             self.kunserve_limits: list[int] = []  # the latest admission limits set (state, tests)
             self.kunserve_model = CostModel.load(la.cost_model) if la and la.cost_model else default_model()
             self.kunserve_budgets: list[int] = []  # the latest budgets set (state, tests)
