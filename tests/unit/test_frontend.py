@@ -320,7 +320,9 @@ def test_bad_input_never_reaches_an_engine():
             out = []
             for raw in (b"{", b'"x"', b'{"prompt": "a", "max_tokens": 0}', b'{"prompt": "a", "max_tokens": 10000}',
                         b'{"prompt": "a", "model": "other"}', b'{"prompt": "a", "n": "two"}', b'{"max_tokens": 3}',
-                        b'{"prompt": [1, 2], "max_tokens": 3.5}'):
+                        b'{"prompt": [1, 2], "max_tokens": 3.5}',
+                        b'{"prompt": ' + b"[" * 10000 + b"]" * 10000 + b"}", b"[" * 10000 + b"]" * 10000,
+                        b'{"prompt": "\\udc80", "max_tokens": 3}', b'{"prompt": ["ok", "\\ud800x"], "max_tokens": 3}'):
                 r = await client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
                 out.append((r.status_code, r.json()["error"]))
             r = await client.post("/v1/chat/completions", json={"messages": []})

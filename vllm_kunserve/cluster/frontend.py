@@ -342,6 +342,11 @@ class FrontEnd:
         out = []
         for x in p or []:
             if isinstance(x, str):
+                try:
+                    x.encode()
+                except UnicodeEncodeError:   # valid JSON ("\udc80"), but no text a tokenizer takes
+                    raise BadRequest("prompt: not valid Unicode text (a lone UTF-16 surrogate)",
+                                     param="prompt") from None
                 out.append(self._count(x, bool(special)) if self._count is not None else 0)
             else:
                 out.append(len(x))

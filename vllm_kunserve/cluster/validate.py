@@ -55,9 +55,13 @@ def parse_json(raw: bytes) -> dict:
         raise BadRequest(f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}", status=413)
     try:
         body = decode_json(raw)
+    except RecursionError:   # msgspec and json both recurse per level: a body nested ~1000 deep
+        raise BadRequest("request body is nested too deeply") from None
     except ValueError:   # msgspec refuses what json takes (NaN, 1e400, a lone surrogate's escape)
         try:
             body = json.loads(raw)
+        except RecursionError:
+            raise BadRequest("request body is nested too deeply") from None
         except (ValueError, UnicodeDecodeError) as e:
             raise BadRequest(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
