@@ -56,13 +56,19 @@ class FakeEngine:
         body = await request.json()
         self.requests.append(body)
         self.peers.add(request.transport.get_extra_info("peername"))
-        if chat:
-            prompt = [ord(c) % 50 for c in body["messages"][0]["content"]]
-        else:
-            p = body["prompt"]
-            prompt = list(p) if isinstance(p, list) else [ord(c) % 50 for c in p]
+        try:   # what this fake cannot read, vLLM refuses with a 400 too (its request models)
+            if chat:
+                prompt = [ord(c) % 50 for c in str(body["messages"][0]["content"])]
+            else:
+                p = body["prompt"]
+                prompt = [ord(c) % 50 for c in p] if isinstance(p, str) else [int(x) for x in p]
+            n = body.get("max_tokens") or 16
+            if not prompt or not isinstance(n, int):
+                raise ValueError("empty prompt or max_tokens not an integer")
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            return web.json_response({"error": {"message": f"fake engine: {e!r}", "type": "BadRequestError",
+                                                "code": 400}}, status=400)
         ids = list(prompt)
-        n = body.get("max_tokens", 16)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-e{self.name}-{len(self.requests)}"
         if not body.get("stream"):
             out = []
