@@ -90,3 +90,18 @@ def test_serve_listen_socket_is_bound_and_not_inherited():
         s.close()
     with pytest.raises(ValueError, match="--host no.such.host.invalid"):
         listen_socket("no.such.host.invalid", 8000)
+
+
+def test_serve_help_lists_every_option_with_its_default(capsys):
+    from vllm_kunserve.cli.serve import _options
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for action in _options()._actions:   # each of the command's own options, with its default
+        flag = action.option_strings[0]
+        assert flag in out, flag
+    for shown in ("--instances INSTANCES", "(default: 1)", "(default: least-work)", "(default: 8000)",
+                  "vllm serve --help"):
+        assert shown in out, shown

@@ -24,34 +24,45 @@ _OWN = ("--host", "--port", "--additional-config")
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve N vLLM engines behind one OpenAI-compatible endpoint",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__, epilog=options_help(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="model path or name (as for vllm serve)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
 
+def options_help() -> str:
+    """``kunserve serve --help``'s list of this command's own options, each with its default (they
+    are parsed in a second stage, after MODEL, so the first parser cannot show them)."""
+    text = _options().format_help()
+    body = text.split("\n\n", 1)[1] if "\n\n" in text else text   # without the usage line
+    return ("kunserve serve's options (every other argument is a vLLM engine argument, checked by "
+            "`vllm serve`'s parser and passed to every engine; see `vllm serve --help`):\n\n" + body)
+
+
 def _options() -> argparse.ArgumentParser:
     from vllm_kunserve.policy.dispatch import DEFAULT_DISPATCH, DISPATCH
 
-    p = argparse.ArgumentParser(prog="kunserve serve MODEL", add_help=False)
-    p.add_argument("--instances", type=int, default=1, help="engines to start (default 1)")
+    p = argparse.ArgumentParser(prog="kunserve serve MODEL", add_help=False,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--instances", type=int, default=1, help="engines to start")
     p.add_argument("--backend", choices=("local", "ray"), default="local",
                    help="local: one process per engine on this machine; ray: one Ray actor per engine")
-    p.add_argument("--ray-address", default=None, help="Ray cluster address (default: start a local Ray)")
+    p.add_argument("--ray-address", default=None, help="Ray cluster address; unset: start a local Ray")
     p.add_argument("--ray-num-cpus", type=float, default=1.0, help="CPUs each engine's actor reserves")
-    p.add_argument("--host", default="127.0.0.1", help="front end address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="front end port (default 8000)")
+    p.add_argument("--host", default="127.0.0.1", help="front end address")
+    p.add_argument("--port", type=int, default=8000, help="front end port")
     p.add_argument("--dispatch", choices=DISPATCH, default=DEFAULT_DISPATCH, help="dispatch policy")
-    p.add_argument("--kunserve-config", default=None, help="the kunserve section: inline JSON or a JSON file")
+    p.add_argument("--kunserve-config", default=None, help="the kunserve section: inline JSON or a JSON file; unset: stock vLLM engines")
     p.add_argument("--monitor-interval", type=float, default=0.5, help="seconds between engine polls")
     p.add_argument("--max-concurrency", type=int, default=1024, help="requests upstream at once")
     p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait for a slot")
     p.add_argument("--request-timeout", type=float, default=3600.0, help="seconds of engine silence before giving up")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds each engine may take to start")
     p.add_argument("--no-restart", action="store_true", help="do not restart engines that die")
-    p.add_argument("--log-dir", default="", help="engine logs (default: the temp directory)")
+    p.add_argument("--log-dir", default="", help="engine logs; empty: the temp directory")
     p.add_argument("--token", default=None, help="bearer token for /kunserve/ops and the engines' control ports "
-                                                 "(default env KUNSERVE_CONTROL_TOKEN)")
+                                                 "; unset: the environment's KUNSERVE_CONTROL_TOKEN")
     return p
 
 
