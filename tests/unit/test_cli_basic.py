@@ -105,3 +105,33 @@ def test_serve_help_lists_every_option_with_its_default(capsys):
     for shown in ("--instances INSTANCES", "(default: 1)", "(default: least-work)", "(default: 8000)",
                   "vllm serve --help"):
         assert shown in out, shown
+
+
+def test_serve_divides_a_cpu_hosts_memory_among_its_engines_and_refuses_an_impossible_split():
+    from vllm_kunserve.cli.serve import GiB, memory_split
+
+    args, line = memory_split(2, ["--dtype", "bfloat16"], device="cpu", backend="local", available=20 * GiB,
+                              total=24 * GiB, weights=GiB, env={})
+    assert args[0] == "--gpu-memory-utilization" and 0.37 <= float(args[1]) <= 0.375   # 0.9 x 20 / 2 of 24
+    assert "2 engines share" in line and "--kv-cache-memory-bytes" in line
+    # the user sized the engines, or one engine, or a GPU, or Ray: left to vLLM
+    for kw in ({"engine_args": ["--kv-cache-memory-bytes", "1000000"]}, {"engine_args": ["--gpu-memory-utilization=0.3"]},
+               {"env": {"VLLM_CPU_KVCACHE_SPACE": "4"}}, {"instances": 1}, {"device": "cuda"}, {"backend": "ray"}):
+        a = {"instances": 2, "engine_args": [], "device": "cpu", "backend": "local", "env": {}, **kw}
+        assert memory_split(a["instances"], a["engine_args"], device=a["device"], backend=a["backend"],
+                            available=20 * GiB, total=24 * GiB, weights=GiB, env=a["env"]) == ([], "")
+    with pytest.raises(ValueError, match="--instances 8: each engine would get 1.12 GiB .* fewer engines"):
+        memory_split(8, [], device="cpu", backend="local", available=10 * GiB, total=24 * GiB, weights=2 * GiB, env={})
+
+
+def test_an_engine_that_fails_to_start_is_one_line_naming_it_its_first_error_and_its_log(tmp_path):
+    from vllm_kunserve.cluster.launcher import StartupExited
+
+    log = tmp_path / "engine-1.log"
+    log.write_text("INFO starting\nERROR 11-27 [core.py:1] EngineCore failed to start.\nTraceback (most recent call last):\n"
+                   "  File \"x.py\", line 1, in <module>\nValueError: Available memory on node 0 (3.1/23.4 GiB) on startup "
+                   "is less than desired CPU memory utilization (0.92, 21.5 GiB).\nRuntimeError: Engine core initialization failed.\n")
+    e = StartupExited("server exited with code 1 ...", log, instance=1)
+    line = e.one_line()
+    assert "\n" not in line and line.startswith("instance 1 failed to start: ValueError: Available memory")
+    assert str(log) in line

@@ -95,6 +95,55 @@ def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
     return opts, engine_args
 
 
+#: the engine arguments (and environment) with which the user sizes an engine's memory themselves
+_MEMORY_FLAGS = ("--gpu-memory-utilization", "--kv-cache-memory-bytes", "--kv-cache-memory")
+_MEMORY_ENV = "VLLM_CPU_KVCACHE_SPACE"
+#: the share of the host's available memory the engines divide among them (the rest: the front end,
+#: the engines' own growth, the OS)
+MEMORY_HEADROOM = 0.9
+GiB = 1 << 30
+
+
+def weight_bytes(model: str) -> int:
+    """The bytes of a local model directory's weight files (0 where the model is not a directory)."""
+    from pathlib import Path
+
+    d = Path(model)
+    if not d.is_dir():
+        return 0
+    return sum(f.stat().st_size for pat in ("*.safetensors", "*.bin", "*.pt") for f in d.glob(pat))
+
+
+def memory_split(instances: int, engine_args: list[str], *, device: str, backend: str, available: int, total: int,
+                 weights: int, env: dict | None = None) -> tuple[list[str], str]:
+    """The engine arguments that divide one host's memory among the ``instances`` engines
+    ``kunserve serve`` starts on it, and the line that says so.
+
+    vLLM on CPU sizes each engine's memory as ``--gpu-memory-utilization`` (0.92 by default) of the
+    whole host, so the second of two engines cannot start. Unless the user sized the engines
+    (``--gpu-memory-utilization``, ``--kv-cache-memory-bytes`` or ``VLLM_CPU_KVCACHE_SPACE``),
+    each of N local CPU engines gets ``MEMORY_HEADROOM`` of the available memory / N, as a
+    utilization of the host; a share that cannot hold the model's weights and some KV is refused
+    before anything starts. One engine keeps vLLM's own default; GPU engines size themselves per
+    device, and Ray engines may be on other hosts: both are left as they are."""
+    env = os.environ if env is None else env
+    given = any(a.split("=", 1)[0] in _MEMORY_FLAGS for a in engine_args) or bool(env.get(_MEMORY_ENV))
+    if given or instances < 2 or device != "cpu" or backend != "local":
+        return [], ""
+    per = MEMORY_HEADROOM * available / instances
+    need = weights + max(256 << 20, weights // 10) if weights else 0
+    if per < need:
+        raise ValueError(f"--instances {instances}: each engine would get {per / GiB:.2f} GiB of the {available / GiB:.1f} "
+                         f"GiB this host has available, less than the model's {weights / GiB:.2f} GiB of weights and "
+                         f"a KV cache; start fewer engines, or size them with --kv-cache-memory-bytes")
+    util = max(0.001, int(per / total * 1000) / 1000)
+    line = (f"[kunserve] memory: {instances} engines share {MEMORY_HEADROOM:.0%} of the {available / GiB:.1f} GiB "
+            f"available (of {total / GiB:.1f} GiB): each --gpu-memory-utilization {util:g} ({util * total / GiB:.2f} GiB "
+            f"for its weights{f' ({weights / GiB:.2f} GiB)' if weights else ''}, runtime and KV cache); pass "
+            f"--gpu-memory-utilization or --kv-cache-memory-bytes to choose")
+    return ["--gpu-memory-utilization", f"{util:g}"], line
+
+
 def _tokenizer(name: str):
     try:
         from transformers import AutoTokenizer
@@ -158,11 +207,23 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from vllm_kunserve.cluster.frontend import build_app
+    from vllm_kunserve.cluster.launcher import StartupExited
 
     opts, engine_args = parse(args)
     sock = listen_socket(opts.host, opts.port)
     try:
         engine_ns = check_engine_args(args.model, engine_args)
+        import psutil
+        from vllm.platforms import current_platform
+
+        vm = psutil.virtual_memory()
+        extra, line = memory_split(opts.instances, engine_args, device=current_platform.device_type,
+                                   backend=opts.backend, available=vm.available, total=vm.total,
+                                   weights=weight_bytes(args.model))
+        if extra:
+            engine_args = [*engine_args, *extra]
+            engine_ns = check_engine_args(args.model, engine_args)
+            print(line, flush=True)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         fleet, front = build(args.model, opts, engine_args, engine_ns)
         from vllm_kunserve.runtime.hostlock import lock_if_wanted
@@ -171,7 +232,10 @@ def run(args: argparse.Namespace) -> int:
         front.freeze_gc = True  # gc.freeze() once started (KUNSERVE_GC_FREEZE=0 to measure without)
         kind = "kunserve" if fleet.spec.kunserve is not None else "stock vLLM"
         print(f"[kunserve] starting {opts.instances} {kind} engine(s) on the {opts.backend} backend ...", flush=True)
-        fleet.start()
+        try:
+            fleet.start()
+        except StartupExited as e:   # one line, no traceback (the fleet has stopped every engine)
+            raise ValueError(e.one_line()) from None
         try:
             app = build_app(front)
             config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning", timeout_keep_alive=30)

@@ -323,8 +323,8 @@ class Fleet:
                 self.backend.wait_ready(e, self.spec.startup_timeout_s)
                 return
             except StartupExited as exc:
-                logger.error("instance %d: failed to start (attempt %d of %d): %s", e.index, attempt + 1,
-                             self.spec.startup_retries + 1, exc)
+                exc.instance = e.index
+                logger.error("attempt %d of %d: %s", attempt + 1, self.spec.startup_retries + 1, exc.one_line())
                 self.event(e, "start_failed", attempt=attempt + 1, error=str(exc)[:2000])
                 if attempt == self.spec.startup_retries or self._stop.is_set():
                     raise   # out of tries, or the fleet is stopping (the exit was the stop's kill)

@@ -126,8 +126,36 @@ def log_excerpt(path: Path, first: int = 30, last: int = 20) -> str:
     return "\n".join(["first error:", *head, "...", "last lines:", *lines[-last:]])
 
 
+_ERROR_LINE = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:[\w.]+ )*?([\w.]*(?:Error|Exception): .+)$")
+
+
+def first_error(path: Path) -> str:
+    """The log's first ``SomeError: message`` line (the root cause, not the traceback that ends the
+    log), else its first line marked ERROR, else its last line."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    for ln in lines:
+        m = _ERROR_LINE.search(ln.strip())
+        if m:
+            return m.group(1)[:400]
+    marked = next((ln.strip() for ln in lines if _FIRST_ERROR.search(ln)), None)
+    return (marked or (lines[-1].strip() if lines else "(empty log)"))[:400]
+
+
 class StartupExited(RuntimeError):
     """A server process exited before it became healthy (its message holds the log's first error)."""
+
+    def __init__(self, message: str, log_path: Path | None = None, instance: int | None = None):
+        super().__init__(message)
+        self.log_path, self.instance = log_path, instance
+
+    def one_line(self) -> str:
+        """Which engine, its log's first error and the log's path: what a user is shown."""
+        who = f"instance {self.instance}" if self.instance is not None else "an engine"
+        err = first_error(self.log_path) if self.log_path else str(self).splitlines()[0]
+        return f"{who} failed to start: {err} (log: {self.log_path})"
 
 
 class ServerProcess:
@@ -164,7 +192,7 @@ class ServerProcess:
             rc = self.proc.poll()
             if rc is not None:
                 raise StartupExited(f"server exited with code {rc} before becoming healthy; "
-                                   f"log {self.log_path}:\n{log_excerpt(self.log_path)}")
+                                   f"log {self.log_path}:\n{log_excerpt(self.log_path)}", self.log_path)
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
