@@ -46,6 +46,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -469,7 +470,10 @@ def readme_table(names: list[str]) -> str:
         d = json.loads((DOCS / f"{name}.json").read_text())
         meta, st = d["meta"], d["analysis"]["stats"]
         w = meta["weight_share"]
-        regime = (f"[{name.rsplit('_', 1)[-1].upper()}]({'docs/benchmarks/' + name + '.md'}): weights {w:.0%}, "
+        tag = name.removeprefix("burst_value_").split("_")[0].upper()
+        burst = re.search(r"burst ([\d.]+)x", meta.get("load_note", ""))
+        tag += f", burst {float(burst.group(1)):g}x capacity" if burst else ""
+        regime = (f"[{tag}]({'docs/benchmarks/' + name + '.md'}): weights {w:.0%}, "
                   f"a group holds {meta['group_kv_factor']:.2f}x KV"
                   + ("" if abs(meta["oracle_equal_x"] - meta["group_kv_factor"]) < 0.01 else
                      f", capped at {meta['oracle_equal_x']:g}x here") + ("" if 0.35 <= w <= 0.65 else " (extreme)"))
