@@ -135,3 +135,14 @@ def test_an_engine_that_fails_to_start_is_one_line_naming_it_its_first_error_and
     line = e.one_line()
     assert "\n" not in line and line.startswith("instance 1 failed to start: ValueError: Available memory")
     assert str(log) in line
+
+
+def test_serve_refuses_a_non_loopback_address_without_a_token(capsys, monkeypatch):
+    monkeypatch.delenv("KUNSERVE_CONTROL_TOKEN", raising=False)
+    assert main(["serve", "/no/such/model", "--host", "0.0.0.0", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--host 0.0.0.0 is reachable from other machines: set --token" in err
+    assert "[kunserve] starting" not in capsys.readouterr().out
+    assert main(["serve", "/no/such/model", "--backend", "ray", "--ray-address", "ray://head:10001",
+                 "--kunserve-config", "{}"]) == 2
+    assert "set --token" in capsys.readouterr().err

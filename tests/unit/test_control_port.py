@@ -260,11 +260,14 @@ def test_runs_beside_another_event_loop(engine):
     assert engine.state["capacity"]["blocks_total"] == 122
 
 
-def test_non_loopback_host_warns(engine, caplog):
+def test_non_loopback_host_needs_a_token_and_warns(engine, caplog, monkeypatch):
+    monkeypatch.delenv("KUNSERVE_CONTROL_TOKEN", raising=False)
+    with pytest.raises(ValueError, match="reachable from other machines; set control.token"):
+        ControlServer(engine, host="0.0.0.0").start()
     with caplog.at_level("WARNING", logger="vllm.kunserve"):
-        with ControlServer(engine, host="0.0.0.0") as srv:
+        with ControlServer(engine, host="0.0.0.0", token="s3cret") as srv:
             assert call(f"http://127.0.0.1:{srv.port}", "/health")[0] == 200
-    assert "reachable from other machines" in caplog.text
+    assert "reachable from other machines (token required)" in caplog.text
 
 
 def test_nan_in_state_is_null(engine, server):

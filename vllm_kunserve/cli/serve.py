@@ -92,6 +92,15 @@ def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
         raise ValueError(f"--port must be 1..65535, got {opts.port}")
     if opts.monitor_interval <= 0 or opts.max_concurrency < 1:
         raise ValueError("--monitor-interval must be > 0 and --max-concurrency >= 1")
+    from vllm_kunserve.engine.control import TOKEN_ENV, is_loopback
+
+    token = opts.token or os.environ.get(TOKEN_ENV)
+    if not is_loopback(opts.host) and not token:
+        raise ValueError(f"--host {opts.host} is reachable from other machines: set --token (or {TOKEN_ENV}) so "
+                         f"that /kunserve/ops and the engines' control ports refuse requests without it")
+    if opts.backend == "ray" and opts.ray_address and opts.kunserve_config is not None and not token:
+        raise ValueError(f"--backend ray --ray-address {opts.ray_address}: the engines' control ports listen on their "
+                         f"nodes' addresses, reachable from other machines; set --token (or {TOKEN_ENV})")
     return opts, engine_args
 
 

@@ -223,7 +223,7 @@ def _install_quiet_filter() -> None:
         _quiet_installed = True
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
@@ -261,9 +261,12 @@ class ControlServer:
     def _start(self) -> str:
         import uvicorn
 
-        if not _is_loopback(self.host):
-            logger.warning("kunserve control port bound to %s: reachable from other machines%s",
-                           self.host or "all interfaces", "" if self.token else " and no token is set")
+        if not is_loopback(self.host):
+            if not self.token:   # anyone who reaches it could drop layers or kill requests
+                raise ValueError(f"kunserve control port: {self.host or 'all interfaces'} is reachable from other "
+                                 f"machines; set control.token (or {TOKEN_ENV}) to bind it")
+            logger.warning("kunserve control port bound to %s: reachable from other machines (token required)",
+                           self.host or "all interfaces")
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
