@@ -107,7 +107,7 @@ def saturation(a: argparse.Namespace, model: Path, dtype: str, out: Path) -> dic
     ``a.concurrency``, driven by ``vllm bench serve``; the best completed req/s is the capacity."""
     from vllm_kunserve.bench.systems import LAUNCHERS, CommonArgs, builtin_systems
     from vllm_kunserve.cli.compare import model_kv_bytes_per_token
-    from vllm_kunserve.cluster.launcher import ServerProcess, free_port
+    from vllm_kunserve.cluster.fleet.launcher import ServerProcess, free_port
 
     per_token = model_kv_bytes_per_token(model, dtype)
     common = CommonArgs(model=str(model), dtype=dtype, block_size=32, kv_cache_bytes=a.kv_tokens * per_token,

@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._doc import cpu_device, doc_header, rel  # noqa: E402
 from vllm_kunserve.bench.metrics import median_ci  # noqa: E402
-from vllm_kunserve.cluster.launcher import KunserveCluster  # noqa: E402
+from vllm_kunserve.cluster.fleet.launcher import KunserveCluster  # noqa: E402
 
 ENGINE_ARGS = ["--dtype", "float32", "--block-size", "32", "--kv-cache-memory-bytes", str(64 << 20),
                "--max-model-len", "512", "--enforce-eager", "--served-model-name", "m", "--max-num-seqs", "256"]
@@ -495,7 +495,7 @@ async def _status(url: str) -> dict:
 
 def shm_wait_setting() -> str:
     """The engines' ``KUNSERVE_SHM_WAIT_MS``: the environment's, else the launcher's CPU-host default."""
-    from vllm_kunserve.cluster.launcher import cpu_env
+    from vllm_kunserve.cluster.fleet.launcher import cpu_env
 
     return os.environ.get("KUNSERVE_SHM_WAIT_MS") or cpu_env().get("KUNSERVE_SHM_WAIT_MS", "unset (vLLM's spin)")
 

@@ -127,7 +127,7 @@ def main() -> int:
     turns = _turns(a.stage_turn_ms)
     from _doc import cpu_device, doc_header
 
-    from vllm_kunserve.cluster.launcher import KunserveCluster
+    from vllm_kunserve.cluster.fleet.launcher import KunserveCluster
     from vllm_kunserve.tools.make_model import PRESETS, build_model
 
     scaling = json.loads((DOCS / "batch_scaling.json").read_text())

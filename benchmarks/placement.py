@@ -379,7 +379,7 @@ def run_real(a, modes: list[str]) -> dict:
     from vllm_kunserve.bench.runner import BenchOptions, run_bench
     from vllm_kunserve.bench.workload import add_workload_args, build_trace, options_from_args
     from vllm_kunserve.cli.bench import make_factory
-    from vllm_kunserve.cluster.launcher import KunserveCluster
+    from vllm_kunserve.cluster.fleet.launcher import KunserveCluster
     from vllm_kunserve.tools.make_model import CheckpointSpec, build_model
 
     tmp = Path(tempfile.mkdtemp(prefix="placement-real-"))

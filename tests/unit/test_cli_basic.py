@@ -125,7 +125,7 @@ def test_serve_divides_a_cpu_hosts_memory_among_its_engines_and_refuses_an_impos
 
 
 def test_an_engine_that_fails_to_start_is_one_line_naming_it_its_first_error_and_its_log(tmp_path):
-    from vllm_kunserve.cluster.launcher import StartupExited
+    from vllm_kunserve.cluster.fleet.launcher import StartupExited
 
     log = tmp_path / "engine-1.log"
     log.write_text("INFO starting\nERROR 11-27 [core.py:1] EngineCore failed to start.\nTraceback (most recent call last):\n"

@@ -1,4 +1,4 @@
-"""The cluster's group controller (cluster/groups.py) against fake engines: what each member is
+"""The cluster's group controller (cluster/control/groups.py) against fake engines: what each member is
 asked to do, the re-prefill fallback, partial joins, and the monitor's own decisions."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
-from vllm_kunserve.cluster.groups import GroupController, GroupOpError
+from vllm_kunserve.cluster.control.groups import GroupController, GroupOpError
 from vllm_kunserve.config import parse_config
 
 pytestmark = pytest.mark.unit

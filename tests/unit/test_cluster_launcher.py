@@ -1,4 +1,4 @@
-"""Process launching (``cluster.launcher``): one ``vllm serve`` command builder for the harness and
+"""Process launching (``cluster.fleet.launcher``): one ``vllm serve`` command builder for the harness and
 :class:`VllmServer`."""
 
 import json
@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from vllm_kunserve.bench import systems as S
-from vllm_kunserve.cluster.launcher import VllmServer, free_port, serve_argv
+from vllm_kunserve.cluster.fleet.launcher import VllmServer, free_port, serve_argv
 
 pytestmark = pytest.mark.unit
 
@@ -41,7 +41,7 @@ def test_free_port_is_bindable():
 
 
 def test_engine_cpus_pin_each_engine_to_its_own_core(monkeypatch):
-    from vllm_kunserve.cluster.fleet import EngineSpec, engine_env
+    from vllm_kunserve.cluster.fleet.fleet import EngineSpec, engine_env
 
     monkeypatch.delenv("KUNSERVE_ENGINE_CPUS", raising=False)
     spec = EngineSpec("m", env={"KUNSERVE_ENGINE_CPUS": "0|1"})
@@ -53,7 +53,7 @@ def test_engine_cpus_pin_each_engine_to_its_own_core(monkeypatch):
 
 
 def test_engine_nice_prefixes_the_engine_command_and_rejects_bad_values(monkeypatch):
-    from vllm_kunserve.cluster.fleet import engine_nice
+    from vllm_kunserve.cluster.fleet.fleet import engine_nice
 
     monkeypatch.delenv("KUNSERVE_ENGINE_NICE", raising=False)
     env = {"KUNSERVE_ENGINE_NICE": "5", "X": "1"}
@@ -68,7 +68,7 @@ def test_engine_nice_prefixes_the_engine_command_and_rejects_bad_values(monkeypa
 
 
 def test_free_port_never_hands_out_the_same_port_twice():
-    from vllm_kunserve.cluster.launcher import free_port
+    from vllm_kunserve.cluster.fleet.launcher import free_port
 
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
@@ -104,7 +104,7 @@ class _ScriptBackend:
         self.tmp, self.fails, self.launches = tmp_path, fails, 0
 
     def launch(self, spec, index, engine):
-        from vllm_kunserve.cluster.launcher import LaunchPlan, ServerProcess
+        from vllm_kunserve.cluster.fleet.launcher import LaunchPlan, ServerProcess
 
         self.launches += 1
         port = free_port()
@@ -127,7 +127,7 @@ class _ScriptBackend:
 
 
 def test_an_engine_that_exits_at_startup_is_relaunched_once_and_its_first_error_is_shown(tmp_path):
-    from vllm_kunserve.cluster.fleet import EngineSpec, Fleet
+    from vllm_kunserve.cluster.fleet.fleet import EngineSpec, Fleet
 
     backend = _ScriptBackend(tmp_path, fails=1)
     with Fleet(EngineSpec("m", startup_timeout_s=30), 1, backend, progress=lambda _: None) as fleet:
@@ -139,8 +139,8 @@ def test_an_engine_that_exits_at_startup_is_relaunched_once_and_its_first_error_
 
 
 def test_an_engine_that_keeps_exiting_at_startup_fails_the_fleet(tmp_path):
-    from vllm_kunserve.cluster.fleet import EngineSpec, Fleet
-    from vllm_kunserve.cluster.launcher import StartupExited
+    from vllm_kunserve.cluster.fleet.fleet import EngineSpec, Fleet
+    from vllm_kunserve.cluster.fleet.launcher import StartupExited
 
     backend = _ScriptBackend(tmp_path, fails=2)
     with pytest.raises(StartupExited, match="address already in use"):
@@ -156,7 +156,7 @@ def test_a_restart_that_exits_at_startup_is_relaunched(tmp_path):
     """A dead engine's relaunch gets the same startup retry as the first start."""
     import time
 
-    from vllm_kunserve.cluster.fleet import EngineSpec, Fleet
+    from vllm_kunserve.cluster.fleet.fleet import EngineSpec, Fleet
 
     backend = _ScriptBackend(tmp_path, fails=0)
     with Fleet(EngineSpec("m", startup_timeout_s=30), 1, backend, progress=lambda _: None) as fleet:
@@ -172,7 +172,7 @@ def test_a_restart_that_exits_at_startup_is_relaunched(tmp_path):
 
 
 def test_log_excerpt_shows_the_first_error_and_the_last_lines(tmp_path):
-    from vllm_kunserve.cluster.launcher import log_excerpt
+    from vllm_kunserve.cluster.fleet.launcher import log_excerpt
 
     log = tmp_path / "x.log"
     log.write_text("\n".join(["INFO a"] * 100 + ["ERROR root cause"] + [f"line {i}" for i in range(200)]))
@@ -194,7 +194,7 @@ def test_cpu_env_sleeps_engine_cores_on_a_cpu_host(monkeypatch):
     shared core); a value the user set, 0 included, wins; with a GPU vLLM's spin is left alone."""
     from pathlib import Path
 
-    from vllm_kunserve.cluster import launcher as L
+    from vllm_kunserve.cluster.fleet import launcher as L
 
     monkeypatch.delenv("KUNSERVE_SHM_WAIT_MS", raising=False)
     real_exists = Path.exists

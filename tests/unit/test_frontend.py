@@ -12,9 +12,9 @@ import httpx
 import pytest
 from aiohttp import web
 
-from vllm_kunserve.cluster.fleet import Engine, EngineSpec, Fleet
-from vllm_kunserve.cluster.frontend import FrontEnd, build_app, relabel_metrics
-from vllm_kunserve.cluster.monitor import FlightBook, EngineReport, instance_loads, parse_vllm_metrics
+from vllm_kunserve.cluster.fleet.fleet import Engine, EngineSpec, Fleet
+from vllm_kunserve.cluster.frontend.app import FrontEnd, build_app, relabel_metrics
+from vllm_kunserve.cluster.control.monitor import FlightBook, EngineReport, instance_loads, parse_vllm_metrics
 
 pytestmark = pytest.mark.unit
 
@@ -439,7 +439,7 @@ def test_mell_relieves_an_overfull_engine_by_migrating_a_running_request():
     """least-load places a 1500-token request on engine 0 (100 blocks of 16; engine 1 has 400);
     switched to mell at run time, the monitor's next period finds engine 0 over the watermark and
     moves the request to engine 1, which continues it from prompt + sent tokens."""
-    from vllm_kunserve.cluster.migration import placement_planner
+    from vllm_kunserve.cluster.control.migration import placement_planner
     from vllm_kunserve.config import PlacementConfig
 
     async def go():
@@ -478,7 +478,7 @@ def test_chunk_codec_round_trips_what_the_json_module_reads():
     """The relay's per-chunk JSON (msgspec): what it writes is standard JSON the client's json module
     reads back unchanged (non-ASCII text as UTF-8, nulls, floats, nested ids), and a malformed
     payload is a ValueError, which the relay treats as a broken stream."""
-    from vllm_kunserve.cluster.relay import _decode, _sse
+    from vllm_kunserve.cluster.frontend.relay import _decode, _sse
 
     ev = {"id": "cmpl-1", "created": 17, "choices": [{"index": 0, "text": " héllo ✓", "token_ids": [5, 6],
                                                        "logprobs": None, "finish_reason": None}],

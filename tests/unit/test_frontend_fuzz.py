@@ -50,7 +50,7 @@ _body = st.one_of(_shaped.map(_encode), _chat.map(_encode), _completion.map(_enc
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from vllm_kunserve.cluster.validate import prompt_counter
+    from vllm_kunserve.cluster.frontend.validate import prompt_counter
     from vllm_kunserve.tools.make_model import PRESETS, build_tokenizer
 
     loop = asyncio.new_event_loop()

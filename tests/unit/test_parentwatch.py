@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kunserve.cluster.launcher import LaunchPlan, ServerProcess
+from vllm_kunserve.cluster.fleet.launcher import LaunchPlan, ServerProcess
 from vllm_kunserve.runtime.parentwatch import ENV_PARENT, group_members, running, watch_from_env
 
 pytestmark = pytest.mark.unit

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_kunserve.cluster import validate as V
+from vllm_kunserve.cluster.frontend import validate as V
 
 pytestmark = pytest.mark.unit
 

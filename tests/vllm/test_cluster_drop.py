@@ -12,7 +12,7 @@ import pytest
 
 from tests.vllm.cluster_client import complete, op, status
 from tests.vllm.conftest import BURST_KV_BYTES
-from vllm_kunserve.cluster.launcher import KunserveCluster
+from vllm_kunserve.cluster.fleet.launcher import KunserveCluster
 
 pytestmark = pytest.mark.vllm
 

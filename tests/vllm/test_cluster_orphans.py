@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from vllm_kunserve.cluster.launcher import KunserveCluster
+from vllm_kunserve.cluster.fleet.launcher import KunserveCluster
 from vllm_kunserve.runtime.parentwatch import ENV_PARENT, running
 
 pytestmark = pytest.mark.vllm

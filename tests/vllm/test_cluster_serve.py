@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from tests.vllm.cluster_client import complete, op, status
-from vllm_kunserve.cluster.launcher import KunserveCluster
+from vllm_kunserve.cluster.fleet.launcher import KunserveCluster
 
 pytestmark = pytest.mark.vllm
 

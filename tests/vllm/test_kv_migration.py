@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 
-from vllm_kunserve.cluster.launcher import StartupExited, VllmServer, free_port
+from vllm_kunserve.cluster.fleet.launcher import StartupExited, VllmServer, free_port
 
 pytestmark = pytest.mark.vllm
 

@@ -5,7 +5,7 @@ import urllib.request
 
 import pytest
 
-from vllm_kunserve.cluster.launcher import VllmServer
+from vllm_kunserve.cluster.fleet.launcher import VllmServer
 
 pytestmark = pytest.mark.vllm
 

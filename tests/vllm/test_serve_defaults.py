@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from vllm_kunserve.cluster.launcher import KunserveCluster
+from vllm_kunserve.cluster.fleet.launcher import KunserveCluster
 
 pytestmark = pytest.mark.vllm
 

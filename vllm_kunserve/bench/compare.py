@@ -23,7 +23,7 @@ from vllm_kunserve.bench import report
 from vllm_kunserve.bench.hostwatch import HostSampler, faults_in
 from vllm_kunserve.bench.runner import BenchRun
 from vllm_kunserve.bench.systems import LAUNCHERS, CommonArgs, SystemSpec
-from vllm_kunserve.cluster.launcher import ServerProcess, StartupExited, free_port
+from vllm_kunserve.cluster.fleet.launcher import ServerProcess, StartupExited, free_port
 from vllm_kunserve.runtime.looplag import lag_cause
 
 # (key in the table, label, getter from a summary, scale for display)

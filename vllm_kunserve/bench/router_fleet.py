@@ -27,8 +27,8 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
-from vllm_kunserve.cluster.fleet import ENGINE_CPUS, engine_nice
-from vllm_kunserve.cluster.launcher import cpu_env, free_port, serve_argv
+from vllm_kunserve.cluster.fleet.fleet import ENGINE_CPUS, engine_nice
+from vllm_kunserve.cluster.fleet.launcher import cpu_env, free_port, serve_argv
 
 #: the router's policies (vllm-router 0.1.17 ``--policy``); its default is cache_aware
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "consistent_hash", "sticky_least_loaded")

@@ -5,7 +5,7 @@ multiplier, number of instances); a launcher kind says *how* to start it. Today 
 ``vllm-serve`` (one ``vllm serve`` process). A multi-instance ``kunserve serve`` cluster becomes one
 more entry in :data:`LAUNCHERS` building its own command line from the same spec
 (``num_instances`` > 1); the command line, process handling, health wait, log capture and
-shutdown are :mod:`vllm_kunserve.cluster.launcher`'s.
+shutdown are :mod:`vllm_kunserve.cluster.fleet.launcher`'s.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from vllm_kunserve.cluster.launcher import LaunchPlan, cluster_argv, cpu_env, serve_argv
+from vllm_kunserve.cluster.fleet.launcher import LaunchPlan, cluster_argv, cpu_env, serve_argv
 from vllm_kunserve.config import CONFIG_KEY, parse_config
 
 

@@ -166,8 +166,8 @@ def _tokenizer(name: str):
 def build(model: str, opts: argparse.Namespace, engine_args: list[str], engine_ns: argparse.Namespace,
           progress=None):
     """The fleet and front end (not started); ``engine_ns`` is :func:`check_engine_args`'s parse."""
-    from vllm_kunserve.cluster.fleet import EngineSpec, Fleet, make_backend
-    from vllm_kunserve.cluster.frontend import FrontEnd
+    from vllm_kunserve.cluster.fleet.fleet import EngineSpec, Fleet, make_backend
+    from vllm_kunserve.cluster.frontend.app import FrontEnd
     from vllm_kunserve.config import parse_config, parse_kunserve_config
 
     kunserve = parse_kunserve_config(opts.kunserve_config) if opts.kunserve_config is not None else None
@@ -178,9 +178,9 @@ def build(model: str, opts: argparse.Namespace, engine_args: list[str], engine_n
     backend = make_backend(opts.backend, "127.0.0.1", opts.ray_address, opts.ray_num_cpus)
     fleet = Fleet(spec, opts.instances, backend, restart=not opts.no_restart, progress=progress)
     cfg = parse_config(kunserve)
-    from vllm_kunserve.cluster.migration import placement_planner
+    from vllm_kunserve.cluster.control.migration import placement_planner
 
-    # MELL's bounded migrations each period (cluster.migration); also armed for a run-time switch
+    # MELL's bounded migrations each period (cluster.control.migration); also armed for a run-time switch
     # to mell (/kunserve/ops/dispatch), idle under the other modes
     planner = placement_planner(cfg.placement)
     front = FrontEnd(fleet, dispatch=opts.dispatch, monitor_interval_s=opts.monitor_interval,
@@ -215,8 +215,8 @@ def listen_socket(host: str, port: int) -> socket.socket:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from vllm_kunserve.cluster.frontend import build_app
-    from vllm_kunserve.cluster.launcher import StartupExited
+    from vllm_kunserve.cluster.frontend.app import build_app
+    from vllm_kunserve.cluster.fleet.launcher import StartupExited
 
     opts, engine_args = parse(args)
     sock = listen_socket(opts.host, opts.port)

@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator, Protocol
 import aiohttp
 import msgspec
 
-from vllm_kunserve.cluster.validate import Checked, continuation_body, decode_json
+from vllm_kunserve.cluster.frontend.validate import Checked, continuation_body, decode_json
 
 logger = logging.getLogger("kunserve.relay")
 

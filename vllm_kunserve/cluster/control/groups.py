@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from vllm_kunserve.cluster.monitor import bearer
+from vllm_kunserve.cluster.control.monitor import bearer
 from vllm_kunserve.policy.drop import balanced_stages, plan_drop
 from vllm_kunserve.policy.inputs import cluster_input
 from vllm_kunserve.policy.overload import assess_overload

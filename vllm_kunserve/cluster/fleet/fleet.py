@@ -3,7 +3,7 @@
 Each engine is a whole ``vllm serve`` (its own OpenAI server, engine core and, for kunserve engines,
 its control port). Backends decide where the process runs:
 
-* :class:`LocalBackend` (default): a process group on this machine (``cluster.launcher``).
+* :class:`LocalBackend` (default): a process group on this machine (``cluster.fleet.launcher``).
 * :class:`RayBackend`: one Ray actor per engine, which starts the same ``vllm serve`` on its own
   node (vLLM's Ray executor refuses the CPU platform, so Ray hosts whole engines, not workers).
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from vllm_kunserve.cluster.launcher import LaunchPlan, ServerProcess, StartupExited, cpu_env, free_port, serve_argv
+from vllm_kunserve.cluster.fleet.launcher import LaunchPlan, ServerProcess, StartupExited, cpu_env, free_port, serve_argv
 
 logger = logging.getLogger("kunserve.fleet")
 
@@ -51,7 +51,7 @@ class EngineSpec:
             return None
         ks = dict(self.kunserve)
         ks["control"] = {**ks.get("control", {}), "port": control_port}
-        ks["drop"] = {"group_member": True, **ks.get("drop", {})}  # can join pipeline groups (cluster.groups)
+        ks["drop"] = {"group_member": True, **ks.get("drop", {})}  # can join pipeline groups (cluster.control.groups)
         return {"kunserve": ks}
 
 

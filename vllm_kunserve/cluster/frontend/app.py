@@ -19,7 +19,7 @@ keep-alive connections). Routes:
     POST /kunserve/ops/drop                       {"instances": [i, j, ...]}: form a pipeline group now
     POST /kunserve/ops/restore                    {"group": id (default: every group)}: split it
 
-Streamed requests are relayed chunk by chunk (:mod:`cluster.relay`), can migrate and survive an
+Streamed requests are relayed chunk by chunk (:mod:`cluster.frontend.relay`), can migrate and survive an
 engine's death; non-streamed requests are relayed whole and, if their engine dies before
 answering, sent again elsewhere. A client that disconnects aborts its request on the engine (the
 upstream connection is closed). At most ``max_concurrency`` requests are upstream at once; more
@@ -39,9 +39,9 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import aiohttp
 
-from vllm_kunserve.cluster.monitor import FlightBook, Monitor, bearer, instance_loads
-from vllm_kunserve.cluster.relay import Flight, Move, Relay, UpstreamLost
-from vllm_kunserve.cluster.validate import BadRequest, error_body, parse_json, prompt_counter, validate
+from vllm_kunserve.cluster.control.monitor import FlightBook, Monitor, bearer, instance_loads
+from vllm_kunserve.cluster.frontend.relay import Flight, Move, Relay, UpstreamLost
+from vllm_kunserve.cluster.frontend.validate import BadRequest, error_body, parse_json, prompt_counter, validate
 from vllm_kunserve.policy.dispatch import check_mode, choose_instance
 from vllm_kunserve.runtime.gcpause import GcPauses, freeze_heap
 from vllm_kunserve.runtime.looplag import LoopLag
@@ -125,7 +125,7 @@ class FrontEnd:
         self._tasks: list[asyncio.Task] = []
         self.session: aiohttp.ClientSession | None = None
         self._init_metrics()
-        from vllm_kunserve.cluster.groups import GroupController
+        from vllm_kunserve.cluster.control.groups import GroupController
 
         # cluster drop: only a fleet of kunserve engines (group members) can form pipeline groups
         self.groups = GroupController(self, kunserve_cfg) if kunserve_cfg is not None else None
@@ -170,7 +170,7 @@ class FrontEnd:
 
     # -- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
-        from vllm_kunserve.cluster.validate import load_request_models
+        from vllm_kunserve.cluster.frontend.validate import load_request_models
 
         load_request_models()   # vLLM's request models import in seconds: not on the first request
         self._sem = asyncio.Semaphore(self.max_concurrency)
@@ -228,7 +228,7 @@ class FrontEnd:
             if f is not None and f.move is None and f.checked.movable and f.instance == o.src:
                 f.move = Move(o.dst, o.method, "placement")
 
-    # -- the RelayHost protocol (cluster.relay) -------------------------------------------------------
+    # -- the RelayHost protocol (cluster.frontend.relay) ----------------------------------------------
     def engine_url(self, instance: int) -> str | None:
         e = self.fleet.engines[instance]
         return e.url if e.accepting else None
@@ -612,7 +612,7 @@ def build_app(front: FrontEnd):
                                      status=409, kind="ConflictError")
                 if front.groups.busy:
                     raise BadRequest("a group operation is in progress", status=409, kind="ConflictError")
-                from vllm_kunserve.cluster.groups import GroupOpError
+                from vllm_kunserve.cluster.control.groups import GroupOpError
                 try:
                     if op == "drop":
                         members = body.get("instances")

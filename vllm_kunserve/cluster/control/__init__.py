@@ -1,0 +1,1 @@
+"""The fleet's controllers: the monitor, the group controller, MELL's migrations."""

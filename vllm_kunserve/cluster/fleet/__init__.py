@@ -1,0 +1,1 @@
+"""The fleet: its engines, their backends and the process launcher."""
