@@ -126,3 +126,38 @@ def test_least_work_counts_requests_per_instance_of_compute():
     # the lone engine with the least queued prefill wins over an idle-but-prefilling group
     busy = InstanceLoad(0, 10, 0, 400, queued_prefill_tokens=512, requests=1, k=2)
     assert choose_instance([busy, lone], "least-work") == 1
+
+
+def test_every_registered_name_resolves_to_its_policy():
+    from vllm_kunserve.policy.dispatch import DEFAULT_DISPATCH, DISPATCH, POLICIES, DispatchPolicy, get_policy
+
+    assert DISPATCH == ("least-work", "least-load", "round-robin", "mell") and DEFAULT_DISPATCH in DISPATCH
+    for name in DISPATCH:
+        p = get_policy(name)
+        assert isinstance(p, DispatchPolicy) and p.name == name and POLICIES[name] is p
+        assert p.choose(units(), 13, 0) == choose_instance(units(), name, prompt_blocks=13)
+    # only MELL acts every monitor period (the front end's migration planner); the others plan no moves
+    assert [n for n in DISPATCH if get_policy(n).periodic] == ["mell"]
+    assert get_policy("least-work").on_period(units(), [], None) == ()
+
+
+@pytest.mark.parametrize("bad", ["fastest", "", "LEAST-WORK", None, 3, ["mell"], {"mode": "mell"}])
+def test_an_unknown_name_is_a_value_error_listing_the_names(bad):
+    from vllm_kunserve.policy.dispatch import check_mode, get_policy
+
+    for call in (lambda: get_policy(bad), lambda: check_mode(bad), lambda: choose_instance(units(), bad)):
+        with pytest.raises(ValueError, match="one of least-work, least-load, round-robin, mell") as e:
+            call()
+        assert repr(bad) in str(e.value)
+
+
+def test_mell_on_period_is_the_bounded_migration_planner():
+    from vllm_kunserve.config import PlacementConfig
+    from vllm_kunserve.policy.dispatch import get_policy
+    from vllm_kunserve.policy.migration import RequestLoad, plan_migrations
+
+    over = [InstanceLoad(0, 95, 0, 100, requests=2), InstanceLoad(1, 10, 0, 100, requests=1)]
+    reqs = [RequestLoad("a", 0, 40, 640, 10), RequestLoad("b", 0, 55, 880, 10)]
+    cfg = PlacementConfig()
+    got = get_policy("mell").on_period(over, reqs, cfg, kv_bytes_per_block=1 << 16, link_bytes_per_s=1e9)
+    assert got and got == plan_migrations(over, reqs, cfg, kv_bytes_per_block=1 << 16, link_bytes_per_s=1e9)

@@ -180,8 +180,8 @@ def build(model: str, opts: argparse.Namespace, engine_args: list[str], engine_n
     cfg = parse_config(kunserve)
     from vllm_kunserve.cluster.control.migration import placement_planner
 
-    # MELL's bounded migrations each period (cluster.control.migration); also armed for a run-time switch
-    # to mell (/kunserve/ops/dispatch), idle under the other modes
+    # a periodic dispatch policy's moves each period (MELL's migrations, cluster.control.migration); also
+    # armed for a run-time switch to one (/kunserve/ops/dispatch), idle under the other policies
     planner = placement_planner(cfg.placement)
     front = FrontEnd(fleet, dispatch=opts.dispatch, monitor_interval_s=opts.monitor_interval,
                      max_concurrency=opts.max_concurrency, queue_timeout_s=opts.queue_timeout,

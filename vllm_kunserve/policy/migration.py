@@ -6,7 +6,7 @@ one :class:`RequestLoad` per request it is able to move (running, with its KV on
 It returns a tuple of :class:`MigrationOrder`; empty when nothing needs moving. Pure and
 deterministic: the same inputs give the same orders.
 
-What it does (see ``policy.dispatch`` for why this is MELL on a fixed cluster):
+What it does (see ``policy.dispatch.mell`` for why this is MELL on a fixed cluster):
 
 1. Sources: live units whose KV demand (used + queued blocks) exceeds ``high_watermark`` x
    capacity, the fullest share first. A balanced cluster, or one with every unit under the
@@ -39,7 +39,7 @@ from typing import Sequence
 
 from vllm_kunserve.config import PlacementConfig
 from vllm_kunserve.policy.costmodel import CostModel, default_model
-from vllm_kunserve.policy.dispatch import InstanceLoad
+from vllm_kunserve.policy.dispatch.base import InstanceLoad
 from vllm_kunserve.policy.placement import MoveCandidate, choose_migration
 
 METHODS = ("kv", "reprefill")

@@ -1,7 +1,8 @@
 """MELL's bounded migrations in the front end (``kunserve serve --dispatch mell``).
 
-Each monitor period the front end calls the planner built here with the units' loads, its movable
-requests and the engines' latest reports; the pure policy (:func:`policy.migration.plan_migrations`)
+Each monitor period, while the dispatch policy is a ``periodic`` one (MELL), the front end calls the
+planner built here with the units' loads, its movable requests, the engines' latest reports and
+the policy; the policy's ``on_period`` (MELL's: the pure :func:`policy.migration.plan_migrations`)
 chooses which requests move where and how. KV transfer needs a control port on both engines
 (kunserve engines); between stock engines every move re-prefills.
 """
@@ -11,7 +12,8 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from vllm_kunserve.config import PlacementConfig
-from vllm_kunserve.policy.migration import MigrationOrder, plan_migrations
+from vllm_kunserve.policy.dispatch import DispatchPolicy
+from vllm_kunserve.policy.migration import MigrationOrder
 
 # Engine-to-engine bandwidth the planner prices a KV transfer with when engines share a host
 # (loopback TCP between two engine processes); a multi-machine fleet is slower, not faster.
@@ -20,11 +22,11 @@ LOOPBACK_BYTES_PER_S = 1e9
 
 def placement_planner(config: PlacementConfig, link_bytes_per_s: float = LOOPBACK_BYTES_PER_S
                       ) -> Callable[..., Sequence[MigrationOrder]]:
-    def plan(units, requests, reports) -> Sequence[MigrationOrder]:
+    def plan(units, requests, reports, policy: DispatchPolicy) -> Sequence[MigrationOrder]:
         block_bytes = max((int((r.state or {}).get("capacity", {}).get("block_bytes") or 0)
                            for r in reports.values() if r.ok), default=0)
-        orders = plan_migrations(units, requests, config, kv_bytes_per_block=block_bytes,
-                                 link_bytes_per_s=link_bytes_per_s)
+        orders = policy.on_period(units, requests, config, kv_bytes_per_block=block_bytes,
+                                  link_bytes_per_s=link_bytes_per_s)
         kv_ok = {i for i, r in reports.items() if r.ok and r.source == "control"}
         return tuple(o if o.method != "kv" or {o.src, o.dst} <= kv_ok
                      else MigrationOrder(o.request_id, o.src, o.dst, "reprefill", 0) for o in orders)

@@ -42,7 +42,7 @@ import aiohttp
 from vllm_kunserve.cluster.control.monitor import FlightBook, Monitor, bearer, instance_loads
 from vllm_kunserve.cluster.frontend.relay import Flight, Move, Relay, UpstreamLost
 from vllm_kunserve.cluster.frontend.validate import BadRequest, error_body, parse_json, prompt_counter, validate
-from vllm_kunserve.policy.dispatch import check_mode, choose_instance
+from vllm_kunserve.policy.dispatch import check_mode, choose_instance, get_policy
 from vllm_kunserve.runtime.gcpause import GcPauses, freeze_heap
 from vllm_kunserve.runtime.looplag import LoopLag
 
@@ -110,7 +110,7 @@ class FrontEnd:
         self.tokenizer = tokenizer
         self._count = prompt_counter(tokenizer)
         self.plan_migrations = plan_migrations
-        self.migrating = plan_migrations is not None and self.dispatch == "mell"
+        self.migrating = plan_migrations is not None and get_policy(self.dispatch).periodic
         self.events: list[dict] = []
         self.gc, self.gc_frozen = GcPauses(), 0  # the collector's pauses of this event loop; objects frozen
         self.loop_lag = LoopLag()  # this event loop's late wake-ups: a late relay, not a slow engine
@@ -222,7 +222,7 @@ class FrontEnd:
                 self.m_blocks.labels(str(i)).set(r.capacity_blocks)
         if self.plan_migrations is None or not self.migrating:
             return
-        orders = self.plan_migrations(self.loads(), self.request_loads(), reports)
+        orders = self.plan_migrations(self.loads(), self.request_loads(), reports, get_policy(self.dispatch))
         for o in orders:
             f = self.flights.get(o.request_id)
             if f is not None and f.move is None and f.checked.movable and f.instance == o.src:
@@ -600,10 +600,11 @@ def build_app(front: FrontEnd):
                     check_mode(mode)
                 except ValueError as e:
                     raise BadRequest(str(e), param="mode") from None
-                if mode == "mell" and front.plan_migrations is None:
-                    raise BadRequest("mell needs the migration planner: start with --dispatch mell", param="mode")
+                policy = get_policy(mode)
+                if policy.periodic and front.plan_migrations is None:
+                    raise BadRequest(f"{mode} needs the migration planner: start with --dispatch {mode}", param="mode")
                 old, front.dispatch = front.dispatch, mode
-                front.migrating = mode == "mell"
+                front.migrating = policy.periodic
                 front.record("dispatch", old=old, new=mode)
                 return JSONResponse({"dispatch": mode, "was": old})
             if op in ("drop", "restore"):

@@ -1,0 +1,16 @@
+"""``least-load``: the least KV demand (used + queued blocks) as a share of capacity, blind to compute."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from vllm_kunserve.policy.dispatch.base import DispatchPolicy, InstanceLoad
+
+
+class LeastLoad(DispatchPolicy):
+    """Least KV demand share, then fewest requests."""
+
+    name = "least-load"
+
+    def choose(self, units: Sequence[InstanceLoad], prompt_blocks: int = 0, turn: int = 0) -> int:
+        return min(units, key=lambda u: (u.load, u.requests, u.instance_id)).instance_id
