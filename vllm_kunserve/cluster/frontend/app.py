@@ -10,14 +10,9 @@ keep-alive connections). Routes:
                                                   + the fleet's ``kunserve:`` series
     GET  /kunserve/status                         instances, their control-port state, groups,
                                                   memory, recent events (``kunserve status --url``)
-    POST /kunserve/ops/migrate                    {"request_id", "to" (default: dispatch's choice),
-                                                   "method": "kv"|"reprefill",
-                                                   "at_token": N (once N tokens were sent),
-                                                   "wait_s": S (wait for a request id not yet arrived)}
-    POST /kunserve/ops/kill                       {"instance"} or {"request_id"}: hard-kill an engine (fault drill)
-    POST /kunserve/ops/dispatch                   {"mode"}: switch the dispatch policy at run time
-    POST /kunserve/ops/drop                       {"instances": [i, j, ...]}: form a pipeline group now
-    POST /kunserve/ops/restore                    {"group": id (default: every group)}: split it
+    POST /kunserve/ops/{op}                       the operator's operations, one handler each
+                                                  (:mod:`cluster.frontend.ops`): kill, migrate, dispatch,
+                                                  drop, restore
 
 Streamed requests are relayed chunk by chunk (:mod:`cluster.frontend.relay`), can migrate and survive an
 engine's death; non-streamed requests are relayed whole and, if their engine dies before
@@ -40,6 +35,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 import aiohttp
 
 from vllm_kunserve.cluster.control.monitor import FlightBook, Monitor, bearer, instance_loads
+from vllm_kunserve.cluster.frontend.ops import run_op
 from vllm_kunserve.cluster.frontend.relay import Flight, Move, Relay, UpstreamLost
 from vllm_kunserve.cluster.frontend.validate import BadRequest, error_body, parse_json, prompt_counter, validate
 from vllm_kunserve.policy.dispatch import check_mode, choose_instance, get_policy
@@ -540,100 +536,7 @@ def build_app(front: FrontEnd):
         if not authorized(request):
             return err(BadRequest("missing or wrong bearer token", status=401, kind="AuthenticationError"))
         try:
-            body = parse_json(await request.body())
-            n = len(front.fleet.engines)
-            if op == "kill":
-                if "request_id" in body:  # the engine serving this request, found in the kill's own turn
-                    key = body["request_id"]
-                    if not isinstance(key, str) or not key:  # None would match a flight not yet started
-                        raise BadRequest(f"request_id must be a non-empty string, got {key!r}", param="request_id")
-                    f = front.find(key)
-                    if f is None:
-                        raise BadRequest(f"no request {key!r} in flight", param="request_id", status=404,
-                                         kind="NotFoundError")
-                    i = f.instance
-                else:
-                    i = body.get("instance")
-                if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n:
-                    raise BadRequest(f"instance must be an integer 0..{n - 1}, got {i!r}", param="instance")
-                # what the kill interrupts, read in the same event-loop turn as the kill itself
-                hit = [{"id": f.visible_id or f.rid, "generated": len(f.generated), "movable": f.checked.movable}
-                       for f in front.flights.values() if f.instance == i]
-                front.fleet.kill(i)
-                front.record("kill", instance=i, in_flight=len(hit))
-                return JSONResponse({"killed": i, "in_flight": hit})
-            if op == "migrate":
-                key = body.get("request_id")
-                wait = body.get("wait_s", 0)
-                if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait <= 600:
-                    raise BadRequest(f"wait_s must be a number of seconds 0..600, got {wait!r}", param="wait_s")
-                f = front.find(key)
-                if f is None and wait and isinstance(key, str):  # a request about to arrive
-                    waiter = front.arrivals.setdefault(key, asyncio.Event())
-                    try:
-                        await asyncio.wait_for(waiter.wait(), wait)
-                    except asyncio.TimeoutError:
-                        front.arrivals.pop(key, None)
-                    f = front.by_visible.get(key)
-                if f is None:
-                    raise BadRequest(f"no request {body.get('request_id')!r} in flight", param="request_id", status=404,
-                                     kind="NotFoundError")
-                to, method = body.get("to"), body.get("method", "reprefill")
-                if to is None:  # away from where it runs, to where dispatch would send it
-                    to = await front.pick(f, {f.instance})
-                if not isinstance(to, int) or isinstance(to, bool) or not 0 <= to < n or to == f.instance:
-                    raise BadRequest(f"to must be an instance 0..{n - 1} other than {f.instance}, got {to!r}", param="to")
-                if method not in ("kv", "reprefill"):
-                    raise BadRequest(f"method must be kv or reprefill, got {method!r}", param="method")
-                at = body.get("at_token", 0)
-                if not isinstance(at, int) or isinstance(at, bool) or at < 0:
-                    raise BadRequest(f"at_token must be an integer >= 0, got {at!r}", param="at_token")
-                if not f.checked.movable:
-                    raise BadRequest("this request cannot move (only single streamed sequences without logprobs, "
-                                     "echo, tools or structured output)", status=409, kind="ConflictError")
-                f.move = Move(to, method, "operator", at)
-                return JSONResponse({"request_id": f.visible_id or f.rid, "from": f.instance, "to": to,
-                                     "method": method, "generated": len(f.generated), "at_token": at})
-            if op == "dispatch":
-                mode = body.get("mode")
-                try:
-                    check_mode(mode)
-                except ValueError as e:
-                    raise BadRequest(str(e), param="mode") from None
-                policy = get_policy(mode)
-                if policy.periodic and front.plan_migrations is None:
-                    raise BadRequest(f"{mode} needs the migration planner: start with --dispatch {mode}", param="mode")
-                old, front.dispatch = front.dispatch, mode
-                front.migrating = policy.periodic
-                front.record("dispatch", old=old, new=mode)
-                return JSONResponse({"dispatch": mode, "was": old})
-            if op in ("drop", "restore"):
-                if front.groups is None:
-                    raise BadRequest("cluster drop needs kunserve engines (start with --kunserve-config)",
-                                     status=409, kind="ConflictError")
-                if front.groups.busy:
-                    raise BadRequest("a group operation is in progress", status=409, kind="ConflictError")
-                from vllm_kunserve.cluster.control.groups import GroupOpError
-                try:
-                    if op == "drop":
-                        members = body.get("instances")
-                        if not (isinstance(members, list) and len(members) >= 2 and all(
-                                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in members)):
-                            raise BadRequest(f"instances must list two or more instances 0..{n - 1}, got {members!r}",
-                                             param="instances")
-                        transition = body.get("transition")
-                        if transition not in (None, "kv", "reprefill"):
-                            raise BadRequest(f"transition must be kv or reprefill, got {transition!r}",
-                                             param="transition")
-                        return JSONResponse(await front.groups.form(members, transition=transition))
-                    gid = body.get("group")
-                    if gid is not None and (not isinstance(gid, int) or isinstance(gid, bool)):
-                        raise BadRequest(f"group must be a group id, got {gid!r}", param="group")
-                    return JSONResponse({"restoring": await front.groups.restore(gid)})
-                except GroupOpError as e:
-                    raise BadRequest(str(e), status=409, kind="ConflictError") from None
-            raise BadRequest(f"unknown operation {op!r}; known: dispatch, drop, kill, migrate, restore", status=404,
-                             kind="NotFoundError")
+            return JSONResponse(await run_op(front, op, parse_json(await request.body())))
         except BadRequest as e:
             return err(e)
 
