@@ -1,8 +1,10 @@
 """``kunserve status --url URL``: an engine's state, read from its control port, as a table.
 
 ``--json`` prints the raw state. The token comes from ``--token`` or env ``KUNSERVE_CONTROL_TOKEN``.
-A control port that cannot be reached or answers with an error is one line on stderr and exit 1.
-Stdlib only (urllib): no vLLM, no torch.
+A control port that cannot be reached, answers with an error or with a state that is not an engine's
+is one line on stderr and exit 1. The control port is read through the cluster's control-port client
+(``cluster.control.client``, its standard-library call) and the state parsed as
+``engine.state.EngineState``: no vLLM, no torch, no aiohttp.
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ import json
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 TOKEN_ENV = "KUNSERVE_CONTROL_TOKEN"  # same as vllm_kunserve.engine.control.TOKEN_ENV (kept import-free)
@@ -57,38 +57,26 @@ class _NotFound(Exception):
 
 
 def _get_json(base: str, path: str, token: str | None, timeout: float) -> dict:
-    req = urllib.request.Request(base + path, headers={"Accept": "application/json"})
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
+    from vllm_kunserve.cluster.control.client import (ControlClient, ControlPortError, ControlPortNotAnObject,
+                                                      ControlPortUnreachable)
+
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            body = resp.read()
-    except urllib.error.HTTPError as e:
-        if e.code == 401:
+        return ControlClient(token).get_json(base + path, timeout)
+    except ControlPortUnreachable as e:
+        raise StatusError(f"cannot reach the control port at {base}: {e.body}") from None
+    except ControlPortNotAnObject as e:
+        if e.body is None:
+            raise StatusError(f"{base}{path} did not answer JSON (is this a kunserve control port?)") from None
+        raise StatusError(f"{base}{path} answered {e.body}, not a JSON object") from None
+    except ControlPortError as e:
+        if e.status == 401:
             raise StatusError(f"{base}: the control port needs a token and none was given "
                               f"(--token or env {TOKEN_ENV})") from None
-        if e.code == 403:
+        if e.status == 403:
             raise StatusError(f"{base}: wrong token (--token or env {TOKEN_ENV})") from None
-        if e.code == 404:
+        if e.status == 404:
             raise _NotFound(path) from None
-        raise StatusError(f"{base}{path}: HTTP {e.code}: {_error_message(e)}") from None
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise StatusError(f"cannot reach the control port at {base}: {reason}") from None
-    try:
-        state = json.loads(body)
-    except ValueError:
-        raise StatusError(f"{base}{path} did not answer JSON (is this a kunserve control port?)") from None
-    if not isinstance(state, dict):
-        raise StatusError(f"{base}{path} answered {type(state).__name__}, not a JSON object")
-    return state
-
-
-def _error_message(e: urllib.error.HTTPError) -> str:
-    try:
-        return str(json.loads(e.read())["error"]["message"])
-    except Exception:
-        return str(e.reason)
+        raise StatusError(f"{base}{path}: HTTP {e.status}: {e.body}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,20 +88,18 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.json:
         print(json.dumps(state, indent=2, sort_keys=True, default=str))
-    else:
+        return 0
+    from vllm_kunserve.engine.state import EngineStateError
+
+    try:
         print(render(state, events=args.events))
+    except EngineStateError as e:
+        print(f"kunserve status: {args.url}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
 # -- rendering ------------------------------------------------------------------------------------------
-def _v(d: Any, *keys: str) -> Any:
-    for k in keys:
-        if not isinstance(d, dict):
-            return None
-        d = d.get(k)
-    return d
-
-
 def _s(v: Any) -> str:
     if v is None:
         return "-"
@@ -139,8 +125,8 @@ def _compact(v: Any, width: int) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
-def _pairs(d: Any, keys: tuple[str, ...]) -> str:
-    return "  ".join(f"{k} {_s(_v(d, k))}" for k in keys)
+def _pairs(section: Any, keys: tuple[str, ...]) -> str:
+    return "  ".join(f"{k} {_s(getattr(section, k))}" for k in keys)
 
 
 def _operation(op: Any, now: float) -> str:
@@ -210,23 +196,25 @@ def _events(events: Any, n: int) -> list[str]:
 
 
 def render_engine(state: dict, events: int = 10, now: float | None = None) -> str:
+    """One engine's ``/state`` (``EngineStateError`` when it is not one)."""
+    from vllm_kunserve.engine.state import EngineState
+
     now = time.time() if now is None else now
-    eng = state.get("engine") if isinstance(state.get("engine"), dict) else {}
-    cap, blocks = state.get("capacity"), state.get("blocks")
+    st = EngineState.from_dict(state)
+    eng, cap = st.engine, st.capacity
     block = ""
-    if _v(cap, "block_size") is not None or _v(cap, "block_bytes") is not None:
-        block = f"   (block: {_s(_v(cap, 'block_size'))} tokens, {human_bytes(_v(cap, 'block_bytes'))})"
+    if cap.block_size is not None or cap.block_bytes is not None:
+        block = f"   (block: {_s(cap.block_size)} tokens, {human_bytes(cap.block_bytes)})"
     lines = [
-        f"engine {_s(eng.get('label'))}  pid {_s(eng.get('pid'))}  model {_s(eng.get('model'))}"
-        f"  vllm {_s(eng.get('vllm'))}",
-        f"phase {_s(state.get('phase'))}  operation {_operation(state.get('operation'), now)}"
-        f"  auto {_s(state.get('auto'))}  errors {_s(state.get('errors'))}",
-        "blocks     total {}  base {}  max {}{}".format(_s(_v(cap, "blocks_total")), _s(_v(cap, "blocks_base")),
-                                                        _s(_v(cap, "blocks_max")), block),
-        "           " + _pairs(blocks, ("used", "free", "queued", "demand", "draining")),
-        "requests   " + _pairs(state.get("requests"), ("waiting", "running")),
+        f"engine {_s(eng.label)}  pid {_s(eng.pid)}  model {_s(eng.model)}  vllm {_s(eng.get('vllm'))}",
+        f"phase {_s(st.phase)}  operation {_operation(st.operation, now)}"
+        f"  auto {_s(st.auto)}  errors {_s(st.errors)}",
+        f"blocks     total {_s(cap.blocks_total)}  base {_s(cap.blocks_base)}  max {_s(cap.blocks_max)}{block}",
+        "           " + _pairs(st.blocks, ("used", "free", "queued", "demand", "draining")),
+        "requests   " + _pairs(st.requests, ("waiting", "running")),
     ]
-    return "\n".join(lines + _layers(state.get("layers")) + _events(state.get("events"), events))
+    layers = ["?" if x.state is None else x.state for x in st.layers]
+    return "\n".join(lines + _layers(layers) + _events(list(st.events), events))
 
 
 def render_fleet(state: dict, events: int = 10) -> str:

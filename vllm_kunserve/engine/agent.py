@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 from vllm_kunserve.engine.control import ControlConflict, ControlRequestError
 from vllm_kunserve.engine.migration import MIGRATION_OPERATIONS, KVMigration, _number
+from vllm_kunserve.engine.state import Blocks, Capacity, EngineInfo, EngineState, Layer, Requests
 
 #: marker in the message of a step that failed because a group peer is gone (raised by the worker's
 #: pipeline; vLLM's multiprocess executor passes worker errors on as text)
@@ -570,21 +571,20 @@ class EngineAgent:
         dropped = set(self.group["drop"]) if self.group else set()
         layers = ["streamed" if i in self.remapped else "dropped" if i in dropped else "resident"
                   for i in range(self.num_layers)]
-        self._state = {
-            "engine": {"label": self.label, "pid": os.getpid(), **self.info},
-            "phase": self.phase, "operation": self.operation, "auto": self.auto, "errors": self.errors,
-            "capacity": {"blocks_total": st.visible, "blocks_base": st.base, "blocks_max": st.max_blocks,
-                         "block_size": self.sched.block_size, "block_bytes": self.block_bytes},
-            "blocks": {"used": used, "free": st.free, "queued": queued, "demand": used + queued + growth,
-                       "draining": st.draining},
-            "requests": {"waiting": waiting, "running": running, "prefill_tokens": prefill, "decode_tokens": decode,
-                         "mix_prompt_tokens": mix_prompt, "mix_output_tokens": mix_output},
-            "layers": [{"index": i, "state": s, "bytes": self.layer_bytes_each[i]} for i, s in enumerate(layers)],
-            "remapped_layers": list(self.remapped), "slots": self.slots,
-            "dropped_layers": sorted(dropped), "group": self.group, "pipeline": self._pipeline_times(),
-            "h2d_bytes_per_s": self.h2d_bytes_per_s, "copy_overlap": self.copy_overlap,
-            "events": list(self.events[-20:]),
-        }
+        self._state = EngineState(
+            engine=EngineInfo.of({"label": self.label, "pid": os.getpid(), **self.info}),
+            phase=self.phase, operation=self.operation, auto=self.auto, errors=self.errors,
+            capacity=Capacity(blocks_total=st.visible, blocks_base=st.base, blocks_max=st.max_blocks,
+                              block_size=self.sched.block_size, block_bytes=self.block_bytes),
+            blocks=Blocks(used=used, free=st.free, queued=queued, demand=used + queued + growth, draining=st.draining),
+            requests=Requests(waiting=waiting, running=running, prefill_tokens=prefill, decode_tokens=decode,
+                              mix_prompt_tokens=mix_prompt, mix_output_tokens=mix_output),
+            layers=tuple(Layer(i, s, self.layer_bytes_each[i]) for i, s in enumerate(layers)),
+            remapped_layers=tuple(self.remapped), slots=self.slots,
+            dropped_layers=tuple(sorted(dropped)), group=self.group, pipeline=self._pipeline_times(),
+            h2d_bytes_per_s=self.h2d_bytes_per_s, copy_overlap=self.copy_overlap,
+            events=tuple(self.events[-20:]),
+        ).to_dict()
         if self.m:
             self.m["remapped_layers"].labels(self.label).set(len(self.remapped))
             self.m["kv_blocks_total"].labels(self.label).set(st.visible)

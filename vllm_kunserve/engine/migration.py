@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from vllm_kunserve.engine.control import MAX_BODY, TOKEN_ENV, ControlRequestError
+from vllm_kunserve.engine.state import EngineState, EngineStateError
 
 logger = logging.getLogger("vllm.kunserve")
 
@@ -312,9 +313,11 @@ class KVMigration:
         mine = self.info.get("control_url")
         if mine and target.rstrip("/") == mine.rstrip("/"):
             raise MigrationError("the target is this engine")
-        st = _request(target, "/state", None, token, timeout)
-        eng = st.get("engine") or {}
-        if mine and eng.get("control_url") == mine and eng.get("pid") == os.getpid():
+        try:
+            eng = EngineState.from_dict(_request(target, "/state", None, token, timeout)).engine
+        except EngineStateError as e:
+            raise MigrationError(f"{target}/state: {e}") from None
+        if mine and eng.control_url == mine and eng.pid == os.getpid():
             raise MigrationError("the target is this engine")
 
     # -- target -----------------------------------------------------------------------------------

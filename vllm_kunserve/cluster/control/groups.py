@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from vllm_kunserve.cluster.control.monitor import bearer
+from vllm_kunserve.cluster.control.client import ControlClient, ControlPortError
 from vllm_kunserve.policy.drop import balanced_stages, plan_drop
 from vllm_kunserve.policy.inputs import cluster_input
 from vllm_kunserve.policy.overload import assess_overload
@@ -183,21 +183,17 @@ class GroupController:
             logger.warning("static group of %s not formed: %s", members, exc)
 
     # -- operations -------------------------------------------------------------------------------------
-    def _headers(self) -> dict:
-        return bearer(self.front.token)
+    def _client(self) -> ControlClient:
+        return ControlClient(self.front.token)
 
     async def _op(self, instance: int, op: str, body: dict, timeout_s: float) -> dict:
-        import aiohttp
-
         e = self.front.fleet.engines[instance]
         if not e.control_url:
             raise GroupOpError(f"instance {instance} has no control port (a stock engine cannot join a group)")
-        async with self.front.session.post(f"{e.control_url}/ops/{op}", json=body, headers=self._headers(),
-                                           timeout=aiohttp.ClientTimeout(total=timeout_s + 30)) as resp:
-            out = await resp.json(content_type=None)
-            if resp.status != 200:
-                raise GroupOpError(f"instance {instance} {op}: {resp.status} {out}")
-            return out
+        try:
+            return await self._client().op(self.front.session, e.control_url, op, body, timeout_s=timeout_s + 30)
+        except ControlPortError as exc:
+            raise GroupOpError(f"instance {instance} {op}: {exc.status} {exc.body}") from None
 
     async def _fresh_states(self, members: list[int]) -> dict[int, dict]:
         out = {}
@@ -205,8 +201,7 @@ class GroupController:
             e = self.front.fleet.engines[i]
             if not e.accepting or not e.control_url:
                 raise GroupOpError(f"instance {i} is not a live group member")
-            async with self.front.session.get(f"{e.control_url}/state", headers=self._headers()) as resp:
-                out[i] = await resp.json()
+            out[i] = await self._client().state_json(self.front.session, e.control_url)
         return out
 
     async def form(self, members: list[int], reason: str = "forced", inputs: dict | None = None,

@@ -23,8 +23,8 @@ LOOPBACK_BYTES_PER_S = 1e9
 def placement_planner(config: PlacementConfig, link_bytes_per_s: float = LOOPBACK_BYTES_PER_S
                       ) -> Callable[..., Sequence[MigrationOrder]]:
     def plan(units, requests, reports, policy: DispatchPolicy) -> Sequence[MigrationOrder]:
-        block_bytes = max((int((r.state or {}).get("capacity", {}).get("block_bytes") or 0)
-                           for r in reports.values() if r.ok), default=0)
+        block_bytes = max((r.engine_state.capacity.block_bytes or 0 for r in reports.values()
+                           if r.ok and r.engine_state is not None), default=0)
         orders = policy.on_period(units, requests, config, kv_bytes_per_block=block_bytes,
                                   link_bytes_per_s=link_bytes_per_s)
         kv_ok = {i for i, r in reports.items() if r.ok and r.source == "control"}

@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import aiohttp
 
+from vllm_kunserve.cluster.control.client import ControlClient
+from vllm_kunserve.engine.state import EngineState
 from vllm_kunserve.policy.dispatch import InstanceLoad
 
 logger = logging.getLogger("kunserve.monitor")
@@ -55,11 +57,6 @@ def parse_vllm_metrics(text: str) -> dict[str, Any]:
     return out
 
 
-def bearer(token: str) -> dict[str, str]:
-    """Request headers for an engine's control port (empty without a token)."""
-    return {"Authorization": f"Bearer {token}"} if token else {}
-
-
 @dataclass
 class EngineReport:
     """The latest poll of one engine."""
@@ -74,7 +71,8 @@ class EngineReport:
     queued_blocks: int = 0
     running: int = 0
     waiting: int = 0
-    state: dict | None = None             # the control port's whole state (kunserve engines)
+    state: dict | None = None             # the control port's whole state, as sent (kunserve engines)
+    engine_state: EngineState | None = None   # the same, parsed
     error: str = ""
 
     def view(self) -> dict:
@@ -166,21 +164,22 @@ class Monitor:
     polls: int = 0
     listeners: list = field(default_factory=list)   # called after each period with the reports
 
+    @property
+    def client(self) -> ControlClient:
+        """The client of the engines' control ports, with the monitor's token as it is now."""
+        return ControlClient(self.token)
+
     async def poll_one(self, session: aiohttp.ClientSession, e: Any) -> EngineReport:
         r = EngineReport(e.index, t=time.time())
-        headers = bearer(self.token)
         try:
             if e.control_url:
-                async with session.get(f"{e.control_url}/state", headers=headers) as resp:
-                    if resp.status != 200:
-                        raise RuntimeError(f"control port answered {resp.status}")
-                    st = await resp.json()
-                cap, blocks, reqs = st.get("capacity", {}), st.get("blocks", {}), st.get("requests", {})
-                r.source, r.state = "control", st
-                r.capacity_blocks = int(cap.get("blocks_total") or 0)
-                r.block_size = int(cap.get("block_size") or 16)
-                r.used_blocks, r.queued_blocks = int(blocks.get("used") or 0), int(blocks.get("queued") or 0)
-                r.running, r.waiting = int(reqs.get("running") or 0), int(reqs.get("waiting") or 0)
+                st = await self.client.state_json(session, e.control_url)
+                es = EngineState.from_dict(st)
+                r.source, r.state, r.engine_state = "control", st, es
+                r.capacity_blocks = es.capacity.blocks_total or 0
+                r.block_size = es.capacity.block_size or 16
+                r.used_blocks, r.queued_blocks = es.blocks.used or 0, es.blocks.queued or 0
+                r.running, r.waiting = es.requests.running or 0, es.requests.waiting or 0
             else:
                 async with session.get(f"{e.url}/metrics") as resp:
                     if resp.status != 200:

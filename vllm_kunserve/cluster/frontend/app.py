@@ -34,7 +34,8 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import aiohttp
 
-from vllm_kunserve.cluster.control.monitor import FlightBook, Monitor, bearer, instance_loads
+from vllm_kunserve.cluster.control.client import ControlClient
+from vllm_kunserve.cluster.control.monitor import FlightBook, Monitor, instance_loads
 from vllm_kunserve.cluster.frontend.ops import run_op
 from vllm_kunserve.cluster.frontend.relay import Flight, Move, Relay, UpstreamLost
 from vllm_kunserve.cluster.frontend.validate import BadRequest, error_body, parse_json, prompt_counter, validate
@@ -224,6 +225,11 @@ class FrontEnd:
             if f is not None and f.move is None and f.checked.movable and f.instance == o.src:
                 f.move = Move(o.dst, o.method, "placement")
 
+    @property
+    def control(self) -> ControlClient:
+        """The client of the engines' control ports, with the front end's token as it is now."""
+        return ControlClient(self.token)
+
     # -- the RelayHost protocol (cluster.frontend.relay) ----------------------------------------------
     def engine_url(self, instance: int) -> str | None:
         e = self.fleet.engines[instance]
@@ -296,27 +302,13 @@ class FrontEnd:
         self.book.put(f.instance, f.rid, f.prompt_len, len(f.generated), f.started)
 
     async def migrate_kv(self, flight: Flight, src: int, dst: int) -> dict:
-        """Move the KV of the flight's tokens from ``src``'s prefix cache to ``dst``'s (the source's
-        ``kv_export`` runs the staged prepare / copy / commit-or-abort with the target; the bytes go
-        worker to worker over the transfer channel). Raises when nothing could be moved."""
-        from vllm_kunserve.engine.migration import encode_tokens
-
+        """Move the KV of the flight's tokens from ``src``'s prefix cache to ``dst``'s (the control
+        port's ``kv_export``, :meth:`ControlClient.kv_export`). Raises when nothing could be moved."""
         s, d = self.fleet.engines[src], self.fleet.engines[dst]
         if not (s.control_url and d.control_url):
             raise RuntimeError("KV transfer needs kunserve engines (a control port on both)")
-        headers = bearer(self.token)
-        body = {"token_ids_b64": encode_tokens(flight.prompt_ids + flight.generated), "target": d.control_url,
-                **({"target_token": self.token} if self.token else {})}
-        async with self.session.post(f"{s.control_url}/ops/kv_export", json=body, headers=headers) as resp:
-            out = await resp.json()
-            if resp.status != 200:
-                raise RuntimeError(f"kv_export answered {resp.status}: {out.get('error', out)}")
-        if out.get("outcome") == "nothing" and out.get("target_cached_tokens"):
-            return {"blocks": 0, "bytes": 0, "cached_tokens": out["target_cached_tokens"]}  # already there
-        if out.get("outcome") != "ok":
-            raise RuntimeError(f"kv_export {out.get('outcome')}: {out.get('error') or out.get('reason') or ''}")
-        return {"blocks": out.get("sent_blocks", 0), "bytes": out.get("bytes", 0),
-                "cached_tokens": out.get("target_cached_tokens", 0), "export_ms": out.get("ms")}
+        return await self.control.kv_export(self.session, s.control_url, d.control_url,
+                                            flight.prompt_ids + flight.generated)
 
     # -- requests -----------------------------------------------------------------------------------
     def count_tokens(self, kind: str, body: dict) -> list[int]:
