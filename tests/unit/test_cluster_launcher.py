@@ -41,7 +41,7 @@ def test_free_port_is_bindable():
 
 
 def test_engine_cpus_pin_each_engine_to_its_own_core(monkeypatch):
-    from vllm_kunserve.cluster.fleet.fleet import EngineSpec, engine_env
+    from vllm_kunserve.cluster.fleet.spec import EngineSpec, engine_env
 
     monkeypatch.delenv("KUNSERVE_ENGINE_CPUS", raising=False)
     spec = EngineSpec("m", env={"KUNSERVE_ENGINE_CPUS": "0|1"})
@@ -53,7 +53,7 @@ def test_engine_cpus_pin_each_engine_to_its_own_core(monkeypatch):
 
 
 def test_engine_nice_prefixes_the_engine_command_and_rejects_bad_values(monkeypatch):
-    from vllm_kunserve.cluster.fleet.fleet import engine_nice
+    from vllm_kunserve.cluster.fleet.spec import engine_nice
 
     monkeypatch.delenv("KUNSERVE_ENGINE_NICE", raising=False)
     env = {"KUNSERVE_ENGINE_NICE": "5", "X": "1"}
@@ -127,7 +127,8 @@ class _ScriptBackend:
 
 
 def test_an_engine_that_exits_at_startup_is_relaunched_once_and_its_first_error_is_shown(tmp_path):
-    from vllm_kunserve.cluster.fleet.fleet import EngineSpec, Fleet
+    from vllm_kunserve.cluster.fleet.fleet import Fleet
+    from vllm_kunserve.cluster.fleet.spec import EngineSpec
 
     backend = _ScriptBackend(tmp_path, fails=1)
     with Fleet(EngineSpec("m", startup_timeout_s=30), 1, backend, progress=lambda _: None) as fleet:
@@ -139,7 +140,8 @@ def test_an_engine_that_exits_at_startup_is_relaunched_once_and_its_first_error_
 
 
 def test_an_engine_that_keeps_exiting_at_startup_fails_the_fleet(tmp_path):
-    from vllm_kunserve.cluster.fleet.fleet import EngineSpec, Fleet
+    from vllm_kunserve.cluster.fleet.fleet import Fleet
+    from vllm_kunserve.cluster.fleet.spec import EngineSpec
     from vllm_kunserve.cluster.fleet.launcher import StartupExited
 
     backend = _ScriptBackend(tmp_path, fails=2)
@@ -156,7 +158,8 @@ def test_a_restart_that_exits_at_startup_is_relaunched(tmp_path):
     """A dead engine's relaunch gets the same startup retry as the first start."""
     import time
 
-    from vllm_kunserve.cluster.fleet.fleet import EngineSpec, Fleet
+    from vllm_kunserve.cluster.fleet.fleet import Fleet
+    from vllm_kunserve.cluster.fleet.spec import EngineSpec
 
     backend = _ScriptBackend(tmp_path, fails=0)
     with Fleet(EngineSpec("m", startup_timeout_s=30), 1, backend, progress=lambda _: None) as fleet:
@@ -207,3 +210,18 @@ def test_cpu_env_sleeps_engine_cores_on_a_cpu_host(monkeypatch):
     monkeypatch.delenv("KUNSERVE_SHM_WAIT_MS")
     gpu["present"] = True
     assert "KUNSERVE_SHM_WAIT_MS" not in L.cpu_env()
+
+
+def test_local_and_ray_backends_satisfy_the_backend_protocol():
+    import inspect
+
+    from vllm_kunserve.cluster.fleet.backends import BACKENDS, Backend, LocalBackend, RayBackend, make_backend
+
+    assert isinstance(make_backend("local"), Backend) and isinstance(LocalBackend("127.0.0.1"), Backend)
+    for method in ("launch", "wait_ready", "alive", "kill", "stop", "close"):
+        want = list(inspect.signature(getattr(Backend, method)).parameters)
+        for cls in (LocalBackend, RayBackend):   # Ray itself is optional: the class, not an instance
+            assert list(inspect.signature(getattr(cls, method)).parameters) == want, (cls, method)
+    assert (LocalBackend.name, RayBackend.name) == BACKENDS
+    with pytest.raises(ValueError, match="one of local, ray"):
+        make_backend("k8s")

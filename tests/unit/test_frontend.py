@@ -12,7 +12,8 @@ import httpx
 import pytest
 from aiohttp import web
 
-from vllm_kunserve.cluster.fleet.fleet import Engine, EngineSpec, Fleet
+from vllm_kunserve.cluster.fleet.fleet import Fleet
+from vllm_kunserve.cluster.fleet.spec import Engine, EngineSpec
 from vllm_kunserve.cluster.frontend.app import FrontEnd, build_app, relabel_metrics
 from vllm_kunserve.cluster.control.monitor import FlightBook, EngineReport, instance_loads, parse_vllm_metrics
 

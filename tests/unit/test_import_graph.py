@@ -50,6 +50,13 @@ NEVER_REACHES: dict[str, tuple[str, ...]] = {
     "tools": ("bench", "cluster", "sim"),
 }
 
+#: the cluster room's own rooms, lowest first (the same rule one level down): the fleet (engines,
+#: backends, processes) knows no controller, the controllers (monitor, groups, control-port client,
+#: migrations) know no front end, and the front end uses both
+CLUSTER_ROOMS: tuple[tuple[str, ...], ...] = (("fleet",), ("control",), ("frontend",))
+#: what the front end takes from the controllers: their public modules, not their internals
+FRONTEND_USES_CONTROL = ("client", "groups", "monitor")
+
 
 def room(module: str, pkg: str = PKG) -> str | None:
     """The room of ``pkg.room[.rest]``; None for the package's own ``__init__``."""
@@ -313,3 +320,20 @@ def test_room_checks_catch_an_upward_and_a_transitive_arrow(tmp_path):
     (pkg / "low" / "a.py").write_text("def f():\n    from ..mid import b\n")  # lazy, upward
     assert upward_arrows(import_graph(tmp_path, "q"), rooms, "q") == [
         "q.low.a (low, tier 0) imports q.mid.b (mid, tier 1)"]
+
+
+def test_cluster_rooms_run_down_fleet_control_frontend():
+    """Inside ``cluster``, the package's tier rule one level down (:data:`CLUSTER_ROOMS`: ``fleet`` <
+    ``control`` < ``frontend``), and the front end reaches the controllers only through
+    :data:`FRONTEND_USES_CONTROL`."""
+    cluster = f"{PKG}.cluster."
+    inner = {m: ts for m, ts in package_graph().items() if m.startswith(cluster)}
+    short = {m: "c." + m[len(cluster):] for m in inner}   # PKG.cluster.<room>.<module> -> c.<room>.<module>
+    graph = {short[a]: {short[b] for b in ts if b in short} for a, ts in inner.items()}
+    assert {room(m, "c") for m in graph} == {r for tier in CLUSTER_ROOMS for r in tier}
+    bad = upward_arrows(graph, CLUSTER_ROOMS, "c")
+    uses = {f"c.control.{m}" for m in FRONTEND_USES_CONTROL}
+    bad += [f"{a} imports {b}: the front end takes only {', '.join(FRONTEND_USES_CONTROL)} from control"
+            for a, ts in sorted(graph.items()) if room(a, "c") == "frontend"
+            for b in sorted(ts) if room(b, "c") == "control" and b not in uses]
+    assert not bad, "\n".join(bad)

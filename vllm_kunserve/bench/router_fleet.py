@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
-from vllm_kunserve.cluster.fleet.fleet import ENGINE_CPUS, engine_nice
+from vllm_kunserve.cluster.fleet.spec import ENGINE_CPUS, engine_nice
 from vllm_kunserve.cluster.fleet.launcher import cpu_env, free_port, serve_argv
 
 #: the router's policies (vllm-router 0.1.17 ``--policy``); its default is cache_aware

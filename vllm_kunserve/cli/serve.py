@@ -41,12 +41,13 @@ def options_help() -> str:
 
 
 def _options() -> argparse.ArgumentParser:
+    from vllm_kunserve.cluster.fleet.backends import BACKENDS
     from vllm_kunserve.policy.dispatch import DEFAULT_DISPATCH, DISPATCH
 
     p = argparse.ArgumentParser(prog="kunserve serve MODEL", add_help=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--instances", type=int, default=1, help="engines to start")
-    p.add_argument("--backend", choices=("local", "ray"), default="local",
+    p.add_argument("--backend", choices=BACKENDS, default=BACKENDS[0],
                    help="local: one process per engine on this machine; ray: one Ray actor per engine")
     p.add_argument("--ray-address", default=None, help="Ray cluster address; unset: start a local Ray")
     p.add_argument("--ray-num-cpus", type=float, default=1.0, help="CPUs each engine's actor reserves")
@@ -166,7 +167,9 @@ def _tokenizer(name: str):
 def build(model: str, opts: argparse.Namespace, engine_args: list[str], engine_ns: argparse.Namespace,
           progress=None):
     """The fleet and front end (not started); ``engine_ns`` is :func:`check_engine_args`'s parse."""
-    from vllm_kunserve.cluster.fleet.fleet import EngineSpec, Fleet, make_backend
+    from vllm_kunserve.cluster.fleet.backends import make_backend
+    from vllm_kunserve.cluster.fleet.fleet import Fleet
+    from vllm_kunserve.cluster.fleet.spec import EngineSpec
     from vllm_kunserve.cluster.frontend.app import FrontEnd
     from vllm_kunserve.config import parse_config, parse_kunserve_config
 

@@ -1,11 +1,8 @@
 """The fleet: N vLLM engines started, watched and restarted for one front end.
 
 Each engine is a whole ``vllm serve`` (its own OpenAI server, engine core and, for kunserve engines,
-its control port). Backends decide where the process runs:
-
-* :class:`LocalBackend` (default): a process group on this machine (``cluster.fleet.launcher``).
-* :class:`RayBackend`: one Ray actor per engine, which starts the same ``vllm serve`` on its own
-  node (vLLM's Ray executor refuses the CPU platform, so Ray hosts whole engines, not workers).
+its control port; ``cluster.fleet.spec``). A backend (``cluster.fleet.backends``: local process
+groups or Ray actors) decides where the process runs.
 
 :class:`Fleet` starts every engine (a progress line per instance as each becomes ready), tells the
 front end which engines accept work, and runs a supervisor thread: an engine whose process died is
@@ -16,255 +13,23 @@ start, death and restart is an event (``events``) and a counter the front end ex
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from vllm_kunserve.cluster.fleet.launcher import LaunchPlan, ServerProcess, StartupExited, cpu_env, free_port, serve_argv
+from vllm_kunserve.cluster.fleet.backends import Backend
+from vllm_kunserve.cluster.fleet.launcher import StartupExited
+from vllm_kunserve.cluster.fleet.spec import Engine, EngineSpec
 
 logger = logging.getLogger("kunserve.fleet")
 
-__all__ = ["EngineSpec", "Engine", "Fleet", "LocalBackend", "RayBackend", "make_backend"]
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """What every engine of the fleet runs (all engines are replicas of one model)."""
-
-    model: str
-    engine_args: tuple[str, ...] = ()          # vLLM engine arguments, passed through
-    kunserve: dict[str, Any] | None = None     # the "kunserve" section (None: stock vLLM engines)
-    env: dict[str, str] = field(default_factory=dict)
-    startup_timeout_s: float = 600.0
-    log_dir: str = ""
-    #: relaunches (fresh ports) of an engine whose process exits while it starts: a port another
-    #: process took between being handed out and bound, or any other transient start failure. A
-    #: timeout is not retried.
-    startup_retries: int = 1
-
-    def additional_config(self, control_port: int) -> dict[str, Any] | None:
-        if self.kunserve is None:
-            return None
-        ks = dict(self.kunserve)
-        ks["control"] = {**ks.get("control", {}), "port": control_port}
-        ks["drop"] = {"group_member": True, **ks.get("drop", {})}  # can join pipeline groups (cluster.control.groups)
-        return {"kunserve": ks}
-
-
-#: ``KUNSERVE_ENGINE_CPUS="0|1"``: engine i runs its model on the i-th entry (vLLM-CPU's
-#: ``VLLM_CPU_OMP_THREADS_BIND`` syntax, e.g. ``0|1`` or ``0-1|2-3``), cycling; without it vLLM binds
-#: every engine the same way and engines on one host share a core
-ENGINE_CPUS = "KUNSERVE_ENGINE_CPUS"
-#: ``KUNSERVE_ENGINE_NICE=N``: engines run at this scheduling niceness (``nice -n N``). On a machine
-#: whose every core runs an engine's model, the front end and a replay client at niceness 0 then get
-#: a core the moment they wake instead of waiting behind a compute thread.
-ENGINE_NICE = "KUNSERVE_ENGINE_NICE"
-
-
-def engine_nice(env: dict[str, str]) -> list[str]:
-    """The ``nice -n N`` prefix ``KUNSERVE_ENGINE_NICE`` asks for (popped from ``env``), or []."""
-    raw = (env.pop(ENGINE_NICE, "") or os.environ.get(ENGINE_NICE, "")).strip()
-    if not raw:
-        return []
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"{ENGINE_NICE} must be an integer niceness 0..19, got {raw!r}") from None
-    if not 0 <= n <= 19:
-        raise ValueError(f"{ENGINE_NICE} must be an integer niceness 0..19, got {raw!r}")
-    return ["nice", "-n", str(n)] if n else []
-
-
-def engine_env(spec: EngineSpec, index: int = 0) -> dict[str, str]:
-    """One engine's environment: vLLM's CPU settings, the spec's (with ``KUNSERVE_ENGINE_CPUS``
-    turned into this engine's own ``VLLM_CPU_OMP_THREADS_BIND``), and a Prometheus directory of its
-    own (the engine core's ``kunserve:`` series reach its ``/metrics`` through it; engines sharing
-    one would mix their series)."""
-    env = {**cpu_env(), **spec.env, "PROMETHEUS_MULTIPROC_DIR": tempfile.mkdtemp(prefix="kunserve-prom-")}
-    cpus = env.pop(ENGINE_CPUS, "") or os.environ.get(ENGINE_CPUS, "")
-    if cpus:
-        parts = [p for p in cpus.split("|") if p.strip()]
-        env["VLLM_CPU_OMP_THREADS_BIND"] = parts[index % len(parts)].strip()
-    return env
-
-
-@dataclass
-class Engine:
-    """One instance as the front end sees it."""
-
-    index: int
-    url: str = ""                       # the engine's OpenAI server
-    control_url: str = ""               # its control port ("" for stock engines)
-    state: str = "starting"             # starting | ready | dead | restarting | stopped
-    restarts: int = 0
-    started_s: float = 0.0
-    ready_s: float = 0.0
-    handle: Any = None                  # backend-specific
-
-    @property
-    def accepting(self) -> bool:
-        return self.state == "ready"
-
-    def view(self) -> dict:
-        return {"instance": self.index, "url": self.url, "control_url": self.control_url or None,
-                "state": self.state, "restarts": self.restarts,
-                "startup_s": round(self.ready_s - self.started_s, 2) if self.ready_s else None}
-
-
-def start_engine(spec: EngineSpec, index: int, bind_host: str, url_host: str, tag: str) -> tuple[ServerProcess, str]:
-    """Start one engine's ``vllm serve`` (and, for kunserve engines, its control port) bound to
-    ``bind_host`` on free ports; returns the process (its URL on ``url_host``) and the control URL."""
-    port, cport = free_port(bind_host), free_port(bind_host)
-    ctl = spec.additional_config(cport)
-    if ctl is not None:
-        ctl["kunserve"]["control"]["host"] = bind_host
-    env = engine_env(spec, index)
-    plan = LaunchPlan(engine_nice(env) + serve_argv(spec.model, bind_host, port, spec.engine_args, ctl), env)
-    log = Path(spec.log_dir or tempfile.gettempdir()) / f"kunserve-{tag}{index}-{port}.log"
-    proc = ServerProcess(plan, url_host, port, log).start()
-    logger.info("instance %d: starting on %s (log %s)", index, proc.endpoint, log)
-    return proc, (f"http://{url_host}:{cport}" if ctl is not None else "")
-
-
-class LocalBackend:
-    """Engines as local process groups (``vllm serve`` on 127.0.0.1 or ``host``)."""
-
-    name = "local"
-
-    def __init__(self, host: str = "127.0.0.1"):
-        self.host = host
-
-    def launch(self, spec: EngineSpec, index: int, engine: Engine) -> None:
-        engine.handle, engine.control_url = start_engine(spec, index, self.host, self.host, "engine")
-        engine.url = engine.handle.endpoint
-
-    def wait_ready(self, engine: Engine, timeout_s: float) -> None:
-        engine.handle.wait_ready(timeout_s)
-
-    def alive(self, engine: Engine) -> bool:
-        return engine.handle is not None and engine.handle.alive()
-
-    def kill(self, engine: Engine) -> None:
-        if engine.handle is not None:
-            engine.handle.kill()
-
-    def stop(self, engine: Engine) -> None:
-        if engine.handle is not None:
-            engine.handle.stop()
-
-    def close(self) -> None:
-        pass
-
-
-class _RayEngineActor:
-    """Body of the Ray actor: a ``vllm serve`` on the actor's node (wrapped by ``ray.remote`` lazily)."""
-
-    def __init__(self, spec: EngineSpec, index: int, bind_host: str):
-        import ray
-
-        self.host = ray.util.get_node_ip_address() if bind_host in ("", "0.0.0.0") else bind_host
-        self.index, self.spec, self.bind = index, spec, bind_host or "0.0.0.0"
-        self.proc: ServerProcess | None = None
-
-    def start(self) -> tuple[str, str]:
-        self.proc, control = start_engine(self.spec, self.index, self.bind, self.host, "ray-engine")
-        return self.proc.endpoint, control
-
-    def wait_ready(self, timeout_s: float) -> float:
-        assert self.proc is not None
-        return self.proc.wait_ready(timeout_s)
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.alive()
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-
-    def stop(self) -> int | None:
-        return self.proc.stop() if self.proc else None
-
-
-class RayBackend:
-    """Engines as Ray actors, one whole engine each (across machines when given a Ray address).
-
-    ``address`` None starts a local Ray; otherwise it is passed to ``ray.init`` (``auto`` or
-    ``ray://host:10001``). Each actor reserves ``num_cpus`` of its node. The engine binds 0.0.0.0
-    on a multi-node cluster so the front end can reach it (set a control token then)."""
-
-    name = "ray"
-
-    def __init__(self, address: str | None = None, num_cpus: float = 1.0, bind_host: str | None = None):
-        try:
-            import ray
-        except ImportError as e:  # pragma: no cover - depends on the optional extra
-            raise ValueError("--backend ray needs Ray: pip install 'vllm-kunserve[ray]'") from e
-        self.ray = ray
-        if not ray.is_initialized():
-            if address:
-                ray.init(address=address, log_to_driver=False)
-            else:
-                ray.init(num_cpus=max(int(os.cpu_count() or 1), 1), include_dashboard=False, log_to_driver=False)
-        self.num_cpus = num_cpus
-        self.bind_host = bind_host if bind_host is not None else ("127.0.0.1" if not address else "0.0.0.0")
-        self._cls = ray.remote(num_cpus=num_cpus, max_restarts=0)(_RayEngineActor)
-
-    def launch(self, spec: EngineSpec, index: int, engine: Engine) -> None:
-        actor = self._cls.remote(spec, index, self.bind_host)
-        engine.handle = actor
-        engine.url, engine.control_url = self.ray.get(actor.start.remote(), timeout=120)
-        logger.info("instance %d: starting as a Ray actor on %s", index, engine.url)
-
-    def wait_ready(self, engine: Engine, timeout_s: float) -> None:
-        self.ray.get(engine.handle.wait_ready.remote(timeout_s), timeout=timeout_s + 30)
-
-    def alive(self, engine: Engine) -> bool:
-        if engine.handle is None:
-            return False
-        try:
-            return bool(self.ray.get(engine.handle.alive.remote(), timeout=10))
-        except Exception:  # the actor itself died (its node went away)
-            return False
-
-    def kill(self, engine: Engine) -> None:
-        try:
-            self.ray.get(engine.handle.kill.remote(), timeout=10)
-        except Exception:
-            pass
-
-    def stop(self, engine: Engine) -> None:
-        if engine.handle is None:
-            return
-        try:
-            self.ray.get(engine.handle.stop.remote(), timeout=60)
-        except Exception:
-            pass
-        try:
-            self.ray.kill(engine.handle)
-        except Exception:
-            pass
-
-    def close(self) -> None:
-        self.ray.shutdown()
-
-
-def make_backend(name: str, host: str = "127.0.0.1", ray_address: str | None = None,
-                 ray_num_cpus: float = 1.0):
-    if name == "local":
-        return LocalBackend(host)
-    if name == "ray":
-        return RayBackend(ray_address, ray_num_cpus)
-    raise ValueError(f"--backend {name!r}: one of local, ray")
+__all__ = ["Fleet"]
 
 
 class Fleet:
     """N engines of one spec on one backend, with a supervisor that restarts dead ones."""
 
-    def __init__(self, spec: EngineSpec, instances: int, backend, *, restart: bool = True,
+    def __init__(self, spec: EngineSpec, instances: int, backend: Backend, *, restart: bool = True,
                  check_interval_s: float = 0.5, progress: Callable[[str], None] | None = None):
         if instances < 1:
             raise ValueError(f"--instances must be >= 1, got {instances}")

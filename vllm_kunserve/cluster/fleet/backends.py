@@ -1,0 +1,181 @@
+"""Where an engine runs: the :class:`Backend` protocol and its two implementations, named in
+:data:`BACKENDS` (the one list ``kunserve serve --backend`` offers) and built by :func:`make_backend`.
+
+* :class:`LocalBackend` (default): a process group on this machine (``cluster.fleet.launcher``).
+* :class:`RayBackend`: one Ray actor per engine, which starts the same ``vllm serve`` on its own
+  node (vLLM's Ray executor refuses the CPU platform, so Ray hosts whole engines, not workers).
+
+Every engine is whole on its node. Cluster drop's pipeline groups need more: the members of a
+group talk over stage links (shared memory between processes), so **the members of a pipeline
+group must be on one host**; Ray engines on different nodes can be dispatched to and migrated
+between, but not grouped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Protocol, runtime_checkable
+
+from vllm_kunserve.cluster.fleet.launcher import ServerProcess
+from vllm_kunserve.cluster.fleet.spec import Engine, EngineSpec, start_engine
+
+logger = logging.getLogger("kunserve.fleet")
+
+__all__ = ["BACKENDS", "Backend", "LocalBackend", "RayBackend", "make_backend"]
+
+#: the backends, by the name ``kunserve serve --backend`` takes (the first is the default)
+BACKENDS = ("local", "ray")
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What :class:`~vllm_kunserve.cluster.fleet.fleet.Fleet` asks of a backend, per engine: start it
+    (setting ``engine.url``, ``engine.control_url`` and ``engine.handle``), wait until it serves,
+    tell whether its process lives, kill it (a fault drill), stop it; and release the backend."""
+
+    name: str
+
+    def launch(self, spec: EngineSpec, index: int, engine: Engine) -> None: ...
+
+    def wait_ready(self, engine: Engine, timeout_s: float) -> None: ...
+
+    def alive(self, engine: Engine) -> bool: ...
+
+    def kill(self, engine: Engine) -> None: ...
+
+    def stop(self, engine: Engine) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalBackend:
+    """Engines as local process groups (``vllm serve`` on 127.0.0.1 or ``host``)."""
+
+    name = "local"
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self.host = host
+
+    def launch(self, spec: EngineSpec, index: int, engine: Engine) -> None:
+        engine.handle, engine.control_url = start_engine(spec, index, self.host, self.host, "engine")
+        engine.url = engine.handle.endpoint
+
+    def wait_ready(self, engine: Engine, timeout_s: float) -> None:
+        engine.handle.wait_ready(timeout_s)
+
+    def alive(self, engine: Engine) -> bool:
+        return engine.handle is not None and engine.handle.alive()
+
+    def kill(self, engine: Engine) -> None:
+        if engine.handle is not None:
+            engine.handle.kill()
+
+    def stop(self, engine: Engine) -> None:
+        if engine.handle is not None:
+            engine.handle.stop()
+
+    def close(self) -> None:
+        pass
+
+
+class _RayEngineActor:
+    """Body of the Ray actor: a ``vllm serve`` on the actor's node (wrapped by ``ray.remote`` lazily)."""
+
+    def __init__(self, spec: EngineSpec, index: int, bind_host: str):
+        import ray
+
+        self.host = ray.util.get_node_ip_address() if bind_host in ("", "0.0.0.0") else bind_host
+        self.index, self.spec, self.bind = index, spec, bind_host or "0.0.0.0"
+        self.proc: ServerProcess | None = None
+
+    def start(self) -> tuple[str, str]:
+        self.proc, control = start_engine(self.spec, self.index, self.bind, self.host, "ray-engine")
+        return self.proc.endpoint, control
+
+    def wait_ready(self, timeout_s: float) -> float:
+        assert self.proc is not None
+        return self.proc.wait_ready(timeout_s)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.alive()
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+
+    def stop(self) -> int | None:
+        return self.proc.stop() if self.proc else None
+
+
+class RayBackend:
+    """Engines as Ray actors, one whole engine each (across machines when given a Ray address).
+
+    ``address`` None starts a local Ray; otherwise it is passed to ``ray.init`` (``auto`` or
+    ``ray://host:10001``). Each actor reserves ``num_cpus`` of its node. The engine binds 0.0.0.0
+    on a multi-node cluster so the front end can reach it (set a control token then)."""
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, num_cpus: float = 1.0, bind_host: str | None = None):
+        try:
+            import ray
+        except ImportError as e:  # pragma: no cover - depends on the optional extra
+            raise ValueError("--backend ray needs Ray: pip install 'vllm-kunserve[ray]'") from e
+        self.ray = ray
+        if not ray.is_initialized():
+            if address:
+                ray.init(address=address, log_to_driver=False)
+            else:
+                ray.init(num_cpus=max(int(os.cpu_count() or 1), 1), include_dashboard=False, log_to_driver=False)
+        self.num_cpus = num_cpus
+        self.bind_host = bind_host if bind_host is not None else ("127.0.0.1" if not address else "0.0.0.0")
+        self._cls = ray.remote(num_cpus=num_cpus, max_restarts=0)(_RayEngineActor)
+
+    def launch(self, spec: EngineSpec, index: int, engine: Engine) -> None:
+        actor = self._cls.remote(spec, index, self.bind_host)
+        engine.handle = actor
+        engine.url, engine.control_url = self.ray.get(actor.start.remote(), timeout=120)
+        logger.info("instance %d: starting as a Ray actor on %s", index, engine.url)
+
+    def wait_ready(self, engine: Engine, timeout_s: float) -> None:
+        self.ray.get(engine.handle.wait_ready.remote(timeout_s), timeout=timeout_s + 30)
+
+    def alive(self, engine: Engine) -> bool:
+        if engine.handle is None:
+            return False
+        try:
+            return bool(self.ray.get(engine.handle.alive.remote(), timeout=10))
+        except Exception:  # the actor itself died (its node went away)
+            return False
+
+    def kill(self, engine: Engine) -> None:
+        try:
+            self.ray.get(engine.handle.kill.remote(), timeout=10)
+        except Exception:
+            pass
+
+    def stop(self, engine: Engine) -> None:
+        if engine.handle is None:
+            return
+        try:
+            self.ray.get(engine.handle.stop.remote(), timeout=60)
+        except Exception:
+            pass
+        try:
+            self.ray.kill(engine.handle)
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        self.ray.shutdown()
+
+
+def make_backend(name: str, host: str = "127.0.0.1", ray_address: str | None = None,
+                 ray_num_cpus: float = 1.0) -> Backend:
+    """The backend named ``name`` (one of :data:`BACKENDS`)."""
+    if name == "local":
+        return LocalBackend(host)
+    if name == "ray":
+        return RayBackend(ray_address, ray_num_cpus)
+    raise ValueError(f"--backend {name!r}: one of {', '.join(BACKENDS)}")

