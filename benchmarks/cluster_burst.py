@@ -286,7 +286,7 @@ def dispatch_section(split: dict) -> list[str]:
         "The window's arrivals the front end gave each engine (engine 0 / engine 1 ...; its "
         "`kunserve:dispatched_total` counters). In a pipeline group each member's requests are its own "
         "microbatch through both stages, so an uneven split makes one microbatch the longer and sets the "
-        "group's cycle (policy/dispatch.py: inside a group least-work balances requests).",
+        "group's cycle (policy/dispatch/least_work.py: inside a group least-work balances requests).",
         split, lambda v: " / ".join(map(str, v))) + [""]
 
 

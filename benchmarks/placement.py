@@ -507,7 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines = doc_header(
         "Placement: elastic instances and fixed-cluster dispatch", cmd,
         cpu_device("simulation; simulated cluster: Qwen-2.5-14B on H100 80 GB"), raw_json,
-        "MELL on a fixed cluster (see `policy/dispatch.py`): every instance is an open bin, so it places by KV "
+        "MELL on a fixed cluster (see `policy/dispatch/mell.py`): every instance is an open bin, so it places by KV "
         "headroom (least-load's order, never a unit the prompt does not fit while another has room) and its bounded "
         "migrations (`policy/migration.py`) relieve an instance whose KV demand passes `placement.high_watermark`. "
         "In an elastic cluster MELL is `MellPlacer`'s bin packing with bounded migrations.")

@@ -1,7 +1,7 @@
 """MELL in the simulator, in one of two modes.
 
 ``fixed`` (the default, ``build_policy("mell")``): MELL on a fixed cluster, exactly what
-``kunserve serve --dispatch mell`` runs (see ``policy.dispatch`` for why). Arrivals are placed by
+``kunserve serve --dispatch mell`` runs (see ``policy.dispatch.mell`` for why). Arrivals are placed by
 ``policy.dispatch.choose_instance(..., "mell")``; every ``tick_s`` (the front end's monitor
 period) ``policy.migration.plan_migrations`` gets every live server's ``InstanceLoad`` and one
 ``RequestLoad`` per decoding request (what the front end can move: it has produced a token) and
