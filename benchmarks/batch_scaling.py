@@ -20,12 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from vllm_kunserve.bench.report import command, cpu_model, md_table, write_json
+
+ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
 PREFILL_LENS = (64, 448)  # prompt tokens: a fresh prompt of the cluster benchmark; a long recompute
 OUT = ROOT / "docs" / "benchmarks"
 
@@ -38,16 +39,6 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def pick_preset(flags: set[str]) -> str:
@@ -122,20 +113,20 @@ def main() -> int:
            "kv_bytes_per_token": spec.kv_bytes_per_token(), "threads": threads,
            "load_avg": os.getloadavg(), "rows": rows, "step16_over_step1": ratio, "valid_regime": valid,
            "prefill": pre, "prefill_line": prefill_line,
-           "command": "python benchmarks/batch_scaling.py " + " ".join(sys.argv[1:])}
+           "command": command("batch_scaling.py")}
     print(json.dumps(res))
     llm.llm_engine.engine_core.shutdown()
     if not a.no_doc:
         OUT.mkdir(parents=True, exist_ok=True)
-        (OUT / f"{a.name}.json").write_text(json.dumps(res, indent=1) + "\n")
+        write_json(OUT / f"{a.name}.json", res, indent=1, clean=False)
         lines = ["# Decode step time vs batch size (written by benchmarks/batch_scaling.py)", "",
                  f"Command: `{res['command']}`", "",
                  f"CPU: {res['cpu']} (avx512_bf16: {res['avx512_bf16']}, amx_bf16: {res['amx_bf16']}); "
                  f"model preset `{preset}` ({spec.dtype}, {spec.weight_bytes() / 1e6:.0f} MB of weights); "
                  f"compute threads: {threads}; load average at the end: "
                  f"{', '.join(f'{x:.2f}' for x in res['load_avg'])}.", "",
-                 "| batch | decode step (ms) | output tokens/s |", "|---:|---:|---:|"]
-        lines += [f"| {r['batch']} | {r['step_ms']} | {r['tokens_per_s']} |" for r in rows]
+                 ] + md_table(["batch", "decode step (ms)", "output tokens/s"], "rrr",
+                              ([r["batch"], r["step_ms"], r["tokens_per_s"]] for r in rows))
         lines += ["", f"Step at batch 16 / step at batch 1: **{ratio:.2f}x** -> "
                   + ("valid regime (<= 3x): KV capacity is worth throughput here." if valid else
                      "NOT a valid regime (> 3x): a bigger batch is not nearly free; cluster drop cannot "

@@ -55,12 +55,15 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster_burst import dispatch_split, group_times, kunserve_config
-
 from vllm_kunserve.bench import pooled
+from vllm_kunserve.bench.burst import (LATE_S, add_phase_args, dispatch_split, group_times, kunserve_config,
+                                       scaling_table)
+from vllm_kunserve.bench.report import command as cmd
+from vllm_kunserve.bench.report import md_row, md_table, pyplot, save_figure, write_json
 from vllm_kunserve.sim.policies.baselines import group_kv_factor   # one home: the simulator's oracle-equal uses it
+from vllm_kunserve.workload.records import read_csv
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
 DOCS = ROOT / "docs" / "benchmarks"
 TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure_llm_2023_conv.csv"
 REGIMES = {
@@ -73,7 +76,6 @@ LABEL = {"vllm": "stock vLLM (defaults)", "vllm-tuned": "stock, tuned batch cap"
          "(cache_aware)", "vllm-router-rr": "vllm-router (round_robin)", "static": "static PP=2 group",
          "kunserve": "kunserve (cluster drop)", "oracle-equal": "oracle-equal (same memory, no pipeline)",
          "oracle": "oracle (10x KV)"}
-LATE_S = 0.05
 ENGINE_ENV = ["KUNSERVE_ENGINE_CPUS=0|1", "OMP_NUM_THREADS=1", "KUNSERVE_ENGINE_NICE=5", "KUNSERVE_SHM_WAIT_MS=1"]
 
 
@@ -174,20 +176,17 @@ def send_lag(run: Path, systems: list[str], window: tuple[float, float]) -> dict
     """Per system: the largest client send lag (ms) over every run, how many requests went > 50 ms
     late and, where any did, the window's pooled TTFT percentiles counted from each request's arrival
     instead of its send (so a late client cannot hide a queue)."""
-    import csv
-
     out = {}
     for s in systems:
         lags, from_arrival = [], []
         for f in [*(run / s).glob("rep*/requests.csv"), *run.glob(f"rep*/{s}/requests.csv")]:
-            with open(f) as fh:
-                for r in csv.DictReader(fh):
-                    if not r["send_s"]:
-                        continue
-                    lag = float(r["send_s"]) - float(r["arrival_s"])
-                    lags.append(lag)
-                    if window[0] <= float(r["arrival_s"]) < window[1]:
-                        from_arrival.append(float(r["ttft_s"]) + lag if r["ok"] == "1" and r["ttft_s"] else math.inf)
+            for r in read_csv(f):
+                if not r["send_s"]:
+                    continue
+                lag = float(r["send_s"]) - float(r["arrival_s"])
+                lags.append(lag)
+                if window[0] <= float(r["arrival_s"]) < window[1]:
+                    from_arrival.append(float(r["ttft_s"]) + lag if r["ok"] == "1" and r["ttft_s"] else math.inf)
         if lags:
             late = sum(x > LATE_S for x in lags)
             out[s] = {"max_ms": round(max(lags) * 1e3, 1), "late": late, "n": len(lags)}
@@ -301,12 +300,8 @@ def verdict(an: dict, totals: dict, groups: dict, window: tuple[float, float]) -
 
 
 def plot(path: Path, an: dict, systems: list[str], title: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot(optional=True)
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(11, 4.2))
     qs = ("p50", "p90", "p99")
@@ -324,9 +319,7 @@ def plot(path: Path, an: dict, systems: list[str], title: str) -> bool:
     ax.set_ylabel("seconds (pooled burst window, 95% bootstrap interval)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path, dpi=90)
     return True
 
 
@@ -344,17 +337,16 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
          f"({a.kv_tokens * meta['kv_bytes_per_token'] / 1e6:.0f} MB): weights are **{w:.0%}** of an engine's weights + "
          f"KV, so a 2-engine group holds **{meta['group_kv_factor']:.2f}x** the KV of its members apart "
          + ("(paper-like: w in 0.35..0.65)." if 0.35 <= w <= 0.65 else "(**extreme**: outside the paper-like 0.35..0.65)."),
-         "", "Decode step by batch, one thread (`" + meta.get("scaling_doc", "") + "`):", "",
-         "| batch | step (ms) | tokens/s |", "|---:|---:|---:|"]
-    L += [f"| {r['batch']} | {r['step_ms']} | {r['tokens_per_s']} |" for r in meta.get("scaling_rows", [])]
+         "", "Decode step by batch, one thread (`" + meta.get("scaling_doc", "") + "`):", ""]
+    L += scaling_table(meta.get("scaling_rows", []))
     cap = meta.get("capacity")
     L += [""]
     if cap and cap.get("rows"):
         L += ["Capacity, measured: a closed-loop saturation run of two stock engines behind `kunserve serve`, driven by "
-              "`vllm bench serve` (random dataset, ~64-token prompts, outputs 256..384 tokens, `--ignore-eos`):", "",
-              "| concurrency | requests | req/s | output tokens/s | median TPOT (ms) |", "|---:|---:|---:|---:|---:|"]
-        L += [f"| {r['concurrency']} | {r['completed']} | {r['req_per_s']:.3f} | {r['output_tokens_per_s']:.1f} | "
-              f"{r['median_tpot_ms']:.1f} |" for r in cap["rows"]]
+              "`vllm bench serve` (random dataset, ~64-token prompts, outputs 256..384 tokens, `--ignore-eos`):", ""]
+        L += md_table(["concurrency", "requests", "req/s", "output tokens/s", "median TPOT (ms)"], "rrrrr",
+                      ([r["concurrency"], r["completed"], f"{r['req_per_s']:.3f}", f"{r['output_tokens_per_s']:.1f}",
+                        f"{r['median_tpot_ms']:.1f}"] for r in cap["rows"]))
         L += ["", f"Capacity: **{cap['req_per_s']:.3f} req/s** (the best row). "]
     elif cap:
         L += [f"Capacity: {cap.get('note')}", ""]
@@ -365,10 +357,10 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
     sw = meta.get("sweep")
     if sw:
         L += ["Batch-cap sweep for `vllm-tuned` (one run each on this trace, window P99 TTFT; the lowest is the tuned "
-              "cap):", "", "| --max-num-seqs | P50 TTFT (s) | P99 TTFT (s) | P50 TPOT (ms) | preemptions |",
-              "|---:|---:|---:|---:|---:|"]
-        L += [f"| {r['cap']} | {r['p50']:.2f} | {r['p99']:.2f} | {r['tpot_p50'] * 1e3:.0f} | {r['preemptions']} |"
-              for r in sw["rows"]]
+              "cap):", ""]
+        L += md_table(["--max-num-seqs", "P50 TTFT (s)", "P99 TTFT (s)", "P50 TPOT (ms)", "preemptions"], "rrrrr",
+                      ([r["cap"], f"{r['p50']:.2f}", f"{r['p99']:.2f}", f"{r['tpot_p50'] * 1e3:.0f}", r["preemptions"]]
+                       for r in sw["rows"]))
         L += ["", f"Tuned cap: **{sw['cap']}**.", ""]
     L += ["## Systems", ""] + [f"- `{s}`: {meta['descriptions'].get(s, '')}" for s in systems] + [""]
     L += ["## Pooled over the repetitions (burst window)", "",
@@ -378,20 +370,18 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
           + ". TTFT percentiles over every window request of every repetition (a lost "
           "request counts as an infinite TTFT), with bootstrap 95% intervals (requests resampled within each "
           f"repetition, {pooled.DRAWS} draws). Goodput: the share of window requests with TTFT <= {meta['ttft_slo']:g} s "
-          f"and TPOT <= {meta['tpot_slo'] * 1e3:.0f} ms ({meta['tpot_slo_note']}).", "",
-          "| system | window requests | P50 TTFT (s) | P90 TTFT (s) | P99 TTFT (s) | P50 / P99 TPOT (ms) | goodput "
-          "| output tok/s (run) | preemptions (all runs) | lost |", "|---|---:|---|---|---|---|---:|---:|---:|---:|"]
+          f"and TPOT <= {meta['tpot_slo'] * 1e3:.0f} ms ({meta['tpot_slo_note']}).", ""]
+    L += md_table(["system", "window requests", "P50 TTFT (s)", "P90 TTFT (s)", "P99 TTFT (s)", "P50 / P99 TPOT (ms)",
+                   "goodput", "output tok/s (run)", "preemptions (all runs)", "lost"], "lrllllrrrr")
     for s in systems:
         if s not in st:
             continue
         x, t = st[s], totals.get(s, {})
         tp = x["tpot"]
-        L.append(f"| {s} | {x['n']} | {fmt_ci(x['ttft']['p50'])} | {fmt_ci(x['ttft']['p90'])} | "
-                 f"{fmt_ci(x['ttft']['p99'])} | "
-                 + (f"{tp['p50'] * 1e3:.0f} / {tp['p99'] * 1e3:.0f}" if tp["p50"] else "-")
-                 + f" | {x['goodput']:.3f} | "
-                 + (f"{t['output_tokens_per_s']:.1f}" if t.get("output_tokens_per_s") else "-")
-                 + f" | {'-' if t.get('preemptions') is None else t['preemptions']} | {x['lost']} |")
+        L.append(md_row([s, x["n"], fmt_ci(x["ttft"]["p50"]), fmt_ci(x["ttft"]["p90"]), fmt_ci(x["ttft"]["p99"]),
+                         f"{tp['p50'] * 1e3:.0f} / {tp['p99'] * 1e3:.0f}" if tp["p50"] else "-", f"{x['goodput']:.3f}",
+                         f"{t['output_tokens_per_s']:.1f}" if t.get("output_tokens_per_s") else "-",
+                         "-" if t.get("preemptions") is None else t["preemptions"], x["lost"]]))
     L += ["", "Preemptions are vLLM's counter of both engines over all runs (`-` behind vllm-router: its "
           "`/metrics` answers with one engine's). Output tok/s is the mean over runs of the whole run's rate.", "",
           "Best alternative per statistic (the better of " + ", ".join(s for s in ALTERNATIVES if s in st) + "): "
@@ -400,13 +390,12 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
     for q in ("p90", "p99"):
         if f"best_{q}_over_equal" in an:
             L.append(f"- the best alternative's {q.upper()} TTFT over {eq}'s: {fmt_ci(an[f'best_{q}_over_equal'])}")
-    L += ["", "Ratios (pooled, 95% bootstrap interval of independent resamples):", "",
-          f"| system | P50 / best | P90 / best | P99 / best | P90 / {eq} | P99 / {eq} | gap closed P90 "
-          "| gap closed P99 |", "|---|---|---|---|---|---|---|---|"]
-    for s, c in an["compare"].items():
-        L.append(f"| {s} | " + " | ".join(fmt_ci(c.get(k)) for k in (
-            "p50_over_best", "p90_over_best", "p99_over_best", "p90_over_equal", "p99_over_equal",
-            "p90_gap_closed", "p99_gap_closed")) + " |")
+    L += ["", "Ratios (pooled, 95% bootstrap interval of independent resamples):", ""]
+    L += md_table(["system", "P50 / best", "P90 / best", "P99 / best", f"P90 / {eq}", f"P99 / {eq}", "gap closed P90",
+                   "gap closed P99"], "l" * 8,
+                  ([s, *(fmt_ci(c.get(k)) for k in ("p50_over_best", "p90_over_best", "p99_over_best", "p90_over_equal",
+                                                    "p99_over_equal", "p90_gap_closed", "p99_gap_closed"))]
+                   for s, c in an["compare"].items()))
     L += ["", f"Gap closed = (best alternative - system) / (best alternative - {eq}) at that percentile; it is "
           f"reported only against {eq}, stock with the memory a kunserve group reaches. static is an alternative "
           "configuration, not a bound: kunserve can beat it.", "",
@@ -417,10 +406,10 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
     if ks:
         L += ["", "## When kunserve grouped", "",
               "The first second its engines were in a pipeline group, the share of the burst window's seconds they "
-              "were, and what each engine held at the window's end (layers, KV blocks of 32 tokens):", "",
-              "| rep | first grouped (s) | window share | layers | KV blocks |", "|---:|---:|---:|---|---|"]
-        L += [f"| {k} | {g['first_s']:g} | {g['window_share']} | {g['layers']} | {g['kv_blocks']} |"
-              for k, g in sorted(ks.items())]
+              "were, and what each engine held at the window's end (layers, KV blocks of 32 tokens):", ""]
+        L += md_table(["rep", "first grouped (s)", "window share", "layers", "KV blocks"], "rrrll",
+                      ([k, f"{g['first_s']:g}", g["window_share"], g["layers"], g["kv_blocks"]]
+                       for k, g in sorted(ks.items())))
         L += ["", f"oracle-equal holds {meta['oracle_equal_x']:.2f}x the base KV per engine "
               f"({int(a.kv_tokens * meta['oracle_equal_x'] // 32)} blocks)."]
     split = meta.get("dispatch_split") or {}
@@ -428,11 +417,10 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
         L += ["", "## Dispatch split", "",
               "The burst window's arrivals `kunserve serve`'s front end gave each engine (engine 0 / engine 1; its "
               "`kunserve:dispatched_total` counters) per repetition. vllm-router's split is not recorded (its "
-              "engines' counters are not behind it).", "",
-              "| system | " + " | ".join(f"rep {k}" for k in range(1, meta["repeat"] + 1)) + " |",
-              "|---|" + "---|" * meta["repeat"]]
-        L += [f"| {s} | " + " | ".join(" / ".join(map(str, v[k])) if k in v else "-"
-                                     for k in range(1, meta["repeat"] + 1)) + " |" for s, v in split.items()]
+              "engines' counters are not behind it).", ""]
+        reps = range(1, meta["repeat"] + 1)
+        L += md_table(["system", *(f"rep {k}" for k in reps)], "l" * (1 + len(reps)),
+                      ([s, *(" / ".join(map(str, v[k])) if k in v else "-" for k in reps)] for s, v in split.items()))
     L += ["", "## The client", "", "Largest send lag per system over all its runs, requests sent > 50 ms late and, for "
           "a system with late sends, its window's pooled TTFT P50 / P90 / P99 counted from each request's arrival "
           "(the tables count from the send): " + json.dumps(lag) + ".", "",
@@ -464,8 +452,8 @@ def copy_raw(run: Path, assets: Path, systems: list[str]) -> None:
 def readme_table(names: list[str]) -> str:
     """The README's results table, from the docs' JSON (``docs/benchmarks/<name>.json``): per regime
     and system, the pooled P90 / P99 TTFT with intervals, P50 TPOT and goodput."""
-    L = ["| regime | system | window requests | P90 TTFT (s) | P99 TTFT (s) | P50 TPOT (ms) | goodput |",
-         "|---|---|---:|---|---|---:|---:|"]
+    L = md_table(["regime", "system", "window requests", "P90 TTFT (s)", "P99 TTFT (s)", "P50 TPOT (ms)", "goodput"],
+                 "llrllrr")
     for name in names:
         d = json.loads((DOCS / f"{name}.json").read_text())
         meta, st = d["meta"], d["analysis"]["stats"]
@@ -481,8 +469,8 @@ def readme_table(names: list[str]) -> str:
             label = LABEL.get(s, s) + (f" (--max-num-seqs {meta['sweep']['cap']})" if s == "vllm-tuned"
                                         and meta.get("sweep") else "")
             tp = x["tpot"]["p50"]
-            L.append(f"| {regime if i == 0 else ''} | {label} | {x['n']} | {fmt_ci(x['ttft']['p90'])} | "
-                     f"{fmt_ci(x['ttft']['p99'])} | {'-' if tp is None else f'{tp * 1e3:.0f}'} | {x['goodput']:.2f} |")
+            L.append(md_row([regime if i == 0 else "", label, x["n"], fmt_ci(x["ttft"]["p90"]), fmt_ci(x["ttft"]["p99"]),
+                             "-" if tp is None else f"{tp * 1e3:.0f}", f"{x['goodput']:.2f}"]))
     return "\n".join(L)
 
 
@@ -504,11 +492,8 @@ def main() -> int:
     ap.add_argument("--caps", default="12,20", help="sweep: --max-num-seqs per engine")
     # the phases in multiples of the measured capacity: 64 s at 1.8x brings >= 60 requests a repetition
     # into the window (>= 300 over 5), a 30 s warm phase at 0.5x stays below the drop trigger
-    phase = ap.add_argument_group("phases (seconds, and rates as multiples of the measured capacity)")
-    phase.add_argument("--warm-s", type=float, default=30.0)
-    phase.add_argument("--warm-share", type=float, default=0.5)
-    phase.add_argument("--burst-s", type=float, default=64.0)
-    phase.add_argument("--burst-x", type=float, default=1.8)
+    add_phase_args(ap.add_argument_group("phases (seconds, and rates as multiples of the measured capacity)"),
+                   warm_s=30.0, warm_share=0.5, burst_s=64.0, burst_x=1.8)
     ap.add_argument("--ttft-slo", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--trace", default=str(TRACE))
@@ -538,7 +523,7 @@ def main() -> int:
     kv_b = spec.kv_bytes_per_token()
     w = weight_share(spec.weight_bytes(), a.kv_tokens * kv_b)
     oracle_x = round(group_kv_factor(w), 3)
-    command = "python benchmarks/burst_value.py " + " ".join(map(shlex.quote, sys.argv[1:]))
+    command = cmd("burst_value.py")
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     meta: dict = {"cpu": scaling.get("cpu") or "this CPU", "preset": reg["preset"], "weight_bytes": spec.weight_bytes(),
                   "kv_bytes_per_token": kv_b, "weight_share": w, "group_kv_factor": group_kv_factor(w),
@@ -565,7 +550,7 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         cap_file = out / "capacity.json"
         if "capacity" in steps and not cap_file.exists():
-            cap_file.write_text(json.dumps(saturation(a, model, spec.dtype, out), indent=1) + "\n")
+            write_json(cap_file, saturation(a, model, spec.dtype, out), indent=1, clean=False)
         if not cap_file.exists():
             ap.error(f"no {cap_file}: run the capacity step first")
         cap = json.loads(cap_file.read_text())
@@ -587,7 +572,7 @@ def main() -> int:
                 rows.append({"cap": c, "p50": t["p50"]["value"], "p99": t["p99"]["value"],
                              "tpot_p50": pooled.tpot(r)["p50"], "preemptions": summ.get("preemptions")})
             best = min(rows, key=lambda r: r["p99"])
-            sweep_file.write_text(json.dumps({"rows": rows, "cap": best["cap"]}, indent=1) + "\n")
+            write_json(sweep_file, {"rows": rows, "cap": best["cap"]}, indent=1, clean=False)
         sweep = json.loads(sweep_file.read_text()) if sweep_file.exists() else None
         if "compare" in steps and not (out / "compare.json").exists():
             extra = ["--oracle-equal-kv-multiplier", str(oracle_x)]
@@ -632,8 +617,8 @@ def main() -> int:
     if a.regime != "r0":
         copy_raw(out, assets, systems)
     plot(assets.parent / f"{name}.png", an, systems, f"Regime {a.regime.upper()}: pooled burst-window TTFT")
-    (DOCS / f"{name}.json").write_text(json.dumps({"meta": meta, "analysis": an, "totals": totals, "send_lag": lag,
-                                                   "grouped": groups}, indent=1, default=str) + "\n")
+    write_json(DOCS / f"{name}.json", {"meta": meta, "analysis": an, "totals": totals, "send_lag": lag, "grouped": groups},
+               indent=1, clean=False, default=str)
     doc = DOCS / f"{name}.md"
     doc.write_text(render(a, meta, an, totals, lag, groups, systems, name))
     print(doc.read_text())

@@ -8,9 +8,9 @@ repetition ``requests.csv`` and ``timeline.csv[.gz]``; the docs' raw copies hold
 
 **Fit** (``--fit``): per system, the decode step lines (one engine alone, and a pipeline group's
 cycle) from the clean seconds of every repetition's timeline pooled, and the prefill rate from the
-warm-phase requests: the estimators of ``benchmarks/cluster_burst_sim.py``. Then each system's lines
-are scaled by one factor until the simulator reproduces the median TPOT of the fit run's
-repetitions (``cluster_burst_sim.calibrate``): the clean seconds are a biased sample of a run's
+warm-phase requests: the estimators of ``vllm_kunserve/sim/runfit.py`` (``benchmarks/cluster_burst_sim.py``'s).
+Then each system's lines are scaled by one factor until the simulator reproduces the median TPOT of
+the fit run's repetitions (``sim.runfit.calibrate``): the clean seconds are a biased sample of a run's
 steps (warm phase and drain), and the uncalibrated lines give TPOTs 1.1-1.7x the measured.
 
 **Predict** (``--predict``, another run: another burst rate): nothing measured in it is used but
@@ -36,8 +36,6 @@ Systems, simulated as the harness runs them:
 from __future__ import annotations
 
 import argparse
-import gzip
-import io
 import json
 import math
 import re
@@ -45,33 +43,19 @@ import statistics
 import sys
 from pathlib import Path
 
-import numpy as np
+from vllm_kunserve.bench import pooled
+from vllm_kunserve.bench.report import command, md_row, md_table, write_json
+from vllm_kunserve.sim import runfit   # the step estimators, calibration and the run simulator
+from vllm_kunserve.workload.records import read_csv
+from vllm_kunserve.workload.traces import parse_phases
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import cluster_burst_sim as cbs  # noqa: E402  (the step estimators, calibration and the run simulator)
-
-from vllm_kunserve.bench import pooled  # noqa: E402
-from vllm_kunserve.workload.traces import parse_phases  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
 DOCS = ROOT / "docs" / "benchmarks"
 TOL = 0.25
 SYSTEMS = ("vllm", "vllm-tuned", "vllm-router", "kunserve", "oracle-equal")
 #: how each harness system is simulated: the simulator's policy, and where its step lines come from
 SIM_AS = {"vllm": "vllm", "vllm-tuned": "vllm", "vllm-router": "vllm", "oracle-equal": "vllm", "kunserve": "kunserve"}
 LINES_FROM = {"vllm-router": "vllm"}
-
-
-def read_csv(path: Path) -> list[dict]:
-    """``path`` or ``path.gz``."""
-    gz = path.with_name(path.name + ".gz")
-    if path.exists():
-        return cbs.read_rows(path)
-    with gzip.open(gz, "rt", newline="") as f:
-        import csv
-
-        return list(csv.DictReader(io.StringIO(f.read())))
 
 
 def reps_of(run: Path, system: str) -> list[tuple[int, Path]]:
@@ -89,14 +73,14 @@ def settings_of(run: Path) -> dict:
     ph = parse_phases(args["phases"])
     lo = ph[0][0]
     eng = args.get("engine_arg") or []
-    seqs = cbs.argv_opt(eng, "--max-num-seqs")
+    seqs = runfit.argv_opt(eng, "--max-num-seqs")
     base = {"model": args["model"], "instances": int(args["instances"]), "kv_tokens": int(args["kv_capacity_tokens"]),
             "block_size": int(args["block_size"]), "dispatch": args["dispatch"], "oracle_x": 1.0,
             "kunserve_config": json.loads(args["kunserve_config"] or "{}"), "phases": args["phases"],
             "window": [lo, lo + ph[1][0]], "engine_args": eng, "variants": {},
-            "max_num_batched_tokens": int(cbs.argv_opt(eng, "--max-num-batched-tokens")
-                                          or cbs.VLLM_CPU_DEFAULTS["max_num_batched_tokens"]),
-            "max_num_seqs": int(seqs or cbs.VLLM_CPU_DEFAULTS["max_num_seqs"])}
+            "max_num_batched_tokens": int(runfit.argv_opt(eng, "--max-num-batched-tokens")
+                                          or runfit.VLLM_CPU_DEFAULTS["max_num_batched_tokens"]),
+            "max_num_seqs": int(seqs or runfit.VLLM_CPU_DEFAULTS["max_num_seqs"])}
     model = Path(base["model"])
     if not (model / "config.json").exists():   # a run made in another checkout: the same preset here
         base["model"] = str(ROOT / "models" / model.name)
@@ -110,29 +94,12 @@ def settings_of(run: Path) -> dict:
 
 def load(run: Path, systems: list[str], lo: float, inst: int) -> dict:
     """Per (system, rep): rows, timeline, clean seconds, per-rep lines and warm prefill samples."""
-    data = {}
-    for s in systems:
-        for k, d in reps_of(run, s):
-            tl = read_csv(d / "timeline.csv")
-            rows = read_csv(d / "requests.csv")
-            secs = cbs.clean_seconds(tl, inst)
-            fits = {g: cbs.fit_steps(v) for g, v in secs.items()}
-            data[(s, k)] = {"rows": rows, "tl": tl, "secs": secs, "fits": fits,
-                            "pf": cbs.prefill_samples(rows, lo, tl, inst, fits)}
-    return data
-
-
-def pooled_lines(data: dict, system: str) -> tuple[dict, list[float]]:
-    """Step lines and warm prefill samples of every repetition of ``system``, pooled."""
-    ks = sorted(k for s, k in data if s == system)
-    fits = {g: cbs.fit_steps([{**x, "second": x["second"] + 1e6 * i} for i, k in enumerate(ks)
-                              for x in data[(system, k)]["secs"][g]]) for g in ("single", "grouped")}
-    return fits, [x for k in ks for x in data[(system, k)]["pf"]]
+    return {(s, k): runfit.rep_data(d, lo, inst) for s in systems for k, d in reps_of(run, s)}
 
 
 def sim_window(st, st_g, settings: dict, system: str, rows: list[dict], rep: int) -> list[pooled.Request]:
     """One repetition simulated with its own offered requests: its window's requests as pooled sees them."""
-    sim = cbs.make_sim(st, st_g, settings, system, cbs.trace_of(rows)).run()
+    sim = runfit.make_sim(st, st_g, settings, system, runfit.trace_of(rows)).run()
     lo, hi = settings["window"]
     out = []
     for r in sim.reqs:
@@ -174,17 +141,17 @@ def main() -> int:
     rows, per = [], {}
     for s in systems:
         src = LINES_FROM.get(s, s)
-        fits, pf = pooled_lines(fdata, src)
+        fits, pf = runfit.pooled_fits(fdata, src)
         single, grouped = fits["single"] or fits["grouped"], fits["grouped"] or fits["single"]
-        if single is None or len(pf) < cbs.MIN_PREFILL:
+        if single is None or len(pf) < runfit.MIN_PREFILL:
             raise SystemExit(f"{fit_run}: too few clean seconds or warm requests of {src} to fit its steps")
         tps = 1 / statistics.median(pf)
         cal = None
         if not a.no_calibrate:   # on the fit run's own repetitions of the source system
             ks = sorted(k for s2, k in fdata if s2 == src)
-            cal = cbs.calibrate(fdata, src, ks, single, grouped, {**fset, "system_as": SIM_AS}, None)
-            single, grouped, tps = cbs.scaled(single, cal["scale"]), cbs.scaled(grouped, cal["scale"]), cal["tps"]
-        st, st_g = cbs.step_times(single, grouped, 1.0, tps)
+            cal = runfit.calibrate(fdata, src, ks, single, grouped, {**fset, "system_as": SIM_AS}, None)
+            single, grouped, tps = runfit.scaled(single, cal["scale"]), runfit.scaled(grouped, cal["scale"]), cal["tps"]
+        st, st_g = runfit.step_times(single, grouped, 1.0, tps)
         meas, pred = [], []
         for k, d in reps_of(pred_run, s):
             rws = read_csv(d / "requests.csv")
@@ -202,10 +169,10 @@ def main() -> int:
         rows.append(row)
         print(f"{s}: pooled P90 / P99 measured {fmt(mt['p90']['value'])} / {fmt(mt['p99']['value'])} s, predicted "
               f"{fmt(pt['p90']['value'])} / {fmt(pt['p99']['value'])} s; scale {fmt(cal and cal['scale'], 3)}", flush=True)
-    cmd = "python benchmarks/burst_value_sim.py " + " ".join(sys.argv[1:])
+    cmd = command("burst_value_sim.py")
     res = {"command": cmd, "fit": str(fit_run), "predict": str(pred_run), "tolerance": TOL,
            "fit_settings": fset, "predict_settings": pset, "rows": rows}
-    (DOCS / f"{a.out_name}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    write_json(DOCS / f"{a.out_name}.json", res, indent=1, clean=False, default=str)
     (DOCS / f"{a.out_name}.md").write_text(render(res))
     print((DOCS / f"{a.out_name}.md").read_text())
     return 0
@@ -224,30 +191,31 @@ def render(res: dict) -> str:
          "## Verdict (target: pooled P90 and P99 TTFT within 25% for every system)", "",
          f"- within 25% at P90 and P99: {', '.join(met) or 'none'}",
          f"- outside: {', '.join(miss) or 'none'}", "",
-         "## Pooled burst-window TTFT, measured vs simulated (seconds)", "",
-         "| system | requests | P50 meas / sim | P90 meas (95% CI) / sim | P99 meas (95% CI) / sim | sim / meas P50, P90, P99 "
-         "| P50 TPOT meas / sim (ms) | lines from | scale | lost (sim) |",
-         "|---|---:|---|---|---|---|---|---|---:|---:|"]
+         "## Pooled burst-window TTFT, measured vs simulated (seconds)", ""]
+    L += md_table(["system", "requests", "P50 meas / sim", "P90 meas (95% CI) / sim", "P99 meas (95% CI) / sim",
+                   "sim / meas P50, P90, P99", "P50 TPOT meas / sim (ms)", "lines from", "scale", "lost (sim)"],
+                  "lrllllllrr")
     for r in rows:
         m, p = r["measured"], r["predicted"]
         ci = lambda q: f"{fmt(m[q]['value'])} ({fmt(m[q]['lo'])}..{fmt(m[q]['hi'])})"  # noqa: E731
         tp = r["tpot_p50"]
-        L.append(f"| {r['system']} | {r['n_measured']} | {fmt(m['p50']['value'])} / {fmt(p['p50']['value'])} | "
-                 f"{ci('p90')} / {fmt(p['p90']['value'])} | {ci('p99')} / {fmt(p['p99']['value'])} | "
-                 f"{fmt(r['ratio_p50'])}, {fmt(r['ratio_p90'])}, {fmt(r['ratio_p99'])} | "
-                 f"{fmt(tp['measured'] and tp['measured'] * 1e3, 0)} / {fmt(tp['predicted'] and tp['predicted'] * 1e3, 0)} | "
-                 f"{r['lines_from']} | {fmt(r['calibration'] and r['calibration']['scale'], 3)} | {r['lost_predicted']} |")
+        L.append(md_row([r["system"], r["n_measured"], f"{fmt(m['p50']['value'])} / {fmt(p['p50']['value'])}",
+                         f"{ci('p90')} / {fmt(p['p90']['value'])}", f"{ci('p99')} / {fmt(p['p99']['value'])}",
+                         f"{fmt(r['ratio_p50'])}, {fmt(r['ratio_p90'])}, {fmt(r['ratio_p99'])}",
+                         f"{fmt(tp['measured'] and tp['measured'] * 1e3, 0)} / "
+                         f"{fmt(tp['predicted'] and tp['predicted'] * 1e3, 0)}",
+                         r["lines_from"], fmt(r["calibration"] and r["calibration"]["scale"], 3), r["lost_predicted"]]))
     L += ["", "## How", "",
           "- Decode step lines (`a + c b` ms at a batch of b per engine) from the fit run's timelines' clean seconds "
-          "(`benchmarks/cluster_burst_sim.py`), every repetition pooled; a group's cycle has its own line. "
+          "(`vllm_kunserve/sim/runfit.py`, as `benchmarks/cluster_burst_sim.py` fits them), every repetition pooled; a group's cycle has its own line. "
           "Prefill rate: the fit run's warm requests that had an engine to themselves.",
           "- Calibration: one factor on each system's lines, found where the simulated median TPOT of the fit run's "
-          "repetitions equals the measured (`cluster_burst_sim.calibrate`).",
+          "repetitions equals the measured (`sim.runfit.calibrate`).",
           "- Systems: " + "; ".join(f"`{s}` as the simulator's `{v}`" for s, v in SIM_AS.items())
           + "; `vllm-router` dispatched round-robin with `vllm`'s lines (module docstring).", "",
-          "| system | single line | grouped line | prefill tok/s |", "|---|---|---|---:|"]
-    for r in rows:
-        L.append(f"| {r['system']} | {cbs.line_str(r['single'])} | {cbs.line_str(r['grouped'])} | {r['prefill_tps']:.0f} |")
+          ] + md_table(["system", "single line", "grouped line", "prefill tok/s"], "lllr",
+                       ([r["system"], runfit.line_str(r["single"]), runfit.line_str(r["grouped"]), f"{r['prefill_tps']:.0f}"]
+                        for r in rows))
     L += ["", f"Raw: `docs/benchmarks/{Path(res.get('out_name', 'burst_value_sim')).name}.json`.", ""]
     return "\n".join(L)
 

@@ -33,7 +33,6 @@
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import shlex
 import statistics
@@ -41,7 +40,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from vllm_kunserve.bench.burst import (add_phase_args, dispatch_split, group_times, kunserve_config, read_requests,
+                                       run_files, scaling_table, window_stats)
+from vllm_kunserve.bench.report import command as cmd
+from vllm_kunserve.bench.report import md_row, md_table, pyplot, save_figure, write_json
+from vllm_kunserve.workload.records import read_csv
+
+ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
 DOCS = ROOT / "docs" / "benchmarks"
 TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure_llm_2023_conv.csv"
 SYSTEMS = ("vllm", "kunserve", "static", "oracle")
@@ -50,15 +55,6 @@ LABEL = {"vllm": "stock vLLM", "kunserve": "kunserve (cluster drop)", "static": 
 #: decode: KV is the limit; prefill: the negative control (long prompts, short outputs)
 MIXES = {"decode": {"prompt_len": 64, "output_len": 256, "output_len_max": 384},
          "prefill": {"prompt_len": 256, "output_len": 16, "output_len_max": 32}}
-LATE_S = 0.05
-
-
-def kunserve_config(max_kv_ratio: float) -> dict:
-    # min_decode_share: on this CPU a prompt token costs ~2 ms (prefill ~480 tok/s) against a decode
-    # step of 40-70 ms for the whole batch, so a queue of prompts is compute-bound (the prefill mix)
-    return {"drop": {"trigger_ratio": 0.9, "forecast_horizon_s": 2.0, "min_decode_share": 0.5},
-            "restore": {"threshold": 0.4, "hold_s": 5.0},
-            "memory": {"max_kv_ratio": max_kv_ratio}}
 
 
 def interp_step_ms(rows: list[dict], batch: float) -> float:
@@ -102,33 +98,7 @@ def compare_argv(model: Path, dtype: str, out: Path, a: argparse.Namespace, mix:
 
 
 # ------------------------------------------------------------------------------------------ analysis
-def read_requests(path: Path) -> list[dict]:
-    with open(path) as f:
-        return list(csv.DictReader(f))
-
-
-def pct(v: list[float], q: float) -> float | None:
-    if not v:
-        return None
-    v = sorted(v)
-    k = (len(v) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
-
-
-def window_stats(rows: list[dict], lo: float, hi: float) -> dict:
-    """TTFT and TPOT of the requests arriving in [lo, hi) (P99 over the burst window)."""
-    sel = [r for r in rows if lo <= float(r["arrival_s"]) < hi]
-    ok = [r for r in sel if r["ok"] == "1"]
-    ttft = [float(r["ttft_s"]) for r in ok if r["ttft_s"]]
-    tpot = [float(r["tpot_s"]) for r in ok if r["tpot_s"]]
-    lag = [float(r["send_s"]) - float(r["arrival_s"]) for r in rows if r["send_s"]]
-    return {"n": len(sel), "failed": len(sel) - len(ok), "failed_all": sum(r["ok"] != "1" for r in rows),
-            "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
-            "tpot_p50": pct(tpot, 0.5), "late_sends": sum(x > LATE_S for x in lag),
-            "send_lag_max": max(lag) if lag else None}
-
-
+# (the window's statistics, dispatch split and grouping times: vllm_kunserve/bench/burst.py)
 def paired(out: Path, systems: list[str], reps: int, window: tuple[float, float]) -> list[dict]:
     rows = []
     for k in range(1, reps + 1):
@@ -171,15 +141,6 @@ def paired(out: Path, systems: list[str], reps: int, window: tuple[float, float]
     return rows
 
 
-def run_files(out: Path, systems: list[str], reps: int, name: str):
-    """(system, repetition, path) of every run's ``name`` file that exists under ``out``."""
-    for s in systems:
-        for k in range(1, reps + 1):
-            f = out / s / f"rep{k}" / name
-            if f.exists():
-                yield s, k, f
-
-
 def tail_requests(out: Path, systems: list[str], reps: int, window: tuple[float, float], top: int = 3) -> dict:
     """Per system and repetition, the window's largest TTFTs with their arrival times, and how many
     requests arrived within 1 s either side of the largest one's arrival: with some 50 requests in the
@@ -199,107 +160,58 @@ def tail_requests(out: Path, systems: list[str], reps: int, window: tuple[float,
     return res
 
 
-def dispatch_split(out: Path, systems: list[str], reps: int, window: tuple[float, float]) -> dict:
-    """Per system and repetition, how many requests the front end gave each engine over the window
-    (its ``kunserve:dispatched_total{instance=i}`` counters in timeline.csv, at the window's ends)."""
-    lo, hi = window
-    res: dict = {}
-    for s, k, f in run_files(out, systems, reps, "timeline.csv"):
-        with f.open() as fh:
-            rows = list(csv.DictReader(fh))
-        cols = sorted((c for c in (rows[0] if rows else {}) if c.startswith("kunserve:dispatched_total{instance=")),
-                      key=lambda c: int(c.split("=")[1].rstrip("}")))
-
-        def at(t: float, col: str) -> float:
-            seen = [float(r[col]) for r in rows if r.get(col) and float(r["second"]) <= t]
-            return seen[-1] if seen else 0.0
-        if cols:
-            res.setdefault(s, {})[k] = [round(at(hi, c) - at(lo, c)) for c in cols]
-    return res
+#: the per-repetition sections: (title, what the table shows)
+GROUPED_TEXT = ("When the engines were grouped",
+                "The first second each system's engines were in a pipeline group and the share of the burst "
+                "window's seconds they were (the front end's `kunserve:grouped_instances`). `static` is grouped "
+                "from the start.")
+SPLIT_TEXT = ("Dispatch split",
+              "The window's arrivals the front end gave each engine (engine 0 / engine 1 ...; its "
+              "`kunserve:dispatched_total` counters). In a pipeline group each member's requests are its own "
+              "microbatch through both stages, so an uneven split makes one microbatch the longer and sets the "
+              "group's cycle (policy/dispatch/least_work.py: inside a group least-work balances requests).")
+TAILS_TEXT = ("Which requests set the P99",
+              "The window's largest TTFTs (s) with their arrival times (s, trace time), per system and repetition, "
+              "and the requests arriving within 1 s either side of the largest one's: with about 50 requests in the "
+              "window, P99 lies between the largest TTFT and the second, so a few requests arriving together set it.")
 
 
-def rep_section(title: str, text: str, per_system: dict, cell) -> list[str]:
-    """A doc section: ``title``, ``text`` and a table of one row per repetition, one column per
-    system (``per_system``: system -> repetition -> value; ``cell`` formats a value, "-" where none)."""
+def rep_section(title_text: tuple[str, str], per_system: dict, cell) -> list[str]:
+    """A doc section: a title, its text and a table of one row per repetition, one column per system
+    (``per_system``: system -> repetition -> value; ``cell`` formats a value, "-" where none); none
+    without values."""
+    if not per_system:
+        return []
+    title, text = title_text
     reps = sorted({k for v in per_system.values() for k in v})
-    L = [f"## {title}", "", text, "", "| rep | " + " | ".join(per_system) + " |", "|---:|" + "---|" * len(per_system)]
-    for k in reps:
-        L.append(f"| {k} | " + " | ".join("-" if per.get(k) is None else cell(per[k]) for per in per_system.values())
-                 + " |")
-    return L
-
-
-def group_times(out: Path, systems: list[str], reps: int, window: tuple[float, float]) -> dict:
-    """Per system and repetition that grouped: the first second its engines were in a pipeline group,
-    the share of the burst window's seconds they were (``kunserve:grouped_instances`` >= 2 in
-    timeline.csv, the front end's gauge sampled every second) and, at the window's last sample, the
-    layers and KV blocks each engine held (``kunserve:layers_held`` / ``kunserve:kv_blocks_total``)."""
-    lo, hi = window
-    res: dict = {}
-    for s, k, f in run_files(out, systems, reps, "timeline.csv"):
-        with f.open() as fh:
-            rows = [r for r in csv.DictReader(fh) if r.get("kunserve:grouped_instances")]
-        grouped = [float(r["second"]) for r in rows if float(r["kunserve:grouped_instances"]) >= 2]
-        inside = [r for r in rows if lo <= float(r["second"]) < hi]
-        if grouped:
-            last = inside[-1] if inside else {}
-
-            def per_engine(prefix: str) -> list[int]:
-                cols = sorted((c for c in last if c.startswith(prefix + "{instance=") and last[c]),
-                              key=lambda c: int(c.split("=")[1].rstrip("}")))
-                return [int(float(last[c])) for c in cols]
-            res.setdefault(s, {})[k] = {
-                "first_s": grouped[0],
-                "window_share": round(sum(float(r["kunserve:grouped_instances"]) >= 2 for r in inside)
-                                      / len(inside), 3) if inside else None,
-                "layers": per_engine("kunserve:layers_held"), "kv_blocks": per_engine("kunserve:kv_blocks_total")}
-    return res
+    return [f"## {title}", "", text, ""] + md_table(
+        ["rep", *per_system], "r" + "l" * len(per_system),
+        ([k, *("-" if per.get(k) is None else cell(per[k]) for per in per_system.values())] for k in reps)) + [""]
 
 
 def group_section(groups: dict, rows: list[dict]) -> list[str]:
-    if not groups:
-        return []
-    L = rep_section("When the engines were grouped",
-                    "The first second each system's engines were in a pipeline group and the share of the burst "
-                    "window's seconds they were (the front end's `kunserve:grouped_instances`). `static` is grouped "
-                    "from the start.", groups,
-                    lambda g: f"{g['first_s']:g} s ({f2(g['window_share'])} of the window)")
+    L = rep_section(GROUPED_TEXT, groups, lambda g: f"{g['first_s']:g} s ({f2(g['window_share'])} of the window)")
     ks, st = groups.get("kunserve", {}), groups.get("static", {})
     same = {(tuple(v.get("layers") or ()), tuple(v.get("kv_blocks") or ())) for v in [*ks.values(), *st.values()]}
     if ks and st and len(same) == 1 and all((v.get("window_share") or 0) >= 1 for v in [*ks.values(), *st.values()]):
         p99 = spread(rows, "kunserve_over_static")
         tpot = spread(rows, "kunserve_tpot_p50_over_static")
         layers, blocks = next(iter(same))
-        L += ["", "kunserve grouped before the burst and stayed grouped through the window in every repetition, "
+        L += ["kunserve grouped before the burst and stayed grouped through the window in every repetition, "
               f"holding what static holds (layers per engine {list(layers)}, KV blocks {list(blocks)}): inside the "
               "window it ran the static group's configuration. kunserve / static there, paired per repetition: "
               f"P99 TTFT {f2(p99.get('median'))} ({f2(p99.get('min'))}..{f2(p99.get('max'))}), P50 TPOT "
-              f"{f2(tpot.get('median'))} ({f2(tpot.get('min'))}..{f2(tpot.get('max'))})."]
-    return L + [""]
+              f"{f2(tpot.get('median'))} ({f2(tpot.get('min'))}..{f2(tpot.get('max'))}).", ""]
+    return L
 
 
 def dispatch_section(split: dict) -> list[str]:
-    if not split:
-        return []
-    return rep_section(
-        "Dispatch split",
-        "The window's arrivals the front end gave each engine (engine 0 / engine 1 ...; its "
-        "`kunserve:dispatched_total` counters). In a pipeline group each member's requests are its own "
-        "microbatch through both stages, so an uneven split makes one microbatch the longer and sets the "
-        "group's cycle (policy/dispatch/least_work.py: inside a group least-work balances requests).",
-        split, lambda v: " / ".join(map(str, v))) + [""]
+    return rep_section(SPLIT_TEXT, split, lambda v: " / ".join(map(str, v)))
 
 
 def tail_section(tails: dict) -> list[str]:
-    if not tails:
-        return []
-    return rep_section(
-        "Which requests set the P99",
-        "The window's largest TTFTs (s) with their arrival times (s, trace time), per system and repetition, and "
-        "the requests arriving within 1 s either side of the largest one's: with about 50 requests in the window, "
-        "P99 lies between the largest TTFT and the second, so a few requests arriving together set it.",
-        tails, lambda t: ", ".join(f"{x:.2f} @{at:.1f}" for x, at in t["top"]) + f" ({t['around_top']} within 1 s)"
-    ) + [""]
+    return rep_section(TAILS_TEXT, tails, lambda t: ", ".join(f"{x:.2f} @{at:.1f}" for x, at in t["top"])
+                       + f" ({t['around_top']} within 1 s)")
 
 
 def kept(r: dict, key: str) -> bool:
@@ -358,9 +270,8 @@ def shortfall(out: Path, systems: list[str], repeat: int) -> dict:
         path = out / "kunserve" / f"rep{k}" / "timeline.csv"
         if not path.exists():
             continue
-        with open(path) as f:
-            vals = [float(v) for r in csv.DictReader(f) for c, v in r.items()
-                    if c.startswith("kunserve:kv_shortfall_blocks") and v not in ("", None)]
+        vals = [float(v) for r in read_csv(path) for c, v in r.items()
+                if c.startswith("kunserve:kv_shortfall_blocks") and v not in ("", None)]
         res[f"rep{k}"] = {"peak_blocks": max(vals, default=None), "seconds": sum(1 for v in vals if v > 0)}
     return res
 
@@ -388,14 +299,10 @@ def kv_demand(rows: list[dict], times: list[float]) -> list[float]:
 
 
 def timeline_png(out: Path, systems: list[str], rep: int, phases: list[tuple[float, float]], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
+    plt = pyplot(optional=True)
+    if plt is None:
         return False
+    import matplotlib.ticker
     fig, axes = plt.subplots(2 * len(systems), 1, figsize=(10, 3.1 * len(systems)), sharex=True,
                              gridspec_kw={"height_ratios": [1.3, 1] * len(systems)})
     burst_lo = phases[0][0]
@@ -405,8 +312,7 @@ def timeline_png(out: Path, systems: list[str], rep: int, phases: list[tuple[flo
         d = out / s / f"rep{rep}"
         if not (d / "timeline.csv").exists():
             continue
-        with open(d / "timeline.csv") as f:
-            tl = list(csv.DictReader(f))
+        tl = read_csv(d / "timeline.csv")
         req = read_requests(d / "requests.csv")
         t = [float(r["second"]) for r in tl]
         tmax = max(tmax, max(t, default=0))
@@ -454,9 +360,7 @@ def timeline_png(out: Path, systems: list[str], rep: int, phases: list[tuple[flo
         ax.legend(loc="upper left", fontsize=7)
     axes[-1].set_xlabel("seconds since the replay started (grey: the burst)")
     axes[-1].set_xlim(0, tmax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path, dpi=90)
     return True
 
 
@@ -527,11 +431,10 @@ def host_section(host: dict, systems: list[str]) -> list[str]:
          "Loop late: the latest wake-up of the client's and the front end's event loop (a 10 ms timer, "
          "`runtime/looplag.py`); late sends: requests sent >= 50 ms after their arrival time, by what the client's loop "
          "thread did meanwhile (busy: it ran; no core: runnable, waiting for a CPU; blocked: neither; unseen: "
-         "the loop woke on time).", "",
-         "| system | rep | stalls | stalled s | longest s | major faults (in stalls) | steal s | iowait s | mlock "
-         "| GC max s client / front end | front end heap frozen | stalls with a GC pause client / front end "
-         "| loop late max s client / front end | late sends (cause) |",
-         "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---|"]
+         "the loop woke on time).", ""] + md_table(
+        ["system", "rep", "stalls", "stalled s", "longest s", "major faults (in stalls)", "steal s", "iowait s", "mlock",
+         "GC max s client / front end", "front end heap frozen", "stalls with a GC pause client / front end",
+         "loop late max s client / front end", "late sends (cause)"], "lrrrrrrrlrlrrl")
     for s in systems:
         for k, h in enumerate(host.get(s, []), 1):
             mf = "-" if h["majfaults"] is None else f"{h['majfaults']:.0f} ({h['majfaults_in_stalls']:.0f})"
@@ -555,10 +458,9 @@ def pipeline_section(pipe: dict, systems: list[str]) -> list[str]:
             for inst, t in sorted((per or {}).items())]
     if not rows:
         return []
-    L = ["## Pipeline hops", "", HOP_NOTE + " Its latest group in the run.", "",
-         "| system | rep | engine | " + " | ".join(HOP_COLUMNS) + " |", "|---|---:|---:|" + "---:|" * len(HOP_COLUMNS)]
-    L += ["| " + " | ".join([s, str(k), inst] + hop_cells(t)) + " |" for s, k, inst, t in rows]
-    return L + [""]
+    return ["## Pipeline hops", "", HOP_NOTE + " Its latest group in the run.", ""] + md_table(
+        ["system", "rep", "engine", *HOP_COLUMNS], "lrr" + "r" * len(HOP_COLUMNS),
+        ([s, k, inst, *hop_cells(t)] for s, k, inst, t in rows)) + [""]
 
 
 def render(scaling: dict, cap: dict, a: argparse.Namespace, argv: list[str], rows: list[dict], systems: list[str],
@@ -582,8 +484,7 @@ def render(scaling: dict, cap: dict, a: argparse.Namespace, argv: list[str], row
          "## Regime", "",
          f"{scaling['cpu']}, preset `{scaling['preset']}` ({scaling['dtype']}, {scaling['weight_bytes'] / 1e6:.0f} MB of "
          f"weights), {scaling['threads']} compute thread(s), decode step vs batch (measured by "
-         "`benchmarks/batch_scaling.py` on this machine):", "", "| batch | step (ms) | tokens/s |", "|---:|---:|---:|"]
-    L += [f"| {r['batch']} | {r['step_ms']} | {r['tokens_per_s']} |" for r in scaling["rows"]]
+         "`benchmarks/batch_scaling.py` on this machine):", ""] + scaling_table(scaling["rows"])
     kv_bytes = a.kv_tokens * scaling.get("kv_bytes_per_token", 0)
     w = scaling["weight_bytes"] / (scaling["weight_bytes"] + kv_bytes) if kv_bytes else None
     L += ["", f"Batch 16 / batch 1 per step: {scaling['step16_over_step1']:.2f}x "
@@ -605,9 +506,9 @@ def render(scaling: dict, cap: dict, a: argparse.Namespace, argv: list[str], row
           "capacity with a closed-loop saturation run and calibrates the load to it.",
           f"Burst window for the ratios: arrivals in [{window[0]:g}, {window[1]:g}) s.", "",
           "## Paired ratios per repetition (P99 TTFT over the burst window)", ""]
-    head = "| rep | stock / oracle | " + " | ".join(
-        f"{n} / stock | {n} / oracle | {n} gap closed | {n} / stock P50 TPOT" for n in others) + " | failed | late sends |"
-    L += [head, "|" + "---:|" * (2 + 4 * len(others)) + "---|---|"]
+    L += md_table(["rep", "stock / oracle", *(f"{n} {k}" for n in others
+                                               for k in ("/ stock", "/ oracle", "gap closed", "/ stock P50 TPOT")),
+                   "failed", "late sends"], "r" * (2 + 4 * len(others)) + "ll")
     for r in rows:
         def c(key):
             return f2(r.get(key)) + ("" if kept(r, key) or r.get(key) is None else " (late)")
@@ -615,7 +516,7 @@ def render(scaling: dict, cap: dict, a: argparse.Namespace, argv: list[str], row
         for n in others:
             cells += [c(f"{n}_over_stock"), c(f"{n}_over_oracle"), c(f"{n}_gap_closed"), c(f"{n}_tpot_p50_over_stock")]
         cells += [json.dumps(r["failed"]), json.dumps({n: v["late_sends"] for n, v in r["window"].items()})]
-        L.append("| " + " | ".join(cells) + " |")
+        L.append(md_row(cells))
     L += ["", "## Verdict against the targets (median (min..max, n) over the ratios whose runs were all on time)", ""]
     L += [f"- {v['target']}: {v['measured']} -> **{'met' if v['met'] else 'missed'}**"
           + ("" if v.get("reps_met") is None else " (met in {} of {} such repetitions)".format(*v["reps_met"]))
@@ -642,12 +543,10 @@ def render(scaling: dict, cap: dict, a: argparse.Namespace, argv: list[str], row
               "(marked `(late)` above; the largest lag per run, ms): " + json.dumps(late) + "."]
     L += ["", "Median (min..max) over the ratios whose runs were all on time:", ""]
     L += [f"- {k}: {f2(v.get('median'))} ({f2(v.get('min'))}..{f2(v.get('max'))}, n={v['n']})" for k, v in sp.items()]
-    L += ["", "P99 / P50 TTFT and P50 TPOT (s) per system and repetition, burst window:", "",
-          "| rep | " + " | ".join(systems) + " |", "|---:|" + "---|" * len(systems)]
-    for r in rows:
-        L.append(f"| {r['rep']} | " + " | ".join(
-            f"{f2(r['window'][s]['ttft_p99'])} / {f2(r['window'][s]['ttft_p50'])} / {f2(r['window'][s]['tpot_p50'])}"
-            if s in r["window"] else "-" for s in systems) + " |")
+    L += ["", "P99 / P50 TTFT and P50 TPOT (s) per system and repetition, burst window:", ""]
+    L += md_table(["rep", *systems], "r" + "l" * len(systems), ([r["rep"], *(
+        f"{f2(r['window'][s]['ttft_p99'])} / {f2(r['window'][s]['ttft_p50'])} / {f2(r['window'][s]['tpot_p50'])}"
+        if s in r["window"] else "-" for s in systems)] for r in rows))
     L += ["", "Targets (issue 13, decode mix): stock / oracle >= 3; kunserve gap closed >= 0.8 and kunserve / oracle "
           "<= 1.3; kunserve / stock P50 TPOT <= 1.3; zero failed. The prefill mix is the negative control: its "
           "load is prompts to prefill, compute-bound on this CPU, where a pipeline group costs more than the "
@@ -675,10 +574,7 @@ def main() -> int:
                     help="kunserve's KV growth cap (memory.max_kv_ratio; default --oracle-x): below the burst's "
                          "peak demand this is the harsher window, where dropping cannot free enough and vLLM's own "
                          "queueing and preemption handle the rest")
-    ap.add_argument("--warm-s", type=float, default=60.0)
-    ap.add_argument("--warm-share", type=float, default=0.55)
-    ap.add_argument("--burst-s", type=float, default=40.0)
-    ap.add_argument("--burst-x", type=float, default=1.5)
+    add_phase_args(ap, warm_s=60.0, warm_share=0.55, burst_s=40.0, burst_x=1.5)
     ap.add_argument("--trace", default=str(TRACE))
     ap.add_argument("--window-offset", default="0")
     ap.add_argument("--force", action="store_true", help="run even where the regime check fails")
@@ -724,7 +620,7 @@ def main() -> int:
     scaling.setdefault("kv_bytes_per_token", spec.kv_bytes_per_token())
     mix = MIXES[a.mix]
     name = a.name or ("cluster_burst" if a.mix == "decode" else f"cluster_burst_{a.mix}")
-    command = "python benchmarks/cluster_burst.py " + " ".join(sys.argv[1:])
+    command = cmd("cluster_burst.py", quote=False)   # unquoted, as the docs have quoted it
     prev_path = DOCS / f"{name}.json"
     if a.analyse_only and prev_path.exists():
         # what the measuring run used (the machine's table may have been measured again since)
@@ -755,7 +651,7 @@ def main() -> int:
     assets = DOCS / name
     assets.mkdir(parents=True, exist_ok=True)
     res = json.loads((out / "compare.json").read_text())
-    (assets / "compare.json").write_text(json.dumps(res, indent=1) + "\n")
+    write_json(assets / "compare.json", res, indent=1, clean=False)
     for k in range(1, a.repeat + 1):
         for s in systems:
             src = out / s / f"rep{k}" / "requests.csv"
@@ -771,12 +667,12 @@ def main() -> int:
     tails = tail_requests(out, systems, a.repeat, window)
     split = dispatch_split(out, systems, a.repeat, window)
     groups = group_times(out, systems, a.repeat, window)
-    (DOCS / f"{name}.json").write_text(json.dumps(
-        {"scaling": scaling, "stock_capacity": cap, "phases": phases, "window": window, "mix": mix,
-         "paired": rows, "argv": argv, "forced": a.force, "cpu_share": cpu, "host": host, "command": command,
-         "verdict": verdict(rows, systems, harsh(a)) if "oracle" in systems else None,
-         "kv_cap_x": a.kv_cap_x, "shortfall": short, "preemptions": preempt, "pipeline": pipe,
-         "tail_requests": tails, "dispatch_split": split, "grouped": groups}, indent=1) + "\n")
+    write_json(DOCS / f"{name}.json", {
+        "scaling": scaling, "stock_capacity": cap, "phases": phases, "window": window, "mix": mix,
+        "paired": rows, "argv": argv, "forced": a.force, "cpu_share": cpu, "host": host, "command": command,
+        "verdict": verdict(rows, systems, harsh(a)) if "oracle" in systems else None,
+        "kv_cap_x": a.kv_cap_x, "shortfall": short, "preemptions": preempt, "pipeline": pipe,
+        "tail_requests": tails, "dispatch_split": split, "grouped": groups}, indent=1, clean=False)
     doc = DOCS / f"{name}.md"
     doc.write_text(render(scaling, cap, a, argv, rows, systems, window, name, mix, cpu, host, short, preempt, pipe,
                           tails, split, groups))

@@ -63,13 +63,14 @@ measured for every system. The uncalibrated prediction is reported beside the ca
 times each factor (a cheaper group cycle; prefill unchanged) and reports their P99 over the
 oracle's and P50 TPOT over stock's: how much of issue 13's P99 target the group's cycle cost holds.
 
-Writes docs/benchmarks/<out-name>.{json,md} (default ``cluster_burst_sim``).
+Writes docs/benchmarks/<out-name>.{json,md} (default ``cluster_burst_sim``). The estimators, the
+calibration and the simulator set up as the run's cluster (its ``static`` system is the simulator's
+``static`` policy) are ``vllm_kunserve/sim/runfit.py``'s, shared with ``benchmarks/burst_value_sim.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import re
 import statistics
@@ -77,36 +78,17 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from vllm_kunserve.bench.burst import window_stats   # the main doc's P99 definition
+from vllm_kunserve.bench.report import command, md_row, md_table, write_json
+from vllm_kunserve.sim.runfit import (CAL_SCALES, FULL_LAYERS, MIN_PREFILL, MIN_SECONDS, SYSTEMS,  # noqa: F401
+                                      VLLM_CPU_DEFAULTS, argv_opt, calibrate, clean_seconds, crossing, fit_steps,
+                                      grouped_flags, line_str, make_sim, measured_tpot_p50, pooled_fits, predict,
+                                      prefill_samples, rep_data, scaled, step_times, trace_of)
+from vllm_kunserve.workload.records import read_csv
 
-from cluster_burst import pct, window_stats  # noqa: E402  (the main doc's P99 definition)
-
+ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
 DOCS = ROOT / "docs" / "benchmarks"
-SYSTEMS = ("vllm", "kunserve", "static", "oracle")
 TOL = 0.25
-FULL_LAYERS = 12  # layers_held of an engine holding the whole model (decode-bf16: 12 layers)
-#: vLLM 0.32's defaults for `vllm serve` on the CPU platform (engine/arg_utils.py get_batch_defaults:
-#: OPENAI_API_SERVER 2048 x world size tokens and 128 x world size sequences; world size 1 here),
-#: used where the run's logs do not print them (its engine logs do not)
-VLLM_CPU_DEFAULTS = {"max_num_batched_tokens": 2048, "max_num_seqs": 128}
-MIN_SECONDS = 5      # clean seconds a step line needs (else: the other line / the table)
-MIN_PREFILL = 5      # warm requests a system's prefill rate needs (else: the run's pooled estimate)
-
-
-def read_rows(path: Path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def fnum(x, default=None):
-    try:
-        return float(x) if x not in (None, "") else default
-    except ValueError:
-        return default
-
-
 # ------------------------------------------------------------------------------------------ the run
 def repetitions(run: Path, systems: list[str], limit: int) -> tuple[list[tuple[str, int, Path]], str | None]:
     """``(system, k, dir)`` of the finished repetitions (summary, requests and timeline written). A
@@ -132,15 +114,6 @@ def repetitions(run: Path, systems: list[str], limit: int) -> tuple[list[tuple[s
         ks = ks[:limit]
     order = {s: i for i, s in enumerate(SYSTEMS)}
     return sorted((x for x in found if x[1] in ks), key=lambda x: (x[1], order.get(x[0], 9))), note
-
-
-def argv_opt(argv: list[str], flag: str):
-    for i, x in enumerate(argv):
-        if x == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if x.startswith(flag + "="):
-            return x.split("=", 1)[1]
-    return None
 
 
 def run_settings(run: Path, a: argparse.Namespace, reps: list[tuple[str, int, Path]], stale: bool) -> dict:
@@ -248,113 +221,10 @@ def engine_limits(a: argparse.Namespace, settings: dict, reps) -> dict:
     return out
 
 
-def grouped_flags(tl: list[dict]) -> list[bool | None]:
-    """Per timeline second: every engine holds fewer than all layers (a pipeline group), None if unknown."""
-    cols = [c for c in (tl[0] if tl else {}) if c.startswith("kunserve:layers_held{")]
-    out = []
-    for r in tl:
-        v = [fnum(r[c]) for c in cols]
-        v = [x for x in v if x is not None]
-        out.append((all(x < FULL_LAYERS for x in v)) if v else (None if cols else False))
-    return out
-
-
-def clean_seconds(tl: list[dict], instances: int) -> dict[str, list[dict]]:
-    """The timeline's decode-only seconds by grouping state ("single" / "grouped"): in the second and
-    the one before, no arrival, no new preemption (a recompute), the same grouping, and nothing
-    waiting or no completion (a finish admits a waiting request: a prefill); at least one request
-    running. Each: running, output tokens, batch = max(1, running / engines)."""
-    g = grouped_flags(tl)
-    out: dict[str, list[dict]] = {"single": [], "grouped": []}
-    for i in range(1, len(tl)):
-        r, p = tl[i], tl[i - 1]
-        run, tok = fnum(r.get("running")), fnum(r.get("output_tokens"))
-        if run is None or tok is None or run < 1 or g[i] is None or g[i] != g[i - 1]:
-            continue
-        if fnum(r.get("arrivals"), 0) or fnum(p.get("arrivals"), 0):
-            continue
-        waiting = fnum(r.get("waiting"), 0) or fnum(p.get("waiting"), 0)
-        if waiting and (fnum(r.get("completions"), 0) or fnum(p.get("completions"), 0)):
-            continue  # a finish frees KV and a waiting request is prefilled
-        if fnum(r.get("preemptions"), 0) != fnum(p.get("preemptions"), 0):
-            continue
-        out["grouped" if g[i] else "single"].append(
-            {"second": float(r["second"]), "running": run, "tokens": tok, "batch": max(1.0, run / instances)})
-    return out
-
-
-def fit_steps(secs: list[dict], chunk: int = 5) -> dict | None:
-    """Fit a line to the clean seconds pooled in runs of up to ``chunk`` consecutive seconds (step =
-    sum of running / sum of output tokens over the run, at its mean batch): the client counts a token
-    in the second it arrives, and a front end that pauses delivers a second's tokens in the next, so
-    one second alone can read 0 tokens or twice its share; a run of seconds keeps the sum."""
-    from vllm_kunserve.sim.steptime import fit_decode_line
-
-    if len(secs) < MIN_SECONDS:
-        return None
-    runs, cur = [], []
-    for s in secs:
-        if cur and (s["second"] != cur[-1]["second"] + 1 or len(cur) >= chunk):
-            runs.append(cur)
-            cur = []
-        cur.append(s)
-    if cur:
-        runs.append(cur)
-    pts = [(sum(s["batch"] for s in r) / len(r), sum(s["running"] for s in r) / sum(s["tokens"] for s in r), len(r))
-           for r in runs if sum(s["tokens"] for s in r) > 0]
-    if len(pts) < 2:
-        return None
-    a, c = fit_decode_line(pts)
-    return {"a_s": a, "c_s": c, "seconds": len(secs), "runs": len(pts),
-            "batch_range": [round(min(p[0] for p in pts), 1), round(max(p[0] for p in pts), 1)],
-            "points": sorted([round(b, 2), round(s * 1e3, 1), n] for b, s, n in pts)}
-
-
 def held_out(data: dict, system: str, rep: int) -> tuple[dict, list[float]]:
-    """Step lines and prefill samples of ``system``'s repetitions other than ``rep``, pooled: the
-    prediction for ``rep`` then uses nothing measured in it (each repetition's seconds are kept apart,
-    so runs of consecutive seconds never join two repetitions)."""
-    others = sorted(k for s, k in data if s == system and k != rep)
-    fits = {g: fit_steps([{**x, "second": x["second"] + 1e6 * i} for i, k in enumerate(others)
-                          for x in data[(system, k)]["secs"][g]]) for g in ("single", "grouped")}
-    return fits, [x for k in others for x in data[(system, k)]["pf"]]
-
-
-def prefill_samples(rows: list[dict], lo: float, tl: list[dict], instances: int, fits: dict) -> list[float]:
-    """Seconds per prompt token of the warm-phase requests whose send-to-first-token overlapped no
-    other request's: ``(TTFT - 1.5 x step(b)) / prompt``, ``(TTFT - a) / prompt`` on an idle engine."""
-    g = grouped_flags(tl)
-
-    def state(t):
-        i = int(t)
-        return g[i] if 0 <= i < len(g) else None
-    iv = []
-    for r in rows:
-        if r["ok"] != "1" or not r["ttft_s"]:
-            continue
-        s = float(r["send_s"])
-        iv.append((s, s + float(r["ttft_s"]), s + float(r["e2e_s"]), float(r["arrival_s"]),
-                   int(float(r.get("server_prompt_tokens") or r["prompt_len"]))))
-    out = []
-    for i, (s, f, e, arr, p) in enumerate(iv):
-        if arr >= lo:
-            continue
-        if any(j != i and s_j < f and f_j > s for j, (s_j, f_j, *_rest) in enumerate(iv)):
-            continue  # another prefill in flight: its step may carry two prompts
-        gs, gf = state(s), state(f)
-        if gs is None or gs != gf:
-            continue
-        n = sum(1 for j, (s_j, _, e_j, *_r) in enumerate(iv) if j != i and s_j <= s < e_j)
-        fit = fits.get("grouped" if gs else "single")
-        if fit is None:
-            continue
-        b = n / instances if gs else n // instances
-        # the step in flight (half of it on average), then the step carrying the prompt; an idle
-        # engine: one step of the prompt alone, which pays the line's fixed part
-        busy = gs or b >= 1
-        wait = 1.5 * (fit["a_s"] + fit["c_s"] * max(1.0, b)) if busy else fit["a_s"]
-        out.append((f - s - wait) / p)
-    return out
+    """Step lines and prefill samples of ``system``'s repetitions other than ``rep``, pooled
+    (``sim.runfit.pooled_fits``): the prediction for ``rep`` then uses nothing measured in it."""
+    return pooled_fits(data, system, leave_out=rep)
 
 
 def measured_events(rep_dir: Path, lo: float, hi: float) -> dict:
@@ -367,7 +237,7 @@ def measured_events(rep_dir: Path, lo: float, hi: float) -> dict:
     s = json.loads((rep_dir / "summary.json").read_text())
     out["preemptions"] = s.get("preemptions")
     out["cpu_share"] = (s.get("server") or {}).get("cpu_share")
-    rows = [r for r in read_rows(rep_dir / "requests.csv") if r["ok"] == "1" and r.get("max_gap_s")]
+    rows = [r for r in read_csv(rep_dir / "requests.csv") if r["ok"] == "1" and r.get("max_gap_s")]
     groups: dict[float, list[dict]] = defaultdict(list)
     for r in rows:
         groups[round(float(r["max_gap_s"]), 3)].append(r)
@@ -382,10 +252,10 @@ def measured_events(rep_dir: Path, lo: float, hi: float) -> dict:
     inw = [x for x in pauses if x["between_s"][0] < hi + 10 and x["between_s"][1] > lo]
     if inw:
         out["window_pause"] = inw[0]
-    per_s = Counter(int(float(r["arrival_s"])) for r in read_rows(rep_dir / "requests.csv")
+    per_s = Counter(int(float(r["arrival_s"])) for r in read_csv(rep_dir / "requests.csv")
                     if lo <= float(r["arrival_s"]) < hi)
     out["max_arrivals_per_s"] = max(per_s.values(), default=0)
-    tl = read_rows(rep_dir / "timeline.csv")
+    tl = read_csv(rep_dir / "timeline.csv")
     on = [float(r["second"]) for r, g in zip(tl, grouped_flags(tl)) if g]
     if on:
         out["grouped_first_s"], out["grouped_seconds"] = on[0], len(on)
@@ -393,176 +263,8 @@ def measured_events(rep_dir: Path, lo: float, hi: float) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ the simulation
-def make_sim(st, st_group, settings: dict, system: str, trace):
-    from vllm_kunserve.config import parse_config
-    from vllm_kunserve.policy.transfer import Link
-    from vllm_kunserve.sim.engine import SimConfig, Simulator
-    from vllm_kunserve.sim.hardware import get_gpu
-    from vllm_kunserve.sim.policies import build_policy
-    from vllm_kunserve.sim.policies.kunserve import KunServePolicy
-    from vllm_kunserve.workload.models import load_model_spec
-
-    bs = settings["block_size"]
-    base = settings["kv_tokens"] // bs
-    variant = settings.get("variants", {}).get(system)
-    kcfg = parse_config(settings["kunserve_config"] if variant is None else variant)
-    ratio = kcfg.kv_ratio
-
-    class RunSimulator(Simulator):
-        """A group member's KV grows to at most ``max_kv_ratio`` x its base (the engine plans its KV
-        at that size); a group's steps take the group's measured step line."""
-
-        def capacity_blocks(self, instances):
-            return min(super().capacity_blocks(instances), int(len(instances) * ratio * self.base_blocks))
-
-        def new_server(self, instances):
-            s = super().new_server(instances)
-            if len(instances) > 1 and st_group is not None:
-                s.step_time = st_group
-            return s
-
-    class StaticGroup(KunServePolicy):
-        """``drop.static_group``: one pipeline group of every instance from t=0, kept (no monitor)."""
-
-        name = "static"
-
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            self.tick_s = None
-
-        def setup(self, sim):
-            n, L = sim.cfg.instances, sim.cfg.model.layers
-            layers = {i: (i * L // n, (i + 1) * L // n) for i in range(n)}
-            sim.transition(list(sim.servers), [tuple(range(n))], layers, 0.0, "drop")
-
-    # a system of another harness (benchmarks/burst_value_sim.py): which simulator policy it runs as,
-    # and its KV multiplier, batch cap and dispatch where they differ from the run's
-    spec = settings.get("specs", {}).get(system, {})
-    kind = settings.get("system_as", {}).get(system, system)
-    dispatch = spec.get("dispatch", settings["dispatch"])
-    kv_blocks = int(round(base * spec.get("kv_x", settings["oracle_x"] if system == "oracle" else 1)))
-    cfg = SimConfig(model=load_model_spec(settings["model"]), gpu=get_gpu("cpu"), step_time=st,
-                    instances=settings["instances"], block_size=bs,
-                    max_tokens=settings["max_num_batched_tokens"], max_seqs=spec.get("max_seqs", settings["max_num_seqs"]),
-                    kv_blocks=kv_blocks, runtime_reserve_bytes=0,
-                    # vLLM's default, on in the runs' engines (summary.json: server_cache_config)
-                    prefix_cache=True,
-                    # kunserve as built here: a group's members are engines with their own scheduler,
-                    # queue and 1/k of the group's KV (integration/vllm/pipeline.py), the front end
-                    # dispatching to members
-                    member_queues=True,
-                    # the members share one host: stage hand-offs and KV exchange in shared memory (the
-                    # grouped step line carries what the hand-offs cost in the run)
-                    link=Link(1e15, 0.0, "local"))
-    if kind in ("vllm", "oracle"):
-        pol = build_policy("vllm", dispatch)
-    elif kind == "kunserve" or variant is not None:
-        pol = KunServePolicy(kcfg, dispatch)
-    elif kind == "static":
-        pol = StaticGroup(kcfg, dispatch)
-    else:
-        raise ValueError(f"system {system!r}: one of {', '.join(SYSTEMS)} or a --variant of the run")
-    return RunSimulator(cfg, pol, trace)
-
-
-def trace_of(rows: list[dict]):
-    """Every request offered (failed ones too): trace arrival, server-counted prompt, asked output."""
-    from vllm_kunserve.sim.trace import TraceRequest
-
-    reqs = []
-    for r in rows:
-        prompt = int(float(r.get("server_prompt_tokens") or r["prompt_len"]))
-        reqs.append((float(r["arrival_s"]), int(r["idx"]), prompt, max(1, int(float(r["output_len"])))))
-    reqs.sort()
-    return [TraceRequest(i, t, p, o) for t, i, p, o in reqs]
-
-
-def predict(st, st_group, settings: dict, system: str, trace) -> dict:
-    sim = make_sim(st, st_group, settings, system, trace).run()
-    lo, hi = settings["window"]
-    sel = [r for r in sim.reqs if lo <= r.arrival < hi]
-    recs = [r.record() for r in sel if r.finish_t is not None]
-    drops = [e["t"] for e in sim.events if e["kind"] == "drop"]
-    return {"n": len(sel), "failed": sum(1 for r in sim.failed if lo <= r.arrival < hi),
-            "ttft_p99": pct([x["ttft_s"] for x in recs], 0.99), "ttft_p50": pct([x["ttft_s"] for x in recs], 0.5),
-            "tpot_p50": pct([x["tpot_s"] for x in recs if x["output"] > 1], 0.5),
-            "tpot_p50_all": pct([x["tpot_s"] for x in (r.record() for r in sim.reqs if r.finish_t is not None)
-                                 if x["output"] > 1], 0.5),
-            "preemptions": sum(r.preempts for r in sim.reqs), "first_drop_s": drops[0] if drops else None}
-
-
 def ratio(p, m):
     return p / m if p is not None and m else None
-
-
-#: --calibrate: the decode lines' scales tried (their TPOT curve is interpolated where it crosses 1)
-CAL_SCALES = tuple(round(0.6 + 0.05 * i, 2) for i in range(11))
-
-
-def scaled(fit: dict | None, sc: float) -> dict | None:
-    """A decode line (``fit_steps``) with intercept and slope times ``sc``."""
-    return None if fit is None else {**fit, "a_s": fit["a_s"] * sc, "c_s": fit["c_s"] * sc}
-
-
-def step_times(single: dict, grouped: dict, sc: float, tps: float):
-    """The simulator's step times, single and grouped: the decode lines times ``sc``, prefill at ``tps``."""
-    from vllm_kunserve.sim.steptime import MeasuredStepTime
-
-    return tuple(MeasuredStepTime.linear(f["a_s"] * sc, f["c_s"] * sc, tps) for f in (single, grouped))
-
-
-def measured_tpot_p50(rows: list[dict]) -> float | None:
-    """Median TPOT over every completed request of a repetition (the client's, preemption waits in)."""
-    return pct([float(r["tpot_s"]) for r in rows if r["ok"] == "1" and r.get("tpot_s")], 0.5)
-
-
-def crossing(curve: list[tuple[float, float]]) -> tuple[float, bool]:
-    """The scale where a rising (scale, simulated / measured) curve crosses 1, linearly interpolated
-    between the grid points around it; (nearest grid point, False) where it never crosses."""
-    for (s0, c0), (s1, c1) in zip(curve, curve[1:]):
-        if (c0 - 1) * (c1 - 1) <= 0 and c1 != c0:
-            return s0 + (1 - c0) * (s1 - s0) / (c1 - c0), True
-    return min(curve, key=lambda x: abs(x[1] - 1))[0], False
-
-
-def calibrate(data: dict, system: str, src: list[int], single: dict, grouped: dict, settings: dict,
-              fixed_tps: float | None = None) -> dict:
-    """``--calibrate``: the scale of the decode lines at which the simulator reproduces the median TPOT
-    of repetitions ``src`` (the same ones the lines come from; held out: never the one predicted).
-    At each scale the prefill rate is derived again from their warm requests on the scaled line
-    (``TTFT - 1.5 step(b)``: a faster step leaves more of a first token's wait to its prefill), then each
-    of them is simulated and its median TPOT over every request compared with its measured one."""
-    lo, inst = settings["window"][0], settings["instances"]
-
-    def warm(sc: float) -> list[float]:   # seconds per prompt token of the warm requests, on the scaled line
-        fs = {"single": scaled(single, sc), "grouped": scaled(grouped, sc)}
-        return [] if fixed_tps else [x for j in src for x in prefill_samples(
-            data[(system, j)]["rows"], lo, data[(system, j)]["tl"], inst, fs)]
-
-    curve, rates = [], {}
-    for sc in CAL_SCALES:
-        samples = warm(sc)
-        if fixed_tps is None and (len(samples) < MIN_PREFILL or statistics.median(samples) <= 0):
-            continue   # too few warm requests, or a step so slow it leaves the prompts no time
-        tps = fixed_tps or 1 / statistics.median(samples)
-        st, st_g = step_times(single, grouped, sc, tps)
-        got = []
-        for j in src:
-            sim = predict(st, st_g, settings, system, trace_of(data[(system, j)]["rows"]))["tpot_p50_all"]
-            meas = measured_tpot_p50(data[(system, j)]["rows"])
-            if sim and meas:
-                got.append(sim / meas)
-        if got:
-            curve.append((sc, statistics.median(got)))
-            rates[sc] = (tps, len(samples))
-    if not curve:
-        raise SystemExit(f"{system}: nothing to calibrate on (no TPOT, or fewer than {MIN_PREFILL} warm requests)")
-    scale, crossed = crossing(curve)
-    samples = warm(scale)
-    ok = len(samples) >= MIN_PREFILL and statistics.median(samples) > 0
-    tps = fixed_tps or (1 / statistics.median(samples) if ok else rates[min(rates, key=lambda x: abs(x - scale))][0])
-    return {"scale": scale, "crossed": crossed, "tps": tps, "n": len(samples), "source_reps": list(src),
-            "curve": [[sc, round(c, 4)] for sc, c in curve]}
 
 
 #: --sensitivity: every step time scaled by these, and arrivals jittered by up to JITTER_S
@@ -663,10 +365,10 @@ def calibration_section(res: dict) -> list[str]:
          + f": at each scale in {CAL_SCALES[0]:g}..{CAL_SCALES[-1]:g} the prefill rate is derived again from their "
          "warm requests on the scaled line, they are simulated, and the median over them of simulated / measured "
          "median TPOT (every request, preemption waits in) is taken; the scale is where that crosses 1. Nothing in "
-         "the repetition predicted is used.", "",
-         "| system | rep | scale | TPOT sim / meas at the scales tried | prefill tok/s | P50 TTFT meas / before / "
-         "after | P99 TTFT meas / before / after | P50 TPOT meas / before / after |",
-         "|---|---:|---:|---|---:|---|---|---|"]
+         "the repetition predicted is used.", ""] + md_table(
+        ["system", "rep", "scale", "TPOT sim / meas at the scales tried", "prefill tok/s",
+         "P50 TTFT meas / before / after", "P99 TTFT meas / before / after", "P50 TPOT meas / before / after"],
+        "lrrlrlll")
     for r in rows:
         c, m, u, p = r["calibration"], r["measured"], r["uncalibrated"], r["predicted"]
         curve = " ".join(f"{x:.2f}" for _, x in c["curve"])
@@ -677,15 +379,15 @@ def calibration_section(res: dict) -> list[str]:
     summ = calibration_summary(rows)
     gap = summ.pop("stock_over_oracle")
     L += ["", f"Scales tried: {', '.join(f'{x:g}' for x in CAL_SCALES)}. Per system, median over repetitions of "
-          "predicted / measured, before and after (repetitions within 25%):", "",
-          "| system | scales | P50 TTFT before | after | P99 TTFT before | after | P50 TPOT before | after |",
-          "|---|---|---|---|---|---|---|---|"]
+          "predicted / measured, before and after (repetitions within 25%):", ""]
+    L += md_table(["system", "scales", "P50 TTFT before", "after", "P99 TTFT before", "after", "P50 TPOT before",
+                   "after"], "l" * 8)
     for s, v in summ.items():
         cells = [f"{min(v['scales']):.3f}-{max(v['scales']):.3f}"]
         for q in ("ttft_p50", "ttft_p99", "tpot_p50"):
             for name in ("before", "after"):
                 cells.append(f"{f2(v[f'{q}_{name}'])} ({v[f'{q}_{name}_within']}/{v['n']})")
-        L.append(f"| {s} | " + " | ".join(cells) + " |")
+        L.append(md_row([s, *cells]))
     L += ["", "Stock's P99 over the oracle's, the median over repetitions predicted over the median measured: "
           f"before {f2(gap['before'])}, after {f2(gap['after'])}."]
     return L
@@ -763,28 +465,18 @@ def what_if_section(res: dict) -> list[str]:
          "microbatch of running / engines) times each factor, everything else as above, then (`+prefill`) with a "
          "prompt's prefill in the group at the same factor too (single engines unchanged); its P99 TTFT over the "
          "oracle's predicted P99 and its P50 TPOT over stock's predicted one, in the same repetition. Factor 1 is "
-         "the prediction itself; the measured ratios are beside it.", "",
-         "| system | grouped line x | P99 / oracle per repetition | median | P50 TPOT / stock per repetition | "
-         "median |", "|---|---|---|---:|---|---:|"]
-    for s, v in summ.items():
-        for g in sorted(v, key=_factor):
-            d = v[g]
-            L.append(f"| {s} | {g} | " + " ".join(f"{x:.2f}" for x in d["p99_over_oracle"])
-                     + f" | {f2(d['p99_over_oracle_median'])} | " + " ".join(f"{x:.2f}" for x in d["tpot_over_stock"])
-                     + f" | {f2(d['tpot_over_stock_median'])} |")
+         "the prediction itself; the measured ratios are beside it.", ""]
+    L += md_table(["system", "grouped line x", "P99 / oracle per repetition", "median", "P50 TPOT / stock per repetition",
+                   "median"], "lllrlr",
+                  ([s, g, " ".join(f"{x:.2f}" for x in d["p99_over_oracle"]), f2(d["p99_over_oracle_median"]),
+                    " ".join(f"{x:.2f}" for x in d["tpot_over_stock"]), f2(d["tpot_over_stock_median"])]
+                   for s, v in summ.items() for g, d in sorted(v.items(), key=lambda gd: _factor(gd[0]))))
     return L
 
 
 # ------------------------------------------------------------------------------------------ the doc
 def f2(x, nd=2) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
-
-
-def line_str(fit: dict | None) -> str:
-    if not fit:
-        return "-"
-    return (f"{fit['a_s'] * 1e3:.0f} + {fit['c_s'] * 1e3:.1f}b ms ({fit['seconds']} s, b "
-            f"{fit['batch_range'][0]:g}-{fit['batch_range'][1]:g})")
 
 
 def render(res: dict) -> str:
@@ -804,12 +496,10 @@ def render(res: dict) -> str:
           "prefill rate from its warm-phase requests)")
          + ("; the lines scaled and the prefill rate derived again by `--calibrate` (section below)"
             if res.get("calibrate") else "")
-         + "; reference = the same with `batch_scaling.json`'s in-process decode table in place of the line.", "",
-         "| system | rep | n | measured | predicted | pred / meas | within 25% | reference (table) | ref / meas | "
-         "P50 TTFT meas / pred | P50 TPOT meas / pred / ref | preempt. meas / pred | decode line single | "
-         "decode line grouped | "
-         "prefill tok/s (n) |",
-         "|---|---:|---:|---:|---:|---:|---|---:|---:|---|---|---|---|---|---|"]
+         + "; reference = the same with `batch_scaling.json`'s in-process decode table in place of the line.", ""]
+    L += md_table(["system", "rep", "n", "measured", "predicted", "pred / meas", "within 25%", "reference (table)",
+                   "ref / meas", "P50 TTFT meas / pred", "P50 TPOT meas / pred / ref", "preempt. meas / pred",
+                   "decode line single", "decode line grouped", "prefill tok/s (n)"], "lrrrrrlrrllllll")
     for r in res["rows"]:
         m, p, t = r["measured"], r["predicted"], r["reference"]
         L.append(f"| {r['system']} | {r['rep']} | {m['n']} | {f2(m['ttft_p99'])} | {f2(p['ttft_p99'])} | "
@@ -819,11 +509,10 @@ def render(res: dict) -> str:
                  f"{f2(r['events'].get('preemptions'), 0)} / {p['preemptions']} | {line_str(r['steps']['single'])} | "
                  f"{line_str(r['steps']['grouped'])} | {r['prefill']['tps']:.0f} ({r['prefill']['n']}"
                  f"{', pooled' if r['prefill']['pooled'] else ''}) |")
-    L += ["", "Per system, median over repetitions:", "",
-          "| system | reps | median pred / meas | within 25% | median ref / meas |", "|---|---:|---:|---|---:|"]
-    for k, v in res["per_system"].items():
-        L.append(f"| {k} | {v['n']} | {f2(v['median_ratio'])} | {'yes' if v['median_within'] else '**no**'} "
-                 f"({v['within']}/{v['n']} reps) | {f2(v['median_ratio_ref'])} |")
+    L += ["", "Per system, median over repetitions:", ""]
+    L += md_table(["system", "reps", "median pred / meas", "within 25%", "median ref / meas"], "lrrlr",
+                  ([k, v["n"], f2(v["median_ratio"]), f"{'yes' if v['median_within'] else '**no**'} "
+                    f"({v['within']}/{v['n']} reps)", f2(v["median_ratio_ref"])] for k, v in res["per_system"].items()))
     L += calibration_section(res)
     L += what_if_section(res)
     L += sensitivity_section(res)
@@ -939,9 +628,8 @@ def sensitivity_section(res: dict) -> list[str]:
          f"and x{STEP_SCALES[1]:g}, and with each arrival moved by a uniform +-{JITTER_S:g} s ({JITTER_SEEDS} seeds: "
          "min / median / max), beside what was measured. How much the real step times moved between the "
          "repetitions shows in the last column of the summary below (the measured P50 TPOT, min / median / max).",
-         "",
-         "| system | rep | P50 measured | P50 predicted x0.9 / x1 / x1.1 | P50 jittered | P99 measured | "
-         "P99 predicted x0.9 / x1 / x1.1 | P99 jittered |", "|---|---:|---:|---|---|---:|---|---|"]
+         ""] + md_table(["system", "rep", "P50 measured", "P50 predicted x0.9 / x1 / x1.1", "P50 jittered",
+                         "P99 measured", "P99 predicted x0.9 / x1 / x1.1", "P99 jittered"], "lrrllrll")
     for r in res["rows"]:
         sv = r.get("sensitivity")
         if not sv:
@@ -952,13 +640,13 @@ def sensitivity_section(res: dict) -> list[str]:
             j = sv["jitter"].get(q)
             cells += [f2(m[q]), f"{f2(sv['steps_x0.9'][q])} / {f2(p[q])} / {f2(sv['steps_x1.1'][q])}",
                       f"{f2(j[0])} / {f2(j[1])} / {f2(j[2])}" if j else "-"]
-        L.append(f"| {r['system']} | {r['rep']} | " + " | ".join(cells) + " |")
+        L.append(md_row([r["system"], r["rep"], *cells]))
     summ = sensitivity_summary(res["rows"])
     L += ["", "Per system, median over repetitions (prediction at the changed input over the prediction; the "
               "jitter's range over the prediction; the measured values across repetitions, min / median / max, "
-              "and max / min):", "",
-          "| system | P50 x0.9 | P50 x1.1 | P50 jitter range | P50 measured | P99 x0.9 | P99 x1.1 | P99 jitter range "
-          "| P99 measured | P50 TPOT measured |", "|---|---:|---:|---:|---|---:|---:|---:|---|---|"]
+              "and max / min):", ""]
+    L += md_table(["system", "P50 x0.9", "P50 x1.1", "P50 jitter range", "P50 measured", "P99 x0.9", "P99 x1.1",
+                   "P99 jitter range", "P99 measured", "P50 TPOT measured"], "lrrrlrrrll")
     for s, v in summ.items():
         cells = []
         for q in ("ttft_p50", "ttft_p99"):
@@ -967,7 +655,7 @@ def sensitivity_section(res: dict) -> list[str]:
                       else "-", f"{f2(mm[0])} / {f2(mm[1])} / {f2(mm[2])} ({mm[2] / mm[0]:.1f}x)" if mm else "-"]
         tp = v["tpot_p50_measured"]
         cells.append(f"{f2(tp[0], 3)} / {f2(tp[1], 3)} / {f2(tp[2], 3)} ({tp[2] / tp[0]:.2f}x)" if tp else "-")
-        L.append(f"| {s} | " + " | ".join(cells) + " |")
+        L.append(md_row([s, *cells]))
     return L
 
 
@@ -1152,14 +840,7 @@ def main() -> int:
     scaling = json.loads(Path(a.scaling).read_text())
 
     # ---- the step times of every repetition, from its timeline and warm phase
-    data = {}
-    for s, k, d in reps:
-        tl = read_rows(d / "timeline.csv")
-        rows = read_rows(d / "requests.csv")
-        secs = clean_seconds(tl, inst)
-        fits = {g: fit_steps(v) for g, v in secs.items()}
-        data[(s, k)] = {"dir": d, "tl": tl, "rows": rows, "secs": secs, "fits": fits,
-                        "pf": prefill_samples(rows, lo, tl, inst, fits)}
+    data = {(s, k): rep_data(d, lo, inst) for s, k, d in reps}
     if a.held_out:
         short = sorted({s for s, _, _ in reps if sum(1 for s2, _, _ in reps if s2 == s) < 2})
         if short:
@@ -1241,7 +922,7 @@ def main() -> int:
         per[s]["median_ratio_p50"] = statistics.median(p50) if p50 else None
         per[s]["within_p50"] = sum(abs(x - 1) <= TOL for x in p50)
     gap = stock_over_oracle(out_rows)
-    cmd = "python benchmarks/cluster_burst_sim.py " + " ".join(sys.argv[1:])
+    cmd = command("cluster_burst_sim.py")
     res = {"run": str(run), "command": cmd, "settings": settings, "reps": sorted({k for _, k, _ in reps}),
            "note": note, "out_name": a.out_name, "tolerance": TOL, "rows": out_rows, "per_system": per,
            "held_out": a.held_out, "stock_over_oracle": gap, "sensitivity": a.sensitivity,
@@ -1253,7 +934,7 @@ def main() -> int:
     res["verdict"] = (verdict(out_rows, per, a.held_out, gap) + calibration_verdict(out_rows)
                       + (sensitivity_verdict(out_rows) if a.sensitivity else []) + what_if_verdict(out_rows))
     res["reading"] = reading(out_rows, limits)
-    (DOCS / f"{a.out_name}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    write_json(DOCS / f"{a.out_name}.json", res, indent=1, clean=False, default=str)
     (DOCS / f"{a.out_name}.md").write_text(render(res))
     print((DOCS / f"{a.out_name}.md").read_text())
     return 0

@@ -29,8 +29,6 @@ Pure CPU, a minute or two.
 from __future__ import annotations
 
 import argparse
-import csv
-import glob
 import json
 import os
 import platform
@@ -45,82 +43,15 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from vllm_kunserve.bench.report import md_row, md_table, write_json
+from vllm_kunserve.policy import costmodel as pc
+from vllm_kunserve.bench.costmodel_eval import (TARGET, bench_vidur, percent, repeat_noise, score, small_batch_kinds,
+                                                vidur_table)
 
-from vllm_kunserve.policy import costmodel as pc  # noqa: E402
-
-TARGET = 0.05
-BINS = ((1, 128), (129, 512), (513, 2048), (2049, 1 << 30))  # batch tokens
+ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
 CPU_DIR = ROOT / "docs" / "benchmarks"
 CPU_SHIPPED = (("profile_cpu_steps", CPU_DIR / "cpu_small_profile.json"),
                ("harness solo requests", CPU_DIR / "sim_cpu_small_insitu_profile.json"))
-
-
-def _rel(pred: np.ndarray, ms: np.ndarray) -> np.ndarray:
-    return (pred - ms) / ms
-
-
-def residual_bins(model: pc.CostModel, prof: pc.Profile) -> list[dict]:
-    """Mean signed and absolute relative error of ``model`` per batch-token range."""
-    r = _rel(pc.predict(model, prof), prof.ms)
-    toks = prof.design()[:, 1]
-    out = []
-    for lo, hi in BINS:
-        sel = (toks >= lo) & (toks <= hi)
-        if sel.any():
-            out.append({"tokens": [lo, hi], "rows": int(sel.sum()), "mean_signed": float(r[sel].mean()),
-                        "mean_abs": float(np.abs(r[sel]).mean())})
-    return out
-
-
-def small_batch_kinds(model: pc.CostModel, prof: pc.Profile, most: int = 128) -> dict:
-    """Batches of at most ``most`` tokens, split into decode-only ones (every chunk one token) and
-    those with a prefill chunk: mean signed relative error and rows of each."""
-    r = _rel(pc.predict(model, prof), prof.ms)
-    out = {}
-    for kind, want in (("decode_only", True), ("with_prefill", False)):
-        sel = [i for i, b in enumerate(prof.batches)
-               if sum(c for _, c in b) <= most and all(c == 1 for _, c in b) == want]
-        if sel:
-            out[kind] = {"rows": len(sel), "mean_signed": float(r[sel].mean()),
-                         "sequences": [min(len(prof.batches[i]) for i in sel), max(len(prof.batches[i]) for i in sel)]}
-    return out
-
-
-def neighbour_jitter(prof: pc.Profile) -> float | None:
-    """Single-chunk profiles: mean relative distance of each row from the straight line through
-    its two neighbours in token count. A step between neighbouring token counts (a kernel or tile
-    switch) shows here; any smooth function of the token count misses by about this much."""
-    if prof.attention or any(len(b) != 1 or b[0][0] != 0 for b in prof.batches):
-        return None  # only for one-chunk-per-batch profiles without attention (Vidur mlp.csv)
-    toks = prof.design()[:, 1]
-    o = np.argsort(toks, kind="stable")
-    t, y = toks[o], prof.ms[o]
-    keep = np.r_[True, np.diff(t) > 0]
-    t, y = t[keep], y[keep]
-    if len(t) < 3:
-        return None
-    mid = y[:-2] + (y[2:] - y[:-2]) * (t[1:-1] - t[:-2]) / (t[2:] - t[:-2])
-    return float(np.mean(np.abs(y[1:-1] - mid) / y[1:-1]))
-
-
-def repeat_noise(prof: pc.Profile) -> dict | None:
-    """Rows whose exact batch shape was timed more than once: mean relative distance of each from
-    the median of the other timings of its shape (what even a perfect model of the shape misses)."""
-    by = defaultdict(list)
-    for b, ms in zip(prof.batches, prof.ms):
-        by[b].append(ms)
-    dev = []
-    for v in by.values():
-        for i, x in enumerate(v):
-            rest = v[:i] + v[i + 1:]
-            if rest:
-                dev.append(abs(x - statistics.median(rest)) / x)
-    if not dev:
-        return None
-    return {"rows": len(dev), "mean_rel_dev": float(np.mean(dev)), "median_rel_dev": float(np.median(dev)),
-            "max_rel_dev": float(np.max(dev))}
 
 
 def shape_median(profiles: list[pc.Profile], name: str) -> pc.Profile:
@@ -143,65 +74,6 @@ def shape_min(profiles: list[pc.Profile], name: str) -> pc.Profile:
             by[b].append(float(ms))
     shapes = sorted(by, key=lambda b: (sum(c for _, c in b), len(b), b))
     return pc.Profile(tuple(shapes), np.array([min(by[b]) for b in shapes]), True, name)
-
-
-def _params(m: pc.CostModel) -> dict:
-    return {"alpha": m.alpha, "beta": m.beta, "gamma": m.gamma, "delta": m.delta, "floor": m.floor,
-            "beta_floor": m.beta_floor, "tile": m.tile, "knee_tokens": m.knee, "form": m.form}
-
-
-def score(prof: pc.Profile, test: pc.Profile | None = None, seed: int = 0) -> dict:
-    """Held-out errors of every form, the roofline without tile search, the auto choice (5-fold CV
-    on the training rows), its residuals, and the verdict."""
-    model, rep = pc.fit_with_holdout(prof, seed=seed, test=test)
-    if test is None:
-        tr, te = pc.split_holdout(len(prof), 0.2, seed)
-        ptrain, ptest = prof.subset(tr), prof.subset(te)
-    else:
-        ptrain, ptest = prof, test
-    no_tile = pc.fit(ptrain, form="roofline", tiles=(1,))
-    forms = {f: v["heldout"] for f, v in rep["forms"].items()}
-    forms["roofline_tile1"] = pc._errors(pc.predict(no_tile, ptest), ptest.ms)
-    h = rep["heldout"]
-    return {"profile": prof.name, "rows": len(prof), "train_rows": len(ptrain), "test_rows": len(ptest),
-            "scored_on": rep["scored_on"], "auto_form": rep["form"], "cv_mean_rel_err": rep["cv_mean_rel_err"],
-            "heldout": h["model"], "token_only": {k: h["token_only"][k] for k in ("mean_rel_err", "max_rel_err")},
-            "forms": forms, "model": _params(model), "roofline": _params(pc.fit(ptrain, form="roofline")),
-            "residuals": residual_bins(model, ptest), "residuals_train": residual_bins(model, ptrain),
-            "neighbour_jitter": neighbour_jitter(prof), "repeat_noise": repeat_noise(ptest),
-            "meets_target": h["model"]["mean_rel_err"] <= TARGET}
-
-
-# ------------------------------------------------------------------------------------------------
-def vidur_paths(data: Path) -> list[str]:
-    paths = sorted(glob.glob(str(data / "profiles" / "vidur" / "*" / "*" / "*" / "mlp.csv")))
-    return paths or [str(ROOT / "tests" / "data" / "vidur_h100_phi2_mlp.csv")]
-
-
-def split_spread(prof: pc.Profile, seeds=range(5)) -> dict:
-    """Held-out mean relative error of the paper and roofline forms over several random 80/20
-    splits: how much the seed-0 verdict depends on which rows were held out."""
-    out = {"seeds": list(seeds), "paper": [], "roofline": []}
-    for seed in seeds:
-        tr, te = pc.split_holdout(len(prof), 0.2, seed)
-        ptrain, ptest = prof.subset(tr), prof.subset(te)
-        for f in ("paper", "roofline"):
-            out[f].append(pc._errors(pc.predict(pc.fit(ptrain, form=f), ptest), ptest.ms)["mean_rel_err"])
-    return out
-
-
-def bench_vidur(data: Path, spread: bool = True) -> list[dict]:
-    out = []
-    for p in vidur_paths(data):
-        with open(p, newline="") as f:
-            tps = sorted({int(r["num_tensor_parallel_workers"]) for r in csv.DictReader(f)})
-        for tp in tps:
-            prof = pc.load_vidur_mlp(p, tp)
-            row = {**score(prof), "path": os.path.relpath(p, data)}
-            if spread:
-                row["split_spread"] = split_spread(prof)
-            out.append(row)
-    return out
 
 
 def cpu_runs() -> list[Path]:
@@ -318,7 +190,7 @@ def measure_cpu(runs: int, model: str, max_foreign: float = 0.05, max_wait_s: fl
                             "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                             "model": model})
         out = out_dir / f"costmodel_fit_cpu_run{k}.json"
-        out.write_text(json.dumps(doc) + "\n")
+        write_json(out, doc, indent=None, clean=False)
         kept.append(out)
         print(f"kept {out.name}: {len(doc['rows'])} steps, other processes {foreign:.1%} of the CPU, {wall:.0f} s",
               flush=True)
@@ -326,40 +198,19 @@ def measure_cpu(runs: int, model: str, max_foreign: float = 0.05, max_wait_s: fl
     return kept
 
 
-# ------------------------------------------------------------------------------------------------
-def _pct(v) -> str:
-    return "-" if v is None else f"{v:.1%}"
-
-
-def vidur_table(rows: list[dict]) -> list[str]:
-    L = ["| profile | rows | paper | extended | roofline, no tile | roofline | auto form | auto mean | auto max | "
-         "token-only | knee tokens | tile | <= 5% |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for c in rows:
-        f, m = c["forms"], c["model"]
-        knee = f"{m['knee_tokens']:.0f}" if m["form"] == "roofline" and m["floor"] > 0 else "-"
-        L.append(f"| {c['profile']} | {c['rows']} | {_pct(f['paper']['mean_rel_err'])} | "
-                 f"{_pct(f['extended']['mean_rel_err'])} | {_pct(f['roofline_tile1']['mean_rel_err'])} | "
-                 f"{_pct(f['roofline']['mean_rel_err'])} | {c['auto_form']} | {_pct(c['heldout']['mean_rel_err'])} | "
-                 f"{_pct(c['heldout']['max_rel_err'])} | {_pct(c['token_only']['mean_rel_err'])} | {knee} | "
-                 f"{m['tile'] if m['form'] == 'roofline' else '-'} | {'yes' if c['meets_target'] else '**no**'} |")
-    return L
-
-
 def _noise(rn: dict | None) -> str:
     return "-" if not rn else f"{rn['mean_rel_dev']:.1%} ({rn['rows']} rows)"
 
 
 def cpu_table(rows: list[dict]) -> list[str]:
-    L = ["| step times | fitted rows | scored rows | scored on | paper | extended | roofline | auto form | "
-         "auto mean | auto max | repeat noise of scored rows | <= 5% |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    L = md_table(["step times", "fitted rows", "scored rows", "scored on", "paper", "extended", "roofline", "auto form",
+                  "auto mean", "auto max", "repeat noise of scored rows", "<= 5%"], "l" * 12)
     for c in rows:
         f, rn = c["forms"], c.get("repeat_noise")
-        L.append(f"| {c['what']} | {c['train_rows']} | {c['test_rows']} | {c['scored_on']} | "
-                 f"{_pct(f['paper']['mean_rel_err'])} | {_pct(f['extended']['mean_rel_err'])} | "
-                 f"{_pct(f['roofline']['mean_rel_err'])} | {c['auto_form']} | {_pct(c['heldout']['mean_rel_err'])} | "
-                 f"{_pct(c['heldout']['max_rel_err'])} | "
-                 f"{_noise(rn)} | "
-                 f"{'yes' if c['meets_target'] else '**no**'} |")
+        L.append(md_row([c["what"], c["train_rows"], c["test_rows"], c["scored_on"], percent(f["paper"]["mean_rel_err"]),
+                         percent(f["extended"]["mean_rel_err"]), percent(f["roofline"]["mean_rel_err"]), c["auto_form"],
+                         percent(c["heldout"]["mean_rel_err"]), percent(c["heldout"]["max_rel_err"]), _noise(rn),
+                         "yes" if c["meets_target"] else "**no**"]))
     return L
 
 
@@ -392,7 +243,7 @@ def miss_notes(rows: list[dict]) -> list[str]:
             extra.append(f"adding a per-sequence term (one LM-head row and one sample per sequence; "
                          f"{pr['epsilon_ms_per_sequence']:.3f} ms each when fitted) gives "
                          f"{pr['heldout']['mean_rel_err']:.1%}")
-        L.append(f"* **{c.get('what', c['profile'])}** ({c['auto_form']}, {_pct(c['heldout']['mean_rel_err'])}): "
+        L.append(f"* **{c.get('what', c['profile'])}** ({c['auto_form']}, {percent(c['heldout']['mean_rel_err'])}): "
                  f"held-out residuals by batch size: {bins}" + (f"; {'; '.join(extra)}" if extra else "") + ".")
     return L
 
@@ -426,22 +277,19 @@ def render(r: dict, cmd: str) -> str:
     if all("split_spread" in c for c in v):
         seeds = v[0]["split_spread"]["seeds"]
         L += [f"Held-out mean error over {len(seeds)} random 80/20 splits (seeds {seeds[0]}-{seeds[-1]}): mean and "
-              "worst split, and how many splits meet 5%:", "",
-              "| profile | paper mean | paper worst | roofline mean | roofline worst | roofline splits <= 5% |",
-              "|---|---|---|---|---|---|"]
-        for c in v:
-            sp = c["split_spread"]
-            L.append(f"| {c['profile']} | {_pct(float(np.mean(sp['paper'])))} | {_pct(max(sp['paper']))} | "
-                     f"{_pct(float(np.mean(sp['roofline'])))} | {_pct(max(sp['roofline']))} | "
-                     f"{sum(e <= TARGET for e in sp['roofline'])} of {len(seeds)} |")
+              "worst split, and how many splits meet 5%:", ""]
+        L += md_table(["profile", "paper mean", "paper worst", "roofline mean", "roofline worst", "roofline splits <= 5%"],
+                      "llllll", ([c["profile"], percent(float(np.mean(sp["paper"]))), percent(max(sp["paper"])),
+                                  percent(float(np.mean(sp["roofline"]))), percent(max(sp["roofline"])),
+                                  f"{sum(e <= TARGET for e in sp['roofline'])} of {len(seeds)}"]
+                                 for c in v for sp in [c["split_spread"]]))
         L.append("")
-    L += ["Fitted roofline parameters (ms per layer; the seed-0 training rows):", "",
-          "| profile | beta ms/token | beta_floor ms/token | floor ms | knee tokens | tile | gamma ms | "
-          "neighbour jitter |", "|---|---|---|---|---|---|---|---|"]
-    for c in v:
-        m = c["roofline"]
-        L.append(f"| {c['profile']} | {m['beta']:.3g} | {m['beta_floor']:.3g} | {m['floor']:.3g} | "
-                 f"{m['knee_tokens']:.0f} | {m['tile']} | {m['gamma']:.3g} | {_pct(c['neighbour_jitter'])} |")
+    L += ["Fitted roofline parameters (ms per layer; the seed-0 training rows):", ""]
+    L += md_table(["profile", "beta ms/token", "beta_floor ms/token", "floor ms", "knee tokens", "tile", "gamma ms",
+                   "neighbour jitter"], "l" * 8,
+                  ([c["profile"], f"{m['beta']:.3g}", f"{m['beta_floor']:.3g}", f"{m['floor']:.3g}",
+                    f"{m['knee_tokens']:.0f}", m["tile"], f"{m['gamma']:.3g}", percent(c["neighbour_jitter"])]
+                   for c in v for m in [c["roofline"]]))
     L += ["", "Neighbour jitter = mean relative distance of each row from the line through its two neighbours in "
           "token count: the steps of cuBLAS kernel and tile choices between neighbouring batch sizes (e.g. "
           "+25-30% from 512 to 520 tokens on several profiles). The tile term follows the 128-row steps; the "
@@ -454,9 +302,9 @@ def render(r: dict, cmd: str) -> str:
         best = min(sep, key=lambda c: c["heldout"]["mean_rel_err"])
         floors = [c["noise_floor"] for c in sep if c.get("noise_floor") is not None]
         L += [f"Fitted on one separately measured profile and scored on another, the best result is "
-              f"{_pct(best['heldout']['mean_rel_err'])} ({best['what']}, {best['auto_form']} form): "
+              f"{percent(best['heldout']['mean_rel_err'])} ({best['what']}, {best['auto_form']} form): "
               f"{'meets' if best['meets_target'] else 'misses'} the 5% target"
-              + (f"; the timings themselves differ by {_pct(min(floors))}-{_pct(max(floors))} between the "
+              + (f"; the timings themselves differ by {percent(min(floors))}-{percent(max(floors))} between the "
                  "measured halves, more than the target, so no function of the batch shape can meet it on "
                  "this machine." if floors else ".") + " Held-out rows of one profile are scored too.", ""]
     noisy = next((c for c in cpu["shipped"] if c.get("repeat_noise_all")
@@ -485,8 +333,8 @@ def render(r: dict, cmd: str) -> str:
               "only if other processes used at most 5% of the CPU while it ran (the 2 cores are shared with other "
               "jobs; runs they disturbed were dropped). The odd and the even runs are each reduced to the minimum "
               f"per batch shape ({b['shapes_a']} and {b['shapes_b']} shapes); the {b['shapes_in_both']} shapes "
-              f"timed in both halves differ by {_pct(b['mean_rel_diff'])} on average (median "
-              f"{_pct(b['median_rel_diff'])}): the floor under any fit-one-half, score-the-other error.", ""]
+              f"timed in both halves differ by {percent(b['mean_rel_diff'])} on average (median "
+              f"{percent(b['median_rel_diff'])}): the floor under any fit-one-half, score-the-other error.", ""]
         for run in cpu["runs"]:
             rn = run["repeat_noise"]
             L.append(f"* `{run['file']}`: {run['rows']} steps, other processes {run['foreign_cpu_share']:.1%} of the "
@@ -514,7 +362,7 @@ def main(argv=None) -> int:
         measure_cpu(a.measure_cpu, a.model, a.max_foreign, a.max_wait)
     r = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "python": platform.python_version(),
          "command": "python benchmarks/costmodel_fit.py", "vidur": bench_vidur(Path(a.data)), "cpu": bench_cpu()}
-    Path(a.out).write_text(json.dumps(r, indent=1) + "\n")
+    write_json(a.out, r, indent=1, clean=False)
     Path(a.md).write_text(render(r, r["command"]))
     print(json.dumps({"vidur_meet_target": sum(c["meets_target"] for c in r["vidur"]), "vidur": len(r["vidur"]),
                       "cpu": [(c["what"], c["auto_form"], round(c["heldout"]["mean_rel_err"], 4))

@@ -44,13 +44,13 @@ from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from vllm_kunserve.bench.client import RequestSpec, completions_url, request
+from vllm_kunserve.bench.metrics import median_ci
+from vllm_kunserve.bench.report import cpu_device, doc_header, md_row, md_table, pyplot, rel, save_figure, write_json
+from vllm_kunserve.cluster.fleet.launcher import KunserveCluster
+from vllm_kunserve.workload.stats import percentile
 
-from benchmarks._doc import cpu_device, doc_header, rel  # noqa: E402
-from vllm_kunserve.bench.metrics import median_ci  # noqa: E402
-from vllm_kunserve.cluster.fleet.launcher import KunserveCluster  # noqa: E402
-
+ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
 ENGINE_ARGS = ["--dtype", "float32", "--block-size", "32", "--kv-cache-memory-bytes", str(64 << 20),
                "--max-model-len", "512", "--enforce-eager", "--served-model-name", "m", "--max-num-seqs", "256"]
 
@@ -59,25 +59,24 @@ DEFAULT_MD = ROOT / "docs/benchmarks/front_end.md"
 
 
 def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+    """The nearest-rank ``q``-th percentile (NaN when empty)."""
+    v = percentile(xs, q, method="nearest")
+    return float("nan") if v is None else v
 
 
 async def one(session: aiohttp.ClientSession, url: str, prompt: str, n: int, t_plan: float) -> dict:
+    """One streamed greedy completion planned at ``t_plan`` (``bench.client.request``: each chunk a
+    token, undecoded; read to the body's end, so the connection stays open for the next request)."""
     body = {"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True}
-    t_send = time.perf_counter()
-    times = []
-    async with session.post(url + "/v1/completions", json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        async for line in resp.content:
-            if line.startswith(b"data:") and not line.startswith(b"data: [DONE]"):
-                times.append(time.perf_counter())
-    t_closed = time.perf_counter()
-    return {"send_lag_ms": (t_send - t_plan) * 1e3, "ttft_ms": (times[0] - t_send) * 1e3,
-            "tail_ms": (t_closed - times[-1]) * 1e3,   # last token to the response's end ([DONE], body end)
-            "itl_ms": [(b - a) * 1e3 for a, b in zip(times, times[1:])], "tokens": len(times),
+    r = await request(session, completions_url(url), body, RequestSpec(0, 0.0, prompt, 0, n), t_plan, 1800.0,
+                      parse=False, to_end=True)
+    if not r.ok:
+        raise AssertionError(r.error)
+    t_send = t_plan + r.send_s
+    times = [t_send + t for t in r.token_times]
+    return {"send_lag_ms": r.send_s * 1e3, "ttft_ms": r.ttft_s * 1e3,
+            "tail_ms": (r.e2e_s - r.token_times[-1]) * 1e3,   # last token to the response's end ([DONE], body end)
+            "itl_ms": [g * 1e3 for g in r.gaps], "tokens": len(times),
             "start": t_send, "end": times[-1], "times": times}
 
 
@@ -338,10 +337,9 @@ def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args,
                         "per relayed token (last column, measured from /proc) with the engine's step time.")
                        + " The target is <= 2 ms added P50 TTFT and no throughput lost at 200 streams, for a "
                        "front end with cores of its own.", load=load)
-    lines += ["| streams | TTFT P50 direct / proxy (ms) | added P50 TTFT (ms) | added P99 TTFT (ms) | "
-              "ITL P50 direct / proxy (ms) | added P50 ITL (ms) | throughput proxy/direct | client send lag P99 (ms) | "
-              "front-end CPU per token (µs) |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += md_table(["streams", "TTFT P50 direct / proxy (ms)", "added P50 TTFT (ms)", "added P99 TTFT (ms)",
+                       "ITL P50 direct / proxy (ms)", "added P50 ITL (ms)", "throughput proxy/direct",
+                       "client send lag P99 (ms)", "front-end CPU per token (µs)"], "r" * 9)
     for s in summary:
         t, t99, i, tp = s["ttft_p50_ms"], s["ttft_p99_ms"], s["itl_p50_ms"], s["tokens_per_s"]
         lines.append(f"| {s['concurrency']} | {t['direct']:.1f} / {t['proxy']:.1f} | {t['added_median']:+.2f} "
@@ -357,10 +355,9 @@ def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args,
                       "in the order in turn. It separates what the front end costs the engine by being busy on a "
                       "neighbouring core of this machine (shared caches, memory bandwidth, or one physical core's "
                       "two threads under the hypervisor: nothing a deployment's GPU would see) from what relaying "
-                      "costs it (the engine's work on each request and chunk: `proxy / direct+load`).", "",
-                  "| streams | throughput direct+load / direct | throughput proxy / direct+load | front end's share "
-                  "of its core (proxied) | stand-in's share asked / taken |",
-                  "|---:|---:|---:|---:|---:|"]
+                      "costs it (the engine's work on each request and chunk: `proxy / direct+load`).", ""]
+        lines += md_table(["streams", "throughput direct+load / direct", "throughput proxy / direct+load",
+                           "front end's share of its core (proxied)", "stand-in's share asked / taken"], "rrrrr")
         for s in loaded:
             ld = s["loaded"]
             a, b = ld["load_over_direct"], ld["proxy_over_load"]
@@ -372,11 +369,10 @@ def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args,
     if cpu_rows:
         lines += ["", "CPU time per streamed token by process (µs; median over repetitions; from /proc, from the "
                       "timed start to the wave's end): the client is this benchmark, the engine is vLLM's API server, "
-                      "its engine core and its worker (the model).", "",
-                  "| streams | arm | tokens/s | " + " | ".join(procs) + " |", "|---:|---|---:|" + "---:|" * len(procs)]
-        for s, a, c in cpu_rows:
-            lines.append(f"| {s['concurrency']} | {a} | {s['tokens_per_s_by_arm'][a]:.0f} | "
-                         + " | ".join(f"{c.get(p, 0.0):.0f}" for p in procs) + " |")
+                      "its engine core and its worker (the model).", ""]
+        lines += md_table(["streams", "arm", "tokens/s", *procs], "rlr" + "r" * len(procs),
+                          ([s["concurrency"], a, f"{s['tokens_per_s_by_arm'][a]:.0f}",
+                            *(f"{c.get(p, 0.0):.0f}" for p in procs)] for s, a, c in cpu_rows))
         engine = [p for p in procs if p.startswith("engine")]
         for s in summary:
             c = s.get("cpu_us_per_token", {})
@@ -443,9 +439,9 @@ def where_time_goes_table(summary: list[dict]) -> list[str]:
                "vLLM's engine and the stream's way back, the connections, and, proxied, the front end (the "
                "difference between the arms is the front end's share); `tail` = the client's wait from a request's last "
                "token to its response's end. The engine's cores: their busy share over the wave (/proc/stat), "
-               "the share of it in interrupts, and the share stolen by the hypervisor.", "",
-           "| streams | arm | TTFT client | TTFT engine | of it queued | TTFT outside | request client | request engine "
-           "| request outside | tail | engine cores busy | in interrupts | steal |", "|---:|---|" + "---:|" * 11]
+               "the share of it in interrupts, and the share stolen by the hypervisor.", ""] + md_table(
+        ["streams", "arm", "TTFT client", "TTFT engine", "of it queued", "TTFT outside", "request client",
+         "request engine", "request outside", "tail", "engine cores busy", "in interrupts", "steal"], "rl" + "r" * 11)
 
     def ms(v, k):
         return f"{v[k]:.1f}" if k in v else "-"
@@ -457,19 +453,16 @@ def where_time_goes_table(summary: list[dict]) -> list[str]:
                    if "engine_e2e_mean_ms" in v and "e2e_mean_all_ms" in v else "-")
         share = {k: f"{v[k]:.3f}" if k in v else "-" for k in ("engine_cores_busy", "engine_cores_irq",
                                                                  "engine_cores_steal")}
-        out.append(f"| {level} | {arm} | {ms(v, 'ttft_mean_all_ms')} | {ms(v, 'engine_ttft_mean_ms')} | "
-                   f"{ms(v, 'engine_queue_time_mean_ms')} | {out_ttft} | {ms(v, 'e2e_mean_all_ms')} | "
-                   f"{ms(v, 'engine_e2e_mean_ms')} | {out_e2e} | {ms(v, 'tail_mean_all_ms')} | "
-                   f"{share['engine_cores_busy']} | {share['engine_cores_irq']} | {share['engine_cores_steal']} |")
+        out.append(md_row([level, arm, ms(v, "ttft_mean_all_ms"), ms(v, "engine_ttft_mean_ms"),
+                           ms(v, "engine_queue_time_mean_ms"), out_ttft, ms(v, "e2e_mean_all_ms"),
+                           ms(v, "engine_e2e_mean_ms"), out_e2e, ms(v, "tail_mean_all_ms"), share["engine_cores_busy"],
+                           share["engine_cores_irq"], share["engine_cores_steal"]]))
     return out
 
 
 def plot(path: Path, summary: list[dict]) -> Path | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot(optional=True)
+    if plt is None:
         return None
     fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
     xs = [str(s["concurrency"]) for s in summary]
@@ -482,8 +475,7 @@ def plot(path: Path, summary: list[dict]) -> Path | None:
     ax[1].bar(xs, [s["tokens_per_s"]["ratio_median"] for s in summary])
     ax[1].axhline(1.0, color="grey", ls="--", lw=1)
     ax[1].set_xlabel("concurrent streams"), ax[1].set_ylabel("throughput proxy / direct")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     return path
 
 
@@ -726,23 +718,20 @@ def main(argv=None) -> int:
     ap.add_argument("--min-requests", type=int, default=20,
                     help="per wave: at least this many requests (1 stream: this many pairs; closed-loop "
                          "streams: at least 8 per stream; --rounds: rounds of a level's streams until this many)")
-    ap.add_argument("--separate-single", action="store_true",
-                    help="run the 1-stream level as two separate waves like the others (default: its requests "
-                         "alternate between the arms one by one, and each pair's TTFT difference is kept)")
-    ap.add_argument("--rounds", action="store_true",
-                    help="levels above 1 as rounds of simultaneous requests, each round ending with its slowest "
-                         "(default: closed-loop streams, each sending its next request as its last one ends)")
-    ap.add_argument("--frontend-core", type=int, default=-1,
-                    help="give the front end this core of its own (the client and the engine keep to the others); "
-                         "-1: every process shares every core")
-    ap.add_argument("--client-core", type=int, default=-1,
-                    help="with --frontend-core: run the client (this process) on this core, off the engine's "
-                         "(it may be the front end's; default -1: the client shares the engine's cores)")
-    ap.add_argument("--no-load-arm", action="store_true",
-                    help="with --frontend-core: leave out the third arm (straight to the engine while a stand-in "
-                         "load keeps the front end's core as busy as the front end did)")
-    ap.add_argument("--analyse-only", action="store_true",
-                    help="re-write --md from the raw data in --out (an earlier run's), measuring nothing")
+    switch, core = {"action": "store_true"}, {"type": int, "default": -1}
+    for flag, kind, text in (
+            ("--separate-single", switch, "run the 1-stream level as two separate waves like the others (default: its "
+             "requests alternate between the arms one by one, and each pair's TTFT difference is kept)"),
+            ("--rounds", switch, "levels above 1 as rounds of simultaneous requests, each round ending with its "
+             "slowest (default: closed-loop streams, each sending its next request as its last one ends)"),
+            ("--frontend-core", core, "give the front end this core of its own (the client and the engine keep to the "
+             "others); -1: every process shares every core"),
+            ("--client-core", core, "with --frontend-core: run the client (this process) on this core, off the "
+             "engine's (it may be the front end's; default -1: the client shares the engine's cores)"),
+            ("--no-load-arm", switch, "with --frontend-core: leave out the third arm (straight to the engine while a "
+             "stand-in load keeps the front end's core as busy as the front end did)"),
+            ("--analyse-only", switch, "re-write --md from the raw data in --out (an earlier run's), measuring nothing")):
+        ap.add_argument(flag, help=text, **kind)
     ap.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks/front_end.json")
     ap.add_argument("--md", type=Path, default=DEFAULT_MD)
     args = ap.parse_args(argv)
@@ -780,9 +769,9 @@ def main(argv=None) -> int:
     device = cpu_device(device_text(args))
     load = round(os.getloadavg()[0], 2)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"benchmark": "front_end", "command": sys.argv, "engine_args": ENGINE_ARGS,
-                                    "shm_wait_ms": shm_wait_setting(), "device": device, "load_avg": load,
-                                    "summary": summary, "rows": rows}, indent=2) + "\n")
+    write_json(args.out, {"benchmark": "front_end", "command": sys.argv, "engine_args": ENGINE_ARGS,
+                          "shm_wait_ms": shm_wait_setting(), "device": device, "load_avg": load,
+                          "summary": summary, "rows": rows}, clean=False)
     png = plot(args.md.with_suffix(".png"), summary)
     write_md(args.md, args.out, png, summary, args, device, load=load)
     print(f"wrote {rel(args.out)} and {rel(args.md)}")

@@ -17,18 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from vllm_kunserve.bench.report import cpu_device, doc_header, md_row, md_table, write_json
+from vllm_kunserve.memory import MemoryPool, cuda_available
 
-from benchmarks._doc import cpu_device, doc_header  # noqa: E402
-from vllm_kunserve.memory import MemoryPool, cuda_available  # noqa: E402
-
+ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
 GB = 1 << 30
 
 
@@ -95,15 +92,15 @@ def write_md(results: list[dict], path: Path, json_path: Path) -> None:
                        "*to KV* = release the layers' weight regions (unmap) + grow one KV region by the freed "
                        "bytes (map + access); no data is copied. *back* = shrink the KV region + reload the "
                        "layers from their host copies (map + copy). Median of the repetitions.")
-    lines += ["| backend | GB moved | chunk MiB | chunks | release ms | grow ms | to KV ms | to KV ms per 10 GB | "
-              "shrink ms | reload ms (incl. copy) | reload GB/s | weights intact |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += md_table(["backend", "GB moved", "chunk MiB", "chunks", "release ms", "grow ms", "to KV ms",
+                       "to KV ms per 10 GB", "shrink ms", "reload ms (incl. copy)", "reload GB/s", "weights intact"],
+                      "l" * 12)
     for r in results:
         m = r["median"]
-        lines.append(f"| {r['backend']} | {r['gb_moved']:.2f} | {r['chunk_mb']} | {r['chunks_moved']} | "
-                     f"{m['release_ms']:.2f} | {m['grow_ms']:.2f} | {m['to_kv_ms']:.2f} | "
-                     f"{r['to_kv_ms_per_10gb']:.1f} | {m['shrink_ms']:.2f} | {m['reload_ms']:.1f} | "
-                     f"{r['reload_gbps']:.2f} | {r['weights_intact']} |")
+        lines.append(md_row([r["backend"], f"{r['gb_moved']:.2f}", r["chunk_mb"], r["chunks_moved"],
+                             f"{m['release_ms']:.2f}", f"{m['grow_ms']:.2f}", f"{m['to_kv_ms']:.2f}",
+                             f"{r['to_kv_ms_per_10gb']:.1f}", f"{m['shrink_ms']:.2f}", f"{m['reload_ms']:.1f}",
+                             f"{r['reload_gbps']:.2f}", r["weights_intact"]]))
     cuda = [r for r in results if r["backend"] == "cuda"]
     lines += ["", "Target (GPU): < 50 ms to move 10 GB into KV (the KunServe paper reports ~5 ms remap calls)."]
     if not cuda:
@@ -136,7 +133,7 @@ def main(argv=None) -> int:
         res = run_one(args.backend, gb, cmb, args.layers, args.reps)
         print(json.dumps(res))
         results.append(res)
-    args.out.write_text(json.dumps({"benchmark": "memory_pool", "results": results}, indent=2) + "\n")
+    write_json(args.out, {"benchmark": "memory_pool", "results": results}, clean=False)
     write_md(results, args.md, args.out)
     return 0
 

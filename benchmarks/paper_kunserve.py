@@ -27,10 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from vllm_kunserve.bench.report import command, md_row, md_table, pyplot, save_figure, write_doc
+from vllm_kunserve.workload.stats import percentile
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks", "paper_kunserve")
 WORKLOADS = ("burstgpt", "sharegpt", "longbench", "azure", "burstgpt-4waves")
@@ -96,7 +96,7 @@ def policy_summary(res: dict, w) -> dict:
     keep["max_group"] = max((p["max_group"] for p in tl), default=1)
     ex = sorted(e["full_s"] for e in res["events"] if e["kind"] == "exchange" and lo <= e["t"] <= hi)
     if ex:
-        keep["exchange_full_s"] = {"n": len(ex), "median": ex[len(ex) // 2], "max": ex[-1]}
+        keep["exchange_full_s"] = {"n": len(ex), "median": percentile(ex, 50, method="higher"), "max": ex[-1]}
     keep["wall_s"] = round(res["wall_s"], 1)
     return keep
 
@@ -296,10 +296,9 @@ def render(store: dict, target: float, commands: list[str]) -> tuple[list[str], 
     data = {"target": target, "main": {}, "factors": {}}
     rows = main_rows(store, "paper-rdma", target)
     if rows:
-        lines += ["## P99 / P99.9 TTFT and TPOT", "",
-                  "| workload | seeds | rate x | req/s | oracle KV mean / peak | system | P99 TTFT s | P99.9 TTFT s | "
-                  "P99 TPOT ms | P99.9 TPOT ms | preemptions | drops |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["## P99 / P99.9 TTFT and TPOT", ""] + md_table(
+            ["workload", "seeds", "rate x", "req/s", "oracle KV mean / peak", "system", "P99 TTFT s", "P99.9 TTFT s",
+             "P99 TPOT ms", "P99.9 TPOT ms", "preemptions", "drops"], "l" * 12)
         for mix, es in rows.items():
             wd = es[0]["workload"]
             kv = _stat([e.get("oracle_kv_share", {}).get("mean") for e in es])
@@ -318,20 +317,19 @@ def render(store: dict, target: float, commands: list[str]) -> tuple[list[str], 
                         f"{_fmt(kv, 100, 0)}% / {_fmt(kvp, 100, 0)}% |") if first else "| | | | | |"
                 lines.append(f"{head} {pol} | " + " | ".join(cells) + " |")
                 first = False
-        lines += ["", "## KunServe vs vLLM (vLLM's value / KunServe's; > 1: KunServe lower)", "",
-                  "| workload | P99 TTFT | P99.9 TTFT | P99 TPOT | P99.9 TPOT | headroom (vLLM / oracle P99 TTFT) | "
-                  "paper: P99 TTFT | simulated KV exchange (median, max of runs' medians) | paper: exchange |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "## KunServe vs vLLM (vLLM's value / KunServe's; > 1: KunServe lower)", ""] + md_table(
+            ["workload", "P99 TTFT", "P99.9 TTFT", "P99 TPOT", "P99.9 TPOT", "headroom (vLLM / oracle P99 TTFT)",
+             "paper: P99 TTFT", "simulated KV exchange (median, max of runs' medians)", "paper: exchange"], "l" * 9)
         for mix, es in rows.items():
             r99, r999 = _stat([ratio(e, "ttft_s", "p99") for e in es]), _stat([ratio(e, "ttft_s", "p99.9") for e in es])
             t99, t999 = _stat([ratio(e, "tpot_s", "p99") for e in es]), _stat([ratio(e, "tpot_s", "p99.9") for e in es])
             head = _stat([ratio(e, "ttft_s", "p99", "vllm", "oracle") for e in es])
             ex = [e["results"]["kunserve"].get("exchange_full_s", {}).get("median") for e in es if "kunserve" in e["results"]]
             ex = [x for x in ex if x is not None]
-            exs = f"{sorted(ex)[len(ex) // 2]:.2f} s, {max(ex):.2f} s" if ex else "-"
-            lines.append(f"| {mix} | {_fmt(r99, 1, 1)}x | {_fmt(r999, 1, 1)}x | {_fmt(t99, 1, 2)}x | {_fmt(t999, 1, 2)}x | "
-                         f"{_fmt(head, 1, 1)}x | {PAPER_P99_TTFT_RATIO[0]}-{PAPER_P99_TTFT_RATIO[1]}x | {exs} | "
-                         f"~{PAPER_EXCHANGE_S} s |")
+            exs = f"{percentile(ex, 50, method='higher'):.2f} s, {max(ex):.2f} s" if ex else "-"
+            lines.append(md_row([mix, *(f"{_fmt(st, 1, nd)}x" for st, nd in ((r99, 1), (r999, 1), (t99, 2), (t999, 2),
+                                                                               (head, 1))),
+                                 f"{PAPER_P99_TTFT_RATIO[0]}-{PAPER_P99_TTFT_RATIO[1]}x", exs, f"~{PAPER_EXCHANGE_S} s"]))
             data["main"][mix] = {"p99_ttft_ratio": r99, "p999_ttft_ratio": r999, "p99_tpot_ratio": t99,
                                  "p999_tpot_ratio": t999, "headroom": head, "seeds": len(es),
                                  "p99_ttft": {p: _stat([e["results"][p]["ttft_s"]["p99"] for e in es if p in e["results"]])
@@ -364,9 +362,9 @@ def factor_table(store: dict, target: float):
                 if k.startswith(f"main|paper-rdma|{mix}|") and k.endswith(f"target{target:g}") and k.split("|")[3] in seeds}
         lines += [f"Workload `{mix}`; base = the main table's configuration, seeds "
                   f"{', '.join(sorted(base))}. Each row reruns only the systems the switch affects and takes the "
-                  "others from the base run of the same seed.", "",
-                  "| factor | kind | what is switched | vLLM P99 TTFT s | KunServe P99 TTFT s | oracle P99 TTFT s | "
-                  "vLLM / KunServe | vLLM / oracle |", "|---|---|---|---|---|---|---|---|"]
+                  "others from the base run of the same seed.", ""]
+        lines += md_table(["factor", "kind", "what is switched", "vLLM P99 TTFT s", "KunServe P99 TTFT s",
+                           "oracle P99 TTFT s", "vLLM / KunServe", "vLLM / oracle"], "l" * 8)
 
         def row(label, kind, what, entries):
             v = _stat([e["results"]["vllm"]["ttft_s"]["p99"] for e in entries])
@@ -375,8 +373,8 @@ def factor_table(store: dict, target: float):
             rk = _stat([e["results"]["vllm"]["ttft_s"]["p99"] / e["results"]["kunserve"]["ttft_s"]["p99"] for e in entries])
             ro = _stat([e["results"]["vllm"]["ttft_s"]["p99"] / e["results"]["oracle"]["ttft_s"]["p99"]
                         for e in entries if "oracle" in e["results"]])
-            lines.append(f"| {label} | {kind} | {what} | {_fmt(v, 1, 3)} | {_fmt(k, 1, 3)} | {_fmt(o, 1, 3)} | "
-                         f"{_fmt(rk, 1, 1)}x | {_fmt(ro, 1, 1)}x |")
+            lines.append(md_row([label, kind, what, _fmt(v, 1, 3), _fmt(k, 1, 3), _fmt(o, 1, 3), f"{_fmt(rk, 1, 1)}x",
+                                 f"{_fmt(ro, 1, 1)}x"]))
             data.setdefault(mix, {})[label] = {"vllm": v, "kunserve": k, "oracle": o, "ratio": rk, "headroom": ro}
 
         if base:
@@ -402,11 +400,7 @@ def factor_table(store: dict, target: float):
 
 
 def plot(data: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     main = data.get("main", {})
     facs = data.get("factors", {})
     ncols = 1 + bool(facs)
@@ -447,9 +441,7 @@ def plot(data: dict, path: str) -> None:
         ax.set_xlabel("vLLM / KunServe P99 TTFT")
         ax.set_title(f"one factor switched at a time ({mix})", fontsize=9)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> int:
@@ -474,7 +466,7 @@ def main() -> int:
     for other in (m.strip() for m in a.merge.split(",") if m.strip()):
         merge_into(store, load_store(other))
         save_store(a.store, store)
-    cmd = "python benchmarks/paper_kunserve.py " + " ".join(sys.argv[1:])
+    cmd = command("paper_kunserve.py")
     if a.part != "none" and not a.report:
         if cmd not in store["commands"]:
             store["commands"].append(cmd)
@@ -495,13 +487,7 @@ def main() -> int:
         save_store(a.store, store)
     lines, data = render(store, a.target, store["commands"])
     md = os.path.splitext(a.store)[0] + ".md"
-    keep = ""
-    if os.path.isfile(md):
-        old = open(md, encoding="utf-8").read()
-        if "\n## Reading" in old:
-            keep = old[old.index("\n## Reading") + 1:]
-    with open(md, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + ("\n" + keep if keep else ""))
+    write_doc(md, lines, keep="## Reading")
     if data["main"]:
         plot(data, os.path.splitext(a.store)[0] + ".png")
     print(f"wrote {md}")

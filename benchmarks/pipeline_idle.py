@@ -14,20 +14,17 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import json
 import shlex
 import shutil
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from vllm_kunserve.bench.burst import read_requests, window_stats
+from vllm_kunserve.bench.pipeline_trace import CYCLE_KINDS, analyse, load
+from vllm_kunserve.bench.report import command, cpu_model, md_row, md_table, rel, write_json
+from vllm_kunserve.workload.stats import percentiles
 
-from _doc import command, cpu_model, rel  # noqa: E402
-from cluster_burst import read_requests, window_stats  # noqa: E402
-
-from vllm_kunserve.bench.pipeline_trace import CYCLE_KINDS, analyse, load  # noqa: E402
-from vllm_kunserve.workload.stats import percentiles  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
 
 
 def pcts(xs: list[float]) -> dict:
@@ -62,18 +59,17 @@ def prompt_cost_section(analysis: dict) -> list[str]:
          "Each member's cycles (one step's start to the next's, the middle of the group's life) by where "
          "prefill tokens ran meanwhile: in neither member's step, in its own step only, only in a step of "
          "the peer's that overlapped the cycle, or in both. Requests and prefill tokens: the member's "
-         "own step's, mean.", "",
-         "| member | cycle | cycles | share of time | P50 (ms) | P90 (ms) | core idle | requests | "
-         "prefill tokens |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+         "own step's, mean.", ""] + md_table(
+        ["member", "cycle", "cycles", "share of time", "P50 (ms)", "P90 (ms)", "core idle", "requests",
+         "prefill tokens"], "llrrrrrrr")
     for m, kinds in cyc.items():
         total = sum(c["seconds"] for c in kinds.values()) or 1.0
         for kind in CYCLE_KINDS:
             if kind in kinds:
                 c = kinds[kind]
                 idle = f"{c['idle']:.0%}" if "idle" in c else "-"
-                L.append(f"| {m} | {kind} | {c['cycles']} | {c['seconds'] / total:.0%} | "
-                         f"{c['cycle_p50_ms']:g} | {c['cycle_p90_ms']:g} | {idle} | {c['requests']:g} | "
-                         f"{c['prefill_tokens']:g} |")
+                L.append(md_row([m, kind, c["cycles"], f"{c['seconds'] / total:.0%}", f"{c['cycle_p50_ms']:g}",
+                                 f"{c['cycle_p90_ms']:g}", idle, f"{c['requests']:g}", f"{c['prefill_tokens']:g}"]))
 
     def vals(kind: str, key: str) -> list[float]:
         return [k[kind][key] for k in cyc.values() if kind in k and key in k[kind]]
@@ -130,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     for f in files:
         with open(f, "rb") as src, gzip.GzipFile(raw / (f.name + ".gz"), "wb", mtime=0) as dst:  # same bytes each run
             shutil.copyfileobj(src, dst)
-    (docs / f"{a.name}.json").write_text(json.dumps(out, indent=1))
+    write_json(docs / f"{a.name}.json", out, indent=1, clean=False, newline=False)
     L = ["# Where a pipeline group's stages idle (written by benchmarks/pipeline_idle.py)", "",
          f"Command: `{out['command']}`, where `RUN_COMMAND` is the run it reads (its workers wrote their traces "
          "in parts as their group ran and when it split):", "", "```", a.run_command, "```", "",
@@ -143,20 +139,21 @@ def main(argv: list[str] | None = None) -> int:
          "each group's life).", "", f"Machine: {cpu_model()}; the engines' threads and cores: the run's `--env` "
          "settings above.", ""]
     for k, g in enumerate(out["groups"], 1):
-        L += [f"## Group {k}", "", "| member | steps | cycle P50 (ms) | own stage | peer spans | sampling | idle | "
-              "idle: collision | between steps | in transit |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        L += [f"## Group {k}", ""] + md_table(
+            ["member", "steps", "cycle P50 (ms)", "own stage", "peer spans", "sampling", "idle", "idle: collision",
+             "between steps", "in transit"], "l" + "r" * 9)
         for m, r in sorted(g["analysis"].items()):
             c, i = r["core"], r.get("idle_by_cause", {})
-            L.append(f"| {m} | {r['steps']} | {r['cycle_ms']} | {c['own_step']:.1%} | {c['peer_spans']:.1%} | "
-                     f"{c['sampling']:.1%} | {c['idle']:.1%} | {i.get('collision', 0):.1%} | "
-                     f"{i.get('between steps', 0):.1%} | {i.get('in transit', 0):.1%} |")
+            L.append(md_row([m, r["steps"], r["cycle_ms"], *(f"{x:.1%}" for x in (
+                c["own_step"], c["peer_spans"], c["sampling"], c["idle"], i.get("collision", 0),
+                i.get("between steps", 0), i.get("in transit", 0)))]))
         L += ["", "Shares of each member's core over the window. Stage times (ms, P10 / P50 / P90 / P99 over the "
               "group's life): a member's own stage per step, the peers' spans it ran, and how long those spans "
-              "waited for its core.", "",
-              "| member | own stage | peer span | span wait |", "|---|---|---|---|"]
-        for m, s in sorted(g["stages"].items()):
-            cell = lambda d: " / ".join(f"{v:g}" for v in d.values()) if d else "-"  # noqa: E731
-            L.append(f"| {m} | {cell(s['own_stage_ms'])} | {cell(s['peer_span_ms'])} | {cell(s['span_wait_ms'])} |")
+              "waited for its core.", ""]
+        cell = lambda d: " / ".join(f"{v:g}" for v in d.values()) if d else "-"  # noqa: E731
+        L += md_table(["member", "own stage", "peer span", "span wait"], "llll",
+                      ([m, cell(s["own_stage_ms"]), cell(s["peer_span_ms"]), cell(s["span_wait_ms"])]
+                       for m, s in sorted(g["stages"].items())))
         rows = list(g["analysis"].values())
         st = list(g["stages"].values())
         if rows and st and all(x["own_stage_ms"] for x in st):
@@ -170,11 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         L += prompt_cost_section(g["analysis"])
         L.append("")
     L += ["## The run's burst window", "",
-          f"Arrivals in [{lo:g}, {hi:g}) s of the `{a.system}` runs: P50 / P99 TTFT and P50 TPOT (s).", "",
-          "| rep | requests | failed | TTFT P50 | TTFT P99 | TPOT P50 |", "|---|---:|---:|---:|---:|---:|"]
-    for rep, w in window.items():
-        f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-        L.append(f"| {rep} | {w['n']} | {w['failed']} | {f(w['ttft_p50'])} | {f(w['ttft_p99'])} | {f(w['tpot_p50'])} |")
+          f"Arrivals in [{lo:g}, {hi:g}) s of the `{a.system}` runs: P50 / P99 TTFT and P50 TPOT (s).", ""]
+    f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    L += md_table(["rep", "requests", "failed", "TTFT P50", "TTFT P99", "TPOT P50"], "lrrrrr",
+                  ([rep, w["n"], w["failed"], f(w["ttft_p50"]), f(w["ttft_p99"]), f(w["tpot_p50"])]
+                   for rep, w in window.items()))
     L += ["", f"Raw data: `{rel(docs / (a.name + '.json'))}` (this analysis), `{rel(raw)}/` (the workers' traces, "
           "gzipped: `python -m vllm_kunserve.bench.pipeline_trace` reads them unzipped)."]
     (docs / f"{a.name}.md").write_text("\n".join(L) + "\n")

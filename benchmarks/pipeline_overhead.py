@@ -36,9 +36,11 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+from vllm_kunserve.bench.report import command as cmd
+from vllm_kunserve.bench.report import cpu_device, doc_header, md_row, md_table, write_json
+
+ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
 DOCS = ROOT / "docs" / "benchmarks"
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def throughput(results) -> float:
@@ -125,8 +127,6 @@ def main() -> int:
     ap.add_argument("--log-dir", default=str(ROOT / "runs" / "pipeline_overhead"))
     a = ap.parse_args()
     turns = _turns(a.stage_turn_ms)
-    from _doc import cpu_device, doc_header
-
     from vllm_kunserve.cluster.fleet.launcher import KunserveCluster
     from vllm_kunserve.tools.make_model import PRESETS, build_model
 
@@ -195,14 +195,13 @@ def main() -> int:
                 tok = {(r["rep"], r["turn_ms"]): r["tok_s"] for r in runs if r["mode"] == "grouped" and r["k"] == k}
                 versus[f"{g:g}"][k] = spread([round(tok[(rep, g)] / tok[(rep, turns[0])], 3)
                                               for rep in range(1, a.repeat + 1)])
-    command = "python benchmarks/pipeline_overhead.py " + " ".join(sys.argv[1:])
+    command = cmd("pipeline_overhead.py")
     device = cpu_device(f"the benchmark's process; each engine: 1 compute thread, {scaling['preset']}")
     raw = DOCS / "pipeline_overhead.json"
-    raw.write_text(json.dumps({"command": command, "device": device, "preset": scaling["preset"],
-                               "prompt_len": a.prompt_len, "output_len": a.output_len, "kv_tokens": a.kv_tokens,
-                               "k_independent": k_ind, "k_grouped": k_grp, "sample_turn_ms": turns,
-                               "runs": runs, "pairs": pairs, "summary": summary, "turn_vs_first": versus},
-                              indent=1) + "\n")
+    write_json(raw, {"command": command, "device": device, "preset": scaling["preset"],
+                     "prompt_len": a.prompt_len, "output_len": a.output_len, "kv_tokens": a.kv_tokens,
+                     "k_independent": k_ind, "k_grouped": k_grp, "sample_turn_ms": turns,
+                     "runs": runs, "pairs": pairs, "summary": summary, "turn_vs_first": versus}, indent=1, clean=False)
     lines = doc_header(
         "Pipeline group in closed loop: grouped vs independent engines", "pipeline_overhead.py", device, raw,
         f"Command: `{command}`. Two engines of `{scaling['preset']}` ({spec.dtype}), KV for {a.kv_tokens} tokens "
@@ -216,15 +215,13 @@ def main() -> int:
         "Throughput: output tokens over the middle 60% of the token arrivals. TPOT: each request's mean gap "
         "between tokens, P50 over requests. A closed loop: no arrivals to prefill, no queue; the client sent "
         "every request at once (its largest send lag is in the raw data).")
-    lines += ["| rep | turn (ms) | mode | K | tokens/s | TPOT P50 (ms) | failed |", "|---:|---:|---|---:|---:|---:|---:|"]
-    lines += [f"| {r['rep']} | {r['turn_ms']:g} | {r['mode']} | {r['k']} | {r['tok_s']:.1f} | {r['tpot_p50_ms']:.1f} "
-              f"| {r['failed']} |" for r in runs]
-    lines += ["", "Paired with the same repetition's (and cluster's) independent run, median (min..max, n):", "",
-              "| turn (ms) | grouped K | tokens/s vs independent | TPOT vs independent |", "|---:|---:|---|---|"]
+    lines += md_table(["rep", "turn (ms)", "mode", "K", "tokens/s", "TPOT P50 (ms)", "failed"], "rrlrrrr",
+                      ([r["rep"], f"{r['turn_ms']:g}", r["mode"], r["k"], f"{r['tok_s']:.1f}", f"{r['tpot_p50_ms']:.1f}",
+                        r["failed"]] for r in runs))
+    lines += ["", "Paired with the same repetition's (and cluster's) independent run, median (min..max, n):", ""]
     fmt = lambda s: f"{s['median']:.2f} ({s['min']:.2f}..{s['max']:.2f}, n={s['n']})"  # noqa: E731
-    for g, by_k in summary.items():
-        for k, s in by_k.items():
-            lines.append(f"| {g} | {k} | {fmt(s['tok_s'])} | {fmt(s['tpot'])} |")
+    lines += md_table(["turn (ms)", "grouped K", "tokens/s vs independent", "TPOT vs independent"], "rrll",
+                      ([g, k, fmt(s["tok_s"]), fmt(s["tpot"])] for g, by_k in summary.items() for k, s in by_k.items()))
     for g, by_k in versus.items():
         lines += ["", f"Grouped tokens/s with a {g} ms turn over the same repetition's with {turns[0]:g} ms, "
                   "median (min..max, n): " + "; ".join(f"K={k}: {fmt(s)}" for k, s in by_k.items()) + "."]
@@ -232,11 +229,9 @@ def main() -> int:
     if hop_rows:
         from vllm_kunserve.bench.compare import HOP_COLUMNS, HOP_NOTE, hop_cells
 
-        lines += ["", "## Pipeline hops", "", HOP_NOTE + " One group per grouped run.", "",
-                  "| rep | turn (ms) | K | engine | " + " | ".join(HOP_COLUMNS) + " |",
-                  "|---:|---:|---:|---:|" + "---:|" * len(HOP_COLUMNS)]
-        lines += ["| " + " | ".join([str(r["rep"]), f"{r['turn_ms']:g}", str(r["k"]), inst] + hop_cells(t)) + " |"
-                  for r, inst, t in hop_rows]
+        lines += ["", "## Pipeline hops", "", HOP_NOTE + " One group per grouped run.", ""]
+        lines += md_table(["rep", "turn (ms)", "K", "engine", *HOP_COLUMNS], "rrrr" + "r" * len(HOP_COLUMNS),
+                          ([r["rep"], f"{r['turn_ms']:g}", r["k"], inst, *hop_cells(t)] for r, inst, t in hop_rows))
     trace_rows = [(r, m, t) for r in runs for m, t in sorted((r.get("trace") or {}).items())]
     if trace_rows:
         lines += ["", "## Where each stage's core goes", "",
@@ -249,16 +244,16 @@ def main() -> int:
                   "(this member's engine core between its steps, the peer's microbatch elsewhere), *in transit* "
                   "(both between stages). Then one step's chain, mean ms: before the hop / the hop / after it / to "
                   "the sampling call / the sampling with its wait / to the next step / the next step's wait for "
-                  "the core.", "",
-                  "| rep | turn (ms) | K | member | cycle (ms) | own | peer spans | sampling | idle | collision "
-                  "| between steps | in transit | chain (ms) |",
-                  "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "the core.", ""]
+        lines += md_table(["rep", "turn (ms)", "K", "member", "cycle (ms)", "own", "peer spans", "sampling", "idle",
+                           "collision", "between steps", "in transit", "chain (ms)"], "rrrlrrrrrrrrl")
         for r, m, t in trace_rows:
             c, i = t["core"], t.get("idle_by_cause") or {}
             chain = " / ".join(f"{v:.1f}" for v in (t.get("chain_ms") or {}).values())
-            lines.append(f"| {r['rep']} | {r['turn_ms']:g} | {r['k']} | {m} | {t['cycle_ms']} | {c['own_step']:.2f} | "
-                         f"{c['peer_spans']:.2f} | {c['sampling']:.3f} | {c['idle']:.2f} | {i.get('collision', 0):.3f} | "
-                         f"{i.get('between steps', 0):.3f} | {i.get('in transit', 0):.3f} | {chain} |")
+            lines.append(md_row([r["rep"], f"{r['turn_ms']:g}", r["k"], m, t["cycle_ms"], f"{c['own_step']:.2f}",
+                                 f"{c['peer_spans']:.2f}", f"{c['sampling']:.3f}", f"{c['idle']:.2f}",
+                                 f"{i.get('collision', 0):.3f}", f"{i.get('between steps', 0):.3f}",
+                                 f"{i.get('in transit', 0):.3f}", chain]))
     (DOCS / "pipeline_overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if all(r["failed"] == 0 for r in runs) else 1

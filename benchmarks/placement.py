@@ -43,9 +43,10 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from vllm_kunserve.bench.report import cpu_device, doc_header, md_row, md_table, pyplot, save_figure
+from vllm_kunserve.workload.stats import percentile
 
+ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
 DEFAULT_TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure_llm_2023_conv.csv"
 ELASTIC = ("round_robin", "worst_fit", "best_fit", "mell")
 ELASTIC_LABEL = {"round_robin": "round-robin", "worst_fit": "least-load", "best_fit": "best-fit", "mell": "MELL"}
@@ -94,20 +95,20 @@ def ttft_table(ttfts: Mapping[str, Sequence], reference: str | None = "least-loa
         return [list(x) for x in v] if v and isinstance(v[0], (list, tuple, np.ndarray)) else [v]
 
     per = {p: reps(v) for p, v in ttfts.items()}
-    p99 = {p: [float(np.percentile(r, 99)) if len(r) else None for r in rs] for p, rs in per.items()}
-    p50 = {p: [float(np.percentile(r, 50)) if len(r) else None for r in rs] for p, rs in per.items()}
+    p99 = {p: [percentile(r, 99) for r in rs] for p, rs in per.items()}
+    p50 = {p: [percentile(r, 50) for r in rs] for p, rs in per.items()}
     cols = list(next(iter(extra.values())).keys()) if extra else []
     ref = reference if reference in per else None
     head = ["policy", "reps", "requests", "P50 TTFT s", "P99 TTFT s"] + (
         [f"P99 / {ref}'s (mean, max)"] if ref else []) + cols
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = md_table(head, "l" * len(head))
     for p, rs in per.items():
         row = [p, str(len(rs)), str(sum(len(r) for r in rs)), fmt(spread(p50[p]), 3), fmt(spread(p99[p]), 3)]
         if ref:
             ratio = [a / b for a, b in zip(p99[p], p99[ref]) if a is not None and b]
             row.append(f"{np.mean(ratio):.2f}x, {np.max(ratio):.2f}x" if ratio else "-")
         row += [str((extra or {}).get(p, {}).get(c, "")) for c in cols]
-        lines.append("| " + " | ".join(row) + " |")
+        lines.append(md_row(row))
     return lines
 
 
@@ -167,9 +168,9 @@ def elastic_section(el: dict, a) -> list[str]:
              f"requests); one token every {a.tpot_ms:g} ms per request, batches every {a.tick_s:g} s; "
              f"{el['capacity_blocks']:,} KV blocks of 16 tokens per instance; measured from {a.warmup_s:g} s to the "
              "last arrival. Lower bound: total KV / one instance's, rounded up, averaged over time. Values: mean ± "
-             "std over windows (min-max).", "",
-             "| placement | mean instances | peak instances | lower bound | migrations/s | requests moved/s | KV moved GB/s |",
-             "|---|---|---|---|---|---|---|"]
+             "std over windows (min-max).", ""] + md_table(
+        ["placement", "mean instances", "peak instances", "lower bound", "migrations/s", "requests moved/s",
+         "KV moved GB/s"], "lllllll")
     for pol in ELASTIC:
         g = agg[pol]
         lines.append(f"| {ELASTIC_LABEL[pol]} | {fmt(g['mean_instances'])} | {fmt(g['peak_instances'], 1)} | "
@@ -302,11 +303,7 @@ def fixed_section(fixed: dict, a, modes) -> list[str]:
 # figure
 
 def plot(el: dict | None, fixed: dict | None, modes, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     panels = (1 if el else 0) + (1 if fixed else 0)
     if not panels:
         return
@@ -350,9 +347,7 @@ def plot(el: dict | None, fixed: dict | None, modes, path: Path) -> None:
         ax.set_ylabel("P99 TTFT / least-load's (log)")
         ax.set_title("(b) fixed cluster, simulated: P99 TTFT relative to least-load on the same trace")
         ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -424,7 +419,7 @@ def run_real(a, modes: list[str]) -> dict:
                     "ttft_s": [x.ttft_s for x in res.results if x.ok], "failed": sum(1 for x in res.results if not x.ok),
                     "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p99_s": s["ttft_s"]["p99"],
                     "preemptions": s.get("preemptions"),
-                    "send_lag_p99_s": float(np.percentile([x.send_s - x.arrival_s for x in res.results], 99)),
+                    "send_lag_p99_s": percentile([x.send_s - x.arrival_s for x in res.results], 99),
                     "migrations": migrations(cl.url) - moved0}
                 print(f"  rep {rep + 1} {mode}: P99 TTFT {s['ttft_s']['p99']:.3f} s", flush=True)
             out["reps"].append(entry)
@@ -482,7 +477,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(m not in MODES for m in modes):
         raise SystemExit(f"--modes {a.modes!r}: from {', '.join(MODES)}")
 
-    from benchmarks._doc import cpu_device, doc_header
     from vllm_kunserve.sim.runner import build_config
     from vllm_kunserve.sim.trace import read_trace_csv
 

@@ -10,8 +10,6 @@ minute. Needs the Azure trace and Vidur profiles under --data (falls back to tes
 from __future__ import annotations
 
 import argparse
-import csv
-import glob
 import json
 import os
 import platform
@@ -23,21 +21,17 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from vllm_kunserve.bench.costmodel_eval import bench_vidur, vidur_table   # the per-profile form comparison
+from vllm_kunserve.bench.report import md_row, md_table, write_json
+from vllm_kunserve.config import DropConfig
+from vllm_kunserve.policy import (ClusterSnapshot, DropPlan, InstanceSnapshot, ModelSpec, RequestSnapshot,
+                                  assess_overload, default_model, lookahead_microbatches, lower_bound_l2, make_placer,
+                                  pipeline_bubble, plan_drop, token_count_microbatches, work_from_requests)
+from vllm_kunserve.policy import costmodel as pc
+from vllm_kunserve.policy.microbatch import min_microbatch_cost
+from vllm_kunserve.workload.traces import load_azure
 
-from vllm_kunserve.policy import (ClusterSnapshot, DropPlan, InstanceSnapshot, ModelSpec,  # noqa: E402
-                                  RequestSnapshot, assess_overload, default_model, fit_with_holdout,
-                                  lookahead_microbatches, lower_bound_l2, make_placer, pipeline_bubble,
-                                  plan_drop, token_count_microbatches, work_from_requests)
-from vllm_kunserve.config import DropConfig  # noqa: E402
-from vllm_kunserve.policy import costmodel as pc  # noqa: E402
-from vllm_kunserve.policy.costmodel import load_vidur_mlp  # noqa: E402
-from vllm_kunserve.policy.microbatch import min_microbatch_cost  # noqa: E402
-from vllm_kunserve.workload.traces import load_azure  # noqa: E402
-
-import costmodel_fit  # noqa: E402  (benchmarks/costmodel_fit.py: the per-profile form comparison)
+ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
 
 
 def timed(fn, repeat):
@@ -90,8 +84,8 @@ def bench_microbatch(rows):
 
 def bench_costmodel(data: Path):
     """Every Vidur profile and TP degree: held-out 20% per form and the auto choice
-    (``costmodel_fit.bench_vidur``; docs/benchmarks/costmodel_fit.md has the residuals)."""
-    return costmodel_fit.bench_vidur(data, spread=False)
+    (``bench.costmodel_eval.bench_vidur``; docs/benchmarks/costmodel_fit.md has the residuals)."""
+    return bench_vidur(data, spread=False)
 
 
 def _random_mixes(rows, n=500, seed=2):
@@ -273,7 +267,7 @@ def render_md(r: dict, cmd: str) -> str:
          "cross-validation on the training rows; the verdict is its held-out error. Residuals, fitted "
          "parameters and the vLLM-CPU profiles: docs/benchmarks/costmodel_fit.md "
          "(`python benchmarks/costmodel_fit.py`).", ""]
-    L += costmodel_fit.vidur_table(r["costmodel"])
+    L += vidur_table(r["costmodel"])
     n_ok = sum(c["meets_target"] for c in r["costmodel"])
     n_lin = sum(c["forms"]["paper"]["mean_rel_err"] <= 0.05 for c in r["costmodel"])
     L += ["", f"{n_ok} of {len(r['costmodel'])} profiles meet the 5% target with the auto form (paper form: "
@@ -291,26 +285,24 @@ def render_md(r: dict, cmd: str) -> str:
               "H100 rows are the simulator's step-time model (Vidur linear ops + roofline attention) on the "
               "prefill, decode and mixed shapes that `sim.adapters.lookahead_costmodel` fits (scored on those "
               "same shapes), and on random batches of 0-3 prefill chunks plus 0-256 decodes at Azure-trace "
-              "contexts.", "",
-              "| step times | rows | scored on | paper mean | paper max | extended mean | extended max | "
-              "roofline mean | roofline max | auto | delta / alpha |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "contexts.", ""]
+        L += md_table(["step times", "rows", "scored on", "paper mean", "paper max", "extended mean", "extended max",
+                       "roofline mean", "roofline max", "auto", "delta / alpha"], "l" * 11)
         for c in r["costmodel_forms"]:
             f = c["forms"]
             da = c.get("delta_over_alpha")
-            L.append(f"| {c['profile']} | {c['rows']} | {c['scored_on']} | {f['paper']['mean_rel_err']:.1%} | "
-                     f"{f['paper']['max_rel_err']:.1%} | {f['extended']['mean_rel_err']:.1%} | "
-                     f"{f['extended']['max_rel_err']:.1%} | {f['roofline']['mean_rel_err']:.1%} | "
-                     f"{f['roofline']['max_rel_err']:.1%} | {c.get('auto', '-')} | "
-                     f"{'-' if da is None else f'{da:.1f}'} |")
+            L.append(md_row([c["profile"], c["rows"], c["scored_on"],
+                             *(f"{f[form][k]:.1%}" for form in ("paper", "extended", "roofline")
+                               for k in ("mean_rel_err", "max_rel_err")),
+                             c.get("auto", "-"), "-" if da is None else f"{da:.1f}"]))
         L.append("")
     L += ["## Pipeline bubble: lookahead vs token-count chunking", "",
           "32 requests drawn from the Azure conversation trace per sample, 30 samples per row; microbatches = "
           "stages; steady-state bubble of the simulated pipeline (`pipeline_bubble`), cost model = "
           "`default_model()` (alpha from prefill FLOPs, beta/gamma from the Vidur H100 Llama-2-7B fit).", "",
-          "| mix | stages | lookahead | token-count | ratio |", "|---|---|---|---|---|"]
-    for b in r["bubble"]:
-        L.append(f"| {b['mix']} | {b['stages']} | {b['lookahead']:.2%} | {b['token_count']:.2%} | "
-                 f"{b['ratio']:.3f} |")
+          ] + md_table(["mix", "stages", "lookahead", "token-count", "ratio"], "lllll",
+                       ([b["mix"], b["stages"], f"{b['lookahead']:.2%}", f"{b['token_count']:.2%}", f"{b['ratio']:.3f}"]
+                        for b in r["bubble"]))
     ds = r.get("decode_split")
     if ds:
         L += ["", "## Decode-only group steps: the cost floor", "",
@@ -321,23 +313,20 @@ def render_md(r: dict, cmd: str) -> str:
               f"delta {ds['model']['delta']:.3g} ms). The former floor of `2 x min_tokens` tokens never split "
               "these steps (one microbatch: bubble 1 - 1/stages). Decodes at Azure-trace contexts (prompt + "
               "some generated tokens), 20 samples per row; period = steady-state time per step (every request "
-              "advances once) relative to running the step as one microbatch.", "",
-              "| stages | decodes | microbatches (mean) | bubble | token-floor bubble | period vs one microbatch |",
-              "|---|---|---|---|---|---|"]
-        for d in ds["rows"]:
-            L.append(f"| {d['stages']} | {d['requests']} | {d['microbatches']:.2f} | {d['bubble']:.1%} | "
-                     f"{d['token_floor_bubble']:.0%} | {d['period_vs_one_microbatch']:.2f} |")
+              "advances once) relative to running the step as one microbatch.", ""]
+        L += md_table(["stages", "decodes", "microbatches (mean)", "bubble", "token-floor bubble",
+                       "period vs one microbatch"], "llllll",
+                      ([d["stages"], d["requests"], f"{d['microbatches']:.2f}", f"{d['bubble']:.1%}",
+                        f"{d['token_floor_bubble']:.0%}", f"{d['period_vs_one_microbatch']:.2f}"] for d in ds["rows"]))
     pl = r["placement"]
     L += ["", "## Placement: MELL vs baselines on Azure request lengths", "",
           f"First {pl['requests']} requests of the trace at their timestamps, KV grows one update per "
           f"{pl['block_size']}-token block at {pl['tpot_s'] * 1e3:.0f} ms per output token, instance capacity "
           f"{pl['capacity_tokens']} tokens; {pl['operations']} operations. Time-averaged Martello-Toth lower "
-          f"bound: {pl['mean_lower_bound']:.2f} instances.", "",
-          "| policy | mean instances | peak instances | migrations | max per op | us per op |",
-          "|---|---|---|---|---|---|"]
-    for name, v in pl["policies"].items():
-        L.append(f"| {name} | {v['mean_instances']:.2f} | {v['peak_instances']} | {v['migrations']} | "
-                 f"{v['max_migrations_per_op']} | {v['us_per_op']:.0f} |")
+          f"bound: {pl['mean_lower_bound']:.2f} instances.", ""]
+    L += md_table(["policy", "mean instances", "peak instances", "migrations", "max per op", "us per op"], "llllll",
+                  ([name, f"{v['mean_instances']:.2f}", v["peak_instances"], v["migrations"], v["max_migrations_per_op"],
+                    f"{v['us_per_op']:.0f}"] for name, v in pl["policies"].items()))
     L.append("")
     return "\n".join(L)
 
@@ -360,7 +349,7 @@ def main(argv=None) -> int:
     r["bubble"] = bench_bubble(rows)
     r["placement"] = bench_placement(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(r, indent=2) + "\n")
+    write_json(args.out, r, clean=False)
     Path(args.md).write_text(render_md(r, "python benchmarks/policy_overhead.py"))
     print(json.dumps({"drop_ms": r["drop"]["plan_need"]["median_ms"],
                       "microbatch_ms": r["microbatch"]["lookahead"]["median_ms"],

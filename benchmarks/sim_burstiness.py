@@ -43,16 +43,16 @@ import argparse
 import json
 import math
 import os
-import shlex
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from vllm_kunserve.bench.report import command, md_row, md_table, pyplot, rel, save_figure, write_doc, write_json
+from vllm_kunserve.bench.report import json_safe as clean  # noqa: F401  (JSON-safe: non-finite floats as None)
+from vllm_kunserve.sim.scaling import guess_factor  # noqa: F401  (the rate fit's next factor, fit_cell's step)
 
+ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
 DATA = ROOT.parent / "shared" / "data" / "traces"
 AZURE = DATA / "azure_llm_2023_conv.csv"
 MOONCAKE = DATA / "mooncake_fast25_conversation.jsonl"
@@ -363,61 +363,15 @@ def _ratio(x: float, y: float) -> float | None:
     return x / y
 
 
-def guess_factor(points: list[tuple[float, float]], target: float, default: float) -> float:
-    """Next rate factor to try for mean demand ``target`` from ``(factor, mean)`` points of the same
-    trace: log-log interpolation between the closest points below and above the target, else
-    extrapolation along the local slope (demand grows about as factor^k, k clipped to 1-4: faster
-    than linear near the prefill capacity, where lifetimes grow), at most 2x per step."""
-    pts = [(f, m) for f, m in points if m > 0 and f > 0]
-    if not pts:
-        return default
-    lt = math.log(target)
-    below = [p for p in pts if p[1] < target]
-    above = [p for p in pts if p[1] >= target]
-    if below and above:
-        f1, m1 = max(below, key=lambda p: p[1])
-        f2, m2 = min(above, key=lambda p: p[1])
-        if f1 < f2 and m1 < m2:
-            return math.exp(math.log(f1) + (lt - math.log(m1)) * (math.log(f2) - math.log(f1))
-                            / (math.log(m2) - math.log(m1)))
-        return math.sqrt(f1 * f2)
-    near = sorted(pts, key=lambda p: abs(math.log(p[1]) - lt))
-    f0, m0 = near[0]
-    k = 2.0
-    if len(near) > 1 and near[1][0] != f0 and near[1][1] != m0:
-        k = (math.log(near[1][1]) - math.log(m0)) / (math.log(near[1][0]) - math.log(f0))
-        k = min(max(k, 1.0), 4.0)
-    step = math.exp((lt - math.log(m0)) / k)
-    return f0 * min(max(step, 0.5), 2.0)
-
-
 def fit_cell(cfg, row: dict, target: float, points: list, default: float, tol: float = 0.05, max_iter: int = 8):
     """The row's trace compressed until the oracle's mean KV demand over its measured period is
-    ``target`` (within ``tol``, else the closest of ``max_iter`` tries), as ``sim.scaling.fit_rate``
-    but stepping with :func:`guess_factor` over every point of the row so far (``points``, extended)."""
-    from vllm_kunserve.sim.scaling import oracle_demand_share
+    ``target`` (``sim.scaling.fit_rate``, stepping with ``guess_factor`` over every point of the row so
+    far: ``points``, extended)."""
+    from vllm_kunserve.sim.scaling import fit_rate
     from vllm_kunserve.sim.trace import compress_time
 
-    span = span_of(row["reqs"], row["boundary"])
-    best, tries, lo, hi = None, [], 0.0, math.inf
-    for _ in range(max_iter):
-        f = guess_factor(points, target, default)
-        if not lo < f < hi:  # keep inside this fit's bracket
-            f = math.sqrt(lo * hi) if lo > 0 and hi < math.inf else (lo * 1.5 if lo > 0 else hi / 1.5)
-        trace = compress_time(row["reqs"], f)
-        mean, peak = oracle_demand_share(cfg, trace, span=span(f))
-        points.append((f, mean))
-        tries.append((round(f, 6), round(mean, 6)))
-        if best is None or abs(mean - target) < abs(best[2] - target):
-            best = (f, trace, mean, peak)
-        if mean > 0 and abs(mean / target - 1) <= tol:
-            break
-        if mean < target:
-            lo = max(lo, f)
-        else:
-            hi = min(hi, f)
-    f, trace, mean, peak = best
-    return trace, {"scale": f, "mean_share": mean, "peak_share": peak, "tries": tries}
+    return fit_rate(cfg, lambda f: compress_time(row["reqs"], f), target, tol, max_iter,
+                    span=span_of(row["reqs"], row["boundary"]), start=default, points=points)
 
 
 def sweep(cfg, rows: list[dict], a, ref_factor: float) -> list[dict]:
@@ -532,9 +486,7 @@ def measured_step_time(cfg, check: dict):
 
 # ------------------------------------------------------------------------------------ outputs
 def plot(path: Path, cells: list[dict], rows: list[dict], demands: list[float], groups: list[int]) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.colors import LogNorm
     from matplotlib.patches import Rectangle
 
@@ -578,26 +530,7 @@ def plot(path: Path, cells: list[dict], rows: list[dict], demands: list[float], 
     cb.set_label(f"P99 TTFT ratio (log); red: the paper's {PAPER_X}x")
     fig.suptitle("Qwen-2.5-14B, 8 x H100 (simulated): how many times lower P99 TTFT"
                  + (f"  (*: demand off its column by > {OFF_TARGET:.0%})" if off else ""), fontsize=11)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def clean(x):
-    """JSON-safe: non-finite floats (a system that left requests unfinished) as None."""
-    if isinstance(x, dict):
-        return {str(k): clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [clean(v) for v in x]
-    if isinstance(x, (float, np.floating)):
-        return float(x) if math.isfinite(x) else None
-    if isinstance(x, (np.integer, np.bool_)):
-        return x.item()
-    return x
-
-
-def rel(p: Path) -> str:
-    p = Path(p).resolve()
-    return p.relative_to(ROOT).as_posix() if p.is_relative_to(ROOT) else str(p)
+    save_figure(fig, path, dpi=120, tight=False)   # laid out by constrained_layout
 
 
 def render(a, cfg, meta: dict, rows: list[dict], cells: list[dict], analysis: dict, shares: dict,
@@ -663,15 +596,14 @@ def render(a, cfg, meta: dict, rows: list[dict], cells: list[dict], analysis: di
               "each tick its CV is shown as `cv_spread` below.", ""]
     # ratio grid
     L += [f"## KunServe's P99 TTFT ratio to tuned vLLM (x lower; >= {PAPER_X}x in bold)", "",
-          f"![heat map]({png.name})", "",
-          "| row | " + " | ".join(f"{d:.0%}" for d in a.demands) + " |", "|---|" + "---|" * len(a.demands)]
+          f"![heat map]({png.name})", ""] + md_table(["row", *(f"{d:.0%}" for d in a.demands)], "l" * (1 + len(a.demands)))
     for n in names:
         cellv = []
         for d in a.demands:
             r = by[(n, d)]["ratio_tuned_over_kunserve"]
             mark = "" if by[(n, d)]["on_target"] else "*"
             cellv.append("-" if r is None else (f"**{r:.2f}x**{mark}" if r >= PAPER_X else f"{r:.2f}x{mark}"))
-        L.append(f"| {n} | " + " | ".join(cellv) + " |")
+        L.append(md_row([n, *cellv]))
     offs = [c for c in cells if not c["on_target"]]
     if offs:
         L += ["", f"\\* the rate fit missed the column by more than {OFF_TARGET:.0%} (the trace's requests cannot "
@@ -707,10 +639,10 @@ def render(a, cfg, meta: dict, rows: list[dict], cells: list[dict], analysis: di
           + (" Between the two highest columns the oracle's mean demand grows as rate^k, k = "
              + ", ".join(f"{k:.1f} ({n})" for n, k in ks) + ": k > 1 where the oracle's own steps slow as the "
              "rate nears the cluster's compute capacity and request lifetimes grow, so the top columns load "
-             "compute as well as memory." if ks else ""), "",
-          "| row | demand | mean / peak | rate x | requests | vllm | tuned (cap) | kunserve | "
-          + " | ".join(f"eq-g{gg}" for gg in a.equal_groups) + " | tuned / kunserve | stock / kunserve | group | "
-          "preempt | wall s |", "|---" * (11 + len(a.equal_groups)) + "|"]
+             "compute as well as memory." if ks else ""), ""]
+    cols = ["row", "demand", "mean / peak", "rate x", "requests", "vllm", "tuned (cap)", "kunserve",
+            *(f"eq-g{gg}" for gg in a.equal_groups), "tuned / kunserve", "stock / kunserve", "group", "preempt", "wall s"]
+    L += md_table(cols, "l" * len(cols))
     for c in cells:
         p = c["p99_ttft_s"]
         s = c["systems"]
@@ -741,8 +673,8 @@ def render(a, cfg, meta: dict, rows: list[dict], cells: list[dict], analysis: di
                         if "cv_spread" in ws[0] else "")
                      + f"; mean demand {min(w['mean_share'] for w in ws):.0%}-{max(w['mean_share'] for w in ws):.0%}, "
                      f"peak {min(w['peak_share'] for w in ws):.0%}-{max(w['peak_share'] for w in ws):.0%}.")
-        L += ["", f"| trace | CV | windows | nearest rows | outside demand range | share in cells >= {PAPER_X}x |",
-              "|---|---|---|---|---|---|"]
+        L += [""] + md_table(["trace", "CV", "windows", "nearest rows", "outside demand range",
+                              f"share in cells >= {PAPER_X}x"], "llllll")
         for v in shares.values():
             L.append(f"| {v['trace']} ({v['subset'].replace('_', '-')}) | {v['cv'].replace('_', ' ')} "
                      f"{v['cv_range'][0]:.2f}-{v['cv_range'][1]:.2f} | {v['windows']} | "
@@ -754,11 +686,10 @@ def render(a, cfg, meta: dict, rows: list[dict], cells: list[dict], analysis: di
               f"random-weight 7b Llama measured on an {check['device']} (`docs/benchmarks/step_tokens_gpu_7b.md`: "
               "one sequence, no KV prefix, CUDA graphs). Where it applies: the fixed weight-read cost of small "
               "steps and the token-linear cost of prefill chunks; it has no KV prefix, so decode attention is "
-              "not checked.", "",
-              "| tokens per step | measured ms | simulated ms | simulated / measured |", "|---:|---:|---:|---:|"]
-        for r in check["rows"]:
-            L.append(f"| {r['tokens']} | {r['measured_ms']:.2f} | {r['simulated_ms']:.2f} | "
-                     f"{r['simulated_ms'] / r['measured_ms']:.2f} |")
+              "not checked.", ""]
+        L += md_table(["tokens per step", "measured ms", "simulated ms", "simulated / measured"], "rrrr",
+                      ([r["tokens"], f"{r['measured_ms']:.2f}", f"{r['simulated_ms']:.2f}",
+                        f"{r['simulated_ms'] / r['measured_ms']:.2f}"] for r in check["rows"]))
         one, floor = min(check["rows"], key=lambda r: r["tokens"]), check["weight_read_floor_ms"]
         L += ["", f"Least squares over these rows: measured = {check['fixed_x']:.2f} x the simulator's fixed "
               f"(weight-read) part + {check['token_x']:.2f} x its per-token part. Reading the 7B weights once at the "
@@ -822,22 +753,17 @@ def main(argv: list[str] | None = None) -> int:
     png, raw = out.with_suffix(".png"), out.with_suffix(".json")
     plot(png, cells, rows, a.demands, a.equal_groups)
     timing["total_wall_s"] = time.perf_counter() - t_start
-    cmd = "python benchmarks/sim_burstiness.py" + ("" if not (argv or sys.argv[1:]) else " " + shlex.join(argv or sys.argv[1:]))
+    cmd = command("sim_burstiness.py", argv or None)
     meta = {"command": cmd, "droppable_gb": droppable_weight_bytes(cfg) / 1e9,
             "kv_gb": cfg.base_kv_blocks() * cfg.block_bytes / 1e9,
             "max_group_size": KunServeConfig().drop.max_group_size}
     lines = render(a, cfg, meta, rows, cells, analysis, shares, check, png, raw, timing)
-    keep = ""
-    if out.is_file():
-        old = out.read_text(encoding="utf-8")
-        if "\n## Reading" in old:
-            keep = old[old.index("\n## Reading") + 1:]
-    out.write_text("\n".join(lines) + ("\n" + keep if keep else ""), encoding="utf-8")
+    write_doc(out, lines, keep="## Reading")
     slim = {"command": cmd, "config": config_summary(cfg), "paper_x": PAPER_X,
             "args": {k: v for k, v in vars(a).items() if k not in ("azure", "mooncake", "out")},
             "rows": [{k: v for k, v in r.items() if k != "reqs"} for r in rows], "cells": cells,
             "windows": analysis, "window_shares": shares, "step_check": check, "timing": timing}
-    raw.write_text(json.dumps(clean(slim), indent=1), encoding="utf-8")
+    write_json(raw, slim, indent=1, newline=False)
     print(f"wrote {out}, {png.name}, {raw.name} in {timing['total_wall_s']:.0f} s", flush=True)
     return 0
 

@@ -20,8 +20,6 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
 
 def main() -> int:
     from vllm_kunserve.sim.harness import load_run_requests, solo_profile_rows

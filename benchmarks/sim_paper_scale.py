@@ -19,11 +19,9 @@ timings: Microsoft Vidur profiles (MIT).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from vllm_kunserve.bench.report import command, md_row, md_table, write_doc, write_json
 
 DEFAULT_TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "traces",
                              "azure_llm_2023_conv.csv")
@@ -116,7 +114,7 @@ def main() -> int:
         raise SystemExit(f"--dispatch {a.dispatch!r}: comma-separated, from {', '.join(DISPATCH)}")
     cfg = build_config("qwen2.5-14b", "h100", instances=8, gpu_mem_gb=80)
     names = [n.strip() for n in a.policies.split(",") if n.strip()]
-    cmd = "python benchmarks/sim_paper_scale.py " + " ".join(sys.argv[1:])
+    cmd = command("sim_paper_scale.py")
     lines = [
         "# Paper-scale what-if (simulated)", "",
         f"Command: `{cmd}`", "",
@@ -135,10 +133,10 @@ def main() -> int:
         slim["scan"] = ranked
         lines += [f"## Window scan ({wins[0][1]:g}-s windows every {a.scan_step:g} s, oracle at rate "
                   f"x{ranked[0]['rate_scale']:g}; top 8 by oracle KV peak-to-mean)", "",
-                  "| window | requests | oracle KV peak/mean | arrival peak/mean (tokens, 30 s) | "
-                  "arrival peak/mean (requests, 30 s) |", "|---|---|---|---|---|"]
-        lines += [f"| {d['window']} | {d['requests']} | {d['oracle_peak_to_mean']:.2f} | "
-                  f"{d['arrival_peak_to_mean_tokens']:.2f} | {d['arrival_peak_to_mean_requests']:.2f} |"
+                  ] + md_table(["window", "requests", "oracle KV peak/mean", "arrival peak/mean (tokens, 30 s)",
+                                "arrival peak/mean (requests, 30 s)"], "lllll")
+        lines += [md_row([d["window"], d["requests"], f"{d['oracle_peak_to_mean']:.2f}",
+                          f"{d['arrival_peak_to_mean_tokens']:.2f}", f"{d['arrival_peak_to_mean_requests']:.2f}"])
                   for d in ranked[:8]]
         rank = {d["window"]: i + 1 for i, d in enumerate(ranked)}
         lines += ["", "Rank of the windows run below: " + ", ".join(
@@ -162,16 +160,8 @@ def main() -> int:
     lines += ["The paper reports 12.7-72.2x lower P99 TTFT than vLLM, Llumnix and InferCept.", "",
               "Attribution: Azure LLM inference trace 2023, Microsoft Azure, used in Splitwise (Patel et al., "
               "ISCA 2024), CC BY 4.0. GPU linear-op timings: Microsoft Vidur profiles, MIT.", ""]
-    keep = ""
-    if os.path.isfile(a.out):
-        old = open(a.out, encoding="utf-8").read()
-        if "\n## Reading" in old:
-            keep = old[old.index("\n## Reading") + 1:]
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + ("\n" + keep if keep else ""))
-    with open(os.path.splitext(a.out)[0] + ".json", "w", encoding="utf-8") as f:
-        json.dump(slim, f, indent=1)
+    write_doc(a.out, lines, keep="## Reading")
+    write_json(os.path.splitext(a.out)[0] + ".json", slim, indent=1, clean=False, newline=False)
     print(f"wrote {a.out}")
     return 0
 

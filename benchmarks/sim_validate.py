@@ -24,8 +24,6 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
 
 def kv_blocks_from(summary: dict, block_size: int) -> int | None:
     info = summary.get("server_cache_config") or {}

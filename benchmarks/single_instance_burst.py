@@ -24,7 +24,9 @@ import shutil
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from vllm_kunserve.bench.report import md_table
+
+ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
 TRACE = ROOT.parent / "shared/data/traces/azure_llm_2023_conv.csv"
 VARIANTS = {
     "small": ["--preset", "small"],
@@ -101,8 +103,7 @@ def render(out: Path, argv: list[str], variant: str, assets: Path, model: Path) 
         f"`--enforce-eager` on the same 2-core host, {reps} interleaved repetitions; mean [min-max] "
         "(ratio to stock).",
         "", table(agg, names, base, markdown=True), "",
-        "| target (issue 6) | measured | target |", "|---|---|---|",
-        *[f"| {a} | {b} | {c} |" for a, b, c in targets],
+        *md_table(["target (issue 6)", "measured", "target"], "lll", targets),
         "",
         f"Figures: `{assets.name}/ttft_cdf.png`, `{assets.name}/timeline_<system>.png`;",
         f"raw numbers in `{assets.name}/compare.json`.",

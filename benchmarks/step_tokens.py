@@ -23,16 +23,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from vllm_kunserve.bench.report import device_name, doc_header, md_row, md_table, rel, write_json
 
-from benchmarks._doc import device_name, doc_header, rel  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
 
 #: model shapes: the cluster burst's CPU model (``kunserve make-model`` preset ``decode-bf16``) and a
 #: Llama-2-7B-sized one (GPU only: 13 GB of bf16 weights)
@@ -134,10 +132,10 @@ def markdown(res: dict, out: Path) -> list[str]:
     if h:
         lines += [f"**A 64-token prompt added to a step of {h['base_tokens']} decodes costs {h['ratio']:.2f}x that "
                   f"step** (+{h['added_ms']:.1f} ms).", ""]
-    lines += ["| tokens per step | ms (median) | min..max | ms per token | over 1 token |", "|---:|---:|---|---:|---:|"]
+    lines += md_table(["tokens per step", "ms (median)", "min..max", "ms per token", "over 1 token"], "rrlrr")
     for r in res["rows"]:
-        lines.append(f"| {r['tokens']} | {r['ms']:.2f} | {r['spread_ms'][0]:.2f}..{r['spread_ms'][1]:.2f} | "
-                     f"{r['ms_per_token']:.3f} | {r['over_one']:.2f} |")
+        lines.append(md_row([r["tokens"], f"{r['ms']:.2f}", f"{r['spread_ms'][0]:.2f}..{r['spread_ms'][1]:.2f}",
+                             f"{r['ms_per_token']:.3f}", f"{r['over_one']:.2f}"]))
     return lines + [""]
 
 
@@ -170,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
            "load": os.getloadavg()[0],
            **summarise(times), "raw_ms": {str(t): [round(x * 1e3, 3) for x in v] for t, v in times.items()}}
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(res, indent=1) + "\n")
+    write_json(a.out, res, indent=1, clean=False)
     a.md.write_text("\n".join(markdown(res, a.out)))
     print(json.dumps({k: res[k] for k in ("device", "preset", "threads", "prompt_in_decode_step")}))
     print(f"wrote {rel(a.out)} and {rel(a.md)}")

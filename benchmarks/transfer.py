@@ -26,12 +26,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from vllm_kunserve.bench.report import cpu_device, doc_header, md_table, write_json
+from vllm_kunserve.transfer import TransferError, connect, make_store
+from vllm_kunserve.workload.stats import percentile
 
-from benchmarks._doc import cpu_device, doc_header  # noqa: E402
-from vllm_kunserve.transfer import TransferError, connect, make_store  # noqa: E402
-
+ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
 STOP = 999
 
 
@@ -145,23 +144,21 @@ def main(argv=None) -> int:
     for tag, (label, chan, b, ckb) in enumerate(phases):
         v = np.array(lat[str(tag)])
         rows.append({"phase": label, "chunk_kb": ckb if b is not None else None, "n": len(v),
-                     "p50_ms": float(np.percentile(v, 50)), "p99_ms": float(np.percentile(v, 99)),
+                     "p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99),
                      "max_ms": float(v.max()), "bulk_gbps": extra[tag]["bulk_gbps"]})
     idle99 = rows[0]["p99_ms"]
     for r in rows:
         r["p99_vs_idle"] = r["p99_ms"] / idle99
     res = {"benchmark": "transfer", "device": cpu_name(), "act_kb": args.act_kb, "gap_ms": args.gap_ms,
            "bulk_mb": args.bulk_mb, "rows": rows}
-    args.out.write_text(json.dumps(res, indent=2) + "\n")
+    write_json(args.out, res, clean=False)
     lines = doc_header("Transfer: activation latency beside bulk transfers", "transfer.py", res["device"], args.out,
                        f"{args.acts} activations of {args.act_kb} KiB per phase, one every {args.gap_ms} ms; during "
                        f"the bulk phases a feeder keeps {args.bulk_mb} MiB bulk transfers going back to back. "
                        "One-way latency from `send_activation` to delivery on the peer.")
-    lines += ["| phase | p50 ms | p99 ms | max ms | p99 / idle p99 | bulk GB/s meanwhile |",
-              "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['phase']} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['max_ms']:.2f} | "
-                     f"{r['p99_vs_idle']:.1f}x | {r['bulk_gbps']:.2f} |")
+    lines += md_table(["phase", "p50 ms", "p99 ms", "max ms", "p99 / idle p99", "bulk GB/s meanwhile"], "llllll",
+                      ([r["phase"], f"{r['p50_ms']:.3f}", f"{r['p99_ms']:.3f}", f"{r['max_ms']:.2f}",
+                        f"{r['p99_vs_idle']:.1f}x", f"{r['bulk_gbps']:.2f}"] for r in rows))
     lines += ["", "Target: with priority, p99 within 2x of idle. With priority an activation waits at most "
               "for the chunk already on the wire, so its latency scales with the chunk size (the policy's "
               "chunk-size rule trades this against bulk throughput); FIFO waits for the rest of the bulk "

@@ -18,18 +18,16 @@ import argparse
 import copy
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from vllm_kunserve.bench.report import device_name, doc_header, md_row, md_table, write_json
+from vllm_kunserve.memory.streaming import install_streaming
+from vllm_kunserve.policy.remap import max_remapped
 
-from benchmarks._doc import device_name, doc_header  # noqa: E402
-from vllm_kunserve.memory.streaming import install_streaming  # noqa: E402
-from vllm_kunserve.policy.remap import max_remapped  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
 
 
 def sync(dev):
@@ -157,7 +155,7 @@ def main(argv=None) -> int:
            "layer_mb": layer_bytes / 1e6, "plain_copy_peak_gbps": peak,
            "resident_step_ms": resident_ms,
            "rows": rows}
-    args.out.write_text(json.dumps(res, indent=2) + "\n")
+    write_json(args.out, res, clean=False)
     lines = doc_header("Weight streaming: decode step with streamed layers", "weight_streaming.py", res["device"],
                        args.out,
                        f"Llama from a random config: {args.layers} layers, hidden {args.hidden}, {res['dtype']}, "
@@ -176,16 +174,13 @@ def main(argv=None) -> int:
               "*host ms*: the host's share of a step (until the forward returns, before the device is "
               "synchronised), streamed / resident: where it is close to the step, kernel launches bound "
               "the step and the hooks' host work adds to it directly.", "",
-              "| slots | alpha | remapped layers | within bound | step ms | resident ms | x resident | host ms | "
-              "copy GB/s | % of peak | copies | out-of-order loads |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              ] + md_table(["slots", "alpha", "remapped layers", "within bound", "step ms", "resident ms", "x resident",
+                            "host ms", "copy GB/s", "% of peak", "copies", "out-of-order loads"], "l" * 12)
     for r in rows:
-        lines.append(f"| {r['slots']} | {r['alpha']} | {r['remapped']} | {'yes' if r['within_bound'] else 'no'} | "
-                     f"{r['step_ms']:.2f} | "
-                     f"{r['resident_step_ms']:.2f} | "
-                     f"{r['ratio_vs_resident']:.2f} | {r['host_ms']:.2f} / {r['resident_host_ms']:.2f} | "
-                     f"{_fmt(r['copy_gbps'], '.2f')} | {_fmt(100 * r['copy_vs_peak'], '.0f', '%')} | "
-                     f"{r['copies']} | {r['sync_loads']} |")
+        lines.append(md_row([r["slots"], r["alpha"], r["remapped"], "yes" if r["within_bound"] else "no",
+                             f"{r['step_ms']:.2f}", f"{r['resident_step_ms']:.2f}", f"{r['ratio_vs_resident']:.2f}",
+                             f"{r['host_ms']:.2f} / {r['resident_host_ms']:.2f}", _fmt(r["copy_gbps"], ".2f"),
+                             _fmt(100 * r["copy_vs_peak"], ".0f", "%"), r["copies"], r["sync_loads"]]))
     lines += ["", "When alpha <= slots every streamed layer keeps its own slot, so nothing is copied after "
               "install (no copy figure).", "",
               "Targets (GPU): copy >= 80% of peak; step <= 1.05x resident for alpha within the "

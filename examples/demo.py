@@ -53,4 +53,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from vllm_kunserve.runtime.quietexit import quiet_exit
+
+    code = main()   # every engine is stopped by now: skip the teardown's nanobind lines (runtime/quietexit.py)
+    quiet_exit(code)
+    sys.exit(code)

@@ -83,3 +83,16 @@ def test_the_decode_share_spans_the_monitors_recent_readings():
         assert dec.action == action, (window, dec.overload)
         assert [w[0] for w in state.work] == [0.0, 0.5, 1.0, 1.5]
         assert dec.cluster.work_history == tuple(state.work[:-1]) and state.work[-1] == (1.5, 400, 0)
+
+
+def test_a_drop_merges_lone_instances_only_unless_regroup():
+    """The fleet cannot re-form a live group: by default the plan leaves it as it is and merges lone
+    instances; ``regroup=True`` (the paper's Fig. 6) merges it further."""
+    insts = (InstanceSnapshot(0, 1200, 1200, 300, 0, 2), InstanceSnapshot(1, 1200, 1200, 300, 2, 4),
+             InstanceSnapshot(2, 1000, 1000, 300), InstanceSnapshot(3, 1000, 1000, 300))
+    snap = ClusterSnapshot(MODEL, insts, ((0, 1), (2,), (3,)), now_s=1.0)
+    dec, _ = monitor_tick(snap, MonitorState(), DROP, RESTORE)
+    assert dec.action == "drop" and [g.instances for g in dec.drop.groups] == [(2, 3)]
+    assert dec.drop.unchanged == ((0, 1),) and not dec.drop.satisfied
+    dec, _ = monitor_tick(snap, MonitorState(), DROP, RESTORE, regroup=True)
+    assert [sorted(g.instances) for g in dec.drop.groups] == [[0, 1, 2, 3]]

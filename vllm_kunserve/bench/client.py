@@ -13,6 +13,9 @@ earlier ones, streamed (``stream: true``, ``max_tokens`` = output length, ``igno
 
 Failures (HTTP status, error object in the stream, connection errors, the per-request timeout, the
 overall deadline) are recorded with their error text; they never stop the replay.
+
+:func:`request` sends one request of a given body, timed the same way (``benchmarks/front_end.py``'s
+closed-loop streams use it).
 """
 
 from __future__ import annotations
@@ -84,7 +87,8 @@ def _body(model: str, spec: RequestSpec, extra: dict[str, Any] | None) -> dict[s
     return body
 
 
-async def _stream(session: aiohttp.ClientSession, url: str, body: dict, res: RequestResult, t_send: float) -> None:
+async def _stream(session: aiohttp.ClientSession, url: str, body: dict, res: RequestResult, t_send: float,
+                  parse: bool = True, to_end: bool = False) -> None:
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
             text = (await resp.text())[:300].replace("\n", " ")
@@ -98,8 +102,14 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict, res: Req
                 continue
             data = line[5:].strip()
             if data == b"[DONE]":
+                if to_end:
+                    continue
                 break
             now = time.perf_counter()
+            if not parse:   # every chunk a token, nothing decoded
+                chunks += 1
+                res.token_times.append(now - t_send)
+                continue
             try:
                 obj = json.loads(data)
             except json.JSONDecodeError:
@@ -134,21 +144,40 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict, res: Req
         res.ok = True
 
 
+async def _send(session: aiohttp.ClientSession, url: str, body: dict, res: RequestResult, t0: float,
+                timeout_s: float, parse: bool = True, to_end: bool = False) -> None:
+    delay = t0 + res.arrival_s - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    t_send = time.perf_counter()
+    res.send_s = t_send - t0
+    try:
+        await asyncio.wait_for(_stream(session, url, body, res, t_send, parse, to_end), timeout_s)
+    except asyncio.TimeoutError:
+        res.ok, res.error = False, f"timeout after {timeout_s:g} s"
+    except aiohttp.ClientError as e:
+        res.ok, res.error = False, f"{type(e).__name__}: {e}"
+
+
+async def request(session: aiohttp.ClientSession, url: str, body: dict, spec: RequestSpec, t0: float,
+                  timeout_s: float = 300.0, *, parse: bool = True, to_end: bool = False) -> RequestResult:
+    """One streamed request of ``body`` to ``url`` (a completions URL), sent at ``spec.arrival_s``
+    after ``t0`` (``time.perf_counter()``; at once if that has passed) and timed as :func:`replay`
+    times its requests; failures are recorded in the result. ``parse=False``: every ``data:`` chunk
+    but ``[DONE]`` is a token and none is decoded (the client's own CPU per token stays minimal;
+    no usage, finish reason or error chunk is read). ``to_end``: read the response to the end of its
+    body, past ``[DONE]`` (the end-to-end time then ends with the body, and the connection is left
+    reusable)."""
+    res = RequestResult(spec.idx, spec.arrival_s, spec.prompt_len, spec.output_len)
+    await _send(session, url, body, res, t0, timeout_s, parse, to_end)
+    return res
+
+
 async def _one(session: aiohttp.ClientSession, url: str, model: str, spec: RequestSpec, t0: float,
                timeout_s: float, extra: dict | None, on_done: Callable[[RequestResult], None]) -> RequestResult:
     res = RequestResult(spec.idx, spec.arrival_s, spec.prompt_len, spec.output_len)
     try:
-        delay = t0 + spec.arrival_s - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        t_send = time.perf_counter()
-        res.send_s = t_send - t0
-        try:
-            await asyncio.wait_for(_stream(session, url, _body(model, spec, extra), res, t_send), timeout_s)
-        except asyncio.TimeoutError:
-            res.ok, res.error = False, f"timeout after {timeout_s:g} s"
-        except aiohttp.ClientError as e:
-            res.ok, res.error = False, f"{type(e).__name__}: {e}"
+        await _send(session, url, _body(model, spec, extra), res, t0, timeout_s)
     except asyncio.CancelledError:
         res.ok = False
         res.error = "overall deadline reached" + ("" if res.send_s == res.send_s else " before sending")

@@ -112,12 +112,8 @@ def table(agg: dict[str, dict[str, dict[str, Any]]], systems: Sequence[str], bas
             row.append(cell)
         rows.append(row)
     if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-        return "\n".join(lines)
-    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
-    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
-    return "\n".join([fmt(header), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows])
+        return "\n".join(report.md_table(header, "l" * len(header), rows))
+    return "\n".join(report.text_table(header, rows))
 
 
 #: how many ports a system's server is started on before a run gives up (:func:`port_taken`)

@@ -1,16 +1,27 @@
-"""Run outputs: requests.csv, timeline.csv, summary.json, timeline.png, ttft_cdf.png."""
+"""Run outputs (requests.csv, timeline.csv, summary.json, timeline.png, ttft_cdf.png) and what the
+benchmarks' docs share (``benchmarks/*.py``): the header with the command that wrote a doc, the
+machine's name, markdown tables, JSON and PNG files.
+"""
 
 from __future__ import annotations
 
 import csv
 import json
 import math
+import os
+import platform
+import shlex
+import sys
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from vllm_kunserve.bench.client import RequestResult
+if TYPE_CHECKING:  # annotations only (the client pulls in aiohttp)
+    from vllm_kunserve.bench.client import RequestResult
+
+#: the checkout this package runs from: the benchmarks' docs name their files relative to it
+REPO = Path(__file__).resolve().parents[2]
 
 REQUEST_COLUMNS = ["idx", "arrival_s", "send_s", "prompt_len", "output_len", "ok", "error", "ttft_s", "tpot_s",
                    "e2e_s", "queue_s", "output_tokens", "server_prompt_tokens", "finish_reason", "max_gap_s"]
@@ -45,29 +56,51 @@ def write_timeline_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
             w.writerow({k: ("" if r.get(k) is None else _num(r.get(k))) for k in cols})
 
 
-def _clean(obj: Any) -> Any:
+def json_safe(obj: Any) -> Any:
+    """``obj`` as JSON can hold it: NaN and infinities as None, numpy scalars as Python's, tuples as
+    lists, keys as strings."""
     if isinstance(obj, float):
         return None if not math.isfinite(obj) else obj
     if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
+        return {str(k): json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
+        return [json_safe(v) for v in obj]
     if isinstance(obj, np.generic):
-        return _clean(obj.item())
+        return json_safe(obj.item())
     return obj
 
 
-def write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(_clean(obj), indent=2, sort_keys=False) + "\n")
+def write_json(path: Path | str, obj: Any, *, indent: int = 2, clean: bool = True, default=None,
+               newline: bool = True) -> None:
+    """``obj`` as JSON at ``path``: ``clean`` writes NaN and infinities as null (else as JSON's
+    ``NaN`` / ``Infinity``, which Python reads back), ``default`` as ``json.dumps`` takes it."""
+    text = json.dumps(json_safe(obj) if clean else obj, indent=indent, default=default)
+    Path(path).write_text(text + ("\n" if newline else ""))
 
 
-def _plt():
-    import matplotlib
-
+def pyplot(optional: bool = False):
+    """matplotlib's pyplot on the Agg backend; None where ``optional`` and matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        if optional:
+            return None
+        raise
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig, path: Path | str, dpi: int = 110, tight: bool = True) -> None:
+    """Lay ``fig`` out tightly (unless it lays itself out: ``tight=False``), write it to ``path`` (PNG)
+    and close it."""
+    import matplotlib.pyplot as plt
+
+    if tight:
+        fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
 
 
 def plot_timeline(path: Path, rows: Sequence[Mapping[str, Any]], title: str = "",
@@ -75,7 +108,7 @@ def plot_timeline(path: Path, rows: Sequence[Mapping[str, Any]], title: str = ""
     """Three panels sharing time (like KunServe Fig. 12): arrivals and completions per second;
     KV usage (server) and estimated KV demand as % of capacity, with preemptions; mean TTFT of the
     requests arriving each second."""
-    plt = _plt()
+    plt = pyplot()
     t = np.array([r["second"] for r in rows], dtype=float)
     fig, ax = plt.subplots(3, 1, figsize=(9, 7.5), sharex=True)
     ax[0].step(t, [r["arrivals"] for r in rows], where="post", label="arrivals/s")
@@ -103,14 +136,12 @@ def plot_timeline(path: Path, rows: Sequence[Mapping[str, Any]], title: str = ""
         ax[2].set_yscale("log")
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_ttft_cdf(path: Path, ttfts: Mapping[str, Sequence[float]], title: str = "TTFT CDF") -> None:
     """One CDF line per label (a run, or each system of a comparison)."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for label, vals in ttfts.items():
         v = np.sort(np.asarray([x for x in vals if x == x], float))
@@ -122,9 +153,7 @@ def plot_ttft_cdf(path: Path, ttfts: Mapping[str, Sequence[float]], title: str =
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_run(out: Path, results: Sequence[RequestResult], rows: Sequence[Mapping[str, Any]],
@@ -141,3 +170,99 @@ def write_run(out: Path, results: Sequence[RequestResult], rows: Sequence[Mappin
         plot_timeline(files["timeline_png"], rows, title, kv_capacity_tokens)
         plot_ttft_cdf(files["ttft_cdf_png"], {title or "run": [r.ttft_s for r in results if r.ok]})
     return {k: str(v) for k, v in files.items()}
+
+
+# ------------------------------------------------------------------------------------------ benchmark docs
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                        platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+def cpu_device(what: str) -> str:
+    """``<CPU model>, <n> threads (<what>)`` for a benchmark run without a GPU."""
+    import torch
+
+    return f"{cpu_model()}, {torch.get_num_threads()} threads ({what})"
+
+
+def device_name(dev) -> str:
+    """The GPU's name for a CUDA device (a ``torch.device``), else ``cpu_device("CPU, no GPU lent")``."""
+    if dev.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(dev)
+    return cpu_device("CPU, no GPU lent")
+
+
+def rel(path: Path | str) -> str:
+    """``path`` relative to the checkout when inside it (as the docs write it), else absolute."""
+    path = Path(path).resolve()
+    return (path.relative_to(REPO) if path.is_relative_to(REPO) else path).as_posix()
+
+
+def command(script: str, args: Sequence[str] | None = None, quote: bool = True) -> str:
+    """``python benchmarks/<script> ARGS``: the command line that ran ``script`` with ``args``
+    (default: its arguments as given when it runs as a program, by path or as ``python -m
+    benchmarks.<name>``; none when called otherwise), each shell-quoted unless not ``quote``."""
+    if args is None:
+        args = sys.argv[1:] if Path(sys.argv[0]).name == script else []
+    return " ".join(["python", f"benchmarks/{script}", *(map(shlex.quote, args) if quote else args)])
+
+
+def doc_header(title: str, script: str, device: str, raw: Path, *paragraphs: str,
+               load: float | str | None = None) -> list[str]:
+    """Title, provenance, the given paragraphs and the machine-load caveat, as markdown lines (``load``:
+    the 1-min load average the measuring run recorded, or a note saying it was not; default: now)."""
+    lines = [f"# {title}", "",
+             f"Produced by `{command(script)}` on **{device}**; raw numbers in `{rel(raw)}`.", ""]
+    for p in paragraphs:
+        lines += [p, ""]
+    load = os.getloadavg()[0] if load is None else load
+    cores = os.cpu_count() or 1
+    lines += [f"Machine load (1-min load average at the end, {cores} cores): "
+              f"{load if isinstance(load, str) else f'{load:.1f}'}"
+              + ("; 2 shared cores, so repeat on a quiet machine before trusting small differences." if cores <= 2
+                 else "."), ""]
+    return lines
+
+
+def text_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    """A plain-text table's lines: columns padded to their widest cell (the first left-aligned, the
+    rest right-aligned), a rule of dashes under the header."""
+    rows = [list(header), *map(list, rows)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def write_doc(path: Path | str, lines: Sequence[str], keep: str | None = None) -> None:
+    """``lines`` as the markdown file ``path`` (joined by newlines; parents made). ``keep``: a heading
+    (``## Reading``) from which on what the file held (a reading written by hand) follows them."""
+    path = Path(path)
+    tail = ""
+    if keep and path.is_file():
+        old = path.read_text(encoding="utf-8")
+        if "\n" + keep in old:
+            tail = old[old.index("\n" + keep) + 1:]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + ("\n" + tail if tail else ""), encoding="utf-8")
+
+
+def md_row(cells: Iterable[Any]) -> str:
+    """One markdown table row."""
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def md_table(columns: Sequence[str], align: str, rows: Iterable[Iterable[Any]] = ()) -> list[str]:
+    """A markdown table's lines: the header, its rule (``align``: a letter a column, ``l`` left, ``r``
+    right) and a row per item of ``rows`` (its cells as given)."""
+    if len(align) != len(columns):
+        raise ValueError(f"align {align!r}: one letter per column ({len(columns)})")
+    return [md_row(columns), "|" + "".join("---:|" if a == "r" else "---|" for a in align),
+            *(md_row(r) for r in rows)]

@@ -187,6 +187,8 @@ def build_app(handler: ControlHandler, token: str | None, request_timeout_s: flo
             params = json.loads(raw) if raw.strip() else {}
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return _error(400, f"body is not valid JSON: {exc}", "invalid_request")
+        except RecursionError:
+            return _error(400, "body is nested too deeply", "invalid_request")
         if not isinstance(params, dict):
             return _error(400, f"body must be a JSON object, got {type(params).__name__}", "invalid_request")
         try:

@@ -13,6 +13,10 @@ keeps, so one merge adds ``weight_bytes / G`` to each member's own block count (
 ``block_bytes``) up to its cap, and the group runs at its smallest member's count. A merge that adds
 nothing is not made (it would only cost pipeline hops).
 
+A mechanism that cannot re-form a live group (the fleet: a member of a group cannot join another)
+plans with ``regroup=False``: groups of more than one instance are left as they are and only lone
+instances merge.
+
 When even the best plan (one group left, or the two smallest groups would exceed
 ``max_group_size``) frees less than needed, the plan is returned anyway with ``satisfied=False``
 and ``shortfall_bytes`` so the caller can fall back to KV-centric handling (queue, swap, recompute)
@@ -109,10 +113,12 @@ def _assign(members: Sequence[InstanceSnapshot], num_layers: int, layer_bytes: i
     return GroupPlan(tuple(order), tuple(stages))
 
 
-def plan_drop(cluster: ClusterSnapshot, need_bytes: float, max_group_size: int = 8) -> DropPlan:
+def plan_drop(cluster: ClusterSnapshot, need_bytes: float, max_group_size: int = 8, *,
+              regroup: bool = True) -> DropPlan:
     """Merge the two smallest groups repeatedly until ``need_bytes`` are freed (KunServe Fig. 6).
 
-    Groups containing an unhealthy instance are never merged. Returns the (possibly partial) plan.
+    Groups containing an unhealthy instance are never merged, nor, with ``regroup=False``, groups
+    of more than one instance. Returns the (possibly partial) plan.
     """
     if max_group_size < 1:
         raise ValueError("max_group_size must be >= 1")
@@ -122,7 +128,7 @@ def plan_drop(cluster: ClusterSnapshot, need_bytes: float, max_group_size: int =
     untouched: list[tuple[int, ...]] = []
     sick = {i.instance_id for i in cluster.instances if not i.healthy}
     for g in cluster.groups:
-        if (not sick or sick.isdisjoint(g)) and len(g) < model.num_layers:
+        if (not sick or sick.isdisjoint(g)) and len(g) < model.num_layers and (regroup or len(g) == 1):
             heap.append((len(g), min(g), tuple(g)))
         else:
             untouched.append(tuple(g))

@@ -1,15 +1,34 @@
 """The overload monitor: each period, decide from the cluster's demand history whether to drop
 (merge instances into pipeline groups), restore (split groups back) or do nothing.
 
-The caller (the cluster controller, the simulator) builds a :class:`ClusterSnapshot` each period
-and threads a :class:`MonitorState` through :func:`monitor_tick`; the tick records the cluster's
-demand, keeps the last ``history_s`` of it for the forecast, and returns what to do:
+This is the one controller of cluster drop: the fleet (``cluster.control.groups.GroupController``) and the
+simulator (``sim.policies.kunserve``) each build a :class:`ClusterSnapshot` every period and thread
+a :class:`MonitorState` through :func:`monitor_tick`; they only carry its decision out (the fleet
+through the engines' control ports, the simulator by timing the transition). The tick records the
+cluster's demand, keeps the last ``history_s`` of it for the forecast, and returns what to do:
 
 * ``drop`` when :func:`assess_overload` finds the cluster overloaded and drop is enabled, with the
   :func:`plan_drop` plan for what must be freed (the restore hold starts over);
 * else ``restore`` when some group may split (:func:`decide_restore`: hysteresis, hold time, no
-  re-trigger) and restore is enabled;
-* else ``none``.
+  re-trigger; a group with an unhealthy member splits at once, restore enabled or not);
+* else ``none`` (with the restore decision where one was asked for, for status).
+
+Where the fleet and the simulator used to decide differently (issue 35), what was kept and why:
+
+* The demand sample is recorded *before* the assessment, so the forecast's trend ends at the
+  reading being judged (the fleet appended it after and forecast one period late).
+* A drop restarts the restore hold: demand that was over the trigger has not stayed below the
+  restore threshold, and a group just formed must wait ``restore.hold_s`` before it may split (the
+  fleet kept the clock of before the drop).
+* Live groups are not merged further unless ``regroup=True``: the fleet cannot re-form a live group,
+  and it used to plan with them and skip the plan's groups that touched one, so a plan counted bytes
+  it never freed and merged no lone instances instead. The simulator follows the fleet by default
+  (the paper's Fig. 6 regrouping stays available to it as ``regroup=True``).
+* The history is a time window (``history_s``, 20 s; the request-mix readings keep at least
+  ``drop.decode_share_window_s``), not a sample count (the fleet kept 256 samples): the forecast
+  reads 10 s of it, so any window of at least that decides the same at every monitor period.
+* The recorded demand is the healthy instances' (what :func:`assess_overload` divides by their
+  capacity); the simulator has no unhealthy instances, so its decisions are unchanged by it.
 """
 
 from __future__ import annotations
@@ -36,7 +55,7 @@ class MonitorDecision:
     cluster: ClusterSnapshot  # the snapshot with the demand history the decision used
     overload: OverloadReport
     drop: DropPlan | None = None
-    restore: RestoreDecision | None = None
+    restore: RestoreDecision | None = None  # the restore decision, wherever one was asked for
 
 
 def record_demand(history: tuple[tuple[float, float], ...], now_s: float, demand_blocks: float,
@@ -47,23 +66,28 @@ def record_demand(history: tuple[tuple[float, float], ...], now_s: float, demand
 
 def monitor_tick(cluster: ClusterSnapshot, state: MonitorState = MonitorState(), drop: DropConfig = DropConfig(),
                  restore: RestoreConfig = RestoreConfig(), *, history_s: float = 20.0,
-                 allow_restore: bool = True) -> tuple[MonitorDecision, MonitorState]:
-    """One monitor period over ``cluster`` (its ``demand_history`` is replaced by the state's)."""
-    demand = float(sum(i.kv_blocks_used + i.queued_blocks for i in cluster.instances))
+                 allow_restore: bool = True, regroup: bool = False) -> tuple[MonitorDecision, MonitorState]:
+    """One monitor period over ``cluster`` (its demand and work histories are replaced by the state's).
+
+    ``allow_restore=False`` never splits a group (the simulator's no-restore ablation);
+    ``regroup=True`` lets a drop merge live groups further (see the module docstring)."""
+    demand = float(sum(i.kv_blocks_used + i.queued_blocks for i in cluster.instances if i.healthy))
     history = record_demand(state.history, cluster.now_s, demand, history_s)
     past = tuple(w for w in state.work if w[0] >= cluster.now_s - max(history_s, drop.decode_share_window_s))
     snap = replace(cluster, demand_history=history, work_history=past)
     work = (*past, snap.work_now())
     rep = assess_overload(snap, drop)
     if rep.overloaded and drop.enable:
-        plan = plan_drop(snap, rep.need_bytes, drop.max_group_size)
+        plan = plan_drop(snap, rep.need_bytes, drop.max_group_size, regroup=regroup)
         return MonitorDecision("drop", snap, rep, drop=plan), MonitorState(history, RestoreState(), work)
-    rstate = state.restore
-    if allow_restore and restore.enable and any(len(g) > 1 for g in snap.groups):
+    rstate, dec = state.restore, None
+    grouped = [g for g in snap.groups if len(g) > 1]
+    sick = {i.instance_id for i in snap.instances if not i.healthy}
+    if allow_restore and grouped and (restore.enable or any(sick.intersection(g) for g in grouped)):
         dec, rstate = decide_restore(snap, rstate, restore, drop)
         if dec.restore:
             return MonitorDecision("restore", snap, rep, restore=dec), MonitorState(history, rstate, work)
-    return MonitorDecision("none", snap, rep), MonitorState(history, rstate, work)
+    return MonitorDecision("none", snap, rep, restore=dec), MonitorState(history, rstate, work)
 
 
 __all__ = ["MonitorDecision", "MonitorState", "monitor_tick", "record_demand"]

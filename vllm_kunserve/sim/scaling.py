@@ -15,6 +15,7 @@ apply a factor (``method``):
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
@@ -38,30 +39,73 @@ def oracle_demand_share(cfg: SimConfig, trace: list[TraceRequest], dispatch: str
     return float(used.mean() / cap), float(used.max() / cap)
 
 
+def guess_factor(points: list[tuple[float, float]], target: float, default: float) -> float:
+    """Next rate factor to try for mean demand ``target`` from ``(factor, mean)`` points of the same
+    trace: log-log interpolation between the closest points below and above the target, else
+    extrapolation along the local slope (demand grows about as factor^k, k clipped to 1-4: faster
+    than linear near the prefill capacity, where lifetimes grow), at most 2x per step; ``default``
+    without points."""
+    pts = [(f, m) for f, m in points if m > 0 and f > 0]
+    if not pts:
+        return default
+    lt = math.log(target)
+    below = [p for p in pts if p[1] < target]
+    above = [p for p in pts if p[1] >= target]
+    if below and above:
+        f1, m1 = max(below, key=lambda p: p[1])
+        f2, m2 = min(above, key=lambda p: p[1])
+        if f1 < f2 and m1 < m2:
+            return math.exp(math.log(f1) + (lt - math.log(m1)) * (math.log(f2) - math.log(f1))
+                            / (math.log(m2) - math.log(m1)))
+        return math.sqrt(f1 * f2)
+    near = sorted(pts, key=lambda p: abs(math.log(p[1]) - lt))
+    f0, m0 = near[0]
+    k = 2.0
+    if len(near) > 1 and near[1][0] != f0 and near[1][1] != m0:
+        k = (math.log(near[1][1]) - math.log(m0)) / (math.log(near[1][0]) - math.log(f0))
+        k = min(max(k, 1.0), 4.0)
+    step = math.exp((lt - math.log(m0)) / k)
+    return f0 * min(max(step, 0.5), 2.0)
+
+
 def fit_rate(cfg: SimConfig, make: Callable[[float], list[TraceRequest]], target: float, tol: float = 0.05,
-             max_iter: int = 8, dispatch: str = DEFAULT_DISPATCH, span: tuple[float, float] | None = None,
-             start: float = 1.0, linear: bool = False) -> tuple[list[TraceRequest], dict]:
+             max_iter: int = 8, dispatch: str = DEFAULT_DISPATCH,
+             span: tuple[float, float] | Callable[[float], tuple[float, float]] | None = None,
+             start: float = 1.0, linear: bool = False,
+             points: list[tuple[float, float]] | None = None) -> tuple[list[TraceRequest], dict]:
     """The trace ``make(factor)`` whose oracle mean KV demand over ``span`` is ``target`` x capacity
     (within ``tol``, else the closest of ``max_iter`` tries), and the fit's numbers. Until the
     target is bracketed the factor moves by ``(target / measured) ** 0.8`` (at most 4x a step), or
     with ``linear`` (demand about proportional to the factor, as when upscaling over a fixed span)
     by ``target / measured`` (at most 16x); once bracketed, by geometric bisection (``linear``: the proportional step while it
-    stays inside the bracket)."""
+    stays inside the bracket). ``span``: the measured period, or a function of the factor giving it
+    (a compressed trace's period moves with the factor).
+
+    With ``points`` (``(factor, mean)`` of earlier fits of the same trace, e.g. for other targets,
+    extended with this fit's tries) every factor is :func:`guess_factor` over them instead (``start``
+    without points), kept inside this fit's bracket (its geometric middle, or 1.5x beyond its one
+    bound)."""
     if not target > 0:
         raise ValueError(f"target memory share {target}: must be positive")
     factor, lo, hi, best, tries = start, None, None, None, []
     for _ in range(max_iter):
+        if points is not None:
+            factor = _inside(guess_factor(points, target, start), lo, hi)
         scaled = make(factor)
-        mean, peak = oracle_demand_share(cfg, scaled, dispatch, span)
+        mean, peak = oracle_demand_share(cfg, scaled, dispatch, span(factor) if callable(span) else span)
+        if points is not None:
+            points.append((factor, mean))
         tries.append((round(factor, 6), round(mean, 6)))
         if best is None or abs(mean - target) < abs(best[2] - target):
             best = (factor, scaled, mean, peak)
         if mean > 0 and abs(mean / target - 1) <= tol:
             break
         if mean < target:
-            lo = factor
+            lo = factor if lo is None else max(lo, factor)
         else:
-            hi = factor
+            hi = factor if hi is None else min(hi, factor)
+        if points is not None:
+            continue
         prop = factor * target / mean if mean > 0 else None
         if lo is not None and hi is not None:
             # bracketed: geometric bisection, or the proportional step when linear and inside
@@ -73,6 +117,15 @@ def fit_rate(cfg: SimConfig, make: Callable[[float], list[TraceRequest]], target
     factor, scaled, mean, peak = best
     return scaled, {"scale": factor, "target_share": target, "mean_share": mean, "peak_share": peak,
                     "oracle_dispatch": dispatch, "tries": tries}
+
+
+def _inside(f: float, lo: float | None, hi: float | None) -> float:
+    """``f`` if it lies strictly inside the bracket (``lo``, ``hi``; None: unbounded), else the
+    bracket's geometric middle, or 1.5x beyond the bound it has."""
+    lo_, hi_ = lo or 0.0, math.inf if hi is None else hi
+    if lo_ < f < hi_:
+        return f
+    return math.sqrt(lo_ * hi_) if lo_ > 0 and hi_ < math.inf else (lo_ * 1.5 if lo_ > 0 else hi_ / 1.5)
 
 
 def scale_to_mem_share(cfg: SimConfig, trace: list[TraceRequest], target: float, tol: float = 0.05,

@@ -1,7 +1,8 @@
-"""The percentile summary the benchmark harness and the simulator report latencies with.
+"""The percentile summary the benchmark harness, the benchmarks and the simulator report latencies with.
 
-Percentiles use numpy's linear interpolation; NaN values (a request without the measure) are left
-out.
+Percentiles use numpy's linear interpolation unless a caller names another of numpy's methods
+(``nearest``: the nearest rank, ``higher``: the order statistic at or above); NaN values (a request
+without the measure) are left out.
 """
 
 from __future__ import annotations
@@ -17,12 +18,23 @@ def _pkey(p: float) -> str:
     return f"p{p:g}"
 
 
-def percentiles(values: Iterable[float], ps: Sequence[float] = PERCENTILES) -> dict[str, float | None]:
+def _values(values: Iterable[float]) -> np.ndarray:
+    return np.asarray([x for x in values if x == x], dtype=np.float64)
+
+
+def percentiles(values: Iterable[float], ps: Sequence[float] = PERCENTILES,
+                method: str = "linear") -> dict[str, float | None]:
     """{'p50': ..., 'p90': ..., 'p99': ..., 'p99.9': ..., 'mean': ..., 'max': ...}; None when empty."""
-    v = np.asarray([x for x in values if x == x], dtype=np.float64)
+    v = _values(values)
     if v.size == 0:
         return {**{_pkey(p): None for p in ps}, "mean": None, "max": None}
-    out: dict[str, float | None] = {_pkey(p): float(np.percentile(v, p)) for p in ps}
+    out: dict[str, float | None] = {_pkey(p): float(np.percentile(v, p, method=method)) for p in ps}
     out["mean"] = float(v.mean())
     out["max"] = float(v.max())
     return out
+
+
+def percentile(values: Iterable[float], p: float, method: str = "linear") -> float | None:
+    """The ``p``-th percentile of ``values`` (as :func:`percentiles` takes it); None when empty."""
+    v = _values(values)
+    return float(np.percentile(v, p, method=method)) if v.size else None

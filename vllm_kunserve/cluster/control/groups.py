@@ -1,15 +1,16 @@
 """Cluster drop in a running fleet: the monitor's decisions executed through the engines' control ports.
 
 Each monitor period, :class:`GroupController` builds the policies' cluster snapshot from the
-engines' control-port states (``policy.inputs.cluster_input``), asks ``policy.overload`` whether KV
-demand (used + queued blocks, plus the trend forecast) exceeds capacity and, if so,
-``policy.drop.plan_drop`` which instances to merge; every new group is formed by calling
-``group_join`` on all its members at once (they meet at barriers over their stage links, exchange
-the KV of the layers changing hands and resume as one pipeline). ``policy.restore`` decides when a
-group splits: ``group_leave`` ``begin`` retires the blocks above each member's base (live ones
-drain as their requests finish), ``finish`` gives the layers back from the host copies and
-returns each peer's KV. Every step is an event with its inputs, decision, duration and bytes
-(``/kunserve/status``, logs, ``kunserve:`` metrics). When no plan frees enough, the engines keep
+engines' control-port states (``policy.inputs.cluster_input``) and runs the controller the
+simulator runs, ``policy.monitor.monitor_tick``: whether KV demand (used + queued blocks, plus the
+trend forecast) exceeds capacity and, if so, which lone instances to merge (``policy.drop.
+plan_drop``), or whether a group splits (``policy.restore``). This module only carries the decision
+out: every new group is formed by calling ``group_join`` on all its members at once (they meet at
+barriers over their stage links, exchange the KV of the layers changing hands and resume as one
+pipeline); a split is ``group_leave`` ``begin``, which retires the blocks above each member's base
+(live ones drain as their requests finish), then ``finish``, which gives the layers back from the
+host copies and returns each peer's KV. Every step is an event with its inputs, decision, duration
+and bytes (``/kunserve/status``, logs, ``kunserve:`` metrics). When no plan frees enough, the engines keep
 vLLM's own KV-centric handling (queueing, preemption) for the rest and the shortfall is a metric.
 Operators can force both directions (``/kunserve/ops/drop``, ``/kunserve/ops/restore``).
 """
@@ -19,15 +20,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from vllm_kunserve.cluster.control.client import ControlClient, ControlPortError
-from vllm_kunserve.policy.drop import balanced_stages, plan_drop
+from vllm_kunserve.policy.drop import balanced_stages
 from vllm_kunserve.policy.inputs import cluster_input
-from vllm_kunserve.policy.overload import assess_overload
-from vllm_kunserve.policy.restore import RestoreState, decide_restore
+from vllm_kunserve.policy.monitor import MonitorState, monitor_tick
 
 logger = logging.getLogger("kunserve.groups")
 
@@ -64,9 +63,8 @@ class GroupController:
         self.auto = auto and cfg.drop.enable
         self.timeout_s = timeout_s
         self.groups: list[Group] = []
-        self.history: deque[tuple[float, float]] = deque(maxlen=256)
-        self.work: deque[tuple[float, int, int]] = deque(maxlen=256)  # (t, decode, prefill tokens to compute)
-        self.restore_state = RestoreState()
+        self.mstate = MonitorState()  # the monitor's demand and request-mix history, restore hold
+        self.clock: Callable[[], float] = time.monotonic  # the snapshots' now_s
         self.busy = False
         self.last: dict = {}
         self.peak_ratio = 0.0  # the highest (demand + forecast) / capacity seen (status, diagnosis)
@@ -114,8 +112,7 @@ class GroupController:
         groups += [(i,) for i in members if i not in grouped]
         return cluster_input(num_layers=len(s0["layers"]), layer_bytes=layer_bytes,
                              block_bytes=s0["capacity"]["block_bytes"], block_size=s0["capacity"]["block_size"],
-                             rows=rows, groups=groups, now_s=time.monotonic(), history=tuple(self.history),
-                             work_history=tuple(self.work))
+                             rows=rows, groups=groups, now_s=self.clock())
 
     # -- the monitor's listener -----------------------------------------------------------------------
     async def on_poll(self, reports: dict) -> None:
@@ -139,9 +136,8 @@ class GroupController:
         snap = self.snapshot(states)
         if snap is None:
             return
-        report = assess_overload(snap, self.cfg.drop)
-        self.history.append((snap.now_s, report.demand_blocks))
-        self.work.append(snap.work_now())
+        dec, self.mstate = monitor_tick(snap, self.mstate, self.cfg.drop, self.cfg.restore)
+        report = dec.overload
         self.peak_ratio = max(self.peak_ratio, report.ratio)
         self.last = {"overload": report.to_dict(), "peak_ratio": self.peak_ratio}
         if report.compute_bound != self.compute_bound:
@@ -149,18 +145,18 @@ class GroupController:
             self.front.record("compute_bound" if report.compute_bound else "compute_bound_over",
                               ratio=round(report.ratio, 3), decode_share=round(report.decode_share, 3),
                               min_decode_share=self.cfg.drop.min_decode_share)
-        if report.overloaded:
-            plan = plan_drop(snap, report.need_bytes, self.cfg.drop.max_group_size)
+        if dec.action == "drop":  # live groups are not in the plan (no regroup): only lone instances merge
+            plan = dec.drop
             self.m_shortfall.set(max(0.0, plan.shortfall_bytes / snap.model.block_bytes))
             self.last["plan"] = plan.to_dict()
             for gp in plan.groups:
-                if any(self.group_of(i) for i in gp.instances):
-                    continue  # regrouping a live group is not supported yet: it stays as it is
                 await self.form(list(gp.instances), reason="overload", inputs=report.to_dict(),
                                 decision=plan.to_dict())
             return
         self.m_shortfall.set(0)
-        decision, self.restore_state = decide_restore(snap, self.restore_state, self.cfg.restore, self.cfg.drop)
+        if dec.restore is None:
+            return
+        decision = dec.restore
         self.last["restore"] = decision.to_dict()
         for r in decision.restore:
             g = next((g for g in self.groups if set(g.members) == set(r.instances) and g.state == "grouped"), None)

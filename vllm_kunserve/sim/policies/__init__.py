@@ -8,10 +8,13 @@ from .base import DEFAULT_DISPATCH, DISPATCH, Policy
 from .baselines import (InferceptPolicy, LlumnixPolicy, OracleEqualPolicy, OraclePolicy, VllmPolicy,
                         VllmTunedPolicy)
 from .kunserve import KunServePolicy
+from .static import StaticGroupPolicy
 
 POLICIES = ("vllm", "infercept", "llumnix", "mell", "kunserve", "oneiros", "oracle",
             # KunServe ablations
             "kunserve-nolookahead", "kunserve-noexchange", "kunserve-norestore",
+            # KunServe's group of every instance from t=0, kept (no transitions)
+            "static",
             # stock vLLM with the KV of a 2-instance KunServe group
             "oracle-equal")
 #: names with a parameter: tuned vLLM with batch cap N (``build_policy("vllm-tuned", max_seqs=N)``
@@ -58,6 +61,8 @@ def build_policy(name: str, dispatch: str = DEFAULT_DISPATCH, config=None, cost_
         return OracleEqualPolicy(dispatch, int(m.group(1)))
     if key == "oracle":
         return OraclePolicy(dispatch)
+    if key == "static":
+        return StaticGroupPolicy(config, dispatch, cost_model=cost_model)
     if key == "infercept":
         return InferceptPolicy(dispatch)
     if key == "llumnix":

@@ -2,8 +2,10 @@
 exchange KV instead of recomputing it, restore weights when demand falls.
 
 Every decision is the policy package's: ``policy.monitor.monitor_tick`` (demand history, then
-``assess_overload`` and ``plan_drop`` or ``decide_restore``: hysteresis, hold time, no re-trigger)
-and the lookahead microbatcher. The simulator only times the mechanisms:
+``assess_overload`` and ``plan_drop`` or ``decide_restore``: hysteresis, hold time, no re-trigger),
+the controller the fleet runs (``cluster.control.groups``), and the lookahead microbatcher. Like the fleet, a
+drop merges lone instances only; ``regroup=True`` lets it merge live groups further (the paper's
+Fig. 6, which the fleet cannot carry out). The simulator only times the mechanisms:
 
 * drop: weights are unmapped at once; every running request's KV for the layers an instance gives up
   moves to the new owner over the instance link. With coordinated exchange the group keeps running
@@ -28,7 +30,7 @@ class KunServePolicy(Policy):
 
     def __init__(self, config: KunServeConfig | None = None, dispatch: str = DEFAULT_DISPATCH,
                  lookahead: bool = True, exchange: bool = True, restore: bool = True,
-                 cost_model=None, history_s: float = 20.0):
+                 cost_model=None, history_s: float = 20.0, regroup: bool = False):
         super().__init__(dispatch)
         self.cfg = config or KunServeConfig()
         self.tick_s = self.cfg.drop.check_interval_s
@@ -39,6 +41,7 @@ class KunServePolicy(Policy):
         self.cost_model = cost_model  # policy CostModel the microbatcher balances (None: from step time)
         self._cm_fitted = None
         self.history_s = history_s
+        self.regroup = regroup
         self.mstate = MonitorState()
         self.microbatch = self._microbatch
 
@@ -57,7 +60,8 @@ class KunServePolicy(Policy):
         if sim._pending is not None:
             return
         dec, self.mstate = monitor_tick(adapters.cluster_snapshot(sim), self.mstate, self.cfg.drop,
-                                        self.cfg.restore, history_s=self.history_s, allow_restore=self.restore_on)
+                                        self.cfg.restore, history_s=self.history_s, allow_restore=self.restore_on,
+                                        regroup=self.regroup)
         if dec.action == "drop":
             self._drop(sim, dec.drop, dec.overload.need_bytes)
         elif dec.action == "restore":
@@ -147,4 +151,5 @@ class KunServePolicy(Policy):
     def describe(self) -> dict:
         return {**super().describe(), "lookahead": self.lookahead,
                 "microbatcher": "policy.microbatch." + ("lookahead" if self.lookahead else "token_count"),
-                "exchange": self.exchange, "restore": self.restore_on, "admission": self.cfg.lookahead.admission}
+                "exchange": self.exchange, "restore": self.restore_on, "regroup": self.regroup,
+                "admission": self.cfg.lookahead.admission}

@@ -1,0 +1,115 @@
+"""What the burst benchmarks share (``benchmarks/cluster_burst.py``, ``burst_value.py``,
+``pipeline_idle.py``, ``cluster_burst_sim.py``): the kunserve config their clusters run, and the
+reading of a ``kunserve compare`` run's repetitions (``<out>/<system>/rep<k>/``): the burst window's
+TTFT and TPOT, the front end's dispatch split, when the engines were grouped.
+
+Percentiles over a window are ``workload.stats.percentile``'s (linear interpolation, completed
+requests only).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+from vllm_kunserve.bench.report import md_table
+from vllm_kunserve.workload.records import read_csv
+from vllm_kunserve.workload.stats import percentile
+
+#: a request sent this much after its arrival time makes its run's latencies suspect
+LATE_S = 0.05
+
+
+def kunserve_config(max_kv_ratio: float) -> dict:
+    """The kunserve config of the burst benchmarks' clusters, its KV growth capped at ``max_kv_ratio``."""
+    # min_decode_share: on this CPU a prompt token costs ~2 ms (prefill ~480 tok/s) against a decode
+    # step of 40-70 ms for the whole batch, so a queue of prompts is compute-bound (the prefill mix)
+    return {"drop": {"trigger_ratio": 0.9, "forecast_horizon_s": 2.0, "min_decode_share": 0.5},
+            "restore": {"threshold": 0.4, "hold_s": 5.0},
+            "memory": {"max_kv_ratio": max_kv_ratio}}
+
+
+def add_phase_args(ap, warm_s: float, warm_share: float, burst_s: float, burst_x: float) -> None:
+    """The burst run's phases as options of ``ap`` (a parser or an argument group), with these defaults:
+    ``--warm-s`` seconds at ``--warm-share`` of the capacity, then ``--burst-s`` seconds at ``--burst-x``
+    times it."""
+    for flag, default in (("--warm-s", warm_s), ("--warm-share", warm_share), ("--burst-s", burst_s),
+                          ("--burst-x", burst_x)):
+        ap.add_argument(flag, type=float, default=default)
+
+
+def read_requests(path: Path | str) -> list[dict]:
+    """A run's ``requests.csv`` rows (every field a string, as written)."""
+    return read_csv(path)
+
+
+def window_stats(rows: list[dict], lo: float, hi: float) -> dict:
+    """TTFT and TPOT of the requests arriving in [lo, hi) (P99 over the burst window)."""
+    sel = [r for r in rows if lo <= float(r["arrival_s"]) < hi]
+    ok = [r for r in sel if r["ok"] == "1"]
+    ttft = [float(r["ttft_s"]) for r in ok if r["ttft_s"]]
+    tpot = [float(r["tpot_s"]) for r in ok if r["tpot_s"]]
+    lag = [float(r["send_s"]) - float(r["arrival_s"]) for r in rows if r["send_s"]]
+    return {"n": len(sel), "failed": len(sel) - len(ok), "failed_all": sum(r["ok"] != "1" for r in rows),
+            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+            "tpot_p50": percentile(tpot, 50), "late_sends": sum(x > LATE_S for x in lag),
+            "send_lag_max": max(lag) if lag else None}
+
+
+def run_files(out: Path, systems: list[str], reps: int, name: str) -> Iterator[tuple[str, int, Path]]:
+    """(system, repetition, path) of every run's ``name`` file under ``out`` (or its gzipped copy,
+    as a doc's raw data keeps it: ``report.read_csv`` reads either)."""
+    for s in systems:
+        for k in range(1, reps + 1):
+            f = out / s / f"rep{k}" / name
+            if f.exists() or f.with_name(name + ".gz").exists():
+                yield s, k, f
+
+
+def dispatch_split(out: Path, systems: list[str], reps: int, window: tuple[float, float]) -> dict:
+    """Per system and repetition, how many requests the front end gave each engine over the window
+    (its ``kunserve:dispatched_total{instance=i}`` counters in timeline.csv, at the window's ends)."""
+    lo, hi = window
+    res: dict = {}
+    for s, k, f in run_files(out, systems, reps, "timeline.csv"):
+        rows = read_csv(f)
+        cols = sorted((c for c in (rows[0] if rows else {}) if c.startswith("kunserve:dispatched_total{instance=")),
+                      key=lambda c: int(c.split("=")[1].rstrip("}")))
+
+        def at(t: float, col: str) -> float:
+            seen = [float(r[col]) for r in rows if r.get(col) and float(r["second"]) <= t]
+            return seen[-1] if seen else 0.0
+        if cols:
+            res.setdefault(s, {})[k] = [round(at(hi, c) - at(lo, c)) for c in cols]
+    return res
+
+
+def group_times(out: Path, systems: list[str], reps: int, window: tuple[float, float]) -> dict:
+    """Per system and repetition that grouped: the first second its engines were in a pipeline group,
+    the share of the burst window's seconds they were (``kunserve:grouped_instances`` >= 2 in
+    timeline.csv, the front end's gauge sampled every second) and, at the window's last sample, the
+    layers and KV blocks each engine held (``kunserve:layers_held`` / ``kunserve:kv_blocks_total``)."""
+    lo, hi = window
+    res: dict = {}
+    for s, k, f in run_files(out, systems, reps, "timeline.csv"):
+        rows = [r for r in read_csv(f) if r.get("kunserve:grouped_instances")]
+        grouped = [float(r["second"]) for r in rows if float(r["kunserve:grouped_instances"]) >= 2]
+        inside = [r for r in rows if lo <= float(r["second"]) < hi]
+        if grouped:
+            last = inside[-1] if inside else {}
+
+            def per_engine(prefix: str) -> list[int]:
+                cols = sorted((c for c in last if c.startswith(prefix + "{instance=") and last[c]),
+                              key=lambda c: int(c.split("=")[1].rstrip("}")))
+                return [int(float(last[c])) for c in cols]
+            res.setdefault(s, {})[k] = {
+                "first_s": grouped[0],
+                "window_share": round(sum(float(r["kunserve:grouped_instances"]) >= 2 for r in inside)
+                                      / len(inside), 3) if inside else None,
+                "layers": per_engine("kunserve:layers_held"), "kv_blocks": per_engine("kunserve:kv_blocks_total")}
+    return res
+
+
+def scaling_table(rows: list[dict]) -> list[str]:
+    """The decode step by batch (``benchmarks/batch_scaling.py``'s rows) as a markdown table."""
+    return md_table(["batch", "step (ms)", "tokens/s"], "rrr", ([r["batch"], r["step_ms"], r["tokens_per_s"]] for r in rows))
