@@ -232,9 +232,8 @@ def run(args: argparse.Namespace) -> int:
         extra, line = memory_split(opts.instances, engine_args, device=current_platform.device_type,
                                    backend=opts.backend, available=vm.available, total=vm.total,
                                    weights=weight_bytes(args.model))
-        if extra:
+        if extra:   # vLLM's own flag, already checked by the parse above; nothing it parsed changes
             engine_args = [*engine_args, *extra]
-            engine_ns = check_engine_args(args.model, engine_args)
             print(line, flush=True)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         fleet, front = build(args.model, opts, engine_args, engine_ns)

@@ -38,7 +38,8 @@ from vllm_kunserve.cluster.control.client import ControlClient
 from vllm_kunserve.cluster.control.monitor import FlightBook, Monitor, instance_loads
 from vllm_kunserve.cluster.frontend.ops import run_op
 from vllm_kunserve.cluster.frontend.relay import Flight, Move, Relay, UpstreamLost
-from vllm_kunserve.cluster.frontend.validate import BadRequest, error_body, parse_json, prompt_counter, validate
+from vllm_kunserve.cluster.frontend.validate import (BadRequest, encodes, error_body, parse_json, prompt_counter,
+                                                   validate)
 from vllm_kunserve.policy.dispatch import check_mode, choose_instance, get_policy
 from vllm_kunserve.runtime.gcpause import GcPauses, freeze_heap
 from vllm_kunserve.runtime.looplag import LoopLag
@@ -330,11 +331,8 @@ class FrontEnd:
         out = []
         for x in p or []:
             if isinstance(x, str):
-                try:
-                    x.encode()
-                except UnicodeEncodeError:   # valid JSON ("\udc80"), but no text a tokenizer takes
-                    raise BadRequest("prompt: not valid Unicode text (a lone UTF-16 surrogate)",
-                                     param="prompt") from None
+                if not encodes(x):   # valid JSON ("\udc80"), but no text a tokenizer takes
+                    raise BadRequest("prompt: not valid Unicode text (a lone UTF-16 surrogate)", param="prompt")
                 out.append(self._count(x, bool(special)) if self._count is not None else 0)
             else:
                 out.append(len(x))

@@ -96,15 +96,18 @@ def _pydantic_error(e: Exception) -> BadRequest:
     return BadRequest(str(e))
 
 
-def _text(x: Any) -> bool:
-    """A non-empty string pydantic takes as it is (a lone surrogate is not one: it fails UTF-8)."""
-    if type(x) is not str or not x:
-        return False
+def encodes(x: str) -> bool:
+    """Whether ``x`` is text UTF-8 can carry (a lone surrogate, valid in JSON as ``"\\udc80"``, is not)."""
     try:
         x.encode()
     except UnicodeEncodeError:
         return False
     return True
+
+
+def _text(x: Any) -> bool:
+    """A non-empty string pydantic takes as it is (a lone surrogate is not one: it fails UTF-8)."""
+    return type(x) is str and bool(x) and encodes(x)
 
 
 def shape_key(kind: str, body: dict) -> tuple | None:
