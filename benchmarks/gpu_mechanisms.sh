@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU mechanism checks, as one script for a lent GPU machine (plain torch + cuda-python there,
 # no vLLM): the gpu-marked tests, the CUDA memory pool benchmark and the weight-streaming benchmark
-# (a small and a 7B-sized layer). Docs land in docs/benchmarks/*_gpu*.{json,md} and the test log in
+# (a small and a 7B-sized layer), and the stage link's hop, KV exchange and two-stage pipeline
+# (benchmarks/stage_link_gpu.py). Docs land in docs/benchmarks/*_gpu*.{json,md} and the test log in
 # docs/benchmarks/gpu_tests.log; with $OUT set (the device tool), they are copied there too.
 #   bash benchmarks/gpu_mechanisms.sh
 set -u
@@ -14,11 +15,12 @@ nvidia-smi -L
 $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
 $PY -c "import cuda.bindings; print('cuda-bindings', cuda.bindings.__version__)"
 timeout 300 $PY -m pytest -m gpu -q -p no:cacheprovider tests/unit/test_memory_pool.py \
-    tests/unit/test_streaming.py tests/gpu/test_mechanisms_cuda.py 2>&1 | tee "$log"
+    tests/unit/test_streaming.py tests/gpu/test_mechanisms_cuda.py tests/gpu/test_stage_cuda.py 2>&1 | tee "$log"
 timeout 200 $PY benchmarks/memory_pool.py --backend cuda --out $D/mechanisms_memory_pool_gpu.json \
     --md $D/mechanisms_memory_pool_gpu.md
 timeout 200 $PY benchmarks/weight_streaming.py --device cuda --steps 30 --out $D/mechanisms_weight_streaming_gpu.json \
     --md $D/mechanisms_weight_streaming_gpu.md
 timeout 300 $PY benchmarks/weight_streaming.py --device cuda --steps 30 --hidden 4096 --layers 16 \
     --out $D/mechanisms_weight_streaming_gpu_h4096.json --md $D/mechanisms_weight_streaming_gpu_h4096.md
-if [ -n "${OUT:-}" ]; then cp "$log" $D/*_gpu*.json $D/*_gpu*.md "$OUT"/ 2>/dev/null; fi
+timeout 400 $PY benchmarks/stage_link_gpu.py
+if [ -n "${OUT:-}" ]; then cp "$log" $D/*_gpu*.json $D/*_gpu*.md $D/stage_link_gpu.* "$OUT"/ 2>/dev/null; fi

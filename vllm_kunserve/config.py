@@ -68,10 +68,10 @@ class DropConfig:
         False, "This engine can join pipeline groups: it keeps a growable KV cache, an engine agent and a "
         "control port (`kunserve serve` sets it on its engines).")
     allow_unvalidated_cuda: bool = _opt(
-        False, "Let a group member start on a CUDA platform. Pipeline groups have run inside vLLM on CPU only: "
-        "the stage link moves hidden states through host shared memory and a grouped step's attention plan is "
-        "rebuilt for the CPU attention backend, so on CUDA a group's first hop is expected to fail. Off, "
-        "drop.group_member refuses to start there; on, it starts (for validating the CUDA glue).")
+        False, "Let a group member start on a CUDA platform. Pipeline groups have run inside vLLM on CPU only; on "
+        "CUDA the stage link (CUDA IPC, tensors kept on the device) and KV exchange ran at mechanism level on an "
+        "H100 without vLLM, and the FlashAttention metadata glue is tested against vLLM's dataclass, not inside "
+        "vLLM. Off, drop.group_member refuses to start there; on, it starts (for validating the CUDA glue).")
 
 
 @dataclass(frozen=True)

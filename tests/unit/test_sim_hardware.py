@@ -108,3 +108,20 @@ def test_drop_stall_pays_unmapping():
         plans = [e for e in sim.events if e["kind"] == "drop_plan"]
         assert plans[0]["unmap_bytes"] > 0
     assert stalls["charged"] == pytest.approx(stalls["free"] + 0.25, abs=1e-6)
+
+
+def test_the_measured_stage_link_figures_are_the_ones_in_use():
+    """The simulator's ``stage-h100`` link and the CUDA bulk chunk are what the H100 run derived
+    (docs/benchmarks/stage_link_gpu.json): re-measuring changes them in one place."""
+    import json
+    from pathlib import Path
+
+    from vllm_kunserve.transfer.stage import BULK_CHUNK_BYTES
+
+    got = json.loads((Path(__file__).resolve().parents[2] / "docs/benchmarks/stage_link_gpu.json").read_text())
+    d = got["derived"]
+    link = get_link("stage-h100")
+    assert link.bandwidth_bytes_per_s == pytest.approx(d["link_fit"]["bandwidth_bytes_per_s"], rel=1e-3)
+    assert link.latency_s == pytest.approx(d["link_fit"]["latency_s"], rel=1e-3)
+    assert BULK_CHUNK_BYTES["cuda"] == d["chosen_chunk_mib"] << 20
+    assert "H100" in got["device"]

@@ -178,3 +178,18 @@ def test_sent_runs_once_when_the_request_is_on_its_way_or_the_call_fails():
         c.call("span", None, {"x": torch.ones(2)}, sent=lambda: calls.append(2))
     assert calls == [1, 2]
     c.close()
+
+
+def test_an_unknown_device_link_is_refused_and_cpu_tensors_never_open_the_device_path():
+    srv = StageServer(_double)
+    try:
+        with pytest.raises(ValueError, match="device_link 'nvlink': one of auto, ipc, host"):
+            StageClient(srv.address, device_link="nvlink")
+        c = StageClient(srv.address)
+        try:
+            c.call("x", None, {"x": torch.ones(3)})
+            assert c.device_link == "auto" and c._dbuf is None  # nothing on a device: shared memory only
+        finally:
+            c.close()
+    finally:
+        srv.close()

@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="per-instance KV blocks (override the memory model, e.g. a measured engine's)")
     p.add_argument("--cost-model", default=None,
                    help="policy cost-model JSON (kunserve costmodel fit) used as step time instead of Vidur's")
-    p.add_argument("--link", default="nvlink", help="instance link: nvlink | ib | pcie")
+    p.add_argument("--link", default="nvlink", help="instance link: nvlink | ib | rdma200 | pcie | stage-h100 (this project's link, measured) | local")
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help=f"comma list (default {DEFAULT_POLICIES}; also kunserve-nolookahead, "
                         "kunserve-noexchange, kunserve-norestore, oracle-equal (stock vLLM with a 2-instance "

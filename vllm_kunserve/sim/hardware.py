@@ -63,6 +63,10 @@ LINKS = {  # fallbacks when the Vidur profile is absent (datasheet-level figures
     "rdma200": Link(25e9 * 0.72, 20e-6, "rdma200"),
     "pcie": Link(25e9, 10e-6, "pcie"),
     "local": Link(1e15, 0.0, "local"),
+    # this project's own stage link (CUDA IPC between two processes on one H100), measured by
+    # benchmarks/stage_link_gpu.py: the device's copy rate / 3 and what a hop adds to a CUDA-graphed
+    # 7B decode step (docs/benchmarks/stage_link_gpu.json, "derived"; a unit test keeps them equal)
+    "stage-h100": Link(415.367e9, 10.5e-6, "stage-h100 (measured: stage link, CUDA IPC, H100)"),
 }
 #: line rate of the NIC behind Vidur's h100_dgx inter-node profile (a DGX H100: 400 Gb/s per GPU)
 VIDUR_IB_LINE_RATE = 400e9 / 8

@@ -36,8 +36,8 @@ def agent_of(core: Any):
 #: what a group member on CUDA says at startup (issue 38: no CUDA data path validated in vLLM yet)
 CUDA_GROUP_REFUSED = (
     "kunserve drop.group_member: pipeline groups have run inside vLLM on CPU only (on CUDA the stage link "
-    "and the grouped step's attention plan are unvalidated); refusing to start on a CUDA platform "
-    "(set drop.allow_unvalidated_cuda=true to start anyway)")
+    "ran at mechanism level and the FlashAttention glue against recorded structures, never inside vLLM); "
+    "refusing to start on a CUDA platform (set drop.allow_unvalidated_cuda=true to start anyway)")
 
 
 def platform_device() -> str:

@@ -37,9 +37,10 @@ from typing import Any
 import torch
 
 from vllm_kunserve.engine.agent import PEER_LOST  # the agent recognises a lost peer by this marker
+from vllm_kunserve.integration.vllm.attn_meta import AttentionMetadataError, localize
 from vllm_kunserve.integration.vllm.worker_memory import decoder_layers
 from vllm_kunserve.transfer.errors import PeerFailedError
-from vllm_kunserve.transfer.stage import RemoteError, StageClient, StageServer
+from vllm_kunserve.transfer.stage import RemoteError, StageClient, StageServer, bulk_chunk_bytes
 
 logger = logging.getLogger("vllm.kunserve")
 
@@ -47,7 +48,7 @@ logger = logging.getLogger("vllm.kunserve")
 #: own step never run at the same time (the step lets go of it while it waits for a peer)
 COMPUTE = threading.Lock()
 
-_BULK_BYTES = 8 << 20  # KV exchange chunk
+_BULK_BYTES = bulk_chunk_bytes("cpu")  # host-side chunk (the bulk connection's shared memory)
 
 
 #: how long a step waits for a peer's span before declaring the peer lost
@@ -314,29 +315,17 @@ class GroupMember:
                 COMPUTE.release)
 
     def _local_metadata(self, attn: Any) -> None:
-        """Make a peer's attention metadata valid in this process. vLLM's CPU attention plans
-        its work (``scheduler_metadata``) per batch and sizes a process-wide scratchpad while doing
-        so: a plan made in the peer's process does not size ours, so it is made again here with
-        this worker's own metadata builder (same model, same numbers)."""
-        if not isinstance(attn, dict):
-            return
-        done = set()
-        for name, md in attn.items():
-            if id(md) in done or type(md).__name__ != "CPUAttentionMetadata" or md.encoder_cache is not None:
-                continue
-            done.add(id(md))
-            b = self._builders().get(name)
-            if b is None:
-                raise GroupError(f"no attention metadata builder for {name} on this worker")
-            from vllm import _custom_ops as ops
-            from vllm import envs
+        """Make a peer's attention metadata valid in this process (``attn_meta.localize``: the CPU
+        attention plan made again with this worker's builder; FlashAttention's tensors moved to this
+        worker's device and its ahead-of-time plan made again)."""
+        try:
+            localize(attn, self._device(), self._builders)
+        except AttentionMetadataError as exc:
+            raise GroupError(str(exc)) from exc
 
-            md.scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=md.query_start_loc.numel() - 1, num_heads=b.num_heads, num_kv_heads=b.num_kv_heads,
-                head_dim=b.head_dim, seq_lens=md.seq_lens, dtype=b.dtype, query_start_loc=md.query_start_loc,
-                causal=md.causal, sliding_window_size=b.window_size, isa=b.isa,
-                enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=md.dynamic_causal,
-                kv_cache_dtype=b.kv_cache_dtype)
+    def _device(self) -> torch.device:
+        d = getattr(self.worker, "device", None)
+        return torch.device(d) if d is not None else torch.device("cpu")
 
     def _builders(self) -> dict[str, Any]:
         if self.__dict__.get("_builder_map") is None:
@@ -445,7 +434,7 @@ class GroupMember:
             place = self.res.place(n, origin)
             page = place.page_bytes
             src = place.region.view(torch.uint8)
-            per = max(1, _BULK_BYTES // page)
+            per = max(1, bulk_chunk_bytes(src.device) // page)  # the chunk measured for the KV's device
             for s in range(0, len(blocks), per):
                 ids = blocks[s:s + per]
                 data = torch.stack([src[b * page:(b + 1) * page] for b in ids])
