@@ -98,7 +98,7 @@ def common_argv(a: argparse.Namespace, model: Path, dtype: str) -> list[str]:
 
 
 def trace_argv(a: argparse.Namespace, phases: str) -> list[str]:
-    return ["--trace", str(a.trace), "--format", "azure", "--window-offset", "0", "--synthetic-lengths",
+    return ["--trace", str(a.trace), "--format", "azure", "--window-offset", str(a.window_offset), "--synthetic-lengths",
             "--prompt-len", str(MIX["prompt_len"]), "--output-len", str(MIX["output_len"]),
             "--output-len-max", str(MIX["output_len_max"]), "--phases", phases, "--seed", str(a.seed)]
 
@@ -496,6 +496,9 @@ def main() -> int:
                    warm_s=30.0, warm_share=0.5, burst_s=64.0, burst_x=1.8)
     ap.add_argument("--ttft-slo", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--window-offset", type=float, default=0.0,
+                    help="where in the trace the arrivals start (s): another offset is another arrival sequence, "
+                         "rescaled to the same phases (a held-out run)")
     ap.add_argument("--trace", default=str(TRACE))
     ap.add_argument("--name", default="")
     a = ap.parse_args()

@@ -78,6 +78,7 @@ def settings_of(run: Path) -> dict:
             "block_size": int(args["block_size"]), "dispatch": args["dispatch"], "oracle_x": 1.0,
             "kunserve_config": json.loads(args["kunserve_config"] or "{}"), "phases": args["phases"],
             "window": [lo, lo + ph[1][0]], "engine_args": eng, "variants": {},
+            "trace": {"window_offset": args.get("window_offset"), "seed": args.get("seed")},
             "max_num_batched_tokens": int(runfit.argv_opt(eng, "--max-num-batched-tokens")
                                           or runfit.VLLM_CPU_DEFAULTS["max_num_batched_tokens"]),
             "max_num_seqs": int(seqs or runfit.VLLM_CPU_DEFAULTS["max_num_seqs"])}
@@ -170,12 +171,25 @@ def main() -> int:
         print(f"{s}: pooled P90 / P99 measured {fmt(mt['p90']['value'])} / {fmt(mt['p99']['value'])} s, predicted "
               f"{fmt(pt['p90']['value'])} / {fmt(pt['p99']['value'])} s; scale {fmt(cal and cal['scale'], 3)}", flush=True)
     cmd = command("burst_value_sim.py")
-    res = {"command": cmd, "fit": str(fit_run), "predict": str(pred_run), "tolerance": TOL,
+    res = {"command": cmd, "fit": str(fit_run), "predict": str(pred_run), "tolerance": TOL, "out_name": a.out_name,
            "fit_settings": fset, "predict_settings": pset, "rows": rows}
     write_json(DOCS / f"{a.out_name}.json", res, indent=1, clean=False, default=str)
     (DOCS / f"{a.out_name}.md").write_text(render(res))
     print((DOCS / f"{a.out_name}.md").read_text())
     return 0
+
+
+def held_out(fit: dict, pred: dict) -> str:
+    """How the predicted run's offered requests differ from the fit's."""
+    ft, pt = fit.get("trace") or {}, pred.get("trace") or {}
+    if str(ft.get("window_offset")) != str(pt.get("window_offset")):
+        return (f"The predicted run's arrivals come from another part of the trace (offset {pt.get('window_offset')} s "
+                f"against {ft.get('window_offset')} s; seed {pt.get('seed')} against {ft.get('seed')}), rescaled to "
+                "its phases: an arrival sequence the fit never saw.")
+    if fit["phases"] != pred["phases"]:
+        return ("The two runs share the trace window and seed; they differ in the burst's rate, so each arrival "
+                "sequence is new to the fit.")
+    return "The two runs share the trace window, seed and phases: not a held-out test."
 
 
 def render(res: dict) -> str:
@@ -186,8 +200,7 @@ def render(res: dict) -> str:
          f"Command: `{res['command']}`.", "",
          f"Step times fitted on `{res['fit']}` (phases `{res['fit_settings']['phases']}`); predicted: "
          f"`{res['predict']}` (phases `{res['predict_settings']['phases']}`), of which only the requests offered "
-         "are used. The two runs share the trace seed; they differ in the burst's rate, so each arrival "
-         "sequence is new to the fit.", "",
+         f"are used. {held_out(res['fit_settings'], res['predict_settings'])}", "",
          "## Verdict (target: pooled P90 and P99 TTFT within 25% for every system)", "",
          f"- within 25% at P90 and P99: {', '.join(met) or 'none'}",
          f"- outside: {', '.join(miss) or 'none'}", "",

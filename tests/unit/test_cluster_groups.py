@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from vllm_kunserve.cluster.control.groups import GroupController, GroupOpError
 from vllm_kunserve.config import parse_config
+from vllm_kunserve.engine.state import EngineState
 
 pytestmark = pytest.mark.unit
 
@@ -52,7 +53,7 @@ def _controller(n, cfg=None, fail=None):
         return {"draining": 0}
 
     async def fresh(members):
-        return {i: front.states[i] for i in members}
+        return {i: EngineState.from_dict(front.states[i]) for i in members}
     gc._op, gc._fresh_states = op, fresh
     return front, gc, calls
 
@@ -81,12 +82,22 @@ def test_a_failed_kv_exchange_is_retried_by_reprefill():
     assert outcomes == [("group_join", "failed"), ("group_join", "ok")]
 
 
-def test_members_that_joined_while_another_failed_are_split_again():
+def test_members_that_joined_while_another_failed_abandon_the_group_at_once():
+    """A member that joined while another failed has no peer to drain with: it is told to abandon
+    (layers from the host copies, requests recomputed), and the group is gone; the ids of the
+    attempt's members are one, so a retry's barriers never meet this attempt's."""
     front, gc, calls = _controller(2, fail=lambda i, name, b: name == "group_join" and i == 1)
     with pytest.raises(GroupOpError):
         asyncio.run(gc.form([0, 1], transition="reprefill"))
-    assert (0, "group_leave", {"step": "begin"}) in calls
-    assert [g["members"] for g in gc.view()] == [[0]] and gc.view()[0]["state"] == "leaving"
+    leaves = [(i, b["step"]) for i, name, b in calls if name == "group_leave"]
+    assert leaves == [(0, "abandon")]
+    assert gc.view() == [] and gc.group_of(0) is None
+    joins = [b["join_id"] for i, name, b in calls if name == "group_join"]
+    assert len(set(joins)) == 1
+    calls.clear()
+    with pytest.raises(GroupOpError):
+        asyncio.run(gc.form([0, 1], transition="reprefill"))
+    assert {b["join_id"] for i, name, b in calls if name == "group_join"}.isdisjoint(joins)
 
 
 def test_monitor_forms_a_group_when_demand_exceeds_capacity_and_not_before():
@@ -157,3 +168,32 @@ def test_monitor_plans_with_each_engines_kv_cap_and_reports_the_rest_as_shortfal
         s["capacity"]["blocks_max"] = 176
     asyncio.run(gc.on_poll({}))
     assert len([c for c in calls if c[1] == "group_join"]) == 2
+
+
+def test_an_engine_grouped_without_a_live_group_is_told_to_abandon():
+    """An engine whose state says grouped while the controller holds no live group for it (its
+    peer died and the group was forgotten, or a join formed only on it) takes its layers back at
+    the next period, instead of waiting for a step to find its peer gone."""
+    front, gc, calls = _controller(2, {"drop": {"enable": False}})
+    front.states[1]["phase"] = "grouped"
+    asyncio.run(gc.on_poll({}))
+    assert [(i, name, b["step"]) for i, name, b in calls] == [(1, "group_leave", "abandon")]
+    calls.clear()
+    front.states[1]["phase"] = "base"
+    asyncio.run(gc.on_poll({}))
+    assert calls == []
+
+
+def test_monitor_groups_engines_of_one_host_only():
+    """Engines report their host (the agent's ``engine.host``): under the same overload as above,
+    engines 0 and 2 share a host and group, 1 and 3 another; no group spans the two."""
+    cfg = {"drop": {"trigger_ratio": 0.9, "forecast_horizon_s": 0.0}}
+    front, gc, calls = _controller(4, cfg)
+    for i in range(4):
+        front.states[i]["engine"]["host"] = f"node{i % 2}"
+        front.states[i]["blocks"].update(used=86, queued=40)
+    asyncio.run(gc.on_poll({}))
+    groups = sorted(g["members"] for g in gc.view())
+    assert groups and all(set(m) in ({0, 2}, {1, 3}) for m in groups), groups
+    joined = {i for i, name, b in calls if name == "group_join"}
+    assert joined and all(len({j % 2 for j in g}) == 1 for g in groups)

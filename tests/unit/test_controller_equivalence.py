@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from vllm_kunserve.cluster.control import groups as fleet_groups
 from vllm_kunserve.cluster.control.groups import GroupController, GroupOpError
 from vllm_kunserve.config import parse_config
+from vllm_kunserve.engine.state import EngineState
 from vllm_kunserve.policy.drop import balanced_stages
 from vllm_kunserve.policy.snapshot import ClusterSnapshot, InstanceSnapshot, ModelSpec
 from vllm_kunserve.sim import adapters
@@ -194,5 +195,5 @@ async def _fresh(ports: FakePorts, snap: ClusterSnapshot, members) -> dict:
     for i in members:
         if not by_id[i].healthy:
             raise GroupOpError(f"instance {i} is not a live group member")
-    return {i: ports.state(by_id[i]) for i in members}
+    return {i: EngineState.from_dict(ports.state(by_id[i])) for i in members}
 

@@ -245,3 +245,38 @@ def test_snapshot_reads_kv_blocks_max_and_refuses_negative():
     assert inst.kv_blocks_max == 40
     with pytest.raises(ValueError):
         InstanceSnapshot(0, 10, 1, kv_blocks_max=-1)
+
+
+def test_groups_form_only_among_instances_of_one_host():
+    """The stage link is one machine's: 0 and 2 share host a, 1 and 3 host b, so the plan pairs
+    (0, 2) and (1, 3) however the ids sort; an instance alone on its host is skipped, and the plan
+    says so; with every host unknown the planner is the one-host greedy it always was."""
+    hosts = ["a", "b", "a", "b", "c"]
+    insts = tuple(InstanceSnapshot(i, 1000, 900, host=h) for i, h in enumerate(hosts))
+    plan = plan_drop(ClusterSnapshot(MODEL, insts), 100 * MODEL.weight_bytes, max_group_size=2)
+    assert sorted(g.instances for g in plan.groups) == [(0, 2), (1, 3)]
+    assert plan.unchanged == ((4,),) and not plan.satisfied
+    assert any("[4] on host c: alone on their host" in why for why in plan.skipped), plan.skipped
+    assert plan.to_dict()["skipped"] == list(plan.skipped)
+    check_groups(plan, MODEL, range(5))
+    one_host = plan_drop(ClusterSnapshot(MODEL, tuple(InstanceSnapshot(i, 1000, 900) for i in range(5))),
+                         100 * MODEL.weight_bytes, max_group_size=2)
+    assert sorted(g.instances for g in one_host.groups) == [(0, 1), (2, 3)] and one_host.skipped == ()
+
+
+@settings(max_examples=100, deadline=None)
+@given(hosts=st.lists(st.sampled_from(["a", "b", "c"]), min_size=2, max_size=9),
+       need=st.integers(1, 12), cap=st.integers(2, 8))
+def test_no_planned_group_spans_two_hosts(hosts, need, cap):
+    insts = tuple(InstanceSnapshot(i, 1000, 900, host=h) for i, h in enumerate(hosts))
+    plan = plan_drop(ClusterSnapshot(MODEL, insts), need * MODEL.weight_bytes, max_group_size=cap)
+    for g in plan.groups:
+        assert len({hosts[i] for i in g.instances}) == 1, (g.instances, hosts)
+    seen = sorted(i for g in plan.groups for i in g.instances) + sorted(i for g in plan.unchanged for i in g)
+    assert sorted(seen) == list(range(len(hosts)))
+    # falling short, no host is left with two groups that could still merge (within the size cap)
+    if not plan.satisfied:
+        for h in set(hosts):
+            sizes = sorted([len(g) for g in plan.unchanged if hosts[g[0]] == h]
+                           + [len(g.instances) for g in plan.groups if hosts[g.instances[0]] == h])
+            assert len(sizes) < 2 or sizes[0] + sizes[1] > cap, (h, sizes, cap)

@@ -193,3 +193,18 @@ def test_an_unknown_device_link_is_refused_and_cpu_tensors_never_open_the_device
             c.close()
     finally:
         srv.close()
+
+
+def test_a_client_sees_its_server_go_away_between_calls():
+    srv = StageServer(_double)
+    c = StageClient(srv.address)
+    try:
+        c.call("x", None, {"x": torch.ones(2)})
+        assert not c.peer_closed()
+        srv.close()
+        deadline = time.monotonic() + 5
+        while not c.peer_closed() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c.peer_closed()
+    finally:
+        c.close()

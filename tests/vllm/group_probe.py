@@ -11,9 +11,10 @@ admission and with vLLM's own (``short_kv``).
 import json
 import os
 import sys
-import threading
 
-PROMPTS, OUTPUT, BLOCK = 6, 24, 32
+from engine_pair import BLOCK, both, group_engines, half_plans
+
+PROMPTS, OUTPUT = 6, 24
 SHORT_PROMPT, SHORT_OUTPUT = 40, 200
 
 
@@ -50,10 +51,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     model, kv_bytes = sys.argv[1], int(sys.argv[2])
-    cfg = {"kunserve": {"drop": {"group_member": True}, "control": {"enable": False}}}
-    engines = [LLM(model=model, dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
-                   block_size=BLOCK, kv_cache_memory_bytes=kv_bytes, max_model_len=512,
-                   additional_config=cfg, disable_log_stats=True, seed=0) for _ in range(2)]
+    engines = group_engines(model, kv_bytes, LLM)
     import random
     rnd = random.Random(0)
     prompts = [{"prompt_token_ids": [rnd.randrange(10, 250) for _ in range(40 + 13 * i)]} for i in range(PROMPTS)]
@@ -68,29 +66,9 @@ def main() -> None:
     before = [run(e) for e in engines]
     st = [state(e) for e in engines]
     L = st[0]["workers"][0]["num_layers"]
-    h = L // 2
-    names = ["a", "b"]
-    plans = [{"name": "a", "drop": list(range(h, L)), "spans": [[h, L, "b"]]},
-             {"name": "b", "drop": list(range(0, h)), "spans": [[0, h, "a"]]}]
-    for i, p in enumerate(plans):
-        j = 1 - i
-        p["peers"] = {names[j]: {"stage": st[j]["engine"]["stage"][0], "blocks": st[j]["capacity"]["blocks_total"]}}
+    plans = half_plans(st, L)
 
-    def both(method, kwargs):
-        """Call ``method`` on both engines at once (the members meet at barriers)."""
-        outs = [None, None]
-
-        def one(i):
-            try:
-                outs[i] = engines[i].collective_rpc(method, kwargs=kwargs[i])[0]
-            except Exception as e:  # noqa: BLE001 - the probe reports it
-                outs[i] = {"error": repr(e)}
-        ts = [threading.Thread(target=one, args=(i,)) for i in range(2)]
-        [t.start() for t in ts]
-        [t.join() for t in ts]
-        return outs
-
-    outs = both("kunserve_group_join", plans)
+    outs = both(engines, "kunserve_group_join", plans)
     grouped_state = [state(e) for e in engines]
     # the engines run one after the other here (in one process they cannot step at once): keep a
     # peer's last step pacing the other for the whole run, so the group scheduler sets budgets
@@ -104,7 +82,7 @@ def main() -> None:
     group_scheduler.PACE_MAX_AGE_S = 1.0
     leave_begin = [e.collective_rpc("kunserve_group_leave", kwargs={"step": "begin"})[0] for e in engines]
     # engine A pulls its dropped layers from B (peer copy), B takes its own from the host copies
-    louts = both("kunserve_group_leave", [{"step": "finish", "source": "peer"}, {"step": "finish", "source": "host"}])
+    louts = both(engines, "kunserve_group_leave", [{"step": "finish", "source": "peer"}, {"step": "finish", "source": "host"}])
     after = [run(e) for e in engines]
     final = [state(e) for e in engines]
     check = [e.collective_rpc("kunserve_check")[0] for e in engines]

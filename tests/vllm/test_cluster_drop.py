@@ -45,6 +45,14 @@ async def _refs(s, url) -> dict[str, list[int]]:
     return out
 
 
+async def _refs_then_drop(s, url, n: int) -> dict[str, list[int]]:
+    """The reference outputs, then one group of every engine (forced)."""
+    refs = await _refs(s, url)
+    code, ev = await op(s, url, "drop", {"instances": list(range(n))})
+    assert code == 200, ev
+    return refs
+
+
 async def _engines_running(s, st: dict) -> list[int]:
     """Per engine, how many requests it runs with at least N // 2 tokens still to generate, read
     from its control port. (The front end's token counts trail the engines' by what sits unread
@@ -142,9 +150,7 @@ def test_member_killed_while_grouped_every_request_completes(forced):
     async def go():
         timeout = aiohttp.ClientTimeout(total=900)
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
-            refs = await _refs(s, url)
-            code, ev = await op(s, url, "drop", {"instances": list(range(n))})
-            assert code == 200, ev
+            refs = await _refs_then_drop(s, url, n)
             answers, kill = await _burst_with(s, url, lambda: op(s, url, "kill", {"instance": n - 1}), k=10)
             after_kill = await status(s, url)
             t0 = time.monotonic()
@@ -204,3 +210,97 @@ def test_monitor_drops_under_a_burst_and_restores_after(burst_model, tmp_path_fa
     assert sum(a for _, a in before_after) > sum(b for b, _ in before_after), joins[0]["blocks"]
     assert any(e["event"] == "group_leave" and e.get("outcome") == "ok" for e in split["events"])
     assert split["drop"]["auto"] is True
+
+
+async def _arm(s, st: dict, instance: int, step: str, delay_s: float) -> None:
+    """Make ``step`` stall ``delay_s`` on one engine (its control port's test hook)."""
+    async with s.post(st["instances"][instance]["control_url"] + "/ops/inject_fault",
+                      json={"step": step, "delay_s": delay_s}) as resp:
+        assert resp.status == 200, await resp.text()
+
+
+async def _restarted(s, url, instance: int, restarts: int, timeout: float = 400) -> dict:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        st = await status(s, url)
+        inst = st["instances"][instance]
+        if inst["state"] == "ready" and inst["restarts"] > restarts:
+            return st
+        await asyncio.sleep(1)
+    raise AssertionError(f"instance {instance} did not come back")
+
+
+@pytest.mark.parametrize("during", ["join", "leave"])
+def test_member_killed_mid_transition_every_request_completes(forced, during):
+    """SIGKILL a member while it is inside a transition (stalled in the join's KV exchange, or at
+    the leave's first barrier) with requests streaming: the survivor rolls back or abandons the
+    group without waiting out its timeout, every request completes token-identical, and the dead
+    member comes back and serves."""
+    if forced.n != 2:
+        pytest.skip("the kill drills restart an engine: one fleet size covers them")
+    url = forced.url
+
+    async def go():
+        timeout = aiohttp.ClientTimeout(total=900)
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
+            refs = await _refs(s, url)
+            st0 = await status(s, url)
+            restarts = st0["instances"][1]["restarts"]
+            if during == "leave":
+                code, ev = await op(s, url, "drop", {"instances": [0, 1]})
+                assert code == 200, ev
+                await _arm(s, st0, 1, "leave_barrier", 30.0)
+                start = lambda: op(s, url, "restore", {})  # noqa: E731
+            else:
+                await _arm(s, st0, 1, "kv_chunk", 30.0)   # member 1 stalls sending its first KV chunk
+                start = lambda: op(s, url, "drop", {"instances": [0, 1]})  # noqa: E731
+
+            async def transition_then_kill():
+                t0 = time.monotonic()
+                task = asyncio.create_task(start())
+                while time.monotonic() - t0 < 60:  # until member 1 is inside the transition
+                    st = await status(s, url)
+                    eng = st["instances"][1]["kv"].get("engine", {})
+                    if (eng.get("operation") or {}).get("op") in ("group_join", "group_leave"):
+                        break
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(1.0)
+                kill = await op(s, url, "kill", {"instance": 1})
+                res = await task
+                return kill, res, time.monotonic() - t0
+            answers, (kill, res, took) = await _burst_with(s, url, transition_then_kill, k=8)
+            st = await _restarted(s, url, 1, restarts)
+            survivor = st["instances"][0]["kv"]["engine"]
+            again = [await complete(s, url, p, max_tokens=N) for p in PROMPTS[:2]]
+            return refs, answers, kill, res, took, survivor, st, again
+    refs, answers, kill, res, took, survivor, st, again = asyncio.run(go())
+    assert kill[0] == 200
+    assert all(a.status == 200 and a.error is None for a in answers), [(a.status, a.error) for a in answers]
+    for i, a in enumerate(answers):
+        assert a.token_ids == refs[PROMPTS[i % len(PROMPTS)]], f"request {i} differs after the kill during {during}"
+    if during == "join":   # the survivor noticed the dead peer; it did not wait out the 60 s timeout
+        assert took < 40 and res[0] != 200, (took, res)
+    assert survivor["phase"] == "base" and not survivor["dropped_layers"], survivor
+    assert not st["groups"], st["groups"]
+    assert [a.token_ids for a in again] == [refs[p] for p in PROMPTS[:2]]
+
+
+def test_restore_while_requests_stream_keeps_every_token(forced):
+    """A restore ordered while the group serves streams: the members drain (blocks above the base
+    retire as their requests finish), then leave; no request is recomputed or changed."""
+    url, n = forced.url, forced.n
+
+    async def go():
+        timeout = aiohttp.ClientTimeout(total=900)
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
+            refs = await _refs_then_drop(s, url, n)
+            answers, (rcode, rres) = await _burst_with(s, url, lambda: op(s, url, "restore", {}))
+            split = await _wait_split(s, url)
+            return refs, answers, rcode, rres, split
+    refs, answers, rcode, rres, split = asyncio.run(go())
+    assert rcode == 200, rres
+    assert all(a.status == 200 and a.error is None for a in answers), [(a.status, a.error) for a in answers]
+    for i, a in enumerate(answers):
+        assert a.token_ids == refs[PROMPTS[i % len(PROMPTS)]], f"request {i} differs across the restore"
+    events = [(e["event"], e.get("outcome")) for i in split["instances"] for e in i["kv"]["engine"]["events"]]
+    assert ("group_leave", "ok") in events and ("group_abandon", "ok") not in events, events

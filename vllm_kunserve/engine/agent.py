@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections import deque
@@ -55,12 +56,16 @@ OPERATIONS = {
     "remap": "alpha (int >= 1, default 1), slots (1|2, default 1), or layers (list of layer indices)",
     "revert": "no parameters: return every streamed layer (drains blocks above the base first)",
     "auto": "enable (bool): let the agent remap and revert by itself",
-    "inject_fault": "step (str), after (int, default 0), rank (int, optional): test hook",
+    "inject_fault": "step (str; 'clear' disarms all), after (int, default 0), rank (int, optional), delay_s "
+                    "(stall that long instead of failing): test hook",
     "check": "no parameters: check the invariants now",
     "group_join": "name (str), drop (layer indices), spans ([[lo, hi, peer]]: who runs each dropped span), "
-                  "peers ({name: {stage, blocks}}), timeout_s: join a pipeline group (KV exchange included)",
+                  "peers ({name: {stage, blocks}}), timeout_s, transition ('kv' | 'reprefill'), join_id (str, "
+                  "the same on every member of one attempt): join a pipeline group (KV exchange included)",
     "group_leave": "step ('begin': retire the blocks above the base, draining live ones | 'finish': every "
-                   "member drained: take the layers back and return the peers' KV), timeout_s",
+                   "member drained: take the layers back and return the peers' KV | 'abandon': take the layers "
+                   "back from the host copies now and recompute every request, no peer needed), timeout_s, source, "
+                   "leave_id (str, the same on every member of one attempt)",
     "group_ping": "stage (a peer's stage address), bytes (payload, default 16384): stage-link round trip",
     **MIGRATION_OPERATIONS,  # KV migration between engines (engine/migration.py)
 }
@@ -94,6 +99,7 @@ class EngineAgent:
         self.m = metrics
         self.wake = wake
         self.info = dict(info or {})
+        self.info.setdefault("host", socket.gethostname())   # groups form within one host (the stage link's)
         self.lock = threading.RLock()
         self._waiting_ops = 0
         self._ops_done = threading.Condition()
@@ -486,7 +492,7 @@ class EngineAgent:
         self.operation = {"op": "group_leave", "started": time.time(), "params": {"source": source}}
         try:
             outs = self._workers("kunserve_group_leave", {"kv_blocks": st.visible, "held": held, "timeout_s": timeout,
-                                                          "source": source})
+                                                          "source": source, "leave_id": params.get("leave_id")})
         except Exception as exc:
             self.backoff_until = time.monotonic() + _FAILURE_BACKOFF_S
             self.phase = "grouped"
@@ -630,7 +636,12 @@ class EngineAgent:
                 return self.group_leave_begin()
             if step == "finish":
                 return self.group_leave_finish(params)
-            raise ControlRequestError(f"group_leave: step must be 'begin' or 'finish', got {step!r}")
+            if step == "abandon":  # the group did not form everywhere (or a peer is gone): alone again now
+                if self.phase not in ("grouped", "group_draining"):
+                    return {"event": "group_leave", "outcome": "noop", "phase": self.phase}
+                why = params.get("reason", "abandoned by the controller")
+                return self.group_abandon(why if isinstance(why, str) else repr(why))
+            raise ControlRequestError(f"group_leave: step must be 'begin', 'finish' or 'abandon', got {step!r}")
         if op == "group_ping":
             if not isinstance(params.get("stage"), str):
                 raise ControlRequestError("group_ping: 'stage' must be a stage address string")
@@ -650,6 +661,9 @@ class EngineAgent:
     def inject_fault(self, params: dict) -> dict:
         step = params.get("step")
         after = _int(params, "after", 0, lo=0, hi=1000)
+        if step == "clear":  # disarm every fault not fired yet, here and in the workers
+            self.faults.disarm()
+            return {"armed": None, "where": "everywhere", "workers": self._workers("kunserve_inject_fault", "clear")}
         if step in AGENT_FAULTS:
             self.faults.arm(step, after)
             return {"armed": step, "where": "agent"}
@@ -658,8 +672,9 @@ class EngineAgent:
         rank = params.get("rank")
         if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)):
             raise ControlRequestError(f"inject_fault: rank must be an integer, got {rank!r}")
-        out = self._workers("kunserve_inject_fault", step, after, rank)
-        return {"armed": step, "where": "workers", "workers": out}
+        delay = _number(params, "delay_s", 0.0, 0.0, 600.0, "inject_fault")
+        out = self._workers("kunserve_inject_fault", step, after, rank, delay)
+        return {"armed": step, "where": "workers", "workers": out, "delay_s": delay}
 
     # -- ControlHandler (engine.control) ---------------------------------------------------------------
     def control_state(self) -> dict:

@@ -42,20 +42,18 @@ This module knows no vLLM and no torch: the scheduler-side view (``SchedulerKV``
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import os
 import struct
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from vllm_kunserve.engine.control import MAX_BODY, TOKEN_ENV, ControlRequestError
+from vllm_kunserve.engine.portcall import ControlPortError, ControlPortNotAnObject, call_json
 from vllm_kunserve.engine.state import EngineState, EngineStateError
 
 logger = logging.getLogger("vllm.kunserve")
@@ -143,20 +141,11 @@ def _opt_str(params: dict, key: str, what: str) -> str | None:
 
 # -- the control port of another engine --------------------------------------------------------------
 def _request(url: str, path: str, body: dict | None, token: str | None, timeout_s: float) -> dict:
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {})
-    req = urllib.request.Request(url.rstrip("/") + path, data, headers, method="GET" if body is None else "POST")
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        try:
-            msg = json.loads(e.read())["error"]["message"]
-        except Exception:
-            msg = e.reason
-        raise MigrationError(f"{url}{path}: HTTP {e.code}: {msg}") from None
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise MigrationError(f"{url}{path}: {e}") from None
+        return call_json(url.rstrip("/") + path, body, token, timeout_s)
+    except ControlPortError as e:
+        why = f"HTTP {e.status}: {e.body}" if e.status and not isinstance(e, ControlPortNotAnObject) else f"{e}: {e.body}"
+        raise MigrationError(f"{url}{path}: {why}") from None
 
 
 @dataclass

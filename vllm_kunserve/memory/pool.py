@@ -42,6 +42,10 @@ class FaultInjector:
         """Let ``after`` chunk maps succeed, then fail the next one (once)."""
         self._map_after = after
 
+    def clear(self) -> None:
+        """Disarm every fault not fired yet."""
+        self._map_after, self._access_failures = None, 0
+
     def fail_set_access(self) -> None:
         """Fail the next access-setting step (after all chunks of an operation were mapped)."""
         self._access_failures += 1

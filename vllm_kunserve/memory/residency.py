@@ -38,7 +38,8 @@ logger = logging.getLogger("vllm.kunserve")
 
 #: fault points, in the order transitions reach them (``StepFaults.arm(name)``)
 STEPS = ("pack", "streamer_uninstall", "release", "slot_create", "streamer_install", "copy_plan",
-         "kv_grow", "kv_shrink", "slot_destroy", "reload", "foreign_create", "exchange", "kv_free", "kv_regrow")
+         "kv_grow", "kv_shrink", "slot_destroy", "reload", "foreign_create", "exchange", "kv_free", "kv_regrow",
+         "foreign_destroy")
 
 
 class LayerState(str, Enum):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable
 
 from .errors import InjectedFault, MemoryPoolError
@@ -27,20 +28,28 @@ class RollbackError(MemoryPoolError):
 
 
 class StepFaults:
-    """Named fault points. ``arm("reload")`` makes the next ``check("reload")`` raise once."""
+    """Named fault points. ``arm("reload")`` makes the next ``check("reload")`` raise once;
+    ``arm("reload", delay_s=3)`` makes it sleep 3 s instead (a slow step, for killing a process
+    in the middle of a transition)."""
 
     def __init__(self) -> None:
         self._armed: dict[str, int] = {}
+        self._delays: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def arm(self, step: str, after: int = 0) -> None:
-        """Fail the ``after + 1``-th time ``step`` runs from now (once)."""
+    def arm(self, step: str, after: int = 0, delay_s: float = 0.0) -> None:
+        """Fail (or, with ``delay_s``, stall) the ``after + 1``-th time ``step`` runs from now (once)."""
         with self._lock:
             self._armed[step] = int(after)
+            if delay_s > 0:
+                self._delays[step] = float(delay_s)
+            else:
+                self._delays.pop(step, None)
 
     def disarm(self) -> None:
         with self._lock:
             self._armed.clear()
+            self._delays.clear()
 
     @property
     def armed(self) -> dict[str, int]:
@@ -55,6 +64,10 @@ class StepFaults:
                 self._armed[step] = left - 1
                 return
             del self._armed[step]
+            delay = self._delays.pop(step, 0.0)
+        if delay:
+            time.sleep(delay)
+            return
         raise InjectedFault(f"injected failure at step {step!r}")
 
 

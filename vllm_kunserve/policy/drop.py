@@ -56,6 +56,7 @@ class DropPlan:
     need_bytes: float
     freed_bytes: int
     satisfied: bool
+    skipped: tuple[str, ...] = ()  # why candidates were not merged (another host's, alone on its host)
 
     @property
     def shortfall_bytes(self) -> float:
@@ -67,6 +68,7 @@ class DropPlan:
             "shortfall_bytes": self.shortfall_bytes,
             "merges": [[list(a), list(b)] for a, b in self.merges],
             "unchanged_groups": [list(g) for g in self.unchanged],
+            "skipped": list(self.skipped),
             "groups": [{"instances": list(g.instances),
                         "stages": [{"instance_id": s.instance_id, "layer_start": s.layer_start,
                                     "layer_end": s.layer_end, "freed_bytes": s.freed_bytes,
@@ -118,26 +120,37 @@ def plan_drop(cluster: ClusterSnapshot, need_bytes: float, max_group_size: int =
     """Merge the two smallest groups repeatedly until ``need_bytes`` are freed (KunServe Fig. 6).
 
     Groups containing an unhealthy instance are never merged, nor, with ``regroup=False``, groups
-    of more than one instance. Returns the (possibly partial) plan.
+    of more than one instance. Only groups on one host merge (a group's stage link is one machine's;
+    instances whose host is unknown count as one host): the two smallest groups of the host whose
+    pair is smallest, per step. Returns the (possibly partial) plan; ``skipped`` says which
+    candidates no merge could use because of their host.
     """
     if max_group_size < 1:
         raise ValueError("max_group_size must be >= 1")
     model = cluster.model
     by_id = cluster.by_id()
-    heap: list[tuple[int, int, tuple[int, ...]]] = []
+    heaps: dict[str, list[tuple[int, int, tuple[int, ...]]]] = {}
     untouched: list[tuple[int, ...]] = []
     sick = {i.instance_id for i in cluster.instances if not i.healthy}
     for g in cluster.groups:
         if (not sick or sick.isdisjoint(g)) and len(g) < model.num_layers and (regroup or len(g) == 1):
-            heap.append((len(g), min(g), tuple(g)))
+            heaps.setdefault(by_id[g[0]].host, []).append((len(g), min(g), tuple(g)))
         else:
             untouched.append(tuple(g))
-    heapq.heapify(heap)
+    for h in heaps.values():
+        heapq.heapify(h)
     merged_from: dict[tuple[int, ...], bool] = {}
     merges = []
     freed = 0
     blocks = {i.instance_id: float(i.kv_blocks_total) for i in cluster.instances}  # own blocks as merged
-    while freed < need_bytes and len(heap) >= 2:
+    done: set[str] = set()   # hosts where no merge helps any more
+    while freed < need_bytes:
+        pairs = [(h[0][0] + min(h[1][0], h[2][0] if len(h) > 2 else h[1][0]), h[0][1], host)
+                 for host, h in heaps.items() if len(h) >= 2 and host not in done]
+        if not pairs:
+            break
+        host = min(pairs)[2]
+        heap = heaps[host]
         a = heapq.heappop(heap)
         b = heapq.heappop(heap)
         size = a[0] + b[0]
@@ -147,7 +160,8 @@ def plan_drop(cluster: ClusterSnapshot, need_bytes: float, max_group_size: int =
         if gain <= 0:
             heapq.heappush(heap, a)
             heapq.heappush(heap, b)
-            break  # the two smallest are too big together, or their KV cannot grow: no merge helps
+            done.add(host)  # the host's two smallest are too big together, or their KV cannot grow:
+            continue        # no merge on this host helps
         if each is not None:
             blocks.update((i, each) for i in g)
         merges.append((a[2], b[2]))
@@ -156,11 +170,18 @@ def plan_drop(cluster: ClusterSnapshot, need_bytes: float, max_group_size: int =
         merged_from.pop(b[2], None)
         freed += gain
         heapq.heappush(heap, (size, min(a[1], b[1]), g))
+    left = [e for h in heaps.values() for e in h]
     groups = [_assign([by_id[i] for i in g], model.num_layers, model.layer_bytes)
-              for _, _, g in heap if g in merged_from]
+              for _, _, g in left if g in merged_from]
     groups.sort(key=lambda gp: min(gp.instances))
-    unchanged = sorted((g for _, _, g in heap if g not in merged_from), key=min) + untouched
-    return DropPlan(tuple(groups), tuple(unchanged), tuple(merges), float(need_bytes), freed, freed >= need_bytes)
+    unchanged = sorted((g for _, _, g in left if g not in merged_from), key=min) + untouched
+    skipped = ()
+    if freed < need_bytes and len(heaps) > 1:
+        skipped = tuple(f"instances {[i for _, _, g in h for i in g]} on host {host or '(unknown)'}: "
+                        f"{'alone on their host' if len(h) < 2 else 'no merge left on their host'}; groups never span hosts"
+                        for host, h in sorted(heaps.items()))
+    return DropPlan(tuple(groups), tuple(unchanged), tuple(merges), float(need_bytes), freed, freed >= need_bytes,
+                    skipped)
 
 
 def _usable_gain(group: tuple[int, ...], blocks: dict[int, float], by_id: dict[int, InstanceSnapshot],

@@ -47,7 +47,8 @@ def cluster_input(*, num_layers: int, layer_bytes: int, block_bytes: int, block_
     """The drop / restore policies' cluster snapshot from per-instance rows (``instance_id``,
     ``capacity_blocks``, ``used_blocks``, ``queued_blocks``, ``held``: the (start, end) layer range
     it runs in a group or None for all, ``healthy``, optional ``base_blocks``: capacity holding every
-    layer, optional ``max_blocks``: the most its KV cache can reach, optional ``prompt_tokens`` / ``output_tokens``: the request mix, the prompt lengths and output budgets of
+    layer, optional ``max_blocks``: the most its KV cache can reach, optional ``host``: the
+    machine it runs on (groups form within one), optional ``prompt_tokens`` / ``output_tokens``: the request mix, the prompt lengths and output budgets of
     the requests in the engine). Capacity and use count one block per
     ``block_size`` tokens of a request, whichever members hold its layers."""
     from vllm_kunserve.policy.snapshot import ClusterSnapshot, InstanceSnapshot, ModelSpec
@@ -61,6 +62,7 @@ def cluster_input(*, num_layers: int, layer_bytes: int, block_bytes: int, block_
                                    kv_blocks_base=int(r.get("base_blocks") or 0),
                                    prompt_tokens=int(r.get("prompt_tokens") or 0),
                                    output_tokens=int(r.get("output_tokens") or 0),
-                                   kv_blocks_max=int(r.get("max_blocks") or 0)) for r in rows)
+                                   kv_blocks_max=int(r.get("max_blocks") or 0),
+                                   host=str(r.get("host") or "")) for r in rows)
     return ClusterSnapshot(model=model, instances=insts, groups=tuple(groups), now_s=now_s,
                            demand_history=tuple(history), work_history=tuple(work_history))

@@ -100,6 +100,7 @@ class InstanceSnapshot:
     prompt_tokens: int = 0   # their prompt lengths
     output_tokens: int = 0   # their output budgets (max_tokens)
     kv_blocks_max: int = 0   # the most blocks its KV cache can reach (memory.max_kv_ratio x base; 0: unknown)
+    host: str = ""           # the machine it runs on: a pipeline group's stage link is one host's ("": unknown)
 
     def __post_init__(self) -> None:
         if (self.kv_blocks_total < 0 or self.kv_blocks_used < 0 or self.queued_blocks < 0 or self.kv_blocks_base < 0

@@ -43,6 +43,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import select
 import socket
 import struct
 import tempfile
@@ -535,6 +536,27 @@ class StageClient:
             if reply.get("dev"):
                 got.update(self._dbuf.get(reply["dtensors"], copy=copy))
             return _split_meta(got, reply["meta"], owned=copy)
+
+    def peer_closed(self) -> bool:
+        """Whether the server's end of this connection is gone (its process died or closed it):
+        between calls nothing is ever sent to the client, so a readable socket means end of file.
+        False while a call is in flight (the call itself reports a lost peer)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            r, _, _ = select.select([self._sock], [], [], 0)
+            if not r:
+                return False
+            try:
+                return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:
+                return True
+        except (OSError, ValueError):
+            return True
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         try:

@@ -11,43 +11,19 @@ end and ``kunserve status`` make to an engine's control port goes through :class
 The asynchronous calls run on the caller's ``aiohttp.ClientSession`` (the monitor's, the front
 end's). An answer other than 200 is a :class:`ControlPortError` with the status and the body; a
 connection that fails raises what aiohttp raised. Engines call each other's control ports from the
-engine room (``engine.migration``), which cannot import the cluster: they share the state's type
-(``engine.state``), not this client.
+engine room (``engine.migration``), which cannot import the cluster: the blocking calls and the
+errors are ``engine.portcall``'s, which both use, and the state's type is ``engine.state``.
 """
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from typing import Any, Sequence
 
+from vllm_kunserve.engine.portcall import (ControlPortError, ControlPortNotAnObject, ControlPortUnreachable, bearer,
+                                           call_json)
 from vllm_kunserve.engine.state import EngineState
 
 __all__ = ["ControlClient", "ControlPortError", "ControlPortNotAnObject", "ControlPortUnreachable", "bearer"]
-
-
-def bearer(token: str | None) -> dict[str, str]:
-    """Request headers for an engine's control port (empty without a token)."""
-    return {"Authorization": f"Bearer {token}"} if token else {}
-
-
-class ControlPortError(RuntimeError):
-    """A control port answered, but not with what was asked: ``status`` (the HTTP status) and
-    ``body`` (the answer, or its error message)."""
-
-    def __init__(self, message: str, status: int | None = None, body: Any = None):
-        super().__init__(message)
-        self.status, self.body = status, body
-
-
-class ControlPortUnreachable(ControlPortError):
-    """No answer at all (``get_json``): refused, timed out, no such host; ``body`` says why."""
-
-
-class ControlPortNotAnObject(ControlPortError):
-    """An answer that is not a JSON object (``get_json``); ``body``: None where it is not JSON at
-    all, else the name of the JSON type it is."""
 
 
 class ControlClient:
@@ -112,25 +88,5 @@ class ControlClient:
         (``status``; ``body``: the answer's error message, else the reason), no answer a
         :class:`ControlPortUnreachable`, an answer that is not a JSON object a
         :class:`ControlPortNotAnObject`."""
-        req = urllib.request.Request(url, headers={"Accept": "application/json", **self.headers})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            raise ControlPortError(f"HTTP {e.code}", e.code, _error_message(e)) from None
-        except (urllib.error.URLError, OSError) as e:
-            raise ControlPortUnreachable(f"no answer from {url}", None, getattr(e, "reason", e)) from None
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            raise ControlPortNotAnObject("not JSON", 200) from None
-        if not isinstance(body, dict):
-            raise ControlPortNotAnObject(f"{type(body).__name__}, not a JSON object", 200, type(body).__name__)
-        return body
+        return call_json(url, None, self.token, timeout_s)
 
-
-def _error_message(e: urllib.error.HTTPError) -> str:
-    try:
-        return str(json.loads(e.read())["error"]["message"])
-    except Exception:
-        return str(e.reason)

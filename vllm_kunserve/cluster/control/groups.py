@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from vllm_kunserve.cluster.control.client import ControlClient, ControlPortError
+from vllm_kunserve.engine.state import EngineState, EngineStateError
 from vllm_kunserve.policy.drop import balanced_stages
 from vllm_kunserve.policy.inputs import cluster_input
 from vllm_kunserve.policy.monitor import MonitorState, monitor_tick
@@ -44,6 +45,7 @@ class Group:
     since: float = field(default_factory=time.time)
     reason: str = ""
     source: str = ""         # where a leave takes the weights back from (the restore decision's; "": config)
+    leaves: int = 0          # leave attempts (each has its own id)
 
     def view(self) -> dict:
         return {"id": self.gid, "members": self.members, "state": self.state, "reason": self.reason,
@@ -86,11 +88,17 @@ class GroupController:
     def view(self) -> list[dict]:
         return [g.view() for g in self.groups if g.state != "split"][-50:]
 
-    def _states(self) -> dict[int, dict]:
-        return {i: r.state for i, r in self.front.monitor.reports.items() if r.ok and r.state}
+    def _states(self) -> dict[int, EngineState]:
+        """The members' states from the monitor's last period (as it parsed them)."""
+        out = {}
+        for i, r in self.front.monitor.reports.items():
+            if r.ok and r.state:
+                es = getattr(r, "engine_state", None)
+                out[i] = es if es is not None else EngineState.from_dict(r.state)
+        return out
 
-    def snapshot(self, states: dict[int, dict]):
-        members = [i for i, s in states.items() if s.get("engine", {}).get("stage")]
+    def snapshot(self, states: dict[int, EngineState]):
+        members = [i for i, s in states.items() if s.engine.stage]
         if not members:
             return None
         rows = []
@@ -98,20 +106,20 @@ class GroupController:
             s = states[i]
             g = self.group_of(i)
             held = g.stages.get(i) if g else None
-            rows.append({"instance_id": i, "capacity_blocks": s["capacity"]["blocks_total"],
-                         "used_blocks": s["blocks"]["used"], "queued_blocks": s["blocks"]["queued"],
+            rows.append({"instance_id": i, "capacity_blocks": s.capacity.blocks_total or 0,
+                         "used_blocks": s.blocks.used or 0, "queued_blocks": s.blocks.queued or 0,
                          "held": held, "healthy": self.front.fleet.engines[i].accepting,
-                         "base_blocks": s["capacity"].get("blocks_base", 0),
-                         "max_blocks": s["capacity"].get("blocks_max", 0),
-                         "prompt_tokens": s.get("requests", {}).get("mix_prompt_tokens", 0),
-                         "output_tokens": s.get("requests", {}).get("mix_output_tokens", 0)})
+                         "base_blocks": s.capacity.blocks_base or 0, "max_blocks": s.capacity.blocks_max or 0,
+                         "prompt_tokens": s.requests.mix_prompt_tokens or 0,
+                         "output_tokens": s.requests.mix_output_tokens or 0,
+                         "host": s.engine.get("host", "")})
         s0 = states[members[0]]
-        layer_bytes = max(x["bytes"] for x in s0["layers"])
+        layer_bytes = max(x.bytes or 0 for x in s0.layers)
         groups = [tuple(g.members) for g in self.groups if g.state in ("forming", "grouped", "leaving")]
         grouped = {i for g in groups for i in g}
         groups += [(i,) for i in members if i not in grouped]
-        return cluster_input(num_layers=len(s0["layers"]), layer_bytes=layer_bytes,
-                             block_bytes=s0["capacity"]["block_bytes"], block_size=s0["capacity"]["block_size"],
+        return cluster_input(num_layers=len(s0.layers), layer_bytes=layer_bytes,
+                             block_bytes=s0.capacity.block_bytes, block_size=s0.capacity.block_size,
                              rows=rows, groups=groups, now_s=self.clock())
 
     # -- the monitor's listener -----------------------------------------------------------------------
@@ -122,10 +130,18 @@ class GroupController:
         for i in self.front.monitor.reports:
             st = states.get(i)
             if st:
-                self.m_layers.labels(str(i)).set(sum(1 for x in st["layers"] if x["state"] != "dropped"))
+                self.m_layers.labels(str(i)).set(sum(1 for x in st.layers if x.state != "dropped"))
         self.m_grouped.set(sum(len(g.members) for g in self.groups if g.state in ("grouped", "leaving")))
+        for i, st in states.items():   # grouped with no live group (its peer died, or a partial join)
+            if st.phase in ("grouped", "group_draining") and self.group_of(i) is None \
+                    and self.front.fleet.engines[i].accepting:
+                try:
+                    await self._op(i, "group_leave", {"step": "abandon", "reason": "its group is gone"},
+                                   self.timeout_s)
+                except GroupOpError as exc:
+                    logger.warning("instance %s: abandoning its orphaned group failed: %s", i, exc)
         for g in [g for g in self.groups if g.state == "leaving"]:
-            if all(states.get(i, {}).get("phase") == "group_draining" and not states[i]["blocks"]["draining"]
+            if all(i in states and states[i].phase == "group_draining" and not states[i].blocks.draining
                    for i in g.members):
                 await self._finish_leave(g)
         if self.cfg.drop.static_group:
@@ -164,19 +180,26 @@ class GroupController:
                 g.source = r.source
                 await self.begin_leave(g, reason=r.reason, decision=decision.to_dict())
 
-    async def _static(self, states: dict[int, dict]) -> None:
-        """``drop.static_group``: one group of every instance, formed once all are up, never split
-        by the monitor (a member's death still splits it; it is formed again when all are back)."""
+    async def _static(self, states: dict[int, EngineState]) -> None:
+        """``drop.static_group``: one group of every instance of a host, formed once all are up,
+        never split by the monitor (a member's death still splits it; it is formed again when all
+        are back)."""
         if any(g.state != "split" for g in self.groups):
             return
         engines = self.front.fleet.engines
-        members = sorted(i for i, s in states.items() if s.get("engine", {}).get("stage"))
+        members = sorted(i for i, s in states.items() if s.engine.stage)
         if len(members) < 2 or len(members) != len(engines) or not all(e.accepting for e in engines):
             return
-        try:
-            await self.form(members, reason="static")
-        except GroupOpError as exc:
-            logger.warning("static group of %s not formed: %s", members, exc)
+        by_host: dict[str, list[int]] = {}
+        for i in members:
+            by_host.setdefault(str(states[i].engine.get("host", "")), []).append(i)
+        for host_members in by_host.values():
+            if len(host_members) < 2:
+                continue
+            try:
+                await self.form(host_members, reason="static")
+            except GroupOpError as exc:
+                logger.warning("static group of %s not formed: %s", host_members, exc)
 
     # -- operations -------------------------------------------------------------------------------------
     def _client(self) -> ControlClient:
@@ -191,13 +214,18 @@ class GroupController:
         except ControlPortError as exc:
             raise GroupOpError(f"instance {instance} {op}: {exc.status} {exc.body}") from None
 
-    async def _fresh_states(self, members: list[int]) -> dict[int, dict]:
+    async def _fresh_states(self, members: list[int]) -> dict[int, EngineState]:
         out = {}
         for i in members:
             e = self.front.fleet.engines[i]
             if not e.accepting or not e.control_url:
                 raise GroupOpError(f"instance {i} is not a live group member")
-            out[i] = await self._client().state_json(self.front.session, e.control_url)
+            try:
+                out[i] = await self._client().state(self.front.session, e.control_url)
+            except EngineStateError as exc:
+                raise GroupOpError(f"instance {i}: {exc}") from None
+            if not out[i].engine.stage:
+                raise GroupOpError(f"instance {i} has no stage link (not started as a group member)")
         return out
 
     async def form(self, members: list[int], reason: str = "forced", inputs: dict | None = None,
@@ -226,7 +254,7 @@ class GroupController:
         t0 = time.perf_counter()
         try:
             states = await self._fresh_states(members)
-            L = len(states[members[0]]["layers"])
+            L = len(states[members[0]].layers)
             if len(members) > L:
                 raise GroupOpError(f"{len(members)} instances cannot share {L} layers")
             ranges = dict(zip(members, balanced_stages(L, len(members))))
@@ -236,11 +264,12 @@ class GroupController:
             bodies = {}
             for i in members:
                 lo, hi = ranges[i]
-                peers = {member_name(j): {"stage": states[j]["engine"]["stage"][0],
-                                          "blocks": states[j]["capacity"]["blocks_total"]} for j in members if j != i}
+                peers = {member_name(j): {"stage": states[j].engine.stage[0],
+                                          "blocks": states[j].capacity.blocks_total} for j in members if j != i}
                 spans = [[ranges[j][0], ranges[j][1], member_name(j)] for j in members if j != i]
                 bodies[i] = {"name": member_name(i), "drop": [x for x in range(L) if not lo <= x < hi],
-                             "spans": spans, "peers": peers, "timeout_s": self.timeout_s, "transition": transition}
+                             "spans": spans, "peers": peers, "timeout_s": self.timeout_s, "transition": transition,
+                             "join_id": f"g{g.gid}"}   # one id per attempt: an earlier attempt's barriers never match
             outs = await asyncio.gather(*(self._op(i, "group_join", bodies[i], self.timeout_s) for i in members),
                                         return_exceptions=True)
             failed = {i: repr(o) for i, o in zip(members, outs) if isinstance(o, BaseException)}
@@ -250,11 +279,16 @@ class GroupController:
                 ok = [i for i in members if i not in failed]
                 self.front.record("group_join", outcome="failed", group=g.gid, members=members, errors=failed,
                                   joined=ok, ms=round((time.perf_counter() - t0) * 1e3, 1))
-                if ok:  # members that joined while another failed: split them again (tracked until done)
-                    g.members = ok
-                    await self.begin_leave(g, reason="partial_join")
-                else:
-                    self.groups.remove(g)
+                # members that joined while another failed (its last step failed after the exchange)
+                # take their layers back from the host copies at once: their peer is not there to
+                # drain with, so they recompute their requests instead
+                for i in ok:
+                    try:
+                        await self._op(i, "group_leave", {"step": "abandon", "reason": f"partial join: {failed}"},
+                                       self.timeout_s)
+                    except GroupOpError as exc:  # its next step finds the peer gone and abandons by itself
+                        logger.warning("group %s: member %s could not abandon: %s", g.gid, i, exc)
+                self.groups.remove(g)
                 raise GroupOpError(f"group {g.gid} did not form: {failed}")
             g.state = "grouped"
             self.m_ops.labels("join", "ok").inc()
@@ -282,7 +316,9 @@ class GroupController:
         t0 = time.perf_counter()
         self.busy = True
         try:
-            params = {"step": "finish", "timeout_s": self.timeout_s, **({"source": g.source} if g.source else {})}
+            g.leaves += 1
+            params = {"step": "finish", "timeout_s": self.timeout_s, "leave_id": f"g{g.gid}/leave{g.leaves}",
+                      **({"source": g.source} if g.source else {})}
             outs = await asyncio.gather(*(self._op(i, "group_leave", params, self.timeout_s) for i in g.members),
                                         return_exceptions=True)
         finally:

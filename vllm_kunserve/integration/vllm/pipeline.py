@@ -115,6 +115,15 @@ def turn_s(raw: str) -> float:
 TURN = Turn(turn_s(os.environ.get("KUNSERVE_STAGE_TURN_MS", "8")))
 
 
+#: a group transition's own fault points (test hooks, ``inject_fault``), beside the residency's
+#: (``release``, ``foreign_create``, ``exchange``, ``kv_free`` on join; ``kv_shrink``, ``reload``,
+#: ``kv_regrow``, ``exchange``, ``foreign_destroy`` on leave): the stage links opened (``connect``),
+#: a member at the join's first barrier (``barrier``), each KV chunk sent (``kv_chunk``), the
+#: committed join's last word (``grown``: the join completes with the peers' base), a member at the
+#: leave's first barrier (``leave_barrier``)
+GROUP_STEPS = ("connect", "barrier", "kv_chunk", "grown", "leave_barrier")
+
+
 class GroupError(RuntimeError):
     pass
 
@@ -238,6 +247,10 @@ class GroupMember:
         self.views: dict[tuple[str, str], torch.Tensor] = {}
         self._inbox: dict[tuple[str, str], Any] = {}
         self._cv = threading.Condition()
+        self._epoch = ""          # the transition's id (``join_id``): barriers of an earlier attempt never match
+        self._rx = threading.Lock()
+        self._accepting = False   # peers' KV is written only inside an exchange (never during a rollback)
+        self._leaves = 0          # leave attempts in this group (a leave's default id)
         self._locked: list[str] = []
         self.hops = HopTimes()   # this worker's calls to peers' spans (the peers time each span they run)
         self.peer_steps: dict[str, tuple[float, list[tuple[int, int]]]] = {}  # origin -> (when, chunks)
@@ -252,13 +265,16 @@ class GroupMember:
         if kind == "span":
             return self._run_span(meta, tensors)
         if kind == "kv_put":
-            place = self.res.place(meta["name"], meta["origin"] if meta["to"] == "foreign" else "")
-            page = place.page_bytes
-            dst = place.region.view(torch.uint8)
-            data = tensors["data"]
-            with COMPUTE:
-                for j, b in enumerate(meta["blocks"]):
-                    dst[b * page:(b + 1) * page].copy_(data[j])
+            with self._rx:  # a rollback that frees the regions waits for this write; a late one is refused
+                if not self._accepting:
+                    raise GroupError("kv_put outside an exchange (the transition failed or finished)")
+                place = self.res.place(meta["name"], meta["origin"] if meta["to"] == "foreign" else "")
+                page = place.page_bytes
+                dst = place.region.view(torch.uint8)
+                data = tensors["data"]
+                with COMPUTE:
+                    for j, b in enumerate(meta["blocks"]):
+                        dst[b * page:(b + 1) * page].copy_(data[j])
             return {"n": len(meta["blocks"])}, {}
         if kind == "weights":  # a peer restoring a layer this worker holds: a slice of its packed image
             w = self.res.weights[int(meta["layer"])]
@@ -414,18 +430,46 @@ class GroupMember:
     # -- barriers and KV exchange -----------------------------------------------------------------
     def _signal(self, tag: str, payload: Any = None) -> None:
         for peer, c in self.act.items():
-            c.call("barrier", {"from": self.name, "tag": tag, "payload": payload})
+            c.call("barrier", {"from": self.name, "tag": f"{tag}#{self._epoch}", "payload": payload})
 
     def _wait(self, tag: str, timeout_s: float) -> dict[str, Any]:
+        """Every peer's word ``tag`` in this transition; a peer's ``abort`` ends the wait at once."""
         deadline = time.monotonic() + timeout_s
+        key, abort = f"{tag}#{self._epoch}", f"abort#{self._epoch}"
         with self._cv:
-            while not all((p, tag) in self._inbox for p in self.act):
+            while not all((p, key) in self._inbox for p in self.act):
+                gone = {p: self._inbox[(p, abort)] for p in self.act if (p, abort) in self._inbox}
+                if gone:
+                    raise GroupError(f"group barrier {tag!r}: {', '.join(f'{p} failed: {w}' for p, w in gone.items())}")
                 left = deadline - time.monotonic()
+                missing = [p for p in self.act if (p, key) not in self._inbox]
                 if left <= 0:
-                    missing = [p for p in self.act if (p, tag) not in self._inbox]
                     raise GroupError(f"group barrier {tag!r}: no word from {missing} within {timeout_s:.0f} s")
-                self._cv.wait(left)
-            return {p: self._inbox.pop((p, tag)) for p in self.act}
+                dead = [p for p in missing if self.act[p].peer_closed()]
+                if dead:  # a member that died says nothing: its closed link says it
+                    raise GroupError(f"{PEER_LOST}: group barrier {tag!r}: {', '.join(dead)} closed the stage link")
+                self._cv.wait(min(left, 0.25))
+            return {p: self._inbox.pop((p, key)) for p in self.act}
+
+    def _abort(self, exc: BaseException) -> None:
+        """Tell the peers this member's transition failed (best effort): they stop waiting for it."""
+        for peer, c in list(self.act.items()):
+            try:
+                c.call("barrier", {"from": self.name, "tag": f"abort#{self._epoch}", "payload": repr(exc)[:300]})
+            except Exception:  # noqa: BLE001 - a peer that is gone needs no word
+                pass
+
+    def _begin(self, epoch: str) -> None:
+        """A new transition ``epoch``: words of earlier ones still in the inbox are dropped (a
+        faster peer's words of this one are kept)."""
+        self._epoch = epoch
+        with self._cv:
+            for key in [k for k in self._inbox if not k[1].endswith(f"#{epoch}")]:
+                del self._inbox[key]
+
+    def _exchanging(self, on: bool) -> None:
+        with self._rx:
+            self._accepting = on
 
     def _send_kv(self, peer: str, names: list[str], origin: str, blocks: list[int], to: str) -> int:
         """Copy ``blocks`` of ``origin``'s KV for attention layers ``names`` to ``peer`` (bulk)."""
@@ -437,6 +481,7 @@ class GroupMember:
             per = max(1, bulk_chunk_bytes(src.device) // page)  # the chunk measured for the KV's device
             for s in range(0, len(blocks), per):
                 ids = blocks[s:s + per]
+                self.res.faults.check("kv_chunk")
                 data = torch.stack([src[b * page:(b + 1) * page] for b in ids])
                 self.bulk[peer].call("kv_put", {"name": n, "origin": self.name, "to": to, "blocks": ids},
                                      {"data": data})
@@ -452,6 +497,8 @@ class GroupMember:
             raise GroupError(f"already in a group (dropped layers {list(self.res.dropped)})")
         timeout = float(p.get("timeout_s", 120.0))
         self.name = p["name"]
+        self._begin(str(p.get("join_id", "")))
+        self._leaves = 0
         _trace_group(self.name)
         peers = p["peers"]
         nbytes = max(1 << 20, int(p.get("stage_bytes", 1 << 20)))
@@ -460,31 +507,41 @@ class GroupMember:
                 self.act[peer] = StageClient(info["stage"], nbytes=nbytes, timeout_s=min(timeout, SPAN_TIMEOUT_S))
                 self.bulk[peer] = StageClient(info["stage"], nbytes=_BULK_BYTES + (1 << 16), bulk=True,
                                               timeout_s=timeout)
+            self.res.faults.check("connect")
             self.spans = [(int(lo), int(hi), str(peer)) for lo, hi, peer in p["spans"]]
             held = [int(b) for b in p["held"]]
             stats = {"bytes_sent": 0}
 
             def exchange() -> None:
-                self._signal("ready")
-                self._wait("ready", timeout)
-                for lo, hi, peer in self.spans:
-                    stats["bytes_sent"] += self._send_kv(peer, self._span_names(lo, hi), "", held, "foreign")
-                self._signal("sent")
-                self._wait("sent", timeout)
+                self._exchanging(True)
+                try:
+                    self._signal("ready")
+                    self.res.faults.check("barrier")
+                    self._wait("ready", timeout)
+                    for lo, hi, peer in self.spans:
+                        stats["bytes_sent"] += self._send_kv(peer, self._span_names(lo, hi), "", held, "foreign")
+                    self._signal("sent")
+                    self._wait("sent", timeout)
+                finally:
+                    self._exchanging(False)
 
             t0 = time.perf_counter()
             mapped = self.res.join(list(p["drop"]), {o: int(i["blocks"]) for o, i in peers.items()}, exchange)
-        except Exception:
+        except Exception as exc:  # the residency rolled itself back; the peers hear it and roll back too
+            self._abort(exc)
+            self.spans = []
             self._close()
             raise
         self._make_views()
         self._install()
         # tell each peer how many of its blocks this worker can hold now; hear the same from them
-        self._signal("grown", {"for": {o: self.res.foreign_blocks(o) for o in peers}})
         try:
+            self._signal("grown", {"for": {o: self.res.foreign_blocks(o) for o in peers}})
+            self.res.faults.check("grown")
             heard = self._wait("grown", timeout)
             peer_foreign = {o: int(v["for"][self.name]) for o, v in heard.items()}
-        except GroupError:
+        except Exception as exc:  # the join has committed: go on with what the peers had made before
+            logger.warning("kunserve: group %s: no word of the peers' grown KV (%r); assuming their base", self.name, exc)
             peer_foreign = {o: int(p.get("visible", 0)) for o in peers}  # safe: what the peers had made
         return {"mapped_blocks": mapped, "peer_foreign": peer_foreign, "seconds": time.perf_counter() - t0,
                 "bytes_sent": stats["bytes_sent"]}
@@ -535,13 +592,18 @@ class GroupMember:
         stats = {"bytes_sent": 0}
 
         def exchange() -> None:
-            self._signal("leave_ready", {"held": held})
-            theirs = self._wait("leave_ready", timeout)
-            for peer, info in theirs.items():
-                names = [k.name for k in self.res.kv if k.origin == peer]
-                stats["bytes_sent"] += self._send_kv(peer, names, peer, list(info["held"]), "own")
-            self._signal("leave_sent")
-            self._wait("leave_sent", timeout)
+            self._exchanging(True)
+            try:
+                self._signal("leave_ready", {"held": held})
+                self.res.faults.check("leave_barrier")
+                theirs = self._wait("leave_ready", timeout)
+                for peer, info in theirs.items():
+                    names = [k.name for k in self.res.kv if k.origin == peer]
+                    stats["bytes_sent"] += self._send_kv(peer, names, peer, list(info["held"]), "own")
+                self._signal("leave_sent")
+                self._wait("leave_sent", timeout)
+            finally:
+                self._exchanging(False)
 
         source = str(p.get("source", "host"))
         if source not in ("peer", "host"):
@@ -554,7 +616,15 @@ class GroupMember:
             images = None
             restore["host_layers"] = len(self.res.dropped)
         t0 = time.perf_counter()
-        mapped = self.res.leave(blocks, (lambda: None) if abandon else exchange, images=images)
+        if not abandon:
+            self._leaves += 1
+            self._begin(str(p.get("leave_id") or f"{self._epoch.split('/')[0]}/leave{self._leaves}"))
+        try:
+            mapped = self.res.leave(blocks, (lambda: None) if abandon else exchange, images=images)
+        except Exception as exc:  # rolled back: still grouped; the peers hear it and roll back too
+            if not abandon:
+                self._abort(exc)
+            raise
         self._uninstall()
         _dump_trace()
         self.spans, self.views, self.lost = [], {}, ""

@@ -93,23 +93,31 @@ class KunServeWorkerExtension:
         return {"mapped_blocks": res.mapped_blocks, "remapped_layers": list(res.streamed),
                 "dropped_layers": list(res.dropped), "problems": res.check_invariants()}
 
-    def kunserve_inject_fault(self, step: str, after: int = 0, rank: int | None = None) -> dict:
+    def kunserve_inject_fault(self, step: str, after: int = 0, rank: int | None = None, delay_s: float = 0.0) -> dict:
         """Test hook: the next time ``step`` runs on this worker (or only on ``rank``) it fails.
         Steps: ``rpc`` (the next prepare fails before doing anything), ``map`` (a chunk map while
-        growing KV), ``exhausted`` (growing KV), or a residency step name (``memory.residency.STEPS``)."""
+        growing KV), ``exhausted`` (growing KV), a residency step name (``memory.residency.STEPS``) or
+        a pipeline group's (``integration.vllm.pipeline.GROUP_STEPS``). ``delay_s`` > 0: the step
+        stalls that long instead of failing (a process can then be killed in the middle of it)."""
+        from vllm_kunserve.integration.vllm.pipeline import GROUP_STEPS
         from vllm_kunserve.memory.residency import STEPS
 
         res = self._kunserve_memory()
         if rank is not None and rank != self._kunserve_rank():
             return {"rank": self._kunserve_rank(), "armed": None}
+        if step == "clear":
+            res.faults.disarm()
+            res.pool.faults.clear()
+            return {"rank": self._kunserve_rank(), "armed": None}
         if step == "map":
             res.pool.faults.fail_map(after=1 + after)
         elif step == "exhausted":
             res.faults.arm("kv_grow", after)
-        elif step in STEPS or step == "rpc":
-            res.faults.arm(step, after)
+        elif step in STEPS or step in GROUP_STEPS or step == "rpc":
+            res.faults.arm(step, after, delay_s)
         else:
-            raise ValueError(f"fault step must be one of map, exhausted, rpc, {', '.join(STEPS)}; got {step!r}")
+            raise ValueError(f"fault step must be one of map, exhausted, rpc, {', '.join(STEPS + GROUP_STEPS)}; "
+                             f"got {step!r}")
         return {"rank": self._kunserve_rank(), "armed": step}
 
     # -- KV migration (issue 12): the worker half of engine/migration.py -------------------------
