@@ -197,3 +197,27 @@ def test_monitor_groups_engines_of_one_host_only():
     assert groups and all(set(m) in ({0, 2}, {1, 3}) for m in groups), groups
     joined = {i for i, name, b in calls if name == "group_join"}
     assert joined and all(len({j % 2 for j in g}) == 1 for g in groups)
+
+
+@pytest.mark.parametrize("failing", [{1}, {0, 1}])
+def test_a_failed_leave_keeps_the_group_or_abandons_the_members_left_behind(failing):
+    """The leave's finish fails on some members (each rolled back, still grouped): where every
+    member failed the group is grouped again (a later restore retries); where some left, the
+    others have no peer any more and are told to abandon. Never stuck leaving."""
+    front, gc, calls = _controller(2, fail=lambda i, name, b: name == "group_leave" and b["step"] == "finish"
+                                   and i in failing)
+    asyncio.run(gc.form([0, 1]))
+    g = gc.groups[0]
+    asyncio.run(gc.begin_leave(g))
+    asyncio.run(gc._finish_leave(g))
+    finishes = [b["leave_id"] for i, name, b in calls if name == "group_leave" and b["step"] == "finish"]
+    assert len(set(finishes)) == 1
+    abandons = [i for i, name, b in calls if name == "group_leave" and b["step"] == "abandon"]
+    if failing == {0, 1}:
+        assert g.state == "grouped" and abandons == []
+        asyncio.run(gc.begin_leave(g))
+        asyncio.run(gc._finish_leave(g))   # a retry is another attempt: another id
+        ids = [b["leave_id"] for i, name, b in calls if name == "group_leave" and b["step"] == "finish"]
+        assert len(set(ids)) == 2
+    else:
+        assert g.state == "split" and abandons == [1] and gc.view() == []

@@ -56,6 +56,7 @@ class RequestResult:
     server_prompt_tokens: int = -1  # usage.prompt_tokens if reported
     finish_reason: str = ""
     token_times: list[float] = field(default_factory=list)  # chunk times from send
+    token_ids: list[int] = field(default_factory=list)  # the generated ids, where chunks carry them
 
     @property
     def gaps(self) -> list[float]:
@@ -128,6 +129,9 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict, res: Req
                 reason = choices[0].get("finish_reason")
                 if reason:
                     res.finish_reason = str(reason)
+                ids = choices[0].get("token_ids")
+                if ids:   # asked for with return_token_ids
+                    res.token_ids.extend(ids)
             if obj.get("usage"):
                 usage = obj["usage"]
         end = time.perf_counter()

@@ -328,6 +328,18 @@ class GroupController:
         self.m_ops.labels("leave", outcome).inc()
         if not failed:
             g.state = "split"
+        elif len(failed) < len(g.members):
+            # some members left, the others rolled back: those are grouped with no one; they take
+            # their layers back from the host copies now
+            for i in failed:
+                try:
+                    await self._op(i, "group_leave", {"step": "abandon", "reason": f"its peers left: {failed[i]}"[:300]},
+                                   self.timeout_s)
+                except GroupOpError as exc:   # the orphan rule of the next period tries again
+                    logger.warning("group %s: member %s could not abandon: %s", g.gid, i, exc)
+            g.state = "split"
+        else:
+            g.state = "grouped"   # rolled back on every member: still one group; a later restore retries
         ok = [o for o in outs if isinstance(o, dict)]
         self.front.record("group_leave", outcome=outcome, group=g.gid, members=g.members,
                           ms=round((time.perf_counter() - t0) * 1e3, 1), errors=failed or None,

@@ -1,0 +1,93 @@
+"""Chaos under a burst (issue 36): completion, token identity and tail TTFT while engines die.
+
+Four engines (the tests' 8-layer burst model, 29 MB fp32, KV 0.75x the weights) behind `kunserve
+serve` on this machine's cores; a burst of streamed requests (Poisson arrivals, random prompts,
+``--output-len`` tokens each, greedy); a driver hard-kills a random ready engine every
+``--kill-every`` seconds (never the last one) and forces a drop of two random ready engines, then a
+restore, every ``--ops-every`` seconds. Reference: the same requests on the same fleet before the
+driver starts. See ``vllm_kunserve/bench/chaos.py``.
+
+    python benchmarks/chaos.py [--requests 300] [--duration 120]
+
+Writes docs/benchmarks/chaos.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from vllm_kunserve.bench.chaos import ChaosSpec, run_chaos, summarise
+from vllm_kunserve.bench.report import command, cpu_model, md_table, write_json
+from vllm_kunserve.cluster.fleet.launcher import KunserveCluster
+from vllm_kunserve.tools.make_model import CheckpointSpec, build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "docs" / "benchmarks"
+#: tests/vllm/conftest.py's BURST_SPEC and BURST_KV_BYTES
+MODEL = CheckpointSpec(layers=8, hidden=256, heads=4, kv_heads=2, intermediate=768, vocab=2048)
+KV_BYTES = 22 << 20
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--instances", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--duration", type=float, default=120.0)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--kill-every", type=float, default=8.0)
+    ap.add_argument("--ops-every", type=float, default=5.0)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    model = ROOT / "models" / "burst8"
+    if not (model / "config.json").exists():
+        build_model(model, MODEL)
+    spec = ChaosSpec(requests=a.requests, duration_s=a.duration, output_len=a.output_len, kill_every_s=a.kill_every,
+                     ops_every_s=a.ops_every, seed=a.seed)
+    args = ["--dtype", "float32", "--block-size", "32", "--kv-cache-memory-bytes", str(KV_BYTES),
+            "--max-model-len", "512", "--enforce-eager", "--served-model-name", "m"]
+    with tempfile.TemporaryDirectory() as d:
+        log = Path(d) / "serve.log"
+        with KunserveCluster(str(model), args, {"drop": {"enable": False}}, log_path=log, instances=a.instances,
+                             startup_timeout_s=900, extra=["--monitor-interval", "0.25", "--log-dir", d]) as srv:
+            run = asyncio.run(run_chaos(srv.url, spec))
+    s = summarise(run)
+    res = {"command": command("chaos.py", sys.argv[1:]), "cpu": cpu_model(), "instances": a.instances,
+           "spec": asdict(spec), "summary": s, "actions": run.actions,
+           "requests": [{"idx": r.idx, "send_s": round(r.send_s, 3), "ok": r.ok, "ttft_s": r.ttft_s,
+                         "e2e_s": r.e2e_s, "tokens": len(r.token_ids), "error": r.error[:200]} for r in run.results]}
+    write_json(OUT / "chaos.json", res, indent=1)
+    f = s["fleet"]
+    lines = ["# Chaos under a burst (written by benchmarks/chaos.py)", "",
+             f"Command: `{res['command']}`; {res['cpu']}, {a.instances} engines of the tests' 8-layer burst model on "
+             "this machine's cores. Raw: `chaos.json` (every request and driver action).", "",
+             "## Verdict (target: 100% of requests complete, token-identical to the run without faults)", "",
+             f"- completed: **{s['completed']} / {s['requests']}**; token-identical: **{s['token_identical']} / "
+             f"{s['requests']}**" + (f"; failed: {s['failed']}" if s["failed"] else "")
+             + (f"; differing: {s['differ']}" if s["differ"] else ""), "",
+             "## What happened", ""]
+    lines += md_table(["kills", "drops formed", "drops refused", "restores ordered", "group ops (op, outcome: n)",
+                       "failovers (re-prefills)", "migrations", "engine restarts"], "rrrrlrrr",
+                      [[s["kills"], s["drops_ok"], s["drops_refused"], s["restores"],
+                        ", ".join(f"{k}: {v}" for k, v in sorted(f["group_ops"].items())) or "-",
+                        f["failovers"], f["migrations"], f["engine_restarts"]]])
+    lines += ["", "## TTFT (s)", "",
+              "Near a kill: requests sent at most 10 s after a kill and still running at it (their engine may "
+              "have died under them); calm: the rest.", ""]
+    fmt = lambda t: [t["n"], *(f"{t[k]:.3f}" for k in ("p50", "p99", "max"))] if t["n"] else [0, "-", "-", "-"]  # noqa: E731
+    lines += md_table(["requests", "n", "P50", "P99", "max"], "lrrrr",
+                      [["near a kill", *fmt(s["ttft_near_kill"])], ["calm", *fmt(s["ttft_calm"])]])
+    lines += ["", "Driver actions, in order: " + "; ".join(
+        f"{x['t']:.0f} s {x['action']}" + (f" {x.get('instance', x.get('instances', ''))}" if x["action"] != "restore" else "")
+        + ("" if x["status"] == 200 else f" ({x['status']})") for x in run.actions), ""]
+    (OUT / "chaos.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0 if s["completed"] == s["requests"] == s["token_identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
