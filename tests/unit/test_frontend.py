@@ -43,6 +43,7 @@ class FakeEngine:
         app.router.add_post("/v1/chat/completions", lambda r: self.generate(r, chat=True))
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/health", lambda r: web.Response(status=200 if self.alive else 503))
         return app
 
     async def models(self, request):

@@ -3,6 +3,11 @@
     kunserve serve MODEL [--instances N] [--backend local|ray] [--host 127.0.0.1] [--port 8000]
                          [--dispatch least-work|least-load|round-robin|mell]
                          [--kunserve-config JSON|FILE] [any vLLM engine argument ...]
+    kunserve serve MODEL --engine-url URL [--engine-url URL ...] [--engine-control-url URL ...]
+
+With ``--engine-url`` kunserve starts no engine: it fronts engines started elsewhere (a
+deployment's pods), watches their ``/health``, and a dead one rejoins when it answers again; it
+cannot kill or restart them. MODEL is what they serve (the front end's tokenizer).
 
 Everything this command does not know is a vLLM engine argument, checked by vLLM's own ``vllm
 serve`` parser before any engine starts and passed to every engine. With ``--kunserve-config``
@@ -49,6 +54,11 @@ def _options() -> argparse.ArgumentParser:
     p.add_argument("--instances", type=int, default=1, help="engines to start")
     p.add_argument("--backend", choices=BACKENDS, default=BACKENDS[0],
                    help="local: one process per engine on this machine; ray: one Ray actor per engine")
+    p.add_argument("--engine-url", action="append", default=[], metavar="URL",
+                   help="front engines started elsewhere (repeat per engine; e.g. Kubernetes pods' vllm serve): "
+                        "kunserve starts none, --instances is their count, the engine arguments are not used")
+    p.add_argument("--engine-control-url", action="append", default=[], metavar="URL",
+                   help="with --engine-url, in the same order: a kunserve engine's control port (stock engines: omit)")
     p.add_argument("--ray-address", default=None, help="Ray cluster address; unset: start a local Ray")
     p.add_argument("--ray-num-cpus", type=float, default=1.0, help="CPUs each engine's actor reserves")
     p.add_argument("--host", default="127.0.0.1", help="front end address")
@@ -87,6 +97,21 @@ def check_engine_args(model: str, engine_args: list[str]) -> argparse.Namespace:
 
 def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
     opts, engine_args = _options().parse_known_args(args.rest)
+    if opts.engine_control_url and not opts.engine_url:
+        raise ValueError("--engine-control-url needs --engine-url (the engines it belongs to)")
+    if opts.engine_url:
+        from vllm_kunserve.cluster.fleet.backends import ATTACH
+
+        if "--instances" in args.rest and opts.instances != len(opts.engine_url):
+            raise ValueError(f"--instances {opts.instances} but {len(opts.engine_url)} --engine-url: attached engines "
+                             "are counted by their URLs (drop --instances)")
+        if len(opts.engine_control_url) > len(opts.engine_url):
+            raise ValueError(f"{len(opts.engine_control_url)} --engine-control-url for {len(opts.engine_url)} "
+                             "--engine-url")
+        for u in opts.engine_url + opts.engine_control_url:
+            if not u.startswith(("http://", "https://")):
+                raise ValueError(f"--engine-url / --engine-control-url {u!r}: an http:// or https:// URL")
+        opts.instances, opts.backend = len(opts.engine_url), ATTACH
     if opts.instances < 1 or opts.instances > 256:
         raise ValueError(f"--instances must be 1..256, got {opts.instances}")
     if not 0 < opts.port < 65536:
@@ -178,7 +203,12 @@ def build(model: str, opts: argparse.Namespace, engine_args: list[str], engine_n
     if kunserve is not None and token:
         kunserve = {**kunserve, "control": {**kunserve.get("control", {}), "token": token}}
     spec = EngineSpec(model, tuple(engine_args), kunserve, startup_timeout_s=opts.startup_timeout, log_dir=opts.log_dir)
-    backend = make_backend(opts.backend, "127.0.0.1", opts.ray_address, opts.ray_num_cpus)
+    if opts.engine_url:
+        from vllm_kunserve.cluster.fleet.backends import AttachBackend
+
+        backend = AttachBackend(opts.engine_url, opts.engine_control_url)
+    else:
+        backend = make_backend(opts.backend, "127.0.0.1", opts.ray_address, opts.ray_num_cpus)
     fleet = Fleet(spec, opts.instances, backend, restart=not opts.no_restart, progress=progress)
     cfg = parse_config(kunserve)
     from vllm_kunserve.cluster.control.migration import placement_planner
@@ -242,7 +272,11 @@ def run(args: argparse.Namespace) -> int:
         lock_if_wanted()  # KUNSERVE_MLOCK=1 (inherited by the engines, whose plugin locks them too)
         front.freeze_gc = True  # gc.freeze() once started (KUNSERVE_GC_FREEZE=0 to measure without)
         kind = "kunserve" if fleet.spec.kunserve is not None else "stock vLLM"
-        print(f"[kunserve] starting {opts.instances} {kind} engine(s) on the {opts.backend} backend ...", flush=True)
+        if opts.engine_url:
+            print(f"[kunserve] attaching {opts.instances} engine(s) started elsewhere: {', '.join(opts.engine_url)}",
+                  flush=True)
+        else:
+            print(f"[kunserve] starting {opts.instances} {kind} engine(s) on the {opts.backend} backend ...", flush=True)
         try:
             fleet.start()
         except StartupExited as e:   # one line, no traceback (the fleet has stopped every engine)

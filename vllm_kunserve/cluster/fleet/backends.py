@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Protocol, runtime_checkable
 
-from vllm_kunserve.cluster.fleet.launcher import ServerProcess
+from vllm_kunserve.cluster.fleet.launcher import ServerProcess, StartupExited
 from vllm_kunserve.cluster.fleet.spec import Engine, EngineSpec, start_engine
 
 logger = logging.getLogger("kunserve.fleet")
@@ -26,6 +27,8 @@ __all__ = ["BACKENDS", "Backend", "LocalBackend", "RayBackend", "make_backend"]
 
 #: the backends, by the name ``kunserve serve --backend`` takes (the first is the default)
 BACKENDS = ("local", "ray")
+#: engines started elsewhere, attached by URL (``kunserve serve --engine-url``; not a --backend choice)
+ATTACH = "attach"
 
 
 @runtime_checkable
@@ -169,6 +172,67 @@ class RayBackend:
 
     def close(self) -> None:
         self.ray.shutdown()
+
+
+class AttachBackend:
+    """Engines started elsewhere (Kubernetes pods, another launcher, by hand), attached by URL:
+    kunserve fronts them and watches their ``/health``; it neither starts, stops nor kills them. One
+    that stops answering is marked dead (its requests fail over) and rejoins once ``/health``
+    answers again (the fleet's restart waits for it). ``control_urls``: their control ports, for
+    kunserve engines (None or missing: stock, read through ``/metrics``)."""
+
+    name = ATTACH
+
+    def __init__(self, urls: list[str], control_urls: list[str | None] | None = None, health_timeout_s: float = 2.0,
+                 misses_to_dead: int = 3):
+        control = list(control_urls or [])
+        self.misses_to_dead = misses_to_dead   # consecutive failed checks before an engine counts as dead
+        self._misses: dict[int, int] = {}
+        if len(control) > len(urls):
+            raise ValueError(f"{len(control)} control URLs for {len(urls)} engine URLs")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.control = [c.rstrip("/") if c else None for c in control] + [None] * (len(urls) - len(control))
+        self.health_timeout_s = health_timeout_s
+
+    def launch(self, spec: EngineSpec, index: int, engine: Engine) -> None:
+        engine.url, engine.control_url, engine.handle = self.urls[index], self.control[index], None
+
+    def healthy(self, url: str, timeout_s: float | None = None) -> bool:
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=timeout_s or self.health_timeout_s) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def wait_ready(self, engine: Engine, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.healthy(engine.url):
+            if time.monotonic() > deadline:
+                raise StartupExited(f"{engine.url}/health did not answer 200 within {timeout_s:.0f} s "
+                                    f"(--engine-url: the engine must be serving)", None, engine.index)
+            time.sleep(0.5)
+
+    def alive(self, engine: Engine) -> bool:
+        """False after ``misses_to_dead`` failed checks in a row (one lost probe on a network is not
+        a death)."""
+        if self.healthy(engine.url):
+            self._misses[engine.index] = 0
+            return True
+        self._misses[engine.index] = self._misses.get(engine.index, 0) + 1
+        return self._misses[engine.index] < self.misses_to_dead
+
+    def kill(self, engine: Engine) -> None:
+        raise NotImplementedError(f"instance {engine.index} ({engine.url}) was started elsewhere: kunserve does not "
+                                  "kill attached engines")
+
+    def stop(self, engine: Engine) -> None:
+        pass   # not ours to stop
+
+    def close(self) -> None:
+        pass
 
 
 def make_backend(name: str, host: str = "127.0.0.1", ray_address: str | None = None,

@@ -52,7 +52,10 @@ async def kill(front: Any, body: dict) -> dict:
     # what the kill interrupts, read in the same event-loop turn as the kill itself
     hit = [{"id": f.visible_id or f.rid, "generated": len(f.generated), "movable": f.checked.movable}
            for f in front.flights.values() if f.instance == i]
-    front.fleet.kill(i)
+    try:
+        front.fleet.kill(i)
+    except NotImplementedError as e:   # an attached engine (started elsewhere)
+        raise BadRequest(str(e), param="instance", status=409, kind="ConflictError") from None
     front.record("kill", instance=i, in_flight=len(hit))
     return {"killed": i, "in_flight": hit}
 

@@ -1,0 +1,107 @@
+"""`kunserve serve --engine-url`: the front end over engines started elsewhere (issue 37). The fleet
+watches their /health, never starts, kills or restarts them; a dead one rejoins when it answers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+from aiohttp import web
+
+from tests.unit.test_frontend import FakeEngine
+from vllm_kunserve.cli import serve
+from vllm_kunserve.cluster.fleet.backends import AttachBackend
+from vllm_kunserve.cluster.fleet.fleet import Fleet
+from vllm_kunserve.cluster.fleet.spec import EngineSpec
+from vllm_kunserve.cluster.frontend.app import FrontEnd, build_app
+
+pytestmark = pytest.mark.unit
+
+
+async def _until(cond, timeout=10.0):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+def _engines_elsewhere(n):
+    """Fake engines served by their own event loop in another thread (as engines started elsewhere
+    are: the front end's loop pausing must not stop them answering)."""
+    fakes, urls, ready = [FakeEngine(i) for i in range(n)], [], threading.Event()
+    loop = asyncio.new_event_loop()
+
+    async def serve():
+        for f in fakes:
+            runner = web.AppRunner(f.app())
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}/")
+        ready.set()
+    threading.Thread(target=lambda: (loop.run_until_complete(serve()), loop.run_forever()), daemon=True).start()
+    assert ready.wait(10)
+    return fakes, urls, loop
+
+
+def test_attached_engines_are_served_watched_and_never_killed():
+    async def go():
+        fakes, urls, loop = _engines_elsewhere(2)
+        fleet = Fleet(EngineSpec("m", startup_timeout_s=5), 2, AttachBackend(urls), restart=True,
+                      check_interval_s=0.05, progress=lambda s: None)
+        await asyncio.to_thread(fleet.start)
+        front = FrontEnd(fleet, dispatch="round-robin", monitor_interval_s=0.05)
+        await front.start()
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(front)), base_url="http://front")
+        try:
+            assert [e.url for e in fleet.engines] == [u.rstrip("/") for u in urls]
+            r = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4})
+            assert r.status_code == 200
+            kill = await client.post("/kunserve/ops/kill", json={"instance": 0})
+            assert kill.status_code == 409 and "started elsewhere" in kill.text
+            fakes[1].alive = False   # its /health fails (3 checks in a row): marked dead, its traffic goes to the other
+            await _until(lambda: fleet.engines[1].state != "ready")
+            before = len(fakes[0].requests)
+            for _ in range(3):
+                r = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
+                assert r.status_code == 200
+            assert len(fakes[0].requests) == before + 3
+            fakes[1].alive = True    # answers again: it rejoins (nothing was started)
+            await _until(lambda: fleet.engines[1].state == "ready" and fleet.engines[1].restarts == 1)
+            kinds = [e["event"] for e in fleet.events if e["instance"] == 1]
+            assert "dead" in kinds and "restarted" in kinds
+        finally:
+            await client.aclose()
+            await front.close()
+            await asyncio.to_thread(fleet.stop)
+            loop.call_soon_threadsafe(loop.stop)
+    asyncio.run(go())
+
+
+def test_an_engine_that_never_answers_fails_startup_in_one_line():
+    fleet = Fleet(EngineSpec("m", startup_timeout_s=0.5, startup_retries=0), 1,
+                  AttachBackend(["http://127.0.0.1:9"]), progress=lambda s: None)
+    with pytest.raises(Exception) as ei:
+        fleet.start()
+    assert "instance 0" in ei.value.one_line() and "/health did not answer" in ei.value.one_line()
+
+
+def _parse(*rest):
+    return serve.parse(argparse.Namespace(model="m", rest=list(rest)))
+
+
+def test_engine_url_flags_are_checked():
+    opts, engine_args = _parse("--engine-url", "http://a:8000", "--engine-url", "http://b:8000",
+                               "--engine-control-url", "http://a:9000")
+    assert opts.instances == 2 and opts.backend == "attach" and engine_args == []
+    for bad, why in [(("--engine-url", "a:8000"), "http:// or https://"),
+                     (("--engine-control-url", "http://a:9000"), "needs --engine-url"),
+                     (("--engine-url", "http://a", "--instances", "3"), "counted by their URLs"),
+                     (("--engine-url", "http://a", "--engine-control-url", "http://a:1", "--engine-control-url",
+                       "http://a:2"), "2 --engine-control-url for 1")]:
+        with pytest.raises(ValueError, match=why):
+            _parse(*bad)
