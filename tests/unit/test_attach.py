@@ -105,3 +105,39 @@ def test_engine_url_flags_are_checked():
                        "http://a:2"), "2 --engine-control-url for 1")]:
         with pytest.raises(ValueError, match=why):
             _parse(*bad)
+
+
+def test_a_flaky_engine_is_skipped_by_its_breaker_and_no_request_fails():
+    """Engine 1 answers /health but breaks every stream before its first token: each of its
+    requests fails over to engine 0, and after three in a row its breaker opens, so round-robin
+    dispatch stops sending it requests for the cool-down."""
+    async def go():
+        fakes, urls, loop = _engines_elsewhere(2)
+        fakes[1].die_after = 0
+        fleet = Fleet(EngineSpec("m", startup_timeout_s=5), 2, AttachBackend(urls), restart=True,
+                      check_interval_s=0.05, progress=lambda s: None)
+        await asyncio.to_thread(fleet.start)
+        front = FrontEnd(fleet, dispatch="round-robin", monitor_interval_s=0.05)
+        await front.start()
+        front.breakers.cooldown_s = front.breakers.max_cooldown_s = 30.0
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(front)), base_url="http://front")
+        try:
+            bodies = []
+            for _ in range(12):
+                r = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 3,
+                                                               "stream": True})
+                assert r.status_code == 200
+                bodies.append(r.text)
+            assert all("error" not in b and b.rstrip().endswith("data: [DONE]") for b in bodies), bodies
+            assert front.breakers.is_open(1) and fleet.engines[1].state == "ready", (front.breakers.view(), len(fakes[1].requests), [e["event"] for e in front.events])
+            assert len(fakes[1].requests) == 3   # the three that tripped it, then nothing
+            kinds = [e["event"] for e in front.events]
+            assert kinds.count("circuit_open") == 1 and kinds.count("failover") == 3
+            st = (await client.get("/kunserve/status")).json()
+            assert st["breakers"]["1"]["open_s"] > 0
+        finally:
+            await client.aclose()
+            await front.close()
+            await asyncio.to_thread(fleet.stop)
+            loop.call_soon_threadsafe(loop.stop)
+    asyncio.run(go())

@@ -98,6 +98,10 @@ class FrontEnd:
         self.dispatch = check_mode(dispatch)
         self.monitor = Monitor(fleet.engines, interval_s=monitor_interval_s, token=token)
         self.book = FlightBook()
+        from vllm_kunserve.cluster.frontend.breaker import Breakers
+
+        # an engine that keeps failing is skipped for a cool-down (its supervisor decides if it is dead)
+        self.breakers = Breakers(on_change=lambda i, kind, info: self.record(kind, instance=i, **info))
         self.flights: dict[str, Flight] = {}
         self.by_visible: dict[str, Flight] = {}
         self.arrivals: dict[str, asyncio.Event] = {}   # migrate ops waiting for a request id to arrive
@@ -262,8 +266,10 @@ class FrontEnd:
         deadline = time.monotonic() + self.fleet.spec.startup_timeout_s
         while True:
             live = [u for u in self.loads() if u.alive]
-            # every engine excluded or down: any ready one, else wait for a restart
-            loads = [u for u in live if u.instance_id not in exclude] or live
+            # engines not excluded and not cooling down after failures; else not excluded; else any
+            # ready one; else wait for a restart
+            ok = [u for u in live if u.instance_id not in exclude]
+            loads = [u for u in ok if not self.breakers.is_open(u.instance_id)] or ok or live
             if loads:
                 bs = self._block_size(loads[0].instance_id)
                 toks = flight.prompt_len + len(flight.generated)
@@ -282,9 +288,16 @@ class FrontEnd:
         return await self.pick(flight, tried)
 
     def engine_failed(self, instance: int, why: str) -> None:
+        self.breakers.failure(instance, why)
         e = self.fleet.engines[instance]
-        if e.accepting and not self.fleet.backend.alive(e):
+        # a local process is checked at once; an attached engine's health is the supervisor's to
+        # probe (an HTTP round trip, not in this event loop)
+        if e.accepting and getattr(self.fleet.backend, "name", "") != "attach" and not self.fleet.backend.alive(e):
             self.fleet.mark_dead(e, why)
+
+    def engine_ok(self, instance: int) -> None:
+        """An engine answered a request (its first chunk): its breaker closes."""
+        self.breakers.success(instance)
 
     def find(self, key: Any) -> Flight | None:
         """The flight a client's id names: the id it sees in answers, its own ``request_id``, or
@@ -354,6 +367,7 @@ class FrontEnd:
         return {"dispatch": self.dispatch, "served_models": self.served, "max_model_len": self.max_model_len,
                 "inflight": len(self.flights), "instances": instances,
                 "groups": self.groups.view() if self.groups else [],
+                "breakers": self.breakers.view(),
                 "drop": ({"auto": self.groups.auto, **self.groups.last} if self.groups else None),
                 "requests": [{"id": f.visible_id or f.rid, "instance": f.instance, "generated": len(f.generated),
                               "movable": f.checked.movable, "hops": len(f.hops)}
@@ -467,6 +481,8 @@ def build_app(front: FrontEnd):
                     if url is None:
                         raise aiohttp.ClientConnectionError(f"instance {flight.instance} not ready")
                     async with front.session.post(url + path, json=body) as resp:
+                        if resp.status < 500:
+                            front.engine_ok(flight.instance)
                         return resp.status, await resp.read(), resp.content_type
                 except aiohttp.ClientConnectionError as e:
                     src = flight.instance

@@ -85,6 +85,7 @@ class RelayHost(Protocol):
     async def pick(self, flight: Flight, exclude: set[int]) -> int: ...
     async def reroute(self, flight: Flight, tried: set[int], why: str, max_hops: int) -> int: ...
     def engine_failed(self, instance: int, why: str) -> None: ...
+    def engine_ok(self, instance: int) -> None: ...
     def account(self, flight: Flight) -> None: ...
     async def migrate_kv(self, flight: Flight, src: int, dst: int) -> dict: ...
     def record(self, kind: str, **info: Any) -> None: ...
@@ -317,6 +318,7 @@ class Relay:
     # -- the relay loop -----------------------------------------------------------------------------
     async def stream(self, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         f = self.f
+        ok_for: int | None = None
         try:
             while True:
                 reason = ""
@@ -335,6 +337,9 @@ class Relay:
                             if chunk is not None:
                                 f.sent_chunks += 1
                                 out.append(_sse(chunk))
+                                if ok_for != f.instance:   # this engine delivered: its breaker closes
+                                    ok_for = f.instance
+                                    self.h.engine_ok(f.instance)
                             if (f.move is not None and not self.finished and f.checked.movable
                                     and len(f.generated) >= f.move.at_token):
                                 reason, stop = "migrate", True

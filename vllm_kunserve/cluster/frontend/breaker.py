@@ -1,0 +1,70 @@
+"""A circuit breaker per engine: the front end stops dispatching to an engine that keeps failing.
+
+An engine that refused connections or broke ``threshold`` requests in a row is *open* for a
+cool-down (doubling on each new trip, up to ``max_cooldown_s``): dispatch skips it while another
+engine can take the request. After the cool-down it is *half open*: the next request may go
+there; a success closes it, a failure opens it again for the doubled cool-down. The fleet's
+supervisor still decides whether an engine is dead (and restarts it); the breaker is what keeps a
+flaky but living engine (or an attached one across a network) from taking every retry.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+__all__ = ["Breakers"]
+
+
+@dataclass
+class _State:
+    failures: int = 0       # in a row
+    open_until: float = 0.0
+    cooldown_s: float = 0.0  # the last trip's (0: never tripped or closed since)
+
+
+class Breakers:
+    """One breaker per engine index."""
+
+    def __init__(self, threshold: int = 3, cooldown_s: float = 2.0, max_cooldown_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_change: Callable[[int, str, dict], None] | None = None):
+        if threshold < 1 or cooldown_s <= 0 or max_cooldown_s < cooldown_s:
+            raise ValueError("breaker: threshold >= 1, 0 < cooldown_s <= max_cooldown_s")
+        self.threshold, self.cooldown_s, self.max_cooldown_s = threshold, cooldown_s, max_cooldown_s
+        self.clock, self.on_change = clock, on_change
+        self._s: dict[int, _State] = {}
+
+    def _st(self, i: int) -> _State:
+        return self._s.setdefault(i, _State())
+
+    def failure(self, i: int, why: str = "") -> None:
+        s = self._st(i)
+        s.failures += 1
+        half_open = s.cooldown_s and self.clock() >= s.open_until
+        if s.failures >= self.threshold or half_open:
+            s.cooldown_s = min(self.max_cooldown_s, 2 * s.cooldown_s) if s.cooldown_s else self.cooldown_s
+            s.open_until = self.clock() + s.cooldown_s
+            if self.on_change:
+                self.on_change(i, "circuit_open", {"failures": s.failures, "cooldown_s": s.cooldown_s,
+                                                   "reason": why[:200]})
+
+    def success(self, i: int) -> None:
+        s = self._s.get(i)
+        if s is None or (not s.failures and not s.cooldown_s):
+            return
+        was_open = bool(s.cooldown_s)
+        self._s[i] = _State()
+        if was_open and self.on_change:
+            self.on_change(i, "circuit_closed", {})
+
+    def is_open(self, i: int) -> bool:
+        """Dispatch should skip ``i`` now (open and cooling down; half open lets the next one through)."""
+        s = self._s.get(i)
+        return s is not None and self.clock() < s.open_until
+
+    def view(self) -> dict[str, dict]:
+        now = self.clock()
+        return {str(i): {"failures": s.failures, "open_s": round(max(0.0, s.open_until - now), 2)}
+                for i, s in self._s.items() if s.failures or s.open_until > now}
