@@ -131,13 +131,14 @@ def test_least_work_counts_requests_per_instance_of_compute():
 def test_every_registered_name_resolves_to_its_policy():
     from vllm_kunserve.policy.dispatch import DEFAULT_DISPATCH, DISPATCH, POLICIES, DispatchPolicy, get_policy
 
-    assert DISPATCH == ("least-work", "least-load", "round-robin", "mell") and DEFAULT_DISPATCH in DISPATCH
+    assert DISPATCH == ("least-work", "least-load", "round-robin", "mell", "cache-aware") and DEFAULT_DISPATCH in DISPATCH
     for name in DISPATCH:
         p = get_policy(name)
         assert isinstance(p, DispatchPolicy) and p.name == name and POLICIES[name] is p
         assert p.choose(units(), 13, 0) == choose_instance(units(), name, prompt_blocks=13)
     # only MELL acts every monitor period (the front end's migration planner); the others plan no moves
     assert [n for n in DISPATCH if get_policy(n).periodic] == ["mell"]
+    assert [n for n in DISPATCH if get_policy(n).uses_prefix] == ["cache-aware"]
     assert get_policy("least-work").on_period(units(), [], None) == ()
 
 

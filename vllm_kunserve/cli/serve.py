@@ -1,7 +1,7 @@
 """``kunserve serve MODEL --instances N``: N vLLM engines behind one OpenAI-compatible endpoint.
 
     kunserve serve MODEL [--instances N] [--backend local|ray] [--host 127.0.0.1] [--port 8000]
-                         [--dispatch least-work|least-load|round-robin|mell]
+                         [--dispatch least-work|least-load|round-robin|mell|cache-aware]
                          [--kunserve-config JSON|FILE] [any vLLM engine argument ...]
     kunserve serve MODEL --engine-url URL [--engine-url URL ...] [--engine-control-url URL ...]
 

@@ -30,6 +30,7 @@ import logging
 import math
 import re
 import time
+from dataclasses import replace
 from typing import Any, AsyncIterator, Callable, Sequence
 
 import aiohttp
@@ -37,6 +38,7 @@ import aiohttp
 from vllm_kunserve.cluster.control.client import ControlClient
 from vllm_kunserve.cluster.control.monitor import FlightBook, Monitor, instance_loads
 from vllm_kunserve.cluster.frontend.ops import run_op
+from vllm_kunserve.cluster.frontend.prefix import PrefixIndex, Sessions, prompt_key
 from vllm_kunserve.cluster.frontend.relay import Flight, Move, Relay, UpstreamLost
 from vllm_kunserve.cluster.frontend.validate import (BadRequest, encodes, error_body, parse_json, prompt_counter,
                                                    validate)
@@ -102,6 +104,7 @@ class FrontEnd:
 
         # an engine that keeps failing is skipped for a cool-down (its supervisor decides if it is dead)
         self.breakers = Breakers(on_change=lambda i, kind, info: self.record(kind, instance=i, **info))
+        self.prefixes, self.sessions = PrefixIndex(), Sessions()   # where prompts and sessions went
         self.flights: dict[str, Flight] = {}
         self.by_visible: dict[str, Flight] = {}
         self.arrivals: dict[str, asyncio.Event] = {}   # migrate ops waiting for a request id to arrive
@@ -153,6 +156,8 @@ class FrontEnd:
 
     def _on_fleet(self, engine, kind: str) -> None:
         self.m_up.labels(str(engine.index)).set(1 if engine.accepting else 0)
+        if kind in ("dead", "restarted"):
+            self.prefixes.forget(engine.index)   # a restarted engine's prefix cache is empty
         if kind == "restarted":
             self.m_restarts.labels(str(engine.index)).inc()
         if kind == "dead" and self.groups is not None:
@@ -273,7 +278,15 @@ class FrontEnd:
             if loads:
                 bs = self._block_size(loads[0].instance_id)
                 toks = flight.prompt_len + len(flight.generated)
-                return choose_instance(loads, self.dispatch, prompt_blocks=math.ceil(toks / bs), turn=next(self._turn))
+                key = prompt_key(flight.checked.body) if not flight.generated else None
+                if get_policy(self.dispatch).uses_prefix:   # what each engine likely caches, the session's
+                    share, last = self.prefixes.share(key), self.sessions.get(flight.session)
+                    loads = [replace(u, prefix_share=share.get(u.instance_id, 0.0), affinity=u.instance_id == last)
+                             for u in loads]
+                i = choose_instance(loads, self.dispatch, prompt_blocks=math.ceil(toks / bs), turn=next(self._turn))
+                self.prefixes.add(i, key)
+                self.sessions.put(flight.session, i)
+                return i
             if time.monotonic() > deadline:
                 raise UpstreamLost("no engine is ready")
             await asyncio.sleep(0.25)
@@ -419,6 +432,8 @@ def build_app(front: FrontEnd):
         rid = f"ks-{next(front._ids)}"
         model = body.get("model") or front.served[0]
         flight = Flight(rid, checked, -1, model)
+        user = body.get("user")
+        flight.session = request.headers.get("x-session-id") or (user if isinstance(user, str) else None)
         released = False
 
         def release(outcome: str) -> None:

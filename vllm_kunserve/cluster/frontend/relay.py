@@ -60,6 +60,7 @@ class Flight:
     sent_chunks: int = 0
     booked: tuple | None = None   # what the front end last wrote to its FlightBook for it
     t0: float = field(default_factory=time.monotonic)
+    session: str | None = None    # the client's session (``user``, or an ``x-session-id`` header)
 
     @property
     def started(self) -> bool:

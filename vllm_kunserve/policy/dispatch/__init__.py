@@ -14,7 +14,9 @@ module each, behind one registry (:mod:`.registry`: name -> policy, :func:`get_p
 * ``mell`` (:mod:`.mell`: MELL on a fixed cluster, and why): MELL's placement on a **fixed**
   cluster: among units whose KV takes the prompt, the lowest KV demand share after placing it; if
   none takes it, the lowest demand share. It is the one ``periodic`` policy: every monitor period
-  its ``on_period`` plans MELL's bounded migrations (``policy.migration.plan_migrations``).
+  its ``on_period`` plans MELL's bounded migrations (``policy.migration.plan_migrations``);
+* ``cache-aware`` (:mod:`.cache_aware`): the unit holding the prompt's prefix (or the session's
+  unit) unless it is much busier than the least busy, else ``least-work`` (vllm-router's rule).
 
 Units that do not accept work (dead, or frozen while their group changes) are skipped unless none
 accepts, then every unit is a candidate.

@@ -22,6 +22,8 @@ class InstanceLoad:
     k: int = 1                  # instances in the unit (pipeline width)
     alive: bool = True          # accepts new work
     group: int | None = None    # the pipeline group this instance is a member of (while grouped)
+    prefix_share: float = 0.0   # the share of this request's prompt the unit likely holds cached (0..1)
+    affinity: bool = False      # the unit this request's session went to last
 
     @property
     def demand_blocks(self) -> int:
@@ -47,6 +49,8 @@ class DispatchPolicy:
     name: ClassVar[str] = ""
     #: True: the front end runs :meth:`on_period` every monitor period (it needs the migration planner)
     periodic: ClassVar[bool] = False
+    #: True: the caller fills each unit's ``prefix_share`` and ``affinity`` for the request
+    uses_prefix: ClassVar[bool] = False
 
     def choose(self, units: Sequence[InstanceLoad], prompt_blocks: int = 0, turn: int = 0) -> int:
         """The ``instance_id`` of the unit among ``units`` (the candidates: never empty, the

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_kunserve.policy.dispatch.base import DispatchPolicy
+from vllm_kunserve.policy.dispatch.cache_aware import CacheAware
 from vllm_kunserve.policy.dispatch.least_load import LeastLoad
 from vllm_kunserve.policy.dispatch.least_work import LeastWork
 from vllm_kunserve.policy.dispatch.mell import Mell
@@ -15,7 +16,8 @@ from vllm_kunserve.policy.dispatch.round_robin import RoundRobin
 __all__ = ["DEFAULT_DISPATCH", "DISPATCH", "POLICIES", "check_mode", "get_policy"]
 
 #: every policy by name, in the order ``--dispatch`` lists them
-POLICIES: dict[str, DispatchPolicy] = {p.name: p for p in (LeastWork(), LeastLoad(), RoundRobin(), Mell())}
+POLICIES: dict[str, DispatchPolicy] = {p.name: p for p in (LeastWork(), LeastLoad(), RoundRobin(), Mell(),
+                                                            CacheAware())}
 DISPATCH = tuple(POLICIES)
 DEFAULT_DISPATCH = "least-work"  # queue-aware: what a serving engineer deploys
 
