@@ -124,6 +124,24 @@ def test_serve_divides_a_cpu_hosts_memory_among_its_engines_and_refuses_an_impos
         memory_split(8, [], device="cpu", backend="local", available=10 * GiB, total=24 * GiB, weights=2 * GiB, env={})
 
 
+def test_serve_puts_one_engine_on_each_gpu_and_refuses_more_engines_than_gpus():
+    from vllm_kunserve.cli.serve import device_split
+    from vllm_kunserve.cluster.fleet.spec import EngineSpec, engine_env
+
+    env, line = device_split(3, device="cuda", backend="local", devices=4, env={})
+    assert env == {"KUNSERVE_ENGINE_GPUS": "0|1|2"} and "one GPU per engine" in line
+    spec = EngineSpec("m", env=env)
+    assert [engine_env(spec, i)["CUDA_VISIBLE_DEVICES"] for i in range(3)] == ["0", "1", "2"]
+    # the user chose, or one engine, or not CUDA, or Ray: left alone
+    for kw in ({"env": {"CUDA_VISIBLE_DEVICES": "1,2"}}, {"env": {"KUNSERVE_ENGINE_GPUS": "0,1|2,3"}},
+               {"instances": 1}, {"device": "cpu"}, {"backend": "ray"}):
+        a = {"instances": 2, "device": "cuda", "backend": "local", "env": {}, **kw}
+        assert device_split(a["instances"], device=a["device"], backend=a["backend"], devices=4, env=a["env"]) == ({}, "")
+    with pytest.raises(ValueError, match="--instances 3: this host has 2 GPU.*KUNSERVE_ENGINE_GPUS.*0\\|1\\|0"):
+        device_split(3, device="cuda", backend="local", devices=2, env={})
+    assert engine_env(EngineSpec("m", env={"KUNSERVE_ENGINE_GPUS": "0,1|2,3"}), 3)["CUDA_VISIBLE_DEVICES"] == "2,3"
+
+
 def test_an_engine_that_fails_to_start_is_one_line_naming_it_its_first_error_and_its_log(tmp_path):
     from vllm_kunserve.cluster.fleet.launcher import StartupExited
 

@@ -179,6 +179,26 @@ def memory_split(instances: int, engine_args: list[str], *, device: str, backend
     return ["--gpu-memory-utilization", f"{util:g}"], line
 
 
+def device_split(instances: int, *, device: str, backend: str, devices: int, env: dict | None = None
+                 ) -> tuple[dict[str, str], str]:
+    """On a CUDA host, one engine per device: the engine environment that gives engine i GPU i
+    (``KUNSERVE_ENGINE_GPUS``), and the line that says so. Left alone where the user chose
+    (``KUNSERVE_ENGINE_GPUS`` or ``CUDA_VISIBLE_DEVICES`` set), for one engine, off CUDA and on Ray
+    (Ray assigns devices); more engines than devices is refused, naming the setting to share them."""
+    from vllm_kunserve.cluster.fleet.spec import ENGINE_GPUS
+
+    env = os.environ if env is None else env
+    if device != "cuda" or backend != "local" or instances < 2 or env.get(ENGINE_GPUS) or env.get("CUDA_VISIBLE_DEVICES"):
+        return {}, ""
+    if instances > devices:
+        raise ValueError(f"--instances {instances}: this host has {devices} GPU(s), one engine each; to share them, "
+                         f"set {ENGINE_GPUS} (e.g. {'|'.join(str(i % max(devices, 1)) for i in range(instances))}) and "
+                         f"size each engine with --gpu-memory-utilization")
+    gpus = "|".join(str(i) for i in range(instances))
+    return {ENGINE_GPUS: gpus}, (f"[kunserve] devices: one GPU per engine (engine i on GPU i of {devices}); set "
+                                 f"{ENGINE_GPUS} to choose")
+
+
 def _tokenizer(name: str):
     try:
         from transformers import AutoTokenizer
@@ -190,7 +210,7 @@ def _tokenizer(name: str):
 
 
 def build(model: str, opts: argparse.Namespace, engine_args: list[str], engine_ns: argparse.Namespace,
-          progress=None):
+          progress=None, engine_env: dict[str, str] | None = None):
     """The fleet and front end (not started); ``engine_ns`` is :func:`check_engine_args`'s parse."""
     from vllm_kunserve.cluster.fleet.backends import make_backend
     from vllm_kunserve.cluster.fleet.fleet import Fleet
@@ -202,7 +222,8 @@ def build(model: str, opts: argparse.Namespace, engine_args: list[str], engine_n
     token = opts.token if opts.token is not None else os.environ.get("KUNSERVE_CONTROL_TOKEN", "")
     if kunserve is not None and token:
         kunserve = {**kunserve, "control": {**kunserve.get("control", {}), "token": token}}
-    spec = EngineSpec(model, tuple(engine_args), kunserve, startup_timeout_s=opts.startup_timeout, log_dir=opts.log_dir)
+    spec = EngineSpec(model, tuple(engine_args), kunserve, env=dict(engine_env or {}),
+                      startup_timeout_s=opts.startup_timeout, log_dir=opts.log_dir)
     if opts.engine_url:
         from vllm_kunserve.cluster.fleet.backends import AttachBackend
 
@@ -265,8 +286,16 @@ def run(args: argparse.Namespace) -> int:
         if extra:   # vLLM's own flag, already checked by the parse above; nothing it parsed changes
             engine_args = [*engine_args, *extra]
             print(line, flush=True)
+        gpu_env, gpu_line = {}, ""
+        if current_platform.device_type == "cuda" and not opts.engine_url:
+            import torch
+
+            gpu_env, gpu_line = device_split(opts.instances, device="cuda", backend=opts.backend,
+                                             devices=torch.cuda.device_count())
+        if gpu_line:
+            print(gpu_line, flush=True)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        fleet, front = build(args.model, opts, engine_args, engine_ns)
+        fleet, front = build(args.model, opts, engine_args, engine_ns, engine_env=gpu_env)
         from vllm_kunserve.runtime.hostlock import lock_if_wanted
 
         lock_if_wanted()  # KUNSERVE_MLOCK=1 (inherited by the engines, whose plugin locks them too)

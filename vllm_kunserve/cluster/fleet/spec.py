@@ -48,6 +48,10 @@ class EngineSpec:
 #: ``VLLM_CPU_OMP_THREADS_BIND`` syntax, e.g. ``0|1`` or ``0-1|2-3``), cycling; without it vLLM binds
 #: every engine the same way and engines on one host share a core
 ENGINE_CPUS = "KUNSERVE_ENGINE_CPUS"
+#: ``KUNSERVE_ENGINE_GPUS="0|1"``: engine i sees the i-th entry as its CUDA devices
+#: (``CUDA_VISIBLE_DEVICES``, e.g. ``0|1`` or ``0,1|2,3``), cycling (``kunserve serve`` sets one GPU per
+#: engine on a CUDA host unless told otherwise)
+ENGINE_GPUS = "KUNSERVE_ENGINE_GPUS"
 #: ``KUNSERVE_ENGINE_NICE=N``: engines run at this scheduling niceness (``nice -n N``). On a machine
 #: whose every core runs an engine's model, the front end and a replay client at niceness 0 then get
 #: a core the moment they wake instead of waiting behind a compute thread.
@@ -70,14 +74,16 @@ def engine_nice(env: dict[str, str]) -> list[str]:
 
 def engine_env(spec: EngineSpec, index: int = 0) -> dict[str, str]:
     """One engine's environment: vLLM's CPU settings, the spec's (with ``KUNSERVE_ENGINE_CPUS``
-    turned into this engine's own ``VLLM_CPU_OMP_THREADS_BIND``), and a Prometheus directory of its
+    turned into this engine's own ``VLLM_CPU_OMP_THREADS_BIND``, ``KUNSERVE_ENGINE_GPUS`` into its
+    ``CUDA_VISIBLE_DEVICES``), and a Prometheus directory of its
     own (the engine core's ``kunserve:`` series reach its ``/metrics`` through it; engines sharing
     one would mix their series)."""
     env = {**cpu_env(), **spec.env, "PROMETHEUS_MULTIPROC_DIR": tempfile.mkdtemp(prefix="kunserve-prom-")}
-    cpus = env.pop(ENGINE_CPUS, "") or os.environ.get(ENGINE_CPUS, "")
-    if cpus:
-        parts = [p for p in cpus.split("|") if p.strip()]
-        env["VLLM_CPU_OMP_THREADS_BIND"] = parts[index % len(parts)].strip()
+    for key, var in ((ENGINE_CPUS, "VLLM_CPU_OMP_THREADS_BIND"), (ENGINE_GPUS, "CUDA_VISIBLE_DEVICES")):
+        raw = env.pop(key, "") or os.environ.get(key, "")
+        parts = [p.strip() for p in raw.split("|") if p.strip()]
+        if parts:
+            env[var] = parts[index % len(parts)]
     return env
 
 
