@@ -258,13 +258,14 @@ def test_member_killed_mid_transition_every_request_completes(forced, during):
             async def transition_then_kill():
                 t0 = time.monotonic()
                 task = asyncio.create_task(start())
-                while time.monotonic() - t0 < 60:  # until member 1 is inside the transition
-                    st = await status(s, url)
-                    eng = st["instances"][1]["kv"].get("engine", {})
-                    if (eng.get("operation") or {}).get("op") in ("group_join", "group_leave"):
-                        break
-                    await asyncio.sleep(0.05)
-                await asyncio.sleep(1.0)
+                if during == "leave":   # the finish starts once both members drained (next monitor period)
+                    while time.monotonic() - t0 < 120:
+                        engs = [i["kv"].get("engine", {}) for i in (await status(s, url))["instances"]]
+                        if all(e.get("phase") == "group_draining" and not (e.get("blocks") or {}).get("draining")
+                               for e in engs):
+                            break
+                        await asyncio.sleep(0.1)
+                await asyncio.sleep(3.0)   # member 1 is stalled inside the transition (30 s)
                 kill = await op(s, url, "kill", {"instance": 1})
                 res = await task
                 return kill, res, time.monotonic() - t0
