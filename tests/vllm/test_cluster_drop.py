@@ -260,9 +260,11 @@ def test_member_killed_mid_transition_every_request_completes(forced, during):
                 task = asyncio.create_task(start())
                 if during == "leave":   # the finish starts once both members drained (next monitor period)
                     while time.monotonic() - t0 < 120:
-                        engs = [i["kv"].get("engine", {}) for i in (await status(s, url))["instances"]]
-                        if all(e.get("phase") == "group_draining" and not (e.get("blocks") or {}).get("draining")
-                               for e in engs):
+                        engs = []
+                        for inst in (await status(s, url))["instances"]:
+                            async with s.get(inst["control_url"] + "/state") as resp:
+                                engs.append(await resp.json())
+                        if all(e["phase"] == "group_draining" and not e["blocks"]["draining"] for e in engs):
                             break
                         await asyncio.sleep(0.1)
                 await asyncio.sleep(3.0)   # member 1 is stalled inside the transition (30 s)
