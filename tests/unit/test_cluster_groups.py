@@ -221,3 +221,15 @@ def test_a_failed_leave_keeps_the_group_or_abandons_the_members_left_behind(fail
         assert len(set(ids)) == 2
     else:
         assert g.state == "split" and abandons == [1] and gc.view() == []
+
+
+def test_a_group_forgotten_while_its_leave_fails_stays_forgotten():
+    """A member dies during the leave's finish: the group was forgotten (split) meanwhile, and the
+    finish's failures must not bring it back as grouped (the survivors abandon by the orphan rule)."""
+    front, gc, calls = _controller(2, fail=lambda i, name, b: name == "group_leave" and b["step"] == "finish")
+    asyncio.run(gc.form([0, 1]))
+    g = gc.groups[0]
+    asyncio.run(gc.begin_leave(g))
+    gc.forget(1)
+    asyncio.run(gc._finish_leave(g))
+    assert g.state == "split" and gc.group_of(0) is None

@@ -328,6 +328,8 @@ class GroupController:
         self.m_ops.labels("leave", outcome).inc()
         if not failed:
             g.state = "split"
+        elif g.state == "split":
+            pass   # forgotten meanwhile (a member died): the survivors abandon by the orphan rule
         elif len(failed) < len(g.members):
             # some members left, the others rolled back: those are grouped with no one; they take
             # their layers back from the host copies now
