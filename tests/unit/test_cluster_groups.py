@@ -233,3 +233,31 @@ def test_a_group_forgotten_while_its_leave_fails_stays_forgotten():
     gc.forget(1)
     asyncio.run(gc._finish_leave(g))
     assert g.state == "split" and gc.group_of(0) is None
+
+
+def test_an_engine_that_dies_mid_operation_is_a_group_error_not_a_crash():
+    """A member killed while the controller talks to it (connection reset, refused) fails the
+    operation as a GroupOpError (the operator's drop answers 409), and a partial join still
+    abandons the members that joined."""
+    import aiohttp
+
+    front, gc, calls = _controller(2)
+    real = gc._op
+
+    async def op(i, name, body, timeout_s):
+        if name == "group_join" and i == 1:
+            raise GroupOpError("instance 1 group_join: no answer (ServerDisconnectedError)")
+        return await real(i, name, body, timeout_s)
+    gc._op = op
+    with pytest.raises(GroupOpError, match="did not form"):
+        asyncio.run(gc.form([0, 1], transition="reprefill"))
+    assert [(i, b["step"]) for i, name, b in calls if name == "group_leave"] == [(0, "abandon")]
+
+    class Dead:
+        async def op(self, *a, **k):
+            raise aiohttp.ClientConnectionError("Connection refused")
+    gc2 = GroupController(FakeFront(2), parse_config({}))
+    gc2._client = lambda: Dead()
+    gc2.front.session = None
+    with pytest.raises(GroupOpError, match="instance 0 group_join: no answer .*Connection refused"):
+        asyncio.run(gc2._op(0, "group_join", {}, 1.0))

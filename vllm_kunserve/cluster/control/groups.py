@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import aiohttp
+
 from vllm_kunserve.cluster.control.client import ControlClient, ControlPortError
 from vllm_kunserve.engine.state import EngineState, EngineStateError
 from vllm_kunserve.policy.drop import balanced_stages
@@ -213,6 +215,8 @@ class GroupController:
             return await self._client().op(self.front.session, e.control_url, op, body, timeout_s=timeout_s + 30)
         except ControlPortError as exc:
             raise GroupOpError(f"instance {instance} {op}: {exc.status} {exc.body}") from None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:   # the engine died or hung
+            raise GroupOpError(f"instance {instance} {op}: no answer ({type(exc).__name__}: {exc})") from None
 
     async def _fresh_states(self, members: list[int]) -> dict[int, EngineState]:
         out = {}
@@ -224,6 +228,8 @@ class GroupController:
                 out[i] = await self._client().state(self.front.session, e.control_url)
             except EngineStateError as exc:
                 raise GroupOpError(f"instance {i}: {exc}") from None
+            except (ControlPortError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                raise GroupOpError(f"instance {i}: its state: {type(exc).__name__}: {exc}") from None
             if not out[i].engine.stage:
                 raise GroupOpError(f"instance {i} has no stage link (not started as a group member)")
         return out
