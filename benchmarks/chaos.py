@@ -3,11 +3,12 @@
 Four engines (the tests' 8-layer burst model, 29 MB fp32, KV 0.75x the weights) behind `kunserve
 serve` on this machine's cores; a burst of streamed requests (Poisson arrivals, random prompts,
 ``--output-len`` tokens each, greedy); a driver hard-kills a random ready engine every
-``--kill-every`` seconds (never the last one) and forces a drop of two random ready engines, then a
+``--kill-every`` seconds while more than ``--min-ready`` are ready (a killed engine restarts, which
+takes tens of seconds on these cores) and forces a drop of two random ready engines, then a
 restore, every ``--ops-every`` seconds. Reference: the same requests on the same fleet before the
 driver starts. See ``vllm_kunserve/bench/chaos.py``.
 
-    python benchmarks/chaos.py [--requests 300] [--duration 120]
+    python benchmarks/chaos.py [--requests 400] [--duration 240]
 
 Writes docs/benchmarks/chaos.{json,md}.
 """
@@ -36,10 +37,11 @@ KV_BYTES = 22 << 20
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--instances", type=int, default=4)
-    ap.add_argument("--requests", type=int, default=300)
-    ap.add_argument("--duration", type=float, default=120.0)
+    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--duration", type=float, default=240.0)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--kill-every", type=float, default=8.0)
+    ap.add_argument("--kill-every", type=float, default=15.0)
+    ap.add_argument("--min-ready", type=int, default=2, help="never kill below this many ready engines")
     ap.add_argument("--ops-every", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
@@ -47,7 +49,7 @@ def main() -> int:
     if not (model / "config.json").exists():
         build_model(model, MODEL)
     spec = ChaosSpec(requests=a.requests, duration_s=a.duration, output_len=a.output_len, kill_every_s=a.kill_every,
-                     ops_every_s=a.ops_every, seed=a.seed)
+                     min_ready=a.min_ready, ops_every_s=a.ops_every, seed=a.seed)
     args = ["--dtype", "float32", "--block-size", "32", "--kv-cache-memory-bytes", str(KV_BYTES),
             "--max-model-len", "512", "--enforce-eager", "--served-model-name", "m"]
     with tempfile.TemporaryDirectory() as d:

@@ -32,7 +32,8 @@ class ChaosSpec:
     duration_s: float = 40.0       # arrivals spread over this (Poisson)
     prompt_len: tuple[int, int] = (16, 96)
     output_len: int = 64
-    kill_every_s: float = 8.0      # one kill per period (never the last engine that is ready)
+    kill_every_s: float = 8.0      # one kill per period, while more than ``min_ready`` engines are ready
+    min_ready: int = 1             # never kill below this many ready engines (restarts take a while)
     ops_every_s: float = 5.0       # a forced drop (two random ready engines), then a restore, in turn
     seed: int = 0
     model: str = "m"
@@ -88,7 +89,7 @@ async def _driver(url: str, spec: ChaosSpec, t0: float, stop: asyncio.Event, act
             ready = [i["instance"] for i in st["instances"] if i["state"] == "ready"]
             if now >= next_kill:
                 next_kill += spec.kill_every_s
-                if len(ready) >= 2:
+                if len(ready) > max(1, spec.min_ready):
                     victim = rnd.choice(ready)
                     code, res = await _op(s, url, "kill", {"instance": victim}, token)
                     actions.append({"t": round(now, 3), "action": "kill", "instance": victim, "status": code,
