@@ -48,6 +48,13 @@ def _engines_elsewhere(n):
     return fakes, urls, loop
 
 
+async def _teardown(client, front, fleet, loop) -> None:
+    await client.aclose()
+    await front.close()
+    await asyncio.to_thread(fleet.stop)
+    loop.call_soon_threadsafe(loop.stop)
+
+
 def test_attached_engines_are_served_watched_and_never_killed():
     async def go():
         fakes, urls, loop = _engines_elsewhere(2)
@@ -75,10 +82,7 @@ def test_attached_engines_are_served_watched_and_never_killed():
             kinds = [e["event"] for e in fleet.events if e["instance"] == 1]
             assert "dead" in kinds and "restarted" in kinds
         finally:
-            await client.aclose()
-            await front.close()
-            await asyncio.to_thread(fleet.stop)
-            loop.call_soon_threadsafe(loop.stop)
+            await _teardown(client, front, fleet, loop)
     asyncio.run(go())
 
 
@@ -136,8 +140,5 @@ def test_a_flaky_engine_is_skipped_by_its_breaker_and_no_request_fails():
             st = (await client.get("/kunserve/status")).json()
             assert st["breakers"]["1"]["open_s"] > 0
         finally:
-            await client.aclose()
-            await front.close()
-            await asyncio.to_thread(fleet.stop)
-            loop.call_soon_threadsafe(loop.stop)
+            await _teardown(client, front, fleet, loop)
     asyncio.run(go())
