@@ -109,6 +109,7 @@ class StaticBackend:
     """Fleet backend over already-running fake engines."""
 
     name = "static"
+    probe_on_failure = True
 
     def __init__(self, urls, engines):
         self.urls, self.fakes = urls, engines

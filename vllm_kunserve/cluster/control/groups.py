@@ -137,11 +137,7 @@ class GroupController:
         for i, st in states.items():   # grouped with no live group (its peer died, or a partial join)
             if st.phase in ("grouped", "group_draining") and self.group_of(i) is None \
                     and self.front.fleet.engines[i].accepting:
-                try:
-                    await self._op(i, "group_leave", {"step": "abandon", "reason": "its group is gone"},
-                                   self.timeout_s)
-                except GroupOpError as exc:
-                    logger.warning("instance %s: abandoning its orphaned group failed: %s", i, exc)
+                await self._abandon(i, "its group is gone")
         for g in [g for g in self.groups if g.state == "leaving"]:
             if all(i in states and states[i].phase == "group_draining" and not states[i].blocks.draining
                    for i in g.members):
@@ -218,6 +214,16 @@ class GroupController:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:   # the engine died or hung
             raise GroupOpError(f"instance {instance} {op}: no answer ({type(exc).__name__}: {exc})") from None
 
+    async def _abandon(self, instance: int, reason: str) -> None:
+        """Tell a member grouped with no one to take its layers back from the host copies now
+        (``group_leave`` ``abandon``; it recomputes its requests). Best effort: where the call
+        fails, the orphan rule of a later period asks again, and its next step finding the peer
+        gone abandons by itself."""
+        try:
+            await self._op(instance, "group_leave", {"step": "abandon", "reason": reason[:300]}, self.timeout_s)
+        except GroupOpError as exc:
+            logger.warning("instance %s could not abandon its group (%s): %s", instance, reason[:120], exc)
+
     async def _fresh_states(self, members: list[int]) -> dict[int, EngineState]:
         out = {}
         for i in members:
@@ -289,11 +295,7 @@ class GroupController:
                 # take their layers back from the host copies at once: their peer is not there to
                 # drain with, so they recompute their requests instead
                 for i in ok:
-                    try:
-                        await self._op(i, "group_leave", {"step": "abandon", "reason": f"partial join: {failed}"},
-                                       self.timeout_s)
-                    except GroupOpError as exc:  # its next step finds the peer gone and abandons by itself
-                        logger.warning("group %s: member %s could not abandon: %s", g.gid, i, exc)
+                    await self._abandon(i, f"partial join: {failed}")
                 self.groups.remove(g)
                 raise GroupOpError(f"group {g.gid} did not form: {failed}")
             g.state = "grouped"
@@ -340,11 +342,7 @@ class GroupController:
             # some members left, the others rolled back: those are grouped with no one; they take
             # their layers back from the host copies now
             for i in failed:
-                try:
-                    await self._op(i, "group_leave", {"step": "abandon", "reason": f"its peers left: {failed[i]}"[:300]},
-                                   self.timeout_s)
-                except GroupOpError as exc:   # the orphan rule of the next period tries again
-                    logger.warning("group %s: member %s could not abandon: %s", g.gid, i, exc)
+                await self._abandon(i, f"its peers left: {failed[i]}")
             g.state = "split"
         else:
             g.state = "grouped"   # rolled back on every member: still one group; a later restore retries

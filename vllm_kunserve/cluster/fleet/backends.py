@@ -38,6 +38,9 @@ class Backend(Protocol):
     tell whether its process lives, kill it (a fault drill), stop it; and release the backend."""
 
     name: str
+    #: whether the front end asks ``alive`` the moment a request to the engine fails (else it is
+    #: left to the supervisor's periodic check)
+    probe_on_failure: bool
 
     def launch(self, spec: EngineSpec, index: int, engine: Engine) -> None: ...
 
@@ -56,6 +59,7 @@ class LocalBackend:
     """Engines as local process groups (``vllm serve`` on 127.0.0.1 or ``host``)."""
 
     name = "local"
+    probe_on_failure = True   # a process check, instant
 
     def __init__(self, host: str = "127.0.0.1"):
         self.host = host
@@ -119,6 +123,7 @@ class RayBackend:
     on a multi-node cluster so the front end can reach it (set a control token then)."""
 
     name = "ray"
+    probe_on_failure = True   # as before: a remote call (up to 10 s) made in the front end's loop
 
     def __init__(self, address: str | None = None, num_cpus: float = 1.0, bind_host: str | None = None):
         try:
@@ -182,6 +187,7 @@ class AttachBackend:
     kunserve engines (None or missing: stock, read through ``/metrics``)."""
 
     name = ATTACH
+    probe_on_failure = False  # alive() is an HTTP round trip: never in the front end's event loop
 
     def __init__(self, urls: list[str], control_urls: list[str | None] | None = None, health_timeout_s: float = 2.0,
                  misses_to_dead: int = 3):

@@ -278,14 +278,16 @@ class FrontEnd:
             if loads:
                 bs = self._block_size(loads[0].instance_id)
                 toks = flight.prompt_len + len(flight.generated)
-                key = prompt_key(flight.checked.body) if not flight.generated else None
-                if get_policy(self.dispatch).uses_prefix:   # what each engine likely caches, the session's
+                prefixed = get_policy(self.dispatch).uses_prefix   # the index is kept only for a policy that reads it
+                if prefixed:   # what each engine likely caches, the session's
+                    key = prompt_key(flight.checked.body) if not flight.generated else None
                     share, last = self.prefixes.share(key), self.sessions.get(flight.session)
                     loads = [replace(u, prefix_share=share.get(u.instance_id, 0.0), affinity=u.instance_id == last)
                              for u in loads]
                 i = choose_instance(loads, self.dispatch, prompt_blocks=math.ceil(toks / bs), turn=next(self._turn))
-                self.prefixes.add(i, key)
-                self.sessions.put(flight.session, i)
+                if prefixed:
+                    self.prefixes.add(i, key)
+                    self.sessions.put(flight.session, i)
                 return i
             if time.monotonic() > deadline:
                 raise UpstreamLost("no engine is ready")
@@ -303,9 +305,7 @@ class FrontEnd:
     def engine_failed(self, instance: int, why: str) -> None:
         self.breakers.failure(instance, why)
         e = self.fleet.engines[instance]
-        # a local process is checked at once; an attached engine's health is the supervisor's to
-        # probe (an HTTP round trip, not in this event loop)
-        if e.accepting and getattr(self.fleet.backend, "name", "") != "attach" and not self.fleet.backend.alive(e):
+        if e.accepting and self.fleet.backend.probe_on_failure and not self.fleet.backend.alive(e):
             self.fleet.mark_dead(e, why)
 
     def engine_ok(self, instance: int) -> None:

@@ -27,6 +27,7 @@ peer's attention plan is made again in this process, see ``_local_metadata``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -467,9 +468,17 @@ class GroupMember:
             for key in [k for k in self._inbox if not k[1].endswith(f"#{epoch}")]:
                 del self._inbox[key]
 
-    def _exchanging(self, on: bool) -> None:
+    @contextlib.contextmanager
+    def _exchange_open(self):
+        """Peers' KV may be written here (``kv_put``) while this block runs, and never after: the
+        close waits for a write in progress, so a rollback never frees memory under one."""
         with self._rx:
-            self._accepting = on
+            self._accepting = True
+        try:
+            yield
+        finally:
+            with self._rx:
+                self._accepting = False
 
     def _send_kv(self, peer: str, names: list[str], origin: str, blocks: list[int], to: str) -> int:
         """Copy ``blocks`` of ``origin``'s KV for attention layers ``names`` to ``peer`` (bulk)."""
@@ -513,8 +522,7 @@ class GroupMember:
             stats = {"bytes_sent": 0}
 
             def exchange() -> None:
-                self._exchanging(True)
-                try:
+                with self._exchange_open():
                     self._signal("ready")
                     self.res.faults.check("barrier")
                     self._wait("ready", timeout)
@@ -522,8 +530,6 @@ class GroupMember:
                         stats["bytes_sent"] += self._send_kv(peer, self._span_names(lo, hi), "", held, "foreign")
                     self._signal("sent")
                     self._wait("sent", timeout)
-                finally:
-                    self._exchanging(False)
 
             t0 = time.perf_counter()
             mapped = self.res.join(list(p["drop"]), {o: int(i["blocks"]) for o, i in peers.items()}, exchange)
@@ -592,8 +598,7 @@ class GroupMember:
         stats = {"bytes_sent": 0}
 
         def exchange() -> None:
-            self._exchanging(True)
-            try:
+            with self._exchange_open():
                 self._signal("leave_ready", {"held": held})
                 self.res.faults.check("leave_barrier")
                 theirs = self._wait("leave_ready", timeout)
@@ -602,8 +607,6 @@ class GroupMember:
                     stats["bytes_sent"] += self._send_kv(peer, names, peer, list(info["held"]), "own")
                 self._signal("leave_sent")
                 self._wait("leave_sent", timeout)
-            finally:
-                self._exchanging(False)
 
         source = str(p.get("source", "host"))
         if source not in ("peer", "host"):
