@@ -36,6 +36,8 @@ class FakeEngine:
         self.requests: list[dict] = []
         self.peers: set = set()   # the front end's connections (address, port) that sent requests
         self.alive = True
+        self.status: int | None = None   # answer every generate with this HTTP status (an engine error)
+        self.hang_s = 0.0                # wait this long before answering (a hung engine)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -58,6 +60,11 @@ class FakeEngine:
         body = await request.json()
         self.requests.append(body)
         self.peers.add(request.transport.get_extra_info("peername"))
+        if self.hang_s:
+            await asyncio.sleep(self.hang_s)
+        if self.status is not None:
+            return web.json_response({"error": {"message": "fake engine error", "type": "InternalServerError",
+                                                "code": self.status}}, status=self.status)
         try:   # what this fake cannot read, vLLM refuses with a 400 too (its request models)
             if chat:
                 prompt = [ord(c) % 50 for c in str(body["messages"][0]["content"])]

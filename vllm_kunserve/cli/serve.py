@@ -69,6 +69,11 @@ def _options() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=1024, help="requests upstream at once")
     p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait for a slot")
     p.add_argument("--request-timeout", type=float, default=3600.0, help="seconds of engine silence before giving up")
+    p.add_argument("--first-byte-timeout", type=float, default=60.0,
+                   help="seconds a streamed request waits for an engine's response head before it is retried "
+                        "on another engine (the engine is counted as failing)")
+    p.add_argument("--retry-backoff", type=float, default=0.05,
+                   help="base of the exponential backoff with full jitter between retries of one request (s)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds each engine may take to start")
     p.add_argument("--no-restart", action="store_true", help="do not restart engines that die")
     p.add_argument("--log-dir", default="", help="engine logs; empty: the temp directory")
@@ -118,6 +123,8 @@ def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
         raise ValueError(f"--port must be 1..65535, got {opts.port}")
     if opts.monitor_interval <= 0 or opts.max_concurrency < 1:
         raise ValueError("--monitor-interval must be > 0 and --max-concurrency >= 1")
+    if opts.first_byte_timeout <= 0 or opts.retry_backoff < 0:
+        raise ValueError("--first-byte-timeout must be > 0 and --retry-backoff >= 0")
     from vllm_kunserve.engine.control import TOKEN_ENV, is_loopback
 
     token = opts.token or os.environ.get(TOKEN_ENV)
@@ -239,7 +246,8 @@ def build(model: str, opts: argparse.Namespace, engine_args: list[str], engine_n
     planner = placement_planner(cfg.placement)
     front = FrontEnd(fleet, dispatch=opts.dispatch, monitor_interval_s=opts.monitor_interval,
                      max_concurrency=opts.max_concurrency, queue_timeout_s=opts.queue_timeout,
-                     request_timeout_s=opts.request_timeout, token=token,
+                     request_timeout_s=opts.request_timeout, first_byte_timeout_s=opts.first_byte_timeout,
+                     retry_backoff_s=opts.retry_backoff, token=token,
                      tokenizer=_tokenizer(engine_ns.tokenizer or model), plan_migrations=planner,
                      kunserve_cfg=cfg if kunserve is not None else None)
     return fleet, front

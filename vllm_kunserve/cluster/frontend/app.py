@@ -94,7 +94,8 @@ class FrontEnd:
 
     def __init__(self, fleet, *, dispatch: str = "least-work", monitor_interval_s: float = 0.5,
                  max_concurrency: int = 1024, queue_timeout_s: float = 60.0, request_timeout_s: float = 3600.0,
-                 token: str = "", tokenizer: Any = None,
+                 first_byte_timeout_s: float = 60.0, retry_backoff_s: float = 0.05, token: str = "",
+                 tokenizer: Any = None,
                  plan_migrations: Callable[..., Sequence[Any]] | None = None, kunserve_cfg: Any = None):
         self.fleet = fleet
         self.dispatch = check_mode(dispatch)
@@ -111,6 +112,11 @@ class FrontEnd:
         self.max_concurrency = max_concurrency
         self.queue_timeout_s = queue_timeout_s
         self.request_timeout_s = request_timeout_s
+        # a streamed request's engine sends its response head once the prompt is queued: one that
+        # sends none in this long is hung, and the request goes elsewhere (non-streamed answers come
+        # whole, so they are bounded by request_timeout_s only)
+        self.first_byte_timeout_s = first_byte_timeout_s
+        self.retry_backoff_s = retry_backoff_s
         self.token = token
         self.tokenizer = tokenizer
         self._count = prompt_counter(tokenizer)
@@ -147,6 +153,10 @@ class FrontEnd:
         self.m_dispatch = Counter("kunserve:dispatched", "Requests dispatched per instance", ["instance"], registry=r)
         self.m_migrations = Counter("kunserve:migrations", "Request migrations", ["method", "outcome"], registry=r)
         self.m_failovers = Counter("kunserve:failovers", "Requests moved off a failed engine", registry=r)
+        self.m_retries = Counter("kunserve:retries", "Requests sent to another engine after one failed them",
+                                 ["instance", "reason"], registry=r)
+        self.m_circuit = Gauge("kunserve:circuit_open", "1 while the instance's circuit breaker is open",
+                               ["instance"], registry=r)
         self.m_restarts = Counter("kunserve:engine_restarts", "Engine restarts", ["instance"], registry=r)
         self.m_up = Gauge("kunserve:engine_up", "1 while the instance accepts work", ["instance"], registry=r)
         self.m_blocks = Gauge("kunserve:engine_kv_blocks", "KV block capacity per instance (last poll)",
@@ -173,6 +183,8 @@ class FrontEnd:
             self.m_migrations.labels("kv", "fallback").inc()
         elif kind == "failover":
             self.m_failovers.inc()
+        elif kind in ("circuit_open", "circuit_closed"):
+            self.m_circuit.labels(str(info.get("instance"))).set(1 if kind == "circuit_open" else 0)
         logger.info("%s %s", kind, {k: v for k, v in info.items()})
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -294,13 +306,27 @@ class FrontEnd:
             await asyncio.sleep(0.25)
 
     async def reroute(self, flight: Flight, tried: set[int], why: str, max_hops: int = 8) -> int:
-        """``flight.instance`` did not take the request: report it and pick another engine
-        (UpstreamLost once ``max_hops`` engines were tried)."""
+        """``flight.instance`` did not take the request: report it, wait a backoff with jitter
+        (:func:`breaker.backoff_s`) and pick another engine (UpstreamLost after ``max_hops``
+        retries)."""
+        from vllm_kunserve.cluster.frontend.breaker import backoff_s
+
         self.engine_failed(flight.instance, why)
         tried.add(flight.instance)
-        if len(tried) > max_hops:
-            raise UpstreamLost(f"no engine took the request after {len(tried)} tries: {why}")
+        flight.retries += 1
+        reason = "status" if why.startswith("answered") else "timeout" if why.startswith("no response") else "connect"
+        self.m_retries.labels(str(flight.instance), reason).inc()
+        if flight.retries > max_hops:
+            raise UpstreamLost(f"no engine took the request after {flight.retries} tries: {why}")
+        self.record("retry", request=flight.visible_id or flight.rid, src=flight.instance, attempt=flight.retries,
+                    reason=why[:200])
+        await asyncio.sleep(backoff_s(flight.retries, self.retry_backoff_s))
         return await self.pick(flight, tried)
+
+    def untried(self, tried: set[int]) -> bool:
+        """A ready engine outside ``tried`` exists (a 5xx is retried only on an engine that has not
+        answered this request yet: an input every engine fails on is not sent round forever)."""
+        return any(e.accepting and e.index not in tried for e in self.fleet.engines)
 
     def engine_failed(self, instance: int, why: str) -> None:
         self.breakers.failure(instance, why)
@@ -496,14 +522,19 @@ def build_app(front: FrontEnd):
                     if url is None:
                         raise aiohttp.ClientConnectionError(f"instance {flight.instance} not ready")
                     async with front.session.post(url + path, json=body) as resp:
+                        data = await resp.read()
                         if resp.status < 500:
                             front.engine_ok(flight.instance)
-                        return resp.status, await resp.read(), resp.content_type
+                            return resp.status, data, resp.content_type
+                        if not front.untried(tried | {flight.instance}):   # every engine answered 5xx
+                            return resp.status, data, resp.content_type
+                    why = f"answered {resp.status}: {data[:200].decode(errors='replace')}"
                 except aiohttp.ClientConnectionError as e:
-                    src = flight.instance
-                    flight.instance = await front.reroute(flight, tried, f"non-streamed: {e}")
-                    front.record("failover", request=rid, src=src, dst=flight.instance, tokens=0)
-                    front.account(flight)
+                    why = f"non-streamed: {e}"
+                src = flight.instance
+                flight.instance = await front.reroute(flight, tried, why)
+                front.record("failover", request=rid, src=src, dst=flight.instance, tokens=0)
+                front.account(flight)
 
         try:
             out = await until_disconnect(request.receive, whole())

@@ -1,4 +1,5 @@
-"""A circuit breaker per engine: the front end stops dispatching to an engine that keeps failing.
+"""A circuit breaker per engine, and the backoff between retries: the front end stops dispatching
+to an engine that keeps failing, and spaces its retries of one request.
 
 An engine that refused connections or broke ``threshold`` requests in a row is *open* for a
 cool-down (doubling on each new trip, up to ``max_cooldown_s``): dispatch skips it while another
@@ -10,11 +11,21 @@ flaky but living engine (or an attached one across a network) from taking every 
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["Breakers"]
+__all__ = ["Breakers", "backoff_s"]
+
+
+def backoff_s(attempt: int, base_s: float = 0.05, cap_s: float = 1.0, rng: random.Random | None = None) -> float:
+    """The wait before retry ``attempt`` (1, 2, ...) of one request: exponential backoff with full
+    jitter (a uniform draw below ``min(cap_s, base_s * 2 ** (attempt - 1))``), so the retries of
+    requests that failed together do not arrive together at the next engine."""
+    if attempt < 1:
+        return 0.0
+    return (rng or random).uniform(0.0, min(cap_s, base_s * 2 ** (attempt - 1)))
 
 
 @dataclass

@@ -61,6 +61,7 @@ class Flight:
     booked: tuple | None = None   # what the front end last wrote to its FlightBook for it
     t0: float = field(default_factory=time.monotonic)
     session: str | None = None    # the client's session (``user``, or an ``x-session-id`` header)
+    retries: int = 0              # engines this request was sent to again after one failed it
 
     @property
     def started(self) -> bool:
@@ -81,9 +82,11 @@ class Flight:
 
 class RelayHost(Protocol):
     session: aiohttp.ClientSession
+    first_byte_timeout_s: float
 
     def engine_url(self, instance: int) -> str | None: ...
     async def pick(self, flight: Flight, exclude: set[int]) -> int: ...
+    def untried(self, tried: set[int]) -> bool: ...
     async def reroute(self, flight: Flight, tried: set[int], why: str, max_hops: int) -> int: ...
     def engine_failed(self, instance: int, why: str) -> None: ...
     def engine_ok(self, instance: int) -> None: ...
@@ -246,18 +249,31 @@ class Relay:
         return await self.h.session.post(url + path, json=body)
 
     async def open_first(self) -> aiohttp.ClientResponse:
-        """The first engine response (the caller relays an error status as it is)."""
+        """The first engine response. An engine that refuses the connection, answers 5xx or sends
+        no response head within the host's ``first_byte_timeout_s`` is reported and the request
+        goes to another engine after a backoff (:meth:`RelayHost.reroute`); a 4xx, or a 5xx when no
+        retry is left, is returned for the caller to relay as it is."""
         f = self.f
         body = {**f.checked.body, "stream": True, "return_token_ids": True}
         path = "/v1/chat/completions" if f.checked.kind == "chat" else "/v1/completions"
         tried: set[int] = set()
         while True:
             try:
-                resp = await self._post(f.instance, path, body)
-                f.hops.append({"instance": f.instance, "at_token": 0, "method": "dispatch"})
-                return resp
+                resp = await asyncio.wait_for(self._post(f.instance, path, body), self.h.first_byte_timeout_s)
             except (aiohttp.ClientConnectionError, UpstreamLost) as e:
                 f.instance = await self.h.reroute(f, tried, f"connect: {e}", self.max_hops)
+                continue
+            except asyncio.TimeoutError:
+                f.instance = await self.h.reroute(f, tried, f"no response in {self.h.first_byte_timeout_s:g} s",
+                                                  self.max_hops)
+                continue
+            if resp.status >= 500 and f.retries < self.max_hops and self.h.untried(tried | {f.instance}):
+                text = (await resp.text())[:200]
+                resp.release()
+                f.instance = await self.h.reroute(f, tried, f"answered {resp.status}: {text}", self.max_hops)
+                continue
+            f.hops.append({"instance": f.instance, "at_token": 0, "method": "dispatch"})
+            return resp
 
     async def _continue(self, reason: str) -> aiohttp.ClientResponse:
         """Leave the current engine and continue the request elsewhere (migration or failover)."""
