@@ -1,7 +1,10 @@
 """What dropping parameters buys under a burst, against what users deploy instead (issue 34).
 
 Two engines, each pinned to its own core (one compute thread), on the Azure LLM conversation trace's
-(2023, CC BY 4.0) arrival times re-timed into a warm phase and a burst, decode-heavy lengths. The
+(2023, CC BY 4.0) arrival times re-timed into a warm phase and a burst, decode-heavy lengths
+(``--lengths decode``, 64 prompt and 256-384 output tokens) or the trace's own lengths scaled to fit
+(``--lengths azure``: each request's prompt and output times ``--length-scale``, its total clipped to
+``--max-total-len``). The
 systems, every one on the same engines, trace, client and cores, run interleaved with the order
 shuffled per repetition (``kunserve compare --order shuffled``):
 
@@ -26,7 +29,8 @@ Regimes (``--regime``):
 Steps (``--steps``, each kept in ``--out`` and skipped when its file is there):
 
 1. ``capacity``: a closed-loop saturation run of two stock engines behind ``kunserve serve``, driven
-   by vLLM's own client (``vllm bench serve``, random dataset with the workload's lengths,
+   by vLLM's own client (``vllm bench serve``, random dataset with the workload's lengths, or a
+   custom dataset of the scaled trace's own prompt and output lengths for ``--lengths azure``,
    ``--ignore-eos``, ``--max-concurrency`` each of ``--concurrency``): the sustainable req/s is the
    best completed rate. The warm phase runs at ``--warm-share`` of it, the burst at ``--burst-x``.
 2. ``sweep``: ``vllm-tuned`` at each batch cap of ``--caps`` on the calibrated trace; the cap with
@@ -97,10 +101,35 @@ def common_argv(a: argparse.Namespace, model: Path, dtype: str) -> list[str]:
             *[x for e in ENGINE_ENV for x in ("--env", e)], "--client-realtime", "--no-progress"]
 
 
+def length_argv(a: argparse.Namespace) -> list[str]:
+    if a.lengths == "azure":
+        return ["--length-scale", f"{a.length_scale:g}", "--max-total-len", str(a.max_total_len)]
+    return ["--synthetic-lengths", "--prompt-len", str(MIX["prompt_len"]), "--output-len", str(MIX["output_len"]),
+            "--output-len-max", str(MIX["output_len_max"])]
+
+
 def trace_argv(a: argparse.Namespace, phases: str) -> list[str]:
-    return ["--trace", str(a.trace), "--format", "azure", "--window-offset", str(a.window_offset), "--synthetic-lengths",
-            "--prompt-len", str(MIX["prompt_len"]), "--output-len", str(MIX["output_len"]),
-            "--output-len-max", str(MIX["output_len_max"]), "--phases", phases, "--seed", str(a.seed)]
+    return ["--trace", str(a.trace), "--format", "azure", "--window-offset", str(a.window_offset), *length_argv(a),
+            "--phases", phases, "--seed", str(a.seed)]
+
+
+def azure_dataset(a: argparse.Namespace, model: Path, n: int, path: Path) -> dict:
+    """``n`` requests of the scaled trace's own lengths (in trace order from ``--window-offset``) as a
+    ``vllm bench serve`` custom dataset: text prompts of exactly the prompt length for the model's
+    tokenizer, and each request's output length."""
+    from vllm_kunserve.bench.prompts import PromptFactory, load_tokenizer
+    from vllm_kunserve.bench.workload import WorkloadOptions, build_trace
+
+    tr, _ = build_trace(WorkloadOptions(format="azure", trace=str(a.trace), window_offset=a.window_offset,
+                                        length_scale=a.length_scale, max_total_len=a.max_total_len))
+    if len(tr) < n:
+        raise SystemExit(f"the trace holds {len(tr)} requests after --window-offset; the capacity run needs {n}")
+    pf = PromptFactory(load_tokenizer(str(model)), mode="text", seed=a.seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt": pf.make(int(tr.prompt_len[i]), i), "output_tokens": int(tr.output_len[i])}) + "\n")
+    return {"mean_prompt": float(np.mean(tr.prompt_len[:n])), "mean_output": float(np.mean(tr.output_len[:n]))}
 
 
 # ------------------------------------------------------------------------------------------ capacity
@@ -126,11 +155,17 @@ def saturation(a: argparse.Namespace, model: Path, dtype: str, out: Path) -> dic
         try:
             server.wait_ready(600)
             n = max(3 * conc, a.capacity_requests)
+            if a.lengths == "azure":
+                lengths = azure_dataset(a, model, n, d / "dataset.jsonl")
+                data = ["--dataset-name", "custom", "--dataset-path", str(d / "dataset.jsonl"),
+                        "--custom-output-len", "-1", "--skip-chat-template", "--disable-shuffle"]
+            else:
+                lengths = {"mean_prompt": MIX["prompt_len"], "mean_output": mean_out}
+                data = ["--dataset-name", "random", "--random-input-len", str(MIX["prompt_len"]),
+                        "--random-output-len", str(int(mean_out)),
+                        "--random-range-ratio", f"{(MIX['output_len_max'] - mean_out) / mean_out:.3f}"]
             argv = [str(Path(sys.executable).parent / "vllm"), "bench", "serve", "--backend", "vllm",
-                    "--base-url", server.endpoint, "--model", "model", "--tokenizer", str(model),
-                    "--dataset-name", "random", "--random-input-len", str(MIX["prompt_len"]),
-                    "--random-output-len", str(int(mean_out)),
-                    "--random-range-ratio", f"{(MIX['output_len_max'] - mean_out) / mean_out:.3f}",
+                    "--base-url", server.endpoint, "--model", "model", "--tokenizer", str(model), *data,
                     "--ignore-eos", "--num-prompts", str(n), "--max-concurrency", str(conc), "--request-rate", "inf",
                     "--seed", str(a.seed), "--save-result", "--result-dir", str(d), "--result-filename", "bench.json",
                     "--disable-tqdm"]
@@ -142,7 +177,7 @@ def saturation(a: argparse.Namespace, model: Path, dtype: str, out: Path) -> dic
             rows.append({"concurrency": conc, "requests": n, "completed": res.get("completed"),
                          "req_per_s": res.get("request_throughput"), "output_tokens_per_s": res.get("output_throughput"),
                          "median_tpot_ms": res.get("median_tpot_ms"), "median_ttft_ms": res.get("median_ttft_ms"),
-                         "wall_s": round(time.perf_counter() - t0, 1), "argv": argv})
+                         "wall_s": round(time.perf_counter() - t0, 1), "lengths": lengths, "argv": argv})
             print(f"capacity at concurrency {conc}: {rows[-1]['req_per_s']:.3f} req/s", flush=True)
         finally:
             server.stop()
@@ -323,6 +358,57 @@ def plot(path: Path, an: dict, systems: list[str], title: str) -> bool:
     return True
 
 
+def monitor_decisions(run: Path, repeat: int) -> list[dict]:
+    """The front end's drop decisions in kunserve's runs that formed no group: its log lines
+    ``compute_bound {...}`` (demand above the trigger, the decode share of the work below
+    ``drop.min_decode_share``: more KV would not buy throughput, so nothing is dropped)."""
+    out = []
+    for k in range(1, repeat + 1):
+        log = run / "kunserve" / f"rep{k}" / "server.log"
+        if not log.exists():
+            continue
+        for line in log.read_text(errors="replace").splitlines():
+            m = re.search(r"INFO (compute_bound(?:_over)?) (\{.*\})", line)
+            if m:
+                info = json.loads(m.group(2).replace("'", '"'))
+                out.append({"rep": k, "event": m.group(1), **info})
+    return out
+
+
+def no_gap_note(meta: dict, an: dict) -> list[str]:
+    """Where the best alternative's P99 is within 1.5x oracle-equal's, why: what a request costs in
+    prefill and in decode on this CPU (the batch table's lines) and what the monitor decided."""
+    b99 = an.get("best_p99_over_equal") or {}
+    if b99.get("value") is None or b99["value"] >= 1.5:
+        return []
+    L = ["", "## Why there is no gap here", "",
+         f"The best alternative's P99 is {b99['value']:.2f}x oracle-equal's (within 1.5x): the same memory as a "
+         "group buys almost nothing on this workload, so there is nothing for a drop to win. "]
+    pl, lengths = meta.get("prefill_line"), meta.get("mean_lengths")
+    rows = {r["batch"]: r for r in meta.get("scaling_rows", [])}
+    if pl and lengths and 16 in rows and 32 in rows:
+        pre_s = pl["fixed_ms"] / 1e3 + lengths["mean_prompt"] / pl["tokens_per_s"]
+        dec16 = lengths["mean_output"] / rows[16]["tokens_per_s"]
+        gain = rows[32]["tokens_per_s"] / rows[16]["tokens_per_s"] - 1
+        share = dec16 / (pre_s + dec16)
+        L[-1] += (f"A request's prefill ({lengths['mean_prompt']:.0f} tokens at {pl['tokens_per_s']:.0f} tokens/s plus "
+                  f"{pl['fixed_ms']:.0f} ms) costs an engine {pre_s:.2f} s of its core and its decode "
+                  f"({lengths['mean_output']:.0f} tokens at batch 16's {rows[16]['tokens_per_s']:.0f} tokens/s) "
+                  f"{dec16:.2f} s: decode is {share:.0%} of the work. More KV lets the batch grow past 16, and batch 32 "
+                  f"decodes {gain:.0%} more tokens/s (batch table), so the most extra KV can add to capacity is about "
+                  f"{share * gain:.0%}; the burst's queue is compute, not memory.")
+    dec = meta.get("monitor_decisions") or []
+    if dec:
+        shares = [d["decode_share"] for d in dec if "decode_share" in d]
+        L += ["", f"kunserve's monitor saw it: in {len({d['rep'] for d in dec})} of {meta['repeat']} repetitions KV "
+              f"demand crossed the drop trigger (ratio up to {max(d.get('ratio', 0) for d in dec):.2f}) with the "
+              f"decode share of the queued work at {min(shares):.2f}..{max(shares):.2f}, below "
+              f"`drop.min_decode_share` {dec[0].get('min_decode_share')}: it logged `compute_bound` and formed no "
+              "group, as designed (the prefill-heavy negative control of the cluster runs does the same). kunserve "
+              "here is the plugin installed and not dropping; what it costs against stock is in the table above."]
+    return L
+
+
 def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict, groups: dict, systems: list[str],
            name: str) -> str:
     st = an["stats"]
@@ -343,7 +429,8 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
     L += [""]
     if cap and cap.get("rows"):
         L += ["Capacity, measured: a closed-loop saturation run of two stock engines behind `kunserve serve`, driven by "
-              "`vllm bench serve` (random dataset, ~64-token prompts, outputs 256..384 tokens, `--ignore-eos`):", ""]
+              "`vllm bench serve` (" + (meta.get("capacity_data") or "random dataset, ~64-token prompts, outputs 256..384 "
+                                        "tokens") + ", `--ignore-eos`):", ""]
         L += md_table(["concurrency", "requests", "req/s", "output tokens/s", "median TPOT (ms)"], "rrrrr",
                       ([r["concurrency"], r["completed"], f"{r['req_per_s']:.3f}", f"{r['output_tokens_per_s']:.1f}",
                         f"{r['median_tpot_ms']:.1f}"] for r in cap["rows"]))
@@ -352,7 +439,7 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
         L += [f"Capacity: {cap.get('note')}", ""]
     L += [f"Workload: the Azure LLM conversation trace's (2023, CC BY 4.0) arrival times re-timed into phases "
           f"`{meta['phases']}`" + (f" ({meta['load_note']})" if meta.get("load_note") else "")
-          + f"; 64-token prompts, outputs uniform in 256..384 tokens. Burst window: arrivals in "
+          + "; " + meta.get("lengths_note", "64-token prompts, outputs uniform in 256..384 tokens") + ". Burst window: arrivals in "
           f"[{meta['window'][0]:g}, {meta['window'][1]:g}) s.", ""]
     sw = meta.get("sweep")
     if sw:
@@ -402,6 +489,7 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
           "## Verdict (issue 34's targets for R1" + (", applied to R0 for reference)" if a.regime == "r0" else ")"),
           ""]
     L += verdict(an, totals, groups, meta["window"])
+    L += no_gap_note(meta, an)
     ks = groups.get("kunserve", {})
     if ks:
         L += ["", "## When kunserve grouped", "",
@@ -500,6 +588,11 @@ def main() -> int:
                     help="where in the trace the arrivals start (s): another offset is another arrival sequence, "
                          "rescaled to the same phases (a held-out run)")
     ap.add_argument("--trace", default=str(TRACE))
+    ap.add_argument("--lengths", choices=("decode", "azure"), default="decode",
+                    help="decode: 64 prompt and 256-384 output tokens; azure: the trace's own lengths, scaled")
+    ap.add_argument("--length-scale", type=float, default=0.25, help="--lengths azure: prompt and output multiplier")
+    ap.add_argument("--max-total-len", type=int, default=1000,
+                    help="--lengths azure: a request's prompt + output is clipped to this (max model len 1024)")
     ap.add_argument("--name", default="")
     a = ap.parse_args()
     if a.repeat < 1:
@@ -588,6 +681,16 @@ def main() -> int:
         prev = DOCS / f"{name}.json"
         if not steps and prev.exists():   # re-written from the raw data: keep the measuring command
             meta.update(command=json.loads(prev.read_text())["meta"]["command"], rewritten=command)
+        if a.lengths == "azure":
+            meta.update(lengths="azure", lengths_note=(
+                f"the trace's own prompt and output lengths times {a.length_scale:g}, each request's total clipped to "
+                f"{a.max_total_len} tokens (mean prompt {cap['rows'][0]['lengths']['mean_prompt']:.0f}, mean output "
+                f"{cap['rows'][0]['lengths']['mean_output']:.0f} tokens over the capacity run's requests)"),
+                capacity_data="a custom dataset of the scaled trace's own prompt and output lengths, text prompts of "
+                              "exact token counts")
+        meta.update(prefill_line=scaling.get("prefill_line"), monitor_decisions=monitor_decisions(out, a.repeat),
+                    mean_lengths=(cap["rows"][0].get("lengths") if cap.get("rows") else None) or {
+                        "mean_prompt": MIX["prompt_len"], "mean_output": (MIX["output_len"] + MIX["output_len_max"]) / 2})
         meta.update(phases=phases, window=window, capacity=cap, sweep=sweep, orders=compare.get("orders"),
                     descriptions={s["name"]: s["description"] for s in compare["systems"]},
                     load_note=f"warm {a.warm_share:g}x and burst {a.burst_x:g}x the measured capacity")

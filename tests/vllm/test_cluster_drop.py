@@ -310,3 +310,33 @@ def test_restore_while_requests_stream_keeps_every_token(forced):
     events = [(e["event"], e.get("outcome")) for i in split["instances"] for e in i["kv"]["engine"]["events"]
               if e.get("time", 0) >= t0]   # this test's (the engines' lists keep earlier tests' too)
     assert ("group_leave", "ok") in events and ("group_abandon", "ok") not in events, events
+
+
+@pytest.mark.ray
+def test_ray_engines_group_on_their_host_token_identical(burst_model, tmp_path_factory):
+    """`--backend ray` (local Ray) runs kunserve engines as actors: each reports its node's host, the
+    planner groups them (one host), the group's outputs equal the ungrouped ones, and restore splits it."""
+    log = tmp_path_factory.mktemp("drop-ray") / "serve.log"
+    with KunserveCluster(str(burst_model), ARGS, {"drop": {"enable": False}}, log_path=log, instances=2,
+                         startup_timeout_s=600, backend="ray",
+                         extra=["--monitor-interval", "0.25", "--log-dir", str(log.parent)]) as srv:
+        url = srv.url
+
+        async def go():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+                refs = {p: (await complete(s, url, p, max_tokens=64)).token_ids for p in PROMPTS[:3]}
+                before = await status(s, url)
+                code, ev = await op(s, url, "drop", {"instances": [0, 1]})
+                grouped = await status(s, url)
+                outs = [await complete(s, url, p, max_tokens=64, stream=True) for p in PROMPTS[:3]]
+                rcode, _ = await op(s, url, "restore", {})
+                split = await _wait_split(s, url)
+                return refs, before, code, ev, grouped, outs, rcode, split
+        refs, before, code, ev, grouped, outs, rcode, split = asyncio.run(go())
+    hosts = {i["kv"]["engine"].get("host", "") for i in before["instances"]}
+    assert len(hosts) == 1 and "" not in hosts, before["instances"]
+    assert code == 200 and ev["members"] == [0, 1], ev
+    (g,) = grouped["groups"]
+    assert g["state"] == "grouped" and g["members"] == [0, 1]
+    assert [o.token_ids for o in outs] == [refs[p] for p in PROMPTS[:3]] and all(len(o.token_ids) == 64 for o in outs)
+    assert rcode == 200 and not split["groups"]

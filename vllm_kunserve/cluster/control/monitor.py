@@ -85,7 +85,7 @@ class EngineReport:
         if self.state:
             d["engine"] = {k: self.state.get(k) for k in ("phase", "operation", "auto", "errors", "remapped_layers",
                                                           "dropped_layers", "group", "layers", "events",
-                                                          "requests", "pipeline")}
+                                                          "requests", "pipeline", "host")}
         return d
 
 
