@@ -117,6 +117,7 @@ class StaticBackend:
 
     name = "static"
     probe_on_failure = True
+    probe_in_thread = False
 
     def __init__(self, urls, engines):
         self.urls, self.fakes = urls, engines

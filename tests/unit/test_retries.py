@@ -98,3 +98,36 @@ def test_an_error_every_engine_gives_is_relayed_after_one_try_each(stream):
         finally:
             await _teardown(front, client, runners)
     asyncio.run(go())
+
+
+def test_a_blocking_liveness_probe_runs_off_the_event_loop():
+    """A backend whose ``alive`` blocks (Ray's remote call) is asked from a worker thread: the failed
+    request's retry goes on at once, and the engine is marked dead when the probe answers."""
+    import threading
+    import time
+
+    async def go():
+        fakes, front, client, runners = await _stack(2)
+        backend = front.fleet.backend
+        asked = threading.Event()
+
+        def slow_alive(engine):
+            asked.set()
+            time.sleep(1.0)
+            return False
+        backend.alive, backend.probe_in_thread = slow_alive, True
+        try:
+            t0 = time.monotonic()
+            front.engine_failed(1, "test")
+            front.engine_failed(1, "test again")     # one probe at a time per engine
+            assert time.monotonic() - t0 < 0.2      # the loop was not held
+            await asyncio.sleep(0.1)
+            assert asked.is_set() and front.fleet.engines[1].accepting
+            for _ in range(40):
+                if not front.fleet.engines[1].accepting:
+                    break
+                await asyncio.sleep(0.05)
+            assert not front.fleet.engines[1].accepting and front.fleet.engines[0].accepting
+        finally:
+            await _teardown(front, client, runners)
+    asyncio.run(go())

@@ -41,6 +41,9 @@ class Backend(Protocol):
     #: whether the front end asks ``alive`` the moment a request to the engine fails (else it is
     #: left to the supervisor's periodic check)
     probe_on_failure: bool
+    #: ``alive`` may block (a remote call): the front end asks it from a worker thread, never in
+    #: its event loop, and marks the engine dead when the answer comes
+    probe_in_thread: bool
 
     def launch(self, spec: EngineSpec, index: int, engine: Engine) -> None: ...
 
@@ -60,6 +63,7 @@ class LocalBackend:
 
     name = "local"
     probe_on_failure = True   # a process check, instant
+    probe_in_thread = False
 
     def __init__(self, host: str = "127.0.0.1"):
         self.host = host
@@ -123,7 +127,8 @@ class RayBackend:
     on a multi-node cluster so the front end can reach it (set a control token then)."""
 
     name = "ray"
-    probe_on_failure = True   # as before: a remote call (up to 10 s) made in the front end's loop
+    probe_on_failure = True
+    probe_in_thread = True    # a remote call (up to 10 s): off the front end's event loop
 
     def __init__(self, address: str | None = None, num_cpus: float = 1.0, bind_host: str | None = None):
         try:
@@ -188,6 +193,7 @@ class AttachBackend:
 
     name = ATTACH
     probe_on_failure = False  # alive() is an HTTP round trip: never in the front end's event loop
+    probe_in_thread = True
 
     def __init__(self, urls: list[str], control_urls: list[str | None] | None = None, health_timeout_s: float = 2.0,
                  misses_to_dead: int = 3):

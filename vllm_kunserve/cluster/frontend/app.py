@@ -134,6 +134,8 @@ class FrontEnd:
         self._sem: asyncio.Semaphore | None = None
         self._stop: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
+        self._probing: set[int] = set()   # engines whose liveness is being asked off the loop
+        self._probes: set[asyncio.Task] = set()
         self.session: aiohttp.ClientSession | None = None
         self._init_metrics()
         from vllm_kunserve.cluster.control.groups import GroupController
@@ -219,6 +221,8 @@ class FrontEnd:
                 await asyncio.wait_for(t, 5)
             except Exception:
                 t.cancel()
+        for t in list(self._probes):
+            t.cancel()
         if self.session is not None:
             await self.session.close()
 
@@ -330,9 +334,24 @@ class FrontEnd:
 
     def engine_failed(self, instance: int, why: str) -> None:
         self.breakers.failure(instance, why)
-        e = self.fleet.engines[instance]
-        if e.accepting and self.fleet.backend.probe_on_failure and not self.fleet.backend.alive(e):
-            self.fleet.mark_dead(e, why)
+        e, backend = self.fleet.engines[instance], self.fleet.backend
+        if not (e.accepting and backend.probe_on_failure):
+            return
+        if not backend.probe_in_thread:
+            if not backend.alive(e):
+                self.fleet.mark_dead(e, why)
+        elif instance not in self._probing:   # one probe per engine at a time, off the event loop
+            self._probing.add(instance)
+            task = asyncio.get_running_loop().create_task(self._probe(e, why))
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, e, why: str) -> None:
+        try:
+            if e.accepting and not await asyncio.to_thread(self.fleet.backend.alive, e):
+                self.fleet.mark_dead(e, why)
+        finally:
+            self._probing.discard(e.index)
 
     def engine_ok(self, instance: int) -> None:
         """An engine answered a request (its first chunk): its breaker closes."""
