@@ -43,6 +43,7 @@ DOCS = ROOT / "docs" / "benchmarks"
 NAME = "router_side_by_side"
 FRONTS = ("vllm-router-rr", "vllm-router-ca", "kunserve")
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms")
+EXTRA = ("front_cpu_us_per_token",)   # measured since the runs that record it
 
 
 def engine_args(kv_bytes: int) -> list[str]:
@@ -66,6 +67,29 @@ def bench(url: str, model: Path, conc: int, n: int, a: argparse.Namespace, out: 
             **{k: res.get(k) for k in METRICS}}
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its children (psutil)."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    total = 0.0
+    for q in [proc, *proc.children(recursive=True)]:
+        try:
+            t = q.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def loop_view(url: str) -> dict:
+    """kunserve's front end: its event loop's late wake-ups so far (``/kunserve/status``)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/kunserve/status", timeout=10) as r:
+        return json.loads(r.read())["loop"]
+
+
 def mean_ci(xs: list[float], rng: np.random.Generator) -> dict:
     x = np.asarray(xs, float)
     boots = rng.choice(x, size=(2000, len(x))).mean(axis=1)
@@ -81,7 +105,12 @@ def analyse(runs: list[dict], concs: list[int]) -> dict:
             rows = [r for r in runs if r["front"] == f and r["concurrency"] == c]
             if rows:
                 out.setdefault(str(c), {})[f] = {m: mean_ci([r[m] for r in rows], rng) for m in METRICS} | {
+                    m: mean_ci([r[m] for r in rows], rng) for m in EXTRA if all(m in r for r in rows)} | {
                     "failed": sum(r["failed"] or 0 for r in rows), "completed": sum(r["completed"] or 0 for r in rows)}
+        k = [r["loop"] for r in runs if r["front"] == "kunserve" and r["concurrency"] == c and "loop" in r]
+        if k:
+            tot = {key: sum(x.get(key, 0) for x in k) for key in ("ticks", "late", "late_s", "late_cpu_s", "late_runq_s")}
+            out[str(c)]["kunserve"]["loop"] = tot
     return out
 
 
@@ -112,6 +141,29 @@ def render(meta: dict, an: dict) -> str:
                       "lrrrrr", ([f, cell(f, "output_throughput", 0), cell(f, "median_ttft_ms", 1),
                                   cell(f, "p99_ttft_ms", 1), cell(f, "median_itl_ms", 2), fr[f]["failed"]]
                                  for f in FRONTS if f in fr))
+        L += [""]
+    if any("front_cpu_us_per_token" in fr[f] for fr in an.values() for f in fr):
+        L += ["## What each front end costs, and where kunserve's waits", "",
+              "CPU time of the front end's process (and its children) over each run, per output token (psutil), and "
+              "kunserve's event loop over its runs (`/kunserve/status` `loop`: wake-ups of a 10 ms tick at least "
+              "20 ms late; of their lateness, the time its thread ran and the time it was runnable but waiting for "
+              "a core, from `/proc/thread-self/schedstat`, the latter counted over the whole tick and so capped at "
+              "100%):", "",
+              "Reading: the engines keep both cores busy; the Rust router needs about half the CPU per token that "
+              "kunserve's Python front end needs at 32 and 128 streams, and kunserve's late wake-ups are time spent "
+              "runnable without a core, not its own work: it runs late, reads several of a stream's tokens at once "
+              "and passes them on together (the median ITL near 0), while the engines' throughput is the same. "
+              "Less CPU per token (or a core of its own, which `docs/benchmarks/front_end.md` measures) is what "
+              "the remaining targets need.", ""]
+        rows = []
+        for c, fr in an.items():
+            lp = fr.get("kunserve", {}).get("loop") or {}
+            cpu = [fmt(fr[f]["front_cpu_us_per_token"], 0) if "front_cpu_us_per_token" in fr.get(f, {}) else "-"
+                   for f in FRONTS]
+            share = (f"{lp['late']} late ({lp['late_s']:.1f} s): running {lp['late_cpu_s'] / lp['late_s']:.0%}, "
+                     f"waiting for a core {min(1.0, lp['late_runq_s'] / lp['late_s']):.0%}") if lp.get("late_s") else "-"
+            rows.append([c, *cpu, share])
+        L += md_table(["streams", *(f"{f} CPU us/token" for f in FRONTS), "kunserve's late wake-ups"], "rrrrl", rows)
         L += [""]
     L += ["## Targets (issue 37, shared cores, against vllm-router)", ""]
     for c, fr in an.items():
@@ -195,7 +247,7 @@ def main() -> int:
         for e in engines:
             e.start()
         urls = [e.url for e in engines]
-        fronts = {}
+        fronts, pids = {}, {}
         for name, policy in (("vllm-router-rr", "round_robin"), ("vllm-router-ca", "cache_aware")):
             port = free_port()
             with open(out / f"{name}.log", "w") as log:
@@ -203,18 +255,28 @@ def main() -> int:
                                                             free_port()), stdout=log, stderr=subprocess.STDOUT,
                                                 start_new_session=True))
             fronts[name] = f"http://127.0.0.1:{port}"
+            pids[name] = routers[-1].pid
             wait_healthy(fronts[name], routers[-1], 60)
         front = KunserveCluster(str(model), [], None, log_path=out / "kunserve.log", instances=2, startup_timeout_s=120,
                                 extra=[x for u in urls for x in ("--engine-url", u)])
         front.start()
-        fronts["kunserve"] = front.url
+        fronts["kunserve"], pids["kunserve"] = front.url, front._proc.proc.pid
         order_rng = random.Random(1)
         for rep in range(1, a.repeat + 1):
             for conc, n in zip(concs, prompts):
                 order = list(FRONTS)
                 order_rng.shuffle(order)
                 for f in order:
+                    cpu0 = cpu_seconds(pids[f])
+                    loop0 = loop_view(fronts[f]) if f == "kunserve" else None
                     res = bench(fronts[f], model, conc, n, a, out / f"{f}-c{conc}-rep{rep}.json", seed=rep)
+                    res["front_cpu_s"] = cpu_seconds(pids[f]) - cpu0
+                    res["front_cpu_us_per_token"] = 1e6 * res["front_cpu_s"] / max(1, (res["completed"] or 0)
+                                                                                     * a.output_len)
+                    if loop0 is not None:
+                        loop1 = loop_view(fronts[f])
+                        res["loop"] = {k: round(loop1[k] - loop0[k], 3) for k in
+                                       ("ticks", "late", "late_s", "late_cpu_s", "late_runq_s") if k in loop1}
                     runs.append({"front": f, "concurrency": conc, "rep": rep, "prompts": n, **res})
                     print(f"rep {rep} c{conc} {f}: {res['output_throughput']:.0f} tok/s, median TTFT "
                           f"{res['median_ttft_ms']:.1f} ms, P99 {res['p99_ttft_ms']:.1f} ms, median ITL "

@@ -161,6 +161,8 @@ def test_loop_lag_tells_a_busy_loop_from_a_blocked_one():
         assert v["ticks"] >= 5 and v["late"] >= 1
         assert v["longest"][0]["late_s"] >= 0.25  # the 0.3 s callback held the loop
     b, s = busy["longest"][0], blocked["longest"][0]
+    # the totals add up the late wake-ups' running and waiting times
+    assert busy["late_cpu_s"] >= b["cpu_s"] - 0.002 and blocked["late_cpu_s"] < 0.05   # (view rounds to 1 ms)
     # spinning, the thread was on a core or waiting for one (a loaded machine shares the core);
     # sleeping, it was neither for most of the 0.3 s
     assert b["cpu_s"] >= 0.05 and s["cpu_s"] < 0.05

@@ -55,6 +55,8 @@ class LoopLag:
         self.ticks = 0
         self.late = 0  # wake-ups at least min_s late (all of them, also those the deque dropped)
         self.late_s = 0.0
+        self.late_cpu_s = 0.0   # of the late wake-ups' time: the thread running (its own work)
+        self.late_runq_s = 0.0  # ... and runnable but waiting for a core (nan-free sum; 0 without schedstat)
         self._task: asyncio.Task | None = None
 
     async def _run(self) -> None:
@@ -75,6 +77,9 @@ class LoopLag:
             if late >= self.min_s:
                 self.late += 1
                 self.late_s += late
+                self.late_cpu_s += cpu2 - cpu
+                if runq2 == runq2 and runq == runq:
+                    self.late_runq_s += runq2 - runq
                 self.events.append((t + self.interval_s, late, cpu2 - cpu, runq2 - runq))
 
     def start(self) -> "LoopLag":
@@ -98,7 +103,8 @@ class LoopLag:
 
     def view(self, n: int = 20) -> dict:
         return {"interval_s": self.interval_s, "min_s": self.min_s, "ticks": self.ticks,
-                "late": self.late, "late_s": round(self.late_s, 3), "longest": self.longest(n)}
+                "late": self.late, "late_s": round(self.late_s, 3), "late_cpu_s": round(self.late_cpu_s, 3),
+                "late_runq_s": round(self.late_runq_s, 3), "longest": self.longest(n)}
 
 
 def lag_cause(event: dict, share: float = 0.5) -> str:
