@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vllm_kunserve.bench.compare import cpu_times
 from vllm_kunserve.bench.report import command, cpu_model, md_table, pyplot, save_figure, write_json
 from vllm_kunserve.bench.router_fleet import engine_environ, router_argv, router_binary, wait_healthy
 from vllm_kunserve.cluster.fleet.launcher import KunserveCluster, VllmServer, free_port
@@ -65,21 +66,6 @@ def bench(url: str, model: Path, conc: int, n: int, a: argparse.Namespace, out: 
     res = json.loads(out.read_text())
     return {"completed": res.get("completed"), "failed": res.get("failed", 0),
             **{k: res.get(k) for k in METRICS}}
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` and its children (psutil)."""
-    import psutil
-
-    proc = psutil.Process(pid)
-    total = 0.0
-    for q in [proc, *proc.children(recursive=True)]:
-        try:
-            t = q.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 def loop_view(url: str) -> dict:
@@ -267,10 +253,10 @@ def main() -> int:
                 order = list(FRONTS)
                 order_rng.shuffle(order)
                 for f in order:
-                    cpu0 = cpu_seconds(pids[f])
+                    cpu0 = sum(cpu_times(pids[f]).values())   # the front end's process tree
                     loop0 = loop_view(fronts[f]) if f == "kunserve" else None
                     res = bench(fronts[f], model, conc, n, a, out / f"{f}-c{conc}-rep{rep}.json", seed=rep)
-                    res["front_cpu_s"] = cpu_seconds(pids[f]) - cpu0
+                    res["front_cpu_s"] = sum(cpu_times(pids[f]).values()) - cpu0
                     res["front_cpu_us_per_token"] = 1e6 * res["front_cpu_s"] / max(1, (res["completed"] or 0)
                                                                                      * a.output_len)
                     if loop0 is not None:

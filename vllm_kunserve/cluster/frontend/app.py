@@ -134,8 +134,7 @@ class FrontEnd:
         self._sem: asyncio.Semaphore | None = None
         self._stop: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
-        self._probing: set[int] = set()   # engines whose liveness is being asked off the loop
-        self._probes: set[asyncio.Task] = set()
+        self._probes: dict[int, asyncio.Task] = {}   # engines whose liveness is being asked off the loop
         self.session: aiohttp.ClientSession | None = None
         self._init_metrics()
         from vllm_kunserve.cluster.control.groups import GroupController
@@ -221,7 +220,7 @@ class FrontEnd:
                 await asyncio.wait_for(t, 5)
             except Exception:
                 t.cancel()
-        for t in list(self._probes):
+        for t in list(self._probes.values()):
             t.cancel()
         if self.session is not None:
             await self.session.close()
@@ -309,8 +308,10 @@ class FrontEnd:
                 raise UpstreamLost("no engine is ready")
             await asyncio.sleep(0.25)
 
-    async def reroute(self, flight: Flight, tried: set[int], why: str, max_hops: int = 8) -> int:
-        """``flight.instance`` did not take the request: report it, wait a backoff with jitter
+    async def reroute(self, flight: Flight, tried: set[int], why: str, max_hops: int = 8,
+                      kind: str = "connect") -> int:
+        """``flight.instance`` did not take the request (``kind``: connect, status or timeout, the
+        ``kunserve:retries_total`` label): report it, wait a backoff with jitter
         (:func:`breaker.backoff_s`) and pick another engine (UpstreamLost after ``max_hops``
         retries)."""
         from vllm_kunserve.cluster.frontend.breaker import backoff_s
@@ -318,8 +319,7 @@ class FrontEnd:
         self.engine_failed(flight.instance, why)
         tried.add(flight.instance)
         flight.retries += 1
-        reason = "status" if why.startswith("answered") else "timeout" if why.startswith("no response") else "connect"
-        self.m_retries.labels(str(flight.instance), reason).inc()
+        self.m_retries.labels(str(flight.instance), kind).inc()
         if flight.retries > max_hops:
             raise UpstreamLost(f"no engine took the request after {flight.retries} tries: {why}")
         self.record("retry", request=flight.visible_id or flight.rid, src=flight.instance, attempt=flight.retries,
@@ -340,18 +340,14 @@ class FrontEnd:
         if not backend.probe_in_thread:
             if not backend.alive(e):
                 self.fleet.mark_dead(e, why)
-        elif instance not in self._probing:   # one probe per engine at a time, off the event loop
-            self._probing.add(instance)
+        elif instance not in self._probes:   # one probe per engine at a time, off the event loop
             task = asyncio.get_running_loop().create_task(self._probe(e, why))
-            self._probes.add(task)
-            task.add_done_callback(self._probes.discard)
+            self._probes[instance] = task
+            task.add_done_callback(lambda _: self._probes.pop(instance, None))
 
     async def _probe(self, e, why: str) -> None:
-        try:
-            if e.accepting and not await asyncio.to_thread(self.fleet.backend.alive, e):
-                self.fleet.mark_dead(e, why)
-        finally:
-            self._probing.discard(e.index)
+        if e.accepting and not await asyncio.to_thread(self.fleet.backend.alive, e):
+            self.fleet.mark_dead(e, why)
 
     def engine_ok(self, instance: int) -> None:
         """An engine answered a request (its first chunk): its breaker closes."""
@@ -547,11 +543,11 @@ def build_app(front: FrontEnd):
                             return resp.status, data, resp.content_type
                         if not front.untried(tried | {flight.instance}):   # every engine answered 5xx
                             return resp.status, data, resp.content_type
-                    why = f"answered {resp.status}: {data[:200].decode(errors='replace')}"
+                    why, kind = f"answered {resp.status}: {data[:200].decode(errors='replace')}", "status"
                 except aiohttp.ClientConnectionError as e:
-                    why = f"non-streamed: {e}"
+                    why, kind = f"non-streamed: {e}", "connect"
                 src = flight.instance
-                flight.instance = await front.reroute(flight, tried, why)
+                flight.instance = await front.reroute(flight, tried, why, kind=kind)
                 front.record("failover", request=rid, src=src, dst=flight.instance, tokens=0)
                 front.account(flight)
 
