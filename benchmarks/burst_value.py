@@ -23,8 +23,9 @@ Regimes (``--regime``):
 - ``r1``, paper-like: preset ``decode-bf16-mha`` (full multi-head attention, 72 KiB of KV per token)
   with KV for ``--kv-tokens`` (6080) tokens per engine: weights are 60% of an engine's weights + KV,
   so a group holds 1.75x the KV of its members apart.
-- ``r0``, extreme: the ``decode-bf16`` preset at 1280 tokens (weights 97%); its doc is written from
-  the runs of ``benchmarks/cluster_burst.py`` (``--run``) with this script's pooled statistics.
+- ``r0``, extreme: the ``decode-bf16`` preset at 1280 tokens (weights 97%, a group would hold 20x);
+  kunserve's KV growth is capped at ``KV_CAP`` (10x, ``memory.max_kv_ratio``), so ``oracle-equal``
+  gets the same 10x. Same steps as R1.
 
 Steps (``--steps``, each kept in ``--out`` and skipped when its file is there):
 
@@ -41,7 +42,7 @@ Steps (``--steps``, each kept in ``--out`` and skipped when its file is there):
    ``oracle-equal`` closed, when kunserve grouped, the client's send lag, and a PNG.
 
     python benchmarks/burst_value.py --regime r1 [--repeat 5] [--out runs/burst_r1]
-    python benchmarks/burst_value.py --regime r0 --run docs/benchmarks/cluster_burst   # analysis only
+    python benchmarks/burst_value.py --regime r0 --concurrency 8 --caps 2,3,4 [--out runs/burst_r0]
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ LABEL = {"vllm": "stock vLLM (defaults)", "vllm-tuned": "stock, tuned batch cap"
          "(cache_aware)", "vllm-router-rr": "vllm-router (round_robin)", "static": "static PP=2 group",
          "kunserve": "kunserve (cluster drop)", "oracle-equal": "oracle-equal (same memory, no pipeline)",
          "oracle": "oracle (10x KV)"}
+KV_CAP = 10.0   # kunserve's memory.max_kv_ratio in every run here: the most KV a group member may reach
 ENGINE_ENV = ["KUNSERVE_ENGINE_CPUS=0|1", "OMP_NUM_THREADS=1", "KUNSERVE_ENGINE_NICE=5", "KUNSERVE_SHM_WAIT_MS=1"]
 
 
@@ -573,7 +575,6 @@ def main() -> int:
                     help="systems of kunserve compare (static and vllm-router-rr too, at 4 min a run each)")
     ap.add_argument("--steps", default="capacity,sweep,compare", help="which measuring steps to run (then the doc)")
     ap.add_argument("--out", default="", help="run directory (default runs/burst_<regime>)")
-    ap.add_argument("--run", default="", help="--regime r0: the cluster_burst run to analyse (its raw data)")
     ap.add_argument("--kv-tokens", type=int, default=None, help="KV tokens per engine (default: the regime's)")
     ap.add_argument("--concurrency", default="24,48", help="capacity: closed-loop concurrencies")
     ap.add_argument("--capacity-requests", type=int, default=72)
@@ -618,83 +619,66 @@ def main() -> int:
     scaling = json.loads(scaling_path.read_text()) if scaling_path.exists() else {}
     kv_b = spec.kv_bytes_per_token()
     w = weight_share(spec.weight_bytes(), a.kv_tokens * kv_b)
-    oracle_x = round(group_kv_factor(w), 3)
+    oracle_x = round(min(group_kv_factor(w), KV_CAP), 3)   # what a kunserve group reaches here
     command = cmd("burst_value.py")
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     meta: dict = {"cpu": scaling.get("cpu") or "this CPU", "preset": reg["preset"], "weight_bytes": spec.weight_bytes(),
                   "kv_bytes_per_token": kv_b, "weight_share": w, "group_kv_factor": group_kv_factor(w),
                   "oracle_equal_x": oracle_x, "scaling_rows": scaling.get("rows", []),
                   "scaling_doc": f"docs/benchmarks/{reg['scaling']}.md", "repeat": a.repeat, "command": command}
-    if a.regime == "r0":   # analysis of benchmarks/cluster_burst.py's run
-        run = Path(a.run or DOCS / "cluster_burst")
-        prev = json.loads((DOCS / "cluster_burst.json").read_text())
-        window = tuple(prev["window"])
-        meta.update(phases=",".join(f"{d:g}@{r:g}" for d, r in prev["phases"]), window=window,
-                    capacity={"note": "not measured for this run (its phases came from the batch table: "
-                                      f"{prev['stock_capacity']['req_per_s']} req/s modelled; stock completed "
-                                      "0.36-0.44 req/s saturated, so its warm phase is about 1x and its burst about "
-                                      "3x what stock sustains)."},
-                    command=prev.get("command", ""), rewritten=command, oracle_equal_x=10.0,
-                    descriptions={s: LABEL.get(s, s) for s in systems},
-                    orders="fixed, vllm, kunserve, static, oracle in every repetition (that run predates shuffling)",
-                    load_note="from cluster_burst.md; not re-calibrated")
-        out = run
-        compare = json.loads((run / "compare.json").read_text())
-        equal = "oracle"   # kunserve's KV growth was capped at 10x (memory.max_kv_ratio): the oracle's memory
-    else:
-        out = Path(a.out or ROOT / "runs" / f"burst_{a.regime}")
-        out.mkdir(parents=True, exist_ok=True)
-        cap_file = out / "capacity.json"
-        if "capacity" in steps and not cap_file.exists():
-            write_json(cap_file, saturation(a, model, spec.dtype, out), indent=1, clean=False)
-        if not cap_file.exists():
-            ap.error(f"no {cap_file}: run the capacity step first")
-        cap = json.loads(cap_file.read_text())
-        phases = phases_of(cap["req_per_s"], a)
-        window = window_of(a)
-        base = common_argv(a, model, spec.dtype) + trace_argv(a, phases)
-        kcfg = json.dumps(kunserve_config(10.0))
-        sweep_file = out / "sweep.json"
-        if "sweep" in steps and not sweep_file.exists():
-            rows = []
-            for c in caps:
-                d = out / "sweep" / f"cap{c}"
-                if kunserve(["compare", *base, "--systems", "vllm-tuned", "--tuned-max-num-seqs", str(c),
-                             "--repeat", "1", "--out", str(d), "--kunserve-config", kcfg]) != 0:
-                    return 1
-                r = load_runs(d, ["vllm-tuned"], window)["vllm-tuned"]
-                t = pooled.tail(r)
-                summ = json.loads((d / "compare.json").read_text())["runs"]["vllm-tuned"][0]
-                rows.append({"cap": c, "p50": t["p50"]["value"], "p99": t["p99"]["value"],
-                             "tpot_p50": pooled.tpot(r)["p50"], "preemptions": summ.get("preemptions")})
-            best = min(rows, key=lambda r: r["p99"])
-            write_json(sweep_file, {"rows": rows, "cap": best["cap"]}, indent=1, clean=False)
-        sweep = json.loads(sweep_file.read_text()) if sweep_file.exists() else None
-        if "compare" in steps and not (out / "compare.json").exists():
-            extra = ["--oracle-equal-kv-multiplier", str(oracle_x)]
-            if sweep:
-                extra += ["--tuned-max-num-seqs", str(sweep["cap"])]
-            if kunserve(["compare", *base, "--systems", ",".join(systems), "--repeat", str(a.repeat), "--out", str(out),
-                         "--kunserve-config", kcfg, "--order", "shuffled", *extra]) != 0:
+    out = Path(a.out or ROOT / "runs" / f"burst_{a.regime}")
+    out.mkdir(parents=True, exist_ok=True)
+    cap_file = out / "capacity.json"
+    if "capacity" in steps and not cap_file.exists():
+        write_json(cap_file, saturation(a, model, spec.dtype, out), indent=1, clean=False)
+    if not cap_file.exists():
+        ap.error(f"no {cap_file}: run the capacity step first")
+    cap = json.loads(cap_file.read_text())
+    phases = phases_of(cap["req_per_s"], a)
+    window = window_of(a)
+    base = common_argv(a, model, spec.dtype) + trace_argv(a, phases)
+    kcfg = json.dumps(kunserve_config(KV_CAP))
+    sweep_file = out / "sweep.json"
+    if "sweep" in steps and not sweep_file.exists():
+        rows = []
+        for c in caps:
+            d = out / "sweep" / f"cap{c}"
+            if kunserve(["compare", *base, "--systems", "vllm-tuned", "--tuned-max-num-seqs", str(c),
+                         "--repeat", "1", "--out", str(d), "--kunserve-config", kcfg]) != 0:
                 return 1
-        compare = json.loads((out / "compare.json").read_text())
-        prev = DOCS / f"{name}.json"
-        if not steps and prev.exists():   # re-written from the raw data: keep the measuring command
-            meta.update(command=json.loads(prev.read_text())["meta"]["command"], rewritten=command)
-        if a.lengths == "azure":
-            meta.update(lengths="azure", lengths_note=(
-                f"the trace's own prompt and output lengths times {a.length_scale:g}, each request's total clipped to "
-                f"{a.max_total_len} tokens (mean prompt {cap['rows'][0]['lengths']['mean_prompt']:.0f}, mean output "
-                f"{cap['rows'][0]['lengths']['mean_output']:.0f} tokens over the capacity run's requests)"),
-                capacity_data="a custom dataset of the scaled trace's own prompt and output lengths, text prompts of "
-                              "exact token counts")
-        meta.update(prefill_line=scaling.get("prefill_line"), monitor_decisions=monitor_decisions(out, a.repeat),
-                    mean_lengths=(cap["rows"][0].get("lengths") if cap.get("rows") else None) or {
-                        "mean_prompt": MIX["prompt_len"], "mean_output": (MIX["output_len"] + MIX["output_len_max"]) / 2})
-        meta.update(phases=phases, window=window, capacity=cap, sweep=sweep, orders=compare.get("orders"),
-                    descriptions={s["name"]: s["description"] for s in compare["systems"]},
-                    load_note=f"warm {a.warm_share:g}x and burst {a.burst_x:g}x the measured capacity")
-        equal = "oracle-equal"
+            r = load_runs(d, ["vllm-tuned"], window)["vllm-tuned"]
+            t = pooled.tail(r)
+            summ = json.loads((d / "compare.json").read_text())["runs"]["vllm-tuned"][0]
+            rows.append({"cap": c, "p50": t["p50"]["value"], "p99": t["p99"]["value"],
+                         "tpot_p50": pooled.tpot(r)["p50"], "preemptions": summ.get("preemptions")})
+        best = min(rows, key=lambda r: r["p99"])
+        write_json(sweep_file, {"rows": rows, "cap": best["cap"]}, indent=1, clean=False)
+    sweep = json.loads(sweep_file.read_text()) if sweep_file.exists() else None
+    if "compare" in steps and not (out / "compare.json").exists():
+        extra = ["--oracle-equal-kv-multiplier", str(oracle_x)]
+        if sweep:
+            extra += ["--tuned-max-num-seqs", str(sweep["cap"])]
+        if kunserve(["compare", *base, "--systems", ",".join(systems), "--repeat", str(a.repeat), "--out", str(out),
+                     "--kunserve-config", kcfg, "--order", "shuffled", *extra]) != 0:
+            return 1
+    compare = json.loads((out / "compare.json").read_text())
+    prev = DOCS / f"{name}.json"
+    if not steps and prev.exists():   # re-written from the raw data: keep the measuring command
+        meta.update(command=json.loads(prev.read_text())["meta"]["command"], rewritten=command)
+    if a.lengths == "azure":
+        meta.update(lengths="azure", lengths_note=(
+            f"the trace's own prompt and output lengths times {a.length_scale:g}, each request's total clipped to "
+            f"{a.max_total_len} tokens (mean prompt {cap['rows'][0]['lengths']['mean_prompt']:.0f}, mean output "
+            f"{cap['rows'][0]['lengths']['mean_output']:.0f} tokens over the capacity run's requests)"),
+            capacity_data="a custom dataset of the scaled trace's own prompt and output lengths, text prompts of "
+                          "exact token counts")
+    meta.update(prefill_line=scaling.get("prefill_line"), monitor_decisions=monitor_decisions(out, a.repeat),
+                mean_lengths=(cap["rows"][0].get("lengths") if cap.get("rows") else None) or {
+                    "mean_prompt": MIX["prompt_len"], "mean_output": (MIX["output_len"] + MIX["output_len_max"]) / 2})
+    meta.update(phases=phases, window=window, capacity=cap, sweep=sweep, orders=compare.get("orders"),
+                descriptions={s["name"]: s["description"] for s in compare["systems"]},
+                load_note=f"warm {a.warm_share:g}x and burst {a.burst_x:g}x the measured capacity")
+    equal = "oracle-equal"
     reqs = load_runs(out, systems, window)
     # goodput's TPOT bound: vllm bench serve's convention is 1.5x the unloaded TPOT. On this CPU a
     # batch's decode step grows with the batch (batch table), so 1.5x a batch of one fails every
@@ -712,16 +696,12 @@ def main() -> int:
     an = analyse(reqs, a.ttft_slo, meta["tpot_slo"], equal)
     totals = run_totals(compare, systems)
     lag = send_lag(out, systems, meta["window"])
-    groups = group_times(out, [s for s in systems if s in ("kunserve", "static")], a.repeat, meta["window"]) \
-        if a.regime != "r0" else {}
-    if a.regime != "r0":
-        meta["dispatch_split"] = dispatch_split(out, systems, a.repeat, meta["window"])
+    groups = group_times(out, [s for s in systems if s in ("kunserve", "static")], a.repeat, meta["window"])
+    meta["dispatch_split"] = dispatch_split(out, systems, a.repeat, meta["window"])
     assets = DOCS / name
-    raw = out if a.regime == "r0" else assets
-    meta["raw"] = raw.relative_to(DOCS).as_posix() if raw.is_relative_to(DOCS) else str(raw)
-    meta["raw_layout"] = "rep<k>/<system>" if a.regime == "r0" else "<system>/rep<k>"
-    if a.regime != "r0":
-        copy_raw(out, assets, systems)
+    meta["raw"] = assets.relative_to(DOCS).as_posix()
+    meta["raw_layout"] = "<system>/rep<k>"
+    copy_raw(out, assets, systems)
     plot(assets.parent / f"{name}.png", an, systems, f"Regime {a.regime.upper()}: pooled burst-window TTFT")
     write_json(DOCS / f"{name}.json", {"meta": meta, "analysis": an, "totals": totals, "send_lag": lag, "grouped": groups},
                indent=1, clean=False, default=str)

@@ -18,6 +18,16 @@ ITL near 0), each the mean over repetitions with a 95% bootstrap interval of tha
 to vllm-router round_robin. Writes ``docs/benchmarks/router_side_by_side.{md,json,png}``.
 
     python benchmarks/router_side_by_side.py [--repeat 5] [--concurrency 1,32,128]
+
+``--workload prefix`` asks the shared-prefix question instead (issue 37's cache-aware dispatch):
+``vllm bench serve --dataset-name prefix_repetition`` (``--num-prefixes`` prompts of
+``--prefix-len`` tokens, each followed by a ``--suffix-len``-token suffix, shuffled), a fresh set of
+prefixes every run (the seed), against vllm-router ``cache_aware`` and kunserve's own least-work
+and ``cache-aware`` dispatch (``kunserve``, ``kunserve-ca``: two front ends over the same engines),
+with each run's prefix-cache hit rate from the engines' own counters (``vllm:prefix_cache_hits`` /
+``vllm:prefix_cache_queries``). Writes ``router_side_by_side_prefix.{md,json,png}``.
+
+    python benchmarks/router_side_by_side.py --workload prefix [--concurrency 16] [--prompts 160]
 """
 
 from __future__ import annotations
@@ -43,8 +53,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "benchmarks"
 NAME = "router_side_by_side"
 FRONTS = ("vllm-router-rr", "vllm-router-ca", "kunserve")
+PREFIX_FRONTS = ("vllm-router-ca", "kunserve", "kunserve-ca")
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms")
-EXTRA = ("front_cpu_us_per_token",)   # measured since the runs that record it
+EXTRA = ("front_cpu_us_per_token", "prefix_hit_rate")   # measured since the runs that record them
 
 
 def engine_args(kv_bytes: int) -> list[str]:
@@ -53,10 +64,32 @@ def engine_args(kv_bytes: int) -> list[str]:
             "--max-num-seqs", "256"]
 
 
+def dataset_args(a: argparse.Namespace) -> list[str]:
+    if a.workload == "prefix":
+        return ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(a.prefix_len),
+                "--prefix-repetition-suffix-len", str(a.suffix_len), "--prefix-repetition-num-prefixes",
+                str(a.num_prefixes), "--prefix-repetition-output-len", str(a.output_len)]
+    return ["--dataset-name", "random", "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len)]
+
+
+def prefix_counters(urls: list[str]) -> tuple[float, float]:
+    """The engines' prefix-cache hits and queries (tokens) so far, summed over engines."""
+    import urllib.request
+
+    hits = queries = 0.0
+    for u in urls:
+        with urllib.request.urlopen(u + "/metrics", timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("vllm:prefix_cache_hits_total"):
+                    hits += float(line.rsplit(" ", 1)[1])
+                elif line.startswith("vllm:prefix_cache_queries_total"):
+                    queries += float(line.rsplit(" ", 1)[1])
+    return hits, queries
+
+
 def bench(url: str, model: Path, conc: int, n: int, a: argparse.Namespace, out: Path, seed: int) -> dict:
     argv = [str(Path(sys.executable).parent / "vllm"), "bench", "serve", "--backend", "vllm", "--base-url", url,
-            "--model", "model", "--tokenizer", str(model), "--dataset-name", "random",
-            "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len), "--ignore-eos",
+            "--model", "model", "--tokenizer", str(model), *dataset_args(a), "--ignore-eos",
             "--num-prompts", str(n), "--max-concurrency", str(conc), "--request-rate", "inf", "--seed", str(seed),
             "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
             "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm"]
@@ -83,11 +116,11 @@ def mean_ci(xs: list[float], rng: np.random.Generator) -> dict:
             "n": len(x)}
 
 
-def analyse(runs: list[dict], concs: list[int]) -> dict:
+def analyse(runs: list[dict], concs: list[int], fronts: tuple[str, ...] = FRONTS) -> dict:
     rng = np.random.default_rng(0)
     out: dict = {}
     for c in concs:
-        for f in FRONTS:
+        for f in fronts:
             rows = [r for r in runs if r["front"] == f and r["concurrency"] == c]
             if rows:
                 out.setdefault(str(c), {})[f] = {m: mean_ci([r[m] for r in rows], rng) for m in METRICS} | {
@@ -175,7 +208,59 @@ def render(meta: dict, an: dict) -> str:
     return "\n".join(L)
 
 
-def plot(an: dict, path: Path) -> None:
+def render_prefix(meta: dict, an: dict) -> str:
+    """The shared-prefix page: per concurrency the fronts' throughput, TTFT and the engines' prefix-cache
+    hit rate, and issue 37's cache-aware targets (kunserve-ca against least-work and vllm-router cache_aware)."""
+    name = meta["name"]
+    L = ["# Shared prefixes: cache-aware dispatch side by side with vllm-router (written by "
+         "benchmarks/router_side_by_side.py)", "", f"Command: `{meta['command']}`.", "", f"![shared prefixes]({name}.png)",
+         "", f"{meta['cpu']}, {os.cpu_count()} cores shared by everything. Two stock `vllm serve` engines (`models/tiny`, "
+         f"{meta['kv_bytes'] >> 20} MiB of KV each, prefix caching on as vLLM's default, one compute thread each, bound "
+         "to cores 0 and 1), started once; in front of them vllm-router 0.1.17 `--policy cache_aware` "
+         "(`vllm-router-ca`) and two `kunserve serve --engine-url` over the same engines: least-work (`kunserve`, its "
+         "default) and `--dispatch cache-aware` (`kunserve-ca`). Client: `vllm bench serve --dataset-name "
+         f"prefix_repetition`: {meta['num_prefixes']} prefixes of {meta['prefix_len']} tokens, every prompt one of them "
+         f"and a {meta['suffix_len']}-token suffix of its own, {meta['output_len']} output tokens (`--ignore-eos`), "
+         "shuffled, a new set of prefixes every run (the seed), so no run finds another's prefixes cached; "
+         f"{meta['repeat']} repetitions, the fronts in a shuffled order in each. Each cell: the mean over repetitions "
+         "(95% bootstrap interval of the mean) and, in brackets, the ratio to `kunserve` (least-work). Prefix hit rate: "
+         "the engines' own counters over the run, hit tokens over queried tokens.", ""]
+    for c, fr in an.items():
+        base = fr.get("kunserve")
+        L += [f"## {c} concurrent stream{'s' if c != '1' else ''}", ""]
+
+        def cell(f, m, d):
+            x = fr[f].get(m)
+            if x is None:
+                return "-"
+            r = f" [{x['mean'] / base[m]['mean']:.2f}x]" if base and m in base and base[m]["mean"] and f != "kunserve" \
+                else ""
+            return fmt(x, d) + r
+        L += md_table(["front", "output tok/s", "median TTFT (ms)", "P99 TTFT (ms)", "prefix hit rate", "failed"],
+                      "lrrrrr", ([f, cell(f, "output_throughput", 0), cell(f, "median_ttft_ms", 1),
+                                  cell(f, "p99_ttft_ms", 1), cell(f, "prefix_hit_rate", 3), fr[f]["failed"]]
+                                 for f in PREFIX_FRONTS if f in fr))
+        L += [""]
+    L += ["## Targets (issue 37, shared-prefix workloads)", ""]
+    for c, fr in an.items():
+        k, lw, ca = fr.get("kunserve-ca"), fr.get("kunserve"), fr.get("vllm-router-ca")
+        if not (k and lw and ca):
+            continue
+        for what, m, ref, bound, above in [
+                ("median TTFT <= 0.8x least-work's", "median_ttft_ms", lw, 0.8, False),
+                ("median TTFT <= vllm-router cache_aware's", "median_ttft_ms", ca, 1.0, False),
+                ("throughput >= least-work's", "output_throughput", lw, 1.0, True),
+                ("throughput >= vllm-router cache_aware's", "output_throughput", ca, 1.0, True)]:
+            v = k[m]["mean"] / ref[m]["mean"] if ref[m]["mean"] else float("nan")
+            ok = v >= bound if above else v <= bound
+            overlap = k[m]["lo"] <= ref[m]["hi"] and ref[m]["lo"] <= k[m]["hi"]
+            L.append(f"- {c} streams, {what}: {v:.2f}x -> **{'met' if ok else 'missed'}**"
+                     + (" (the 95% intervals overlap)" if overlap else " (the 95% intervals apart)"))
+    L += ["", f"Raw data: `{name}.json` (every run's `vllm bench serve` result, the order, the hit rates).", ""]
+    return "\n".join(L)
+
+
+def plot(an: dict, path: Path, fronts: tuple[str, ...] = FRONTS) -> None:
     plt = pyplot(optional=True)
     if plt is None:
         return
@@ -184,7 +269,7 @@ def plot(an: dict, path: Path) -> None:
     x = np.arange(len(concs))
     for ax, (m, label) in zip(axes, [("output_throughput", "output tok/s"), ("median_ttft_ms", "median TTFT (ms)"),
                                      ("median_itl_ms", "median ITL (ms)")]):
-        for k, f in enumerate(FRONTS):
+        for k, f in enumerate(fronts):
             vals = [an[c][f][m] for c in concs if f in an[c]]
             if len(vals) != len(concs):
                 continue
@@ -199,68 +284,88 @@ def plot(an: dict, path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--concurrency", default="1,32,128")
-    ap.add_argument("--prompts", default="24,192,384", help="requests per run at each concurrency")
+    ap.add_argument("--workload", choices=("random", "prefix"), default="random")
+    ap.add_argument("--concurrency", default=None, help="default 1,32,128 (random) or 16 (prefix)")
+    ap.add_argument("--prompts", default=None, help="requests per run at each concurrency (default 24,192,384 / 160)")
+    ap.add_argument("--prefix-len", type=int, default=256)
+    ap.add_argument("--suffix-len", type=int, default=32)
+    ap.add_argument("--num-prefixes", type=int, default=8)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--kv-mib", type=int, default=64)
-    ap.add_argument("--out", default=str(ROOT / "runs" / NAME))
+    ap.add_argument("--out", default="", help="run directory (default runs/<the page's name>)")
     ap.add_argument("--render-only", action="store_true", help="re-write the doc from the JSON")
     a = ap.parse_args()
-    concs = [int(x) for x in a.concurrency.split(",")]
-    prompts = [int(x) for x in a.prompts.split(",")]
+    prefix = a.workload == "prefix"
+    name, fronts, draw = (f"{NAME}_prefix", PREFIX_FRONTS, render_prefix) if prefix else (NAME, FRONTS, render)
+    concs = [int(x) for x in (a.concurrency or ("16" if prefix else "1,32,128")).split(",")]
+    prompts = [int(x) for x in (a.prompts or ("160" if prefix else "24,192,384")).split(",")]
     if len(prompts) != len(concs) or a.repeat < 1:
         ap.error("--prompts needs one count per --concurrency, and --repeat >= 1")
+    if prefix and min(prompts) < a.num_prefixes:
+        ap.error("--prompts must be at least --num-prefixes")
     if a.render_only:
-        data = json.loads((DOCS / f"{NAME}.json").read_text())
-        (DOCS / f"{NAME}.md").write_text(render(data["meta"], data["analysis"]))
+        data = json.loads((DOCS / f"{name}.json").read_text())
+        (DOCS / f"{name}.md").write_text(draw(data["meta"], data["analysis"]))
         return 0
     from vllm_kunserve.tools.make_model import PRESETS, build_model
 
     model = ROOT / "models" / "tiny"
     if not (model / "config.json").exists():
         build_model(model, PRESETS["tiny"])
-    out = Path(a.out)
+    out = Path(a.out or ROOT / "runs" / name)
     out.mkdir(parents=True, exist_ok=True)
     kv = a.kv_mib << 20
     engines = [VllmServer(str(model), engine_args(kv), env=engine_environ(i, {"KUNSERVE_ENGINE_CPUS": "0|1",
                                                                              "OMP_NUM_THREADS": "1"}),
                           log_path=out / f"engine{i}.log", startup_timeout_s=600) for i in range(2)]
     routers: list[subprocess.Popen] = []
-    front = None
+    kfronts: list[KunserveCluster] = []
     runs: list[dict] = []
     try:
         for e in engines:
             e.start()
         urls = [e.url for e in engines]
-        fronts, pids = {}, {}
-        for name, policy in (("vllm-router-rr", "round_robin"), ("vllm-router-ca", "cache_aware")):
+        urls_of, pids = {}, {}
+        for fname, policy in (("vllm-router-rr", "round_robin"), ("vllm-router-ca", "cache_aware")):
+            if fname not in fronts:
+                continue
             port = free_port()
-            with open(out / f"{name}.log", "w") as log:
+            with open(out / f"{fname}.log", "w") as log:
                 routers.append(subprocess.Popen(router_argv(router_binary(), "127.0.0.1", port, urls, policy,
                                                             free_port()), stdout=log, stderr=subprocess.STDOUT,
                                                 start_new_session=True))
-            fronts[name] = f"http://127.0.0.1:{port}"
-            pids[name] = routers[-1].pid
-            wait_healthy(fronts[name], routers[-1], 60)
-        front = KunserveCluster(str(model), [], None, log_path=out / "kunserve.log", instances=2, startup_timeout_s=120,
-                                extra=[x for u in urls for x in ("--engine-url", u)])
-        front.start()
-        fronts["kunserve"], pids["kunserve"] = front.url, front._proc.proc.pid
+            urls_of[fname] = f"http://127.0.0.1:{port}"
+            pids[fname] = routers[-1].pid
+            wait_healthy(urls_of[fname], routers[-1], 60)
+        for fname, dispatch in (("kunserve", []), ("kunserve-ca", ["--dispatch", "cache-aware"])):
+            if fname not in fronts:
+                continue
+            kfronts.append(KunserveCluster(str(model), [], None, log_path=out / f"{fname}.log", instances=2,
+                                           startup_timeout_s=120,
+                                           extra=[*dispatch, *[x for u in urls for x in ("--engine-url", u)]]))
+            kfronts[-1].start()
+            urls_of[fname], pids[fname] = kfronts[-1].url, kfronts[-1]._proc.proc.pid
         order_rng = random.Random(1)
         for rep in range(1, a.repeat + 1):
             for conc, n in zip(concs, prompts):
-                order = list(FRONTS)
+                order = list(fronts)
                 order_rng.shuffle(order)
                 for f in order:
                     cpu0 = sum(cpu_times(pids[f]).values())   # the front end's process tree
-                    loop0 = loop_view(fronts[f]) if f == "kunserve" else None
-                    res = bench(fronts[f], model, conc, n, a, out / f"{f}-c{conc}-rep{rep}.json", seed=rep)
+                    loop0 = loop_view(urls_of[f]) if f == "kunserve" else None
+                    pc0 = prefix_counters(urls) if prefix else None
+                    # prefix: every run its own prefixes (a run must not find another's in the caches)
+                    seed = 1000 * rep + 10 * concs.index(conc) + fronts.index(f) if prefix else rep
+                    res = bench(urls_of[f], model, conc, n, a, out / f"{f}-c{conc}-rep{rep}.json", seed=seed)
+                    if pc0 is not None:
+                        pc1 = prefix_counters(urls)
+                        res["prefix_hit_rate"] = (pc1[0] - pc0[0]) / max(1.0, pc1[1] - pc0[1])
                     res["front_cpu_s"] = sum(cpu_times(pids[f]).values()) - cpu0
                     res["front_cpu_us_per_token"] = 1e6 * res["front_cpu_s"] / max(1, (res["completed"] or 0)
                                                                                      * a.output_len)
                     if loop0 is not None:
-                        loop1 = loop_view(fronts[f])
+                        loop1 = loop_view(urls_of[f])
                         res["loop"] = {k: round(loop1[k] - loop0[k], 3) for k in
                                        ("ticks", "late", "late_s", "late_cpu_s", "late_runq_s") if k in loop1}
                     runs.append({"front": f, "concurrency": conc, "rep": rep, "prompts": n, **res})
@@ -268,8 +373,8 @@ def main() -> int:
                           f"{res['median_ttft_ms']:.1f} ms, P99 {res['p99_ttft_ms']:.1f} ms, median ITL "
                           f"{res['median_itl_ms']:.2f} ms, failed {res['failed']}", flush=True)
     finally:
-        if front is not None:
-            front.stop()
+        for k in kfronts:
+            k.stop()
         for p in routers:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGINT)
@@ -279,14 +384,16 @@ def main() -> int:
                     os.killpg(p.pid, signal.SIGKILL)
         for e in engines:
             e.stop()
-    an = analyse(runs, concs)
+    an = analyse(runs, concs, fronts)
     meta = {"command": command("router_side_by_side.py"), "cpu": cpu_model(), "kv_bytes": kv, "repeat": a.repeat,
             "input_len": a.input_len, "output_len": a.output_len, "prompts": dict(zip(map(str, concs), prompts)),
-            "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
-    write_json(DOCS / f"{NAME}.json", {"meta": meta, "analysis": an, "runs": runs}, indent=1, clean=False)
-    plot(an, DOCS / f"{NAME}.png")
-    (DOCS / f"{NAME}.md").write_text(render(meta, an))
-    print((DOCS / f"{NAME}.md").read_text())
+            "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "name": name, "workload": a.workload}
+    if prefix:
+        meta.update(prefix_len=a.prefix_len, suffix_len=a.suffix_len, num_prefixes=a.num_prefixes)
+    write_json(DOCS / f"{name}.json", {"meta": meta, "analysis": an, "runs": runs}, indent=1, clean=False)
+    plot(an, DOCS / f"{name}.png", fronts)
+    (DOCS / f"{name}.md").write_text(draw(meta, an))
+    print((DOCS / f"{name}.md").read_text())
     return 0
 
 

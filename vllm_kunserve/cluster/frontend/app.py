@@ -518,16 +518,10 @@ def build_app(front: FrontEnd):
                 release("engine_error")
                 return Response(data, status_code=resp.status, media_type=resp.content_type)
 
-            async def body_iter():
-                outcome = "aborted"
-                try:
-                    async for chunk in relay.stream(resp):
-                        yield chunk
-                    outcome = "ok"
-                finally:
-                    relay.close(resp)
-                    release(outcome)
-            return EventStream(body_iter(), rid)
+            def finish(outcome: str) -> None:
+                relay.close(resp)
+                release(outcome)
+            return EventStream(relay.stream(resp), rid, finish)
 
         async def whole():
             tried: set[int] = set()
@@ -613,28 +607,44 @@ def build_app(front: FrontEnd):
 class EventStream:
     """A streamed answer written straight to the ASGI server: every chunk the relay yields is one
     ``send``, with no middleware wrapping each one (Starlette's ``StreamingResponse`` passes each
-    through its error and exception middleware's senders). A client that disconnects cancels the
-    relay, which closes the engine's request (vLLM aborts it)."""
+    through its error and exception middleware's senders), and no generator between the relay and
+    the ``send`` (each layer costs every token a step). A client that disconnects cancels the
+    relay, which closes the engine's request (vLLM aborts it). ``finish`` is called once at the
+    end with ``"ok"`` (every chunk sent) or ``"aborted"``."""
 
-    def __init__(self, chunks: AsyncIterator[bytes], rid: str):
-        self.chunks, self.rid = chunks, rid
+    def __init__(self, chunks: AsyncIterator[bytes], rid: str, finish: Callable[[str], None] | None = None):
+        self.chunks, self.rid, self.finish = chunks, rid, finish
 
     async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                                (b"x-request-id", self.rid.encode())]})
         try:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                    (b"x-request-id", self.rid.encode())]})
             await until_disconnect(receive, self._pump(send))
         except OSError:   # the client's connection went
             pass
+        finally:   # the pump never ran (the client went first): its cleanup, here
+            if self.finish is not None:
+                await self.chunks.aclose()
+                self._finished("aborted")
+
+    def _finished(self, outcome: str) -> None:
+        finish, self.finish = self.finish, None   # once
+        if finish is not None:
+            finish(outcome)   # the flight released
 
     async def _pump(self, send) -> None:
+        outcome = "aborted"
         try:
             async for chunk in self.chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            outcome = "ok"
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            await self.chunks.aclose()   # the relay's own cleanup (engine stream closed, flight released)
+            try:
+                await self.chunks.aclose()   # the relay's own cleanup (engine stream closed)
+            finally:
+                self._finished(outcome)
 
 
 async def until_disconnect(receive, coro):
