@@ -298,6 +298,8 @@ def main() -> int:
         return 0
     if a.reps < 1 or a.seconds <= 0:
         ap.error("--reps must be >= 1 and --seconds > 0")
+    if a.profile and not (shutil.which("py-spy") or (Path(sys.executable).parent / "py-spy").exists()):
+        ap.error("--profile needs py-spy (pip install py-spy)")
     refs = [r.strip() for r in a.refs.split(",") if r.strip()]
     levels = [int(x) for x in a.levels.split(",")]
     steps = {int(k): float(v) for k, v in (x.split(":") for x in a.step_ms.split(","))}
