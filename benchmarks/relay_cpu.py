@@ -35,6 +35,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from vllm_kunserve.bench.compare import cpu_times
+from vllm_kunserve.bench.router_fleet import wait_healthy
+from vllm_kunserve.cluster.fleet.launcher import free_port
+
 ROOT = Path(__file__).resolve().parents[1]   # this checkout
 DOCS = ROOT / "docs" / "benchmarks"
 
@@ -203,30 +207,6 @@ def _shares(raw: str) -> tuple[dict[str, float], list[list]]:
 
 
 # ------------------------------------------------------------------------------------------------- a run
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, timeout: float = 120.0) -> None:
-    import urllib.request
-
-    t0 = time.monotonic()
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() - t0 > timeout:
-            raise RuntimeError(f"{url} did not answer in {timeout:g} s")
-        time.sleep(0.3)
-
-
 def worktree(ref: str, tmp: Path) -> Path:
     if ref == ".":
         return ROOT
@@ -238,8 +218,6 @@ def worktree(ref: str, tmp: Path) -> Path:
 
 
 def one_run(tree: Path, engines: list[str], model: Path, streams: int, a, profile_to: Path | None) -> dict:
-    import psutil
-
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(tree), "VLLM_HOST_IP": "127.0.0.1"}
     argv = [sys.executable, "-c", "from vllm_kunserve.cli.main import main; main()", "serve", str(model),
@@ -247,11 +225,10 @@ def one_run(tree: Path, engines: list[str], model: Path, streams: int, a, profil
     log = open(tempfile.mktemp(prefix="relay_cpu_fe_", suffix=".log"), "w")
     fe = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tree)
     try:
-        wait_http(f"http://127.0.0.1:{port}/health")
-        proc = psutil.Process(fe.pid)
+        wait_healthy(f"http://127.0.0.1:{port}", fe, 120)
 
-        def cpu() -> float:
-            return sum(p.cpu_times().user + p.cpu_times().system for p in [proc, *proc.children(recursive=True)])
+        def cpu() -> float:   # the front end's process tree
+            return sum(cpu_times(fe.pid).values())
 
         spy = None
         if profile_to is not None:
@@ -316,15 +293,17 @@ def main() -> int:
     rng = random.Random(a.seed)
     runs: list[dict] = []
     tmp = Path(tempfile.mkdtemp(prefix="relay_cpu_"))
+    trees: dict[str, Path] = {}
     try:
-        trees = {r: worktree(r, tmp) for r in refs}
+        for r in refs:
+            trees[r] = worktree(r, tmp)
         for level in levels:
             ports = [free_port(), free_port()]
             engines = [subprocess.Popen([sys.executable, __file__, "--engine", str(p), str(steps[level])],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
             try:
-                for p in ports:
-                    wait_http(f"http://127.0.0.1:{p}/health")
+                for p, e in zip(ports, engines):
+                    wait_healthy(f"http://127.0.0.1:{p}", e, 120)
                 for rep in range(a.reps):
                     order = refs[:]
                     rng.shuffle(order)
@@ -343,7 +322,7 @@ def main() -> int:
                     e.terminate()
                     e.wait(10)
     finally:
-        for r, t in trees.items() if "trees" in dir() else ():
+        for t in trees.values():
             if t != ROOT:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(t)], check=False)
         shutil.rmtree(tmp, ignore_errors=True)

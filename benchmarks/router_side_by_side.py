@@ -55,6 +55,7 @@ NAME = "router_side_by_side"
 FRONTS = ("vllm-router-rr", "vllm-router-ca", "kunserve")
 PREFIX_FRONTS = ("vllm-router-ca", "kunserve", "kunserve-ca")
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms")
+LOOP_KEYS = ("ticks", "late", "late_s", "late_cpu_s", "late_runq_s")   # /kunserve/status loop totals
 EXTRA = ("front_cpu_us_per_token", "prefix_hit_rate")   # measured since the runs that record them
 
 
@@ -128,13 +129,32 @@ def analyse(runs: list[dict], concs: list[int], fronts: tuple[str, ...] = FRONTS
                     "failed": sum(r["failed"] or 0 for r in rows), "completed": sum(r["completed"] or 0 for r in rows)}
         k = [r["loop"] for r in runs if r["front"] == "kunserve" and r["concurrency"] == c and "loop" in r]
         if k:
-            tot = {key: sum(x.get(key, 0) for x in k) for key in ("ticks", "late", "late_s", "late_cpu_s", "late_runq_s")}
+            tot = {key: sum(x.get(key, 0) for x in k) for key in LOOP_KEYS}
             out[str(c)]["kunserve"]["loop"] = tot
     return out
 
 
 def fmt(c: dict, digits: int = 1) -> str:
     return f"{c['mean']:.{digits}f} ({c['lo']:.{digits}f}..{c['hi']:.{digits}f})"
+
+
+def cell(fr: dict, f: str, m: str, digits: int, base: str) -> str:
+    """A table cell: front ``f``'s mean of ``m`` with its interval and, for any front but ``base``,
+    its ratio to ``base``'s mean ("-" where ``f`` has no ``m``)."""
+    x, b = fr[f].get(m), fr.get(base, {}).get(m)
+    if x is None:
+        return "-"
+    return fmt(x, digits) + (f" [{x['mean'] / b['mean']:.2f}x]" if b and b["mean"] and f != base else "")
+
+
+def target_line(c: str, what: str, mine: dict, ref: dict, bound: float | None, above: bool) -> str:
+    """One target's verdict: ``mine`` / ``ref`` (means) against ``bound`` (``above``: at least it,
+    else at most; None: within 10% of 1), and whether the two 95% intervals overlap."""
+    v = mine["mean"] / ref["mean"] if ref["mean"] else float("nan")
+    ok = abs(v - 1) <= 0.1 if bound is None else (v >= bound if above else v <= bound)
+    overlap = mine["lo"] <= ref["hi"] and ref["lo"] <= mine["hi"]
+    return (f"- {c} streams, {what}: {v:.2f}x -> **{'met' if ok else 'missed'}**"
+            + (" (the 95% intervals overlap)" if overlap else " (the 95% intervals apart)"))
 
 
 def render(meta: dict, an: dict) -> str:
@@ -149,17 +169,11 @@ def render(meta: dict, an: dict) -> str:
          "counts per concurrency are in the JSON. Each cell: the mean over repetitions (95% bootstrap interval of the "
          "mean) and, in brackets, the ratio to vllm-router round_robin's mean.", ""]
     for c, fr in an.items():
-        base = fr.get("vllm-router-rr")
         L += [f"## {c} concurrent stream{'s' if c != '1' else ''}", ""]
-
-        def cell(f, m, d):
-            x = fr[f][m]
-            r = f" [{x['mean'] / base[m]['mean']:.2f}x]" if base and base[m]["mean"] and f != "vllm-router-rr" else ""
-            return fmt(x, d) + r
         L += md_table(["front", "output tok/s", "median TTFT (ms)", "P99 TTFT (ms)", "median ITL (ms)", "failed"],
-                      "lrrrrr", ([f, cell(f, "output_throughput", 0), cell(f, "median_ttft_ms", 1),
-                                  cell(f, "p99_ttft_ms", 1), cell(f, "median_itl_ms", 2), fr[f]["failed"]]
-                                 for f in FRONTS if f in fr))
+                      "lrrrrr", ([f, *(cell(fr, f, m, d, "vllm-router-rr") for m, d in (
+                          ("output_throughput", 0), ("median_ttft_ms", 1), ("p99_ttft_ms", 1), ("median_itl_ms", 2))),
+                          fr[f]["failed"]] for f in FRONTS if f in fr))
         L += [""]
     if any("front_cpu_us_per_token" in fr[f] for fr in an.values() for f in fr):
         L += ["## What each front end costs, and where kunserve's waits", "",
@@ -198,12 +212,7 @@ def render(meta: dict, an: dict) -> str:
                   ("median TTFT <= 1.1x the router's better", k["median_ttft_ms"], best_ttft, 1.1, False),
                   ("P99 TTFT <= 1.1x the router's better", k["p99_ttft_ms"], best_p99, 1.1, False),
                   ("median ITL within 10% of round_robin's", k["median_itl_ms"], itl, None, None)]
-        for what, mine, ref, bound, above in checks:
-            v = mine["mean"] / ref["mean"] if ref["mean"] else float("nan")
-            ok = abs(v - 1) <= 0.1 if bound is None else (v >= bound if above else v <= bound)
-            overlap = mine["lo"] <= ref["hi"] and ref["lo"] <= mine["hi"]
-            L.append(f"- {c} streams, {what}: {v:.2f}x -> **{'met' if ok else 'missed'}**"
-                     + (" (the 95% intervals overlap)" if overlap else " (the 95% intervals apart)"))
+        L += [target_line(c, what, mine, ref, bound, above) for what, mine, ref, bound, above in checks]
     L += ["", f"Raw data: `{NAME}.json` (every run's `vllm bench serve` result, the order).", ""]
     return "\n".join(L)
 
@@ -226,36 +235,22 @@ def render_prefix(meta: dict, an: dict) -> str:
          "(95% bootstrap interval of the mean) and, in brackets, the ratio to `kunserve` (least-work). Prefix hit rate: "
          "the engines' own counters over the run, hit tokens over queried tokens.", ""]
     for c, fr in an.items():
-        base = fr.get("kunserve")
         L += [f"## {c} concurrent stream{'s' if c != '1' else ''}", ""]
-
-        def cell(f, m, d):
-            x = fr[f].get(m)
-            if x is None:
-                return "-"
-            r = f" [{x['mean'] / base[m]['mean']:.2f}x]" if base and m in base and base[m]["mean"] and f != "kunserve" \
-                else ""
-            return fmt(x, d) + r
         L += md_table(["front", "output tok/s", "median TTFT (ms)", "P99 TTFT (ms)", "prefix hit rate", "failed"],
-                      "lrrrrr", ([f, cell(f, "output_throughput", 0), cell(f, "median_ttft_ms", 1),
-                                  cell(f, "p99_ttft_ms", 1), cell(f, "prefix_hit_rate", 3), fr[f]["failed"]]
-                                 for f in PREFIX_FRONTS if f in fr))
+                      "lrrrrr", ([f, *(cell(fr, f, m, d, "kunserve") for m, d in (
+                          ("output_throughput", 0), ("median_ttft_ms", 1), ("p99_ttft_ms", 1), ("prefix_hit_rate", 3))),
+                          fr[f]["failed"]] for f in PREFIX_FRONTS if f in fr))
         L += [""]
     L += ["## Targets (issue 37, shared-prefix workloads)", ""]
     for c, fr in an.items():
         k, lw, ca = fr.get("kunserve-ca"), fr.get("kunserve"), fr.get("vllm-router-ca")
         if not (k and lw and ca):
             continue
-        for what, m, ref, bound, above in [
-                ("median TTFT <= 0.8x least-work's", "median_ttft_ms", lw, 0.8, False),
-                ("median TTFT <= vllm-router cache_aware's", "median_ttft_ms", ca, 1.0, False),
-                ("throughput >= least-work's", "output_throughput", lw, 1.0, True),
-                ("throughput >= vllm-router cache_aware's", "output_throughput", ca, 1.0, True)]:
-            v = k[m]["mean"] / ref[m]["mean"] if ref[m]["mean"] else float("nan")
-            ok = v >= bound if above else v <= bound
-            overlap = k[m]["lo"] <= ref[m]["hi"] and ref[m]["lo"] <= k[m]["hi"]
-            L.append(f"- {c} streams, {what}: {v:.2f}x -> **{'met' if ok else 'missed'}**"
-                     + (" (the 95% intervals overlap)" if overlap else " (the 95% intervals apart)"))
+        L += [target_line(c, what, k[m], ref[m], bound, above) for what, m, ref, bound, above in [
+            ("median TTFT <= 0.8x least-work's", "median_ttft_ms", lw, 0.8, False),
+            ("median TTFT <= vllm-router cache_aware's", "median_ttft_ms", ca, 1.0, False),
+            ("throughput >= least-work's", "output_throughput", lw, 1.0, True),
+            ("throughput >= vllm-router cache_aware's", "output_throughput", ca, 1.0, True)]]
     L += ["", f"Raw data: `{name}.json` (every run's `vllm bench serve` result, the order, the hit rates).", ""]
     return "\n".join(L)
 
@@ -366,8 +361,7 @@ def main() -> int:
                                                                                      * a.output_len)
                     if loop0 is not None:
                         loop1 = loop_view(urls_of[f])
-                        res["loop"] = {k: round(loop1[k] - loop0[k], 3) for k in
-                                       ("ticks", "late", "late_s", "late_cpu_s", "late_runq_s") if k in loop1}
+                        res["loop"] = {k: round(loop1[k] - loop0[k], 3) for k in LOOP_KEYS if k in loop1}
                     runs.append({"front": f, "concurrency": conc, "rep": rep, "prompts": n, **res})
                     print(f"rep {rep} c{conc} {f}: {res['output_throughput']:.0f} tok/s, median TTFT "
                           f"{res['median_ttft_ms']:.1f} ms, P99 {res['p99_ttft_ms']:.1f} ms, median ITL "

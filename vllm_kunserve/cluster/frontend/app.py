@@ -614,6 +614,7 @@ class EventStream:
 
     def __init__(self, chunks: AsyncIterator[bytes], rid: str, finish: Callable[[str], None] | None = None):
         self.chunks, self.rid, self.finish = chunks, rid, finish
+        self._closed = False
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -623,15 +624,19 @@ class EventStream:
             await until_disconnect(receive, self._pump(send))
         except OSError:   # the client's connection went
             pass
-        finally:   # the pump never ran (the client went first): its cleanup, here
-            if self.finish is not None:
-                await self.chunks.aclose()
-                self._finished("aborted")
+        finally:   # a no-op after the pump's; where the pump never ran (the client went first), the cleanup
+            await self._close("aborted")
 
-    def _finished(self, outcome: str) -> None:
-        finish, self.finish = self.finish, None   # once
-        if finish is not None:
-            finish(outcome)   # the flight released
+    async def _close(self, outcome: str) -> None:
+        """Once: the relay's own cleanup (engine stream closed), then ``finish`` (the flight released)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.chunks.aclose()
+        finally:
+            if self.finish is not None:
+                self.finish(outcome)
 
     async def _pump(self, send) -> None:
         outcome = "aborted"
@@ -641,10 +646,7 @@ class EventStream:
             outcome = "ok"
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            try:
-                await self.chunks.aclose()   # the relay's own cleanup (engine stream closed)
-            finally:
-                self._finished(outcome)
+            await self._close(outcome)
 
 
 async def until_disconnect(receive, coro):

@@ -31,6 +31,7 @@ logger = logging.getLogger("kunserve.relay")
 
 __all__ = ["Flight", "Move", "RelayHost", "UpstreamLost", "sse_batches"]
 
+
 class UpstreamLost(RuntimeError):
     """The engine's stream ended without finishing the request (engine died or cut the stream)."""
 
@@ -176,6 +177,7 @@ class Relay:
         self.continuing = False      # chunks now come from a continuation completion
         self.finished = False
         self.usage_wanted = bool((flight.checked.body.get("stream_options") or {}).get("include_usage"))
+        self.wants_ids = flight.wants_ids   # read once: every chunk asks, and the client's body does not change
         self.detok = None
         self.draining: aiohttp.ClientResponse | None = None   # a finished engine stream being read to its end
 
@@ -196,7 +198,7 @@ class Relay:
             except ValueError:   # not the usual shape: the full path decides
                 pk = None
             if pk is not None and pk.usage is None and pk.error is None:
-                body = payload if self.f.wants_ids else _strip_ids(payload)
+                body = payload if self.wants_ids else _strip_ids(payload)
                 if body is not None:
                     ch = pk.choices[0] if pk.choices else None
                     self._record(pk.id, pk.created, pk.prompt_token_ids or (ch.prompt_token_ids if ch else None),
@@ -241,7 +243,7 @@ class Relay:
                                       "total_tokens": p + c}}
         if self.continuing:
             ev = self._rewrite(ev)
-        if not f.wants_ids:
+        if not self.wants_ids:
             if "prompt_token_ids" in ev or "prompt_text" in ev:
                 ev = {k: v for k, v in ev.items() if k not in ("prompt_token_ids", "prompt_text")}
             for c in ev.get("choices") or []:
@@ -289,7 +291,7 @@ class Relay:
             out["choices"] = [{"index": c.get("index", 0), "delta": {"content": c.get("text", "")},
                                "logprobs": None, "finish_reason": c.get("finish_reason"),
                                "stop_reason": c.get("stop_reason"),
-                               **({"token_ids": c.get("token_ids")} if f.wants_ids else {})}
+                               **({"token_ids": c.get("token_ids")} if self.wants_ids else {})}
                               for c in ev.get("choices") or []]
         return out
 
