@@ -27,7 +27,18 @@ and ``cache-aware`` dispatch (``kunserve``, ``kunserve-ca``: two front ends over
 with each run's prefix-cache hit rate from the engines' own counters (``vllm:prefix_cache_hits`` /
 ``vllm:prefix_cache_queries``). Writes ``router_side_by_side_prefix.{md,json,png}``.
 
-    python benchmarks/router_side_by_side.py --workload prefix [--concurrency 16] [--prompts 160]
+    python benchmarks/router_side_by_side.py --workload prefix --model decode-bf16 --kv-mib 48 \
+        --num-prefixes 16 --prompts 96 --output-len 32
+
+``--layout own-core`` gives the front end a core of its own: the engines (every process of theirs)
+on core 1, the front ends and the client on core 0; ``--fronts`` adds ``kunserve-rr`` (kunserve
+with ``--dispatch round-robin``, the router's policy: the data plane compared with the policy held
+equal). Writes ``router_side_by_side_own_core.{md,json,png}``.
+
+``--workload kill`` asks what a front end loses when an engine dies: per run a fresh front, 16
+streams of 256-token answers, engine 1 SIGKILLed ``--kill-after`` seconds after it first runs a
+request of the run and restarted on its port after it; lost = failed + cut short
+(``vllm bench serve --save-detailed``'s per-request results). Writes ``router_side_by_side_kill.{md,json}``.
 """
 
 from __future__ import annotations
@@ -54,13 +65,14 @@ DOCS = ROOT / "docs" / "benchmarks"
 NAME = "router_side_by_side"
 FRONTS = ("vllm-router-rr", "vllm-router-ca", "kunserve")
 PREFIX_FRONTS = ("vllm-router-ca", "kunserve", "kunserve-ca")
+ALL_FRONTS = ("vllm-router-rr", "vllm-router-ca", "kunserve", "kunserve-rr", "kunserve-ca")   # the pages' order
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms")
 LOOP_KEYS = ("ticks", "late", "late_s", "late_cpu_s", "late_runq_s")   # /kunserve/status loop totals
 EXTRA = ("front_cpu_us_per_token", "prefix_hit_rate")   # measured since the runs that record them
 
 
-def engine_args(kv_bytes: int) -> list[str]:
-    return ["--dtype", "float32", "--block-size", "32", "--kv-cache-memory-bytes", str(kv_bytes),
+def engine_args(kv_bytes: int, dtype: str = "float32") -> list[str]:
+    return ["--dtype", dtype, "--block-size", "32", "--kv-cache-memory-bytes", str(kv_bytes),
             "--max-model-len", "512", "--enforce-eager", "--served-model-name", "model",
             "--max-num-seqs", "256"]
 
@@ -88,15 +100,18 @@ def prefix_counters(urls: list[str]) -> tuple[float, float]:
     return hits, queries
 
 
-def bench(url: str, model: Path, conc: int, n: int, a: argparse.Namespace, out: Path, seed: int) -> dict:
-    argv = [str(Path(sys.executable).parent / "vllm"), "bench", "serve", "--backend", "vllm", "--base-url", url,
+def bench_argv(url: str, model: Path, conc: int, n: int, a: argparse.Namespace, out: Path, seed: int) -> list[str]:
+    return [str(Path(sys.executable).parent / "vllm"), "bench", "serve", "--backend", "vllm", "--base-url", url,
             "--model", "model", "--tokenizer", str(model), *dataset_args(a), "--ignore-eos",
             "--num-prompts", str(n), "--max-concurrency", str(conc), "--request-rate", "inf", "--seed", str(seed),
             "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
             "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm"]
+
+
+def bench(url: str, model: Path, conc: int, n: int, a: argparse.Namespace, out: Path, seed: int) -> dict:
     with open(out.with_suffix(".log"), "w") as log:
-        subprocess.run(argv, check=True, stdout=log, stderr=subprocess.STDOUT,
-                       env={**os.environ, "VLLM_HOST_IP": "127.0.0.1"})
+        subprocess.run(bench_argv(url, model, conc, n, a, out, seed), check=True, stdout=log,
+                       stderr=subprocess.STDOUT, env={**os.environ, "VLLM_HOST_IP": "127.0.0.1"})
     res = json.loads(out.read_text())
     return {"completed": res.get("completed"), "failed": res.get("failed", 0),
             **{k: res.get(k) for k in METRICS}}
@@ -157,13 +172,62 @@ def target_line(c: str, what: str, mine: dict, ref: dict, bound: float | None, a
             + (" (the 95% intervals overlap)" if overlap else " (the 95% intervals apart)"))
 
 
+def reading(an: dict, own: bool) -> str:
+    """The CPU table's reading, from the numbers: at the highest concurrency, kunserve's CPU per token
+    against the router's cheaper policy, where its loop's lateness went, and what the client saw."""
+    c = max(an, key=int)
+    fr = an[c]
+    k = fr.get("kunserve", {})
+    routers = [f for f in ("vllm-router-rr", "vllm-router-ca") if "front_cpu_us_per_token" in fr.get(f, {})]
+    if "front_cpu_us_per_token" not in k or not routers:
+        return "Reading: no CPU measurement for both front ends at the highest concurrency."
+    r = min(routers, key=lambda f: fr[f]["front_cpu_us_per_token"]["mean"])
+    kc, rc = k["front_cpu_us_per_token"]["mean"], fr[r]["front_cpu_us_per_token"]["mean"]
+    lp = k.get("loop") or {}
+    runq = min(1.0, lp["late_runq_s"] / lp["late_s"]) if lp.get("late_s") else None
+    itl, itl_r = k["median_itl_ms"]["mean"], fr["vllm-router-rr"]["median_itl_ms"]["mean"]
+    tp = k["output_throughput"]["mean"] / fr["vllm-router-rr"]["output_throughput"]["mean"]
+    where = ("the front end and the client share core 0, the engines core 1" if own else
+             "the engines keep both cores busy and every front end shares them")
+    late = (f"; {runq:.0%} of its event loop's late time was spent runnable without a core" if runq is not None
+            else "")
+    return (f"Reading ({c} streams): {where}. kunserve's Python front end used {kc / rc:.1f}x the CPU per output "
+            f"token of {r} ({kc:.0f} vs {rc:.0f} us){late}. The client's median gap between tokens was {itl:.2f} ms "
+            f"through kunserve and {itl_r:.2f} ms through round_robin (a gap near 0 is tokens that reached the "
+            f"client together, read late and passed on at once), at {tp:.2f}x round_robin's throughput."
+            + policy_sentence(an)
+            + ("" if own else f" The same fronts with the front end on a core of its own: `{NAME}_own_core.md`."))
+
+
+def policy_sentence(an: dict) -> str:
+    """Where kunserve-rr ran: its median TTFT beside kunserve's, both against round_robin's, at every
+    concurrency above 1, and whether the policy or the data plane holds the difference."""
+    rows = [(c, fr["kunserve-rr"]["median_ttft_ms"]["mean"] / fr["vllm-router-rr"]["median_ttft_ms"]["mean"],
+             fr["kunserve"]["median_ttft_ms"]["mean"] / fr["vllm-router-rr"]["median_ttft_ms"]["mean"])
+            for c, fr in an.items() if int(c) > 1 and {"kunserve-rr", "kunserve", "vllm-router-rr"} <= set(fr)]
+    if not rows:
+        return ""
+    told = ", ".join(f"{rr:.2f}x (least-work {lw:.2f}x) at {c} streams" for c, rr, lw in rows)
+    same = all(rr >= 0.9 * lw for _, rr, lw in rows)
+    return (f" With the router's own policy, round-robin (`kunserve-rr`), kunserve's median TTFT was {told} "
+            "round_robin's" + (": the same policy does not close the gap, so it lies in the front end's data "
+                              "plane, not in its dispatch." if same and any(lw > 1.1 for _, _, lw in rows) else "."))
+
+
 def render(meta: dict, an: dict) -> str:
-    L = ["# kunserve serve side by side with vllm-router (written by benchmarks/router_side_by_side.py)", "",
-         f"Command: `{meta['command']}`.", "", f"![side by side]({NAME}.png)", "",
-         f"{meta['cpu']}, {os.cpu_count()} cores shared by everything. Two stock `vllm serve` engines (`models/tiny`, "
-         f"{meta['kv_bytes'] >> 20} MiB of KV each, one compute thread each, bound to cores 0 and 1), started once; "
+    name, own = meta.get("name", NAME), meta.get("layout") == "own-core"
+    where = ("bound to core 1 with all their processes, the front end and the client on core 0: the front end has a "
+             "core of its own, shared only with the client" if own else "bound to cores 0 and 1")
+    L = ["# kunserve serve side by side with vllm-router" + (", the front end on its own core" if own else "")
+         + " (written by benchmarks/router_side_by_side.py)", "",
+         f"Command: `{meta['command']}`.", "", f"![side by side]({name}.png)", "",
+         f"{meta['cpu']}, {meta.get('cores', os.cpu_count())} cores"
+         + ("" if own else " shared by everything") + f". Two stock `vllm serve` engines (`models/{meta.get('model', 'tiny')}`, "
+         f"{meta['kv_bytes'] >> 20} MiB of KV each, one compute thread each, {where}), started once; "
          "in front of them vllm-router 0.1.17 (`--policy round_robin`: `vllm-router-rr`; `cache_aware`, its default: "
-         "`vllm-router-ca`) and `kunserve serve --engine-url` over the same two engines (`kunserve`, least-work). "
+         "`vllm-router-ca`) and `kunserve serve --engine-url` over the same two engines (`kunserve`, least-work"
+         + ("; `kunserve-rr`, `--dispatch round-robin`, the router's policy: the data plane compared with the policy "
+            "held equal" if any("kunserve-rr" in fr for fr in an.values()) else "") + "). "
          f"Client: `vllm bench serve`, random dataset, {meta['input_len']}-token prompts, {meta['output_len']} output "
          f"tokens (`--ignore-eos`), {meta['repeat']} repetitions, the fronts in a shuffled order in each; the prompt "
          "counts per concurrency are in the JSON. Each cell: the mean over repetitions (95% bootstrap interval of the "
@@ -173,32 +237,30 @@ def render(meta: dict, an: dict) -> str:
         L += md_table(["front", "output tok/s", "median TTFT (ms)", "P99 TTFT (ms)", "median ITL (ms)", "failed"],
                       "lrrrrr", ([f, *(cell(fr, f, m, d, "vllm-router-rr") for m, d in (
                           ("output_throughput", 0), ("median_ttft_ms", 1), ("p99_ttft_ms", 1), ("median_itl_ms", 2))),
-                          fr[f]["failed"]] for f in FRONTS if f in fr))
+                          fr[f]["failed"]] for f in ALL_FRONTS if f in fr))
         L += [""]
+    shown = [f for f in ALL_FRONTS if any(f in fr for fr in an.values())]
     if any("front_cpu_us_per_token" in fr[f] for fr in an.values() for f in fr):
         L += ["## What each front end costs, and where kunserve's waits", "",
               "CPU time of the front end's process (and its children) over each run, per output token (psutil), and "
               "kunserve's event loop over its runs (`/kunserve/status` `loop`: wake-ups of a 10 ms tick at least "
               "20 ms late; of their lateness, the time its thread ran and the time it was runnable but waiting for "
-              "a core, from `/proc/thread-self/schedstat`, the latter counted over the whole tick and so capped at "
+              "a core, from `/proc/thread-self/schedstat`, both counted over the whole tick and so capped at "
               "100%):", "",
-              "Reading: the engines keep both cores busy; the Rust router needs about half the CPU per token that "
-              "kunserve's Python front end needs at 32 and 128 streams, and kunserve's late wake-ups are time spent "
-              "runnable without a core, not its own work: it runs late, reads several of a stream's tokens at once "
-              "and passes them on together (the median ITL near 0), while the engines' throughput is the same. "
-              "Less CPU per token (or a core of its own, which `docs/benchmarks/front_end.md` measures) is what "
-              "the remaining targets need.", ""]
+              reading(an, own), ""]
         rows = []
         for c, fr in an.items():
             lp = fr.get("kunserve", {}).get("loop") or {}
             cpu = [fmt(fr[f]["front_cpu_us_per_token"], 0) if "front_cpu_us_per_token" in fr.get(f, {}) else "-"
-                   for f in FRONTS]
-            share = (f"{lp['late']} late ({lp['late_s']:.1f} s): running {lp['late_cpu_s'] / lp['late_s']:.0%}, "
+                   for f in shown]
+            share = (f"{lp['late']} late ({lp['late_s']:.1f} s): running {min(1.0, lp['late_cpu_s'] / lp['late_s']):.0%}, "
                      f"waiting for a core {min(1.0, lp['late_runq_s'] / lp['late_s']):.0%}") if lp.get("late_s") else "-"
             rows.append([c, *cpu, share])
-        L += md_table(["streams", *(f"{f} CPU us/token" for f in FRONTS), "kunserve's late wake-ups"], "rrrrl", rows)
+        L += md_table(["streams", *(f"{f} CPU us/token" for f in shown), "kunserve's late wake-ups"],
+                      "r" * (len(shown) + 1) + "l", rows)
         L += [""]
-    L += ["## Targets (issue 37, shared cores, against vllm-router)", ""]
+    L += ["## Targets (issue 37, shared cores, against vllm-router)" if not own else
+          "## Issue 37's checks, here with a core for the front end (its targets are set for shared cores)", ""]
     for c, fr in an.items():
         k, rr = fr.get("kunserve"), fr.get("vllm-router-rr")
         if not (k and rr):
@@ -213,8 +275,22 @@ def render(meta: dict, an: dict) -> str:
                   ("P99 TTFT <= 1.1x the router's better", k["p99_ttft_ms"], best_p99, 1.1, False),
                   ("median ITL within 10% of round_robin's", k["median_itl_ms"], itl, None, None)]
         L += [target_line(c, what, mine, ref, bound, above) for what, mine, ref, bound, above in checks]
-    L += ["", f"Raw data: `{NAME}.json` (every run's `vllm bench serve` result, the order).", ""]
+    L += ["", f"Raw data: `{name}.json` (every run's `vllm bench serve` result, the order).", ""]
     return "\n".join(L)
+
+
+def kv_sentence(meta: dict) -> str:
+    """How many tokens an engine's KV holds against the prefixes' total (from the model's config)."""
+    cfg_path = ROOT / "models" / meta.get("model", "tiny") / "config.json"
+    if not cfg_path.exists():
+        return ""
+    cfg = json.loads(cfg_path.read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim \
+        * (2 if cfg.get("dtype") in ("bfloat16", "float16") else 4)
+    tokens = meta["kv_bytes"] // per_token
+    return (f" The model's KV is {per_token / 1024:g} KiB per token, so an engine holds {tokens} tokens; the "
+            f"{meta['num_prefixes']} prefixes alone are {meta['num_prefixes'] * meta['prefix_len']} tokens.")
 
 
 def render_prefix(meta: dict, an: dict) -> str:
@@ -223,7 +299,7 @@ def render_prefix(meta: dict, an: dict) -> str:
     name = meta["name"]
     L = ["# Shared prefixes: cache-aware dispatch side by side with vllm-router (written by "
          "benchmarks/router_side_by_side.py)", "", f"Command: `{meta['command']}`.", "", f"![shared prefixes]({name}.png)",
-         "", f"{meta['cpu']}, {os.cpu_count()} cores shared by everything. Two stock `vllm serve` engines (`models/tiny`, "
+         "", f"{meta['cpu']}, {os.cpu_count()} cores shared by everything. Two stock `vllm serve` engines (`models/{meta.get('model', 'tiny')}`, "
          f"{meta['kv_bytes'] >> 20} MiB of KV each, prefix caching on as vLLM's default, one compute thread each, bound "
          "to cores 0 and 1), started once; in front of them vllm-router 0.1.17 `--policy cache_aware` "
          "(`vllm-router-ca`) and two `kunserve serve --engine-url` over the same engines: least-work (`kunserve`, its "
@@ -233,7 +309,7 @@ def render_prefix(meta: dict, an: dict) -> str:
          "shuffled, a new set of prefixes every run (the seed), so no run finds another's prefixes cached; "
          f"{meta['repeat']} repetitions, the fronts in a shuffled order in each. Each cell: the mean over repetitions "
          "(95% bootstrap interval of the mean) and, in brackets, the ratio to `kunserve` (least-work). Prefix hit rate: "
-         "the engines' own counters over the run, hit tokens over queried tokens.", ""]
+         "the engines' own counters over the run, hit tokens over queried tokens." + kv_sentence(meta), ""]
     for c, fr in an.items():
         L += [f"## {c} concurrent stream{'s' if c != '1' else ''}", ""]
         L += md_table(["front", "output tok/s", "median TTFT (ms)", "P99 TTFT (ms)", "prefix hit rate", "failed"],
@@ -255,6 +331,62 @@ def render_prefix(meta: dict, an: dict) -> str:
     return "\n".join(L)
 
 
+def analyse_kill(runs: list[dict]) -> dict:
+    """Per front over the fault runs: requests sent, lost (failed + short), when the kill came."""
+    out: dict = {}
+    for f in FRONTS:
+        rows = [r for r in runs if r["front"] == f]
+        if rows:
+            out[f] = {"runs": len(rows), "requests": sum(r["prompts"] for r in rows),
+                      **{k: sum(r[k] or 0 for r in rows) for k in ("completed", "failed", "short", "lost")},
+                      "runs_with_loss": sum(1 for r in rows if r["lost"]),
+                      "killed_at_s": [r["killed_at_s"] for r in rows],
+                      "victim_running_at_kill": [r["victim_running_at_kill"] for r in rows],
+                      "median_ttft_ms": float(np.median([r["median_ttft_ms"] for r in rows])),
+                      "output_throughput": float(np.median([r["output_throughput"] for r in rows])),
+                      "errors": sorted({e for r in rows for e in r.get("first_errors", [])})[:4]}
+    return out
+
+
+def render_kill(meta: dict, an: dict) -> str:
+    name = meta["name"]
+    L = ["# An engine killed mid-run: what each front end loses (written by benchmarks/router_side_by_side.py)", "",
+         f"Command: `{meta['command']}`.", "",
+         f"{meta['cpu']}, {meta.get('cores', os.cpu_count())} cores shared by everything. Two stock `vllm serve` "
+         f"engines (`models/{meta.get('model', 'tiny')}`, {meta['kv_bytes'] >> 20} MiB of KV each, one compute thread each, bound to cores 0 "
+         "and 1); per run a fresh front end over them: vllm-router 0.1.17 `--policy round_robin` (`vllm-router-rr`) "
+         "or `cache_aware` (`vllm-router-ca`), each with its defaults as a user starts it, or `kunserve serve "
+         "--engine-url` (`kunserve`, least-work). Client: `vllm bench serve`, random dataset, "
+         f"{meta['input_len']}-token prompts, {meta['output_len']} output tokens (`--ignore-eos`), "
+         f"{meta['prompts'][str(meta['concurrency'])]} requests at {meta['concurrency']} concurrent streams. "
+         f"{meta['kill_after_s']:g} s after engine 1 first runs a request of the run, the harness SIGKILLs its "
+         "process group (API server and engine core); after the run it restarts engine 1 on its port for the next "
+         f"one (the client's start-up, about 8 s, is inside the kill time below). {meta['repeat']} repetition"
+         f"{'s' if meta['repeat'] != 1 else ''}, the fronts in a shuffled order in each. Lost = requests the client "
+         "counted failed + requests that completed with fewer tokens than asked (a stream cut short and closed "
+         "as if whole).", ""]
+    L += md_table(["front", "runs", "requests", "lost", "failed", "short", "runs with a loss", "kill at (s after the client started)",
+                   "victim's running requests (its metrics, polled just before the kill)", "median TTFT (ms, median of runs)",
+                   "output tok/s (median of runs)"], "lrrrrrrllrr",
+                  [[f, r["runs"], r["requests"], r["lost"], r["failed"], r["short"], r["runs_with_loss"],
+                    ", ".join(f"{x:.1f}" if x is not None else "none" for x in r["killed_at_s"]),
+                    ", ".join("?" if x is None else f"{x:.0f}" for x in r["victim_running_at_kill"]), f"{r['median_ttft_ms']:.0f}",
+                    f"{r['output_throughput']:.0f}"] for f, r in an.items()])
+    errs = [f"- {f}: " + "; ".join(f"`{e}`" for e in r["errors"]) for f, r in an.items() if r["errors"]]
+    if errs:
+        L += ["", "What the client was told (distinct errors, the last line of each):", "", *errs]
+    k = an.get("kunserve")
+    routers = {f: an[f] for f in ("vllm-router-rr", "vllm-router-ca") if f in an}
+    if k:
+        L += ["", "## Target (issue 37)", "",
+              f"- no request lost when an engine is killed: kunserve lost {k['lost']} of {k['requests']} -> "
+              f"**{'met' if k['lost'] == 0 else 'missed'}**"
+              + "".join(f"; {f} lost {r['lost']} of {r['requests']}" for f, r in routers.items())]
+    L += ["", f"Raw data: `{name}.json` (every run: the kill time, the client's counts and its first errors); the "
+          "client's per-request results stay in the run directory.", ""]
+    return "\n".join(L)
+
+
 def plot(an: dict, path: Path, fronts: tuple[str, ...] = FRONTS) -> None:
     plt = pyplot(optional=True)
     if plt is None:
@@ -268,7 +400,8 @@ def plot(an: dict, path: Path, fronts: tuple[str, ...] = FRONTS) -> None:
             vals = [an[c][f][m] for c in concs if f in an[c]]
             if len(vals) != len(concs):
                 continue
-            ax.bar(x + (k - 1) * 0.27, [v["mean"] for v in vals], 0.27, label=f,
+            w = 0.8 / len(fronts)
+            ax.bar(x + (k - (len(fronts) - 1) / 2) * w, [v["mean"] for v in vals], w, label=f,
                    yerr=[[v["mean"] - v["lo"] for v in vals], [v["hi"] - v["mean"] for v in vals]], capsize=2)
         ax.set_xticks(x, [f"{c} streams" for c in concs])
         ax.set_title(label)
@@ -276,77 +409,210 @@ def plot(an: dict, path: Path, fronts: tuple[str, ...] = FRONTS) -> None:
     save_figure(fig, path)
 
 
+class Fronts:
+    """The front ends over ``urls``: vllm-router (round_robin / cache_aware) and ``kunserve serve
+    --engine-url`` (least-work / cache-aware), started on demand and stopped together."""
+
+    ROUTER_POLICY = {"vllm-router-rr": "round_robin", "vllm-router-ca": "cache_aware"}
+    KUNSERVE_DISPATCH = {"kunserve": [], "kunserve-ca": ["--dispatch", "cache-aware"],
+                         "kunserve-rr": ["--dispatch", "round-robin"]}
+
+    def __init__(self, urls: list[str], model: Path, out: Path):
+        self.urls, self.model, self.out = urls, model, out
+        self.routers: dict[str, subprocess.Popen] = {}
+        self.kunserve: dict[str, KunserveCluster] = {}
+
+    def start(self, fname: str, tag: str = "") -> tuple[str, int]:
+        """Start front ``fname`` (log ``<fname><tag>.log``); return its URL and pid once healthy."""
+        log_path = self.out / f"{fname}{tag}.log"
+        if fname in self.ROUTER_POLICY:
+            port = free_port()
+            with open(log_path, "w") as log:
+                proc = subprocess.Popen(router_argv(router_binary(), "127.0.0.1", port, self.urls,
+                                                    self.ROUTER_POLICY[fname], free_port()),
+                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.routers[fname] = proc
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(url, proc, 60)
+            return url, proc.pid
+        k = KunserveCluster(str(self.model), [], None, log_path=log_path, instances=len(self.urls),
+                            startup_timeout_s=120, extra=[*self.KUNSERVE_DISPATCH[fname],
+                                                          *[x for u in self.urls for x in ("--engine-url", u)]])
+        self.kunserve[fname] = k
+        k.start()
+        return k.url, k._proc.proc.pid
+
+    def stop(self, fname: str) -> None:
+        if fname in self.kunserve:
+            self.kunserve.pop(fname).stop()
+        p = self.routers.pop(fname, None)
+        if p is not None and p.poll() is None:
+            os.killpg(p.pid, signal.SIGINT)
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+    def stop_all(self) -> None:
+        for f in [*self.kunserve, *self.routers]:
+            self.stop(f)
+
+
+def running(url: str) -> float | None:
+    """The engine's requests running now (``vllm:num_requests_running``; None if it does not answer)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=2) as r:
+            return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
+                       if line.startswith("vllm:num_requests_running"))
+    except OSError:
+        return None
+
+
+def kill_run(fe: Fronts, f: str, engines: list, victim: int, conc: int, n: int, a: argparse.Namespace,
+             out: Path, rep: int) -> dict:
+    """One fault run: a fresh front ``f``, ``vllm bench serve`` through it, engine ``victim``
+    SIGKILLed ``--kill-after`` seconds after it first runs a request of the run; the front
+    stopped, the engine restarted on its port. Counts what the client lost: failed requests and
+    requests that completed short of ``--output-len`` tokens."""
+    url, _ = fe.start(f, tag=f"-rep{rep}")
+    target = out / f"{f}-kill-rep{rep}.json"
+    argv = bench_argv(url, fe.model, conc, n, a, target, seed=rep) + ["--save-detailed"]
+    t0 = time.monotonic()
+    with open(target.with_suffix(".log"), "w") as log:
+        client = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "VLLM_HOST_IP": "127.0.0.1"})
+        victim_url, at, busy = engines[victim].url, None, 0.0
+        while client.poll() is None and at is None:
+            busy = running(victim_url)
+            if (busy or 0) >= 1:
+                time.sleep(a.kill_after)
+                busy = running(victim_url)
+                engines[victim]._proc.kill()
+                at = time.monotonic() - t0
+            else:
+                time.sleep(0.2)
+        rc = client.wait()
+    fe.stop(f)
+    engines[victim].log_path = out / f"engine{victim}-after-{f}-rep{rep}.log"
+    engines[victim].env = engine_environ(victim, ENGINE_BASE)
+    engines[victim].start()
+    if rc != 0:
+        raise RuntimeError(f"vllm bench serve exited {rc}; log {target.with_suffix('.log')}")
+    res = json.loads(target.read_text())
+    return {**client_losses(res, a.output_len), "killed_at_s": None if at is None else round(at, 2),
+            "victim_running_at_kill": busy, **{k: res.get(k) for k in METRICS}}
+
+
+def client_losses(res: dict, output_len: int) -> dict:
+    """What ``vllm bench serve --save-detailed`` saw lost: requests it counted failed, and requests it
+    counted complete with fewer than ``output_len`` tokens (with ``--ignore-eos`` every whole
+    answer has them: fewer is a stream cut short and closed as if whole); the distinct errors' last lines."""
+    lens, errors = res.get("output_lens"), res.get("errors")
+    if lens is None or errors is None or len(lens) != len(errors):
+        raise ValueError("the client's result has no per-request output_lens and errors (--save-detailed)")
+    failed = sum(1 for e in errors if e)
+    short = sum(1 for x, e in zip(lens, errors) if not e and x < output_len)
+    return {"completed": len(lens) - failed - short, "failed": failed, "short": short, "lost": failed + short,
+            "first_errors": sorted({e.strip().splitlines()[-1][:160] for e in errors if e and e.strip()})[:3]}
+
+
+ENGINE_BASE = {"KUNSERVE_ENGINE_CPUS": "0|1", "OMP_NUM_THREADS": "1"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--workload", choices=("random", "prefix"), default="random")
-    ap.add_argument("--concurrency", default=None, help="default 1,32,128 (random) or 16 (prefix)")
+    ap.add_argument("--workload", choices=("random", "prefix", "kill"), default="random")
+    ap.add_argument("--layout", choices=("shared", "own-core"), default="shared",
+                    help="random workload: everything on every core (shared), or the engines on core 1 and the "
+                         "front end with the client on core 0 (own-core)")
+    ap.add_argument("--fronts", default=None, help="random workload: the fronts, comma-separated (default "
+                    f"{','.join(FRONTS)}; kunserve-rr: kunserve with --dispatch round-robin)")
+    ap.add_argument("--concurrency", default=None, help="default 1,32,128 (random), 16 (prefix, kill)")
     ap.add_argument("--prompts", default=None, help="requests per run at each concurrency (default 24,192,384 / 160)")
     ap.add_argument("--prefix-len", type=int, default=256)
     ap.add_argument("--suffix-len", type=int, default=32)
     ap.add_argument("--num-prefixes", type=int, default=8)
     ap.add_argument("--input-len", type=int, default=64)
-    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=None, help="default 64 (random, prefix), 256 (kill)")
+    ap.add_argument("--kill-after", type=float, default=3.0,
+                    help="kill: seconds from the victim engine's first running request of the run to its SIGKILL")
     ap.add_argument("--kv-mib", type=int, default=64)
+    ap.add_argument("--model", default="tiny", help="a make-model preset, built under models/ if missing "
+                    "(decode-bf16: a 610 MB model whose prefill costs enough for cache hits to show in TTFT)")
     ap.add_argument("--out", default="", help="run directory (default runs/<the page's name>)")
     ap.add_argument("--render-only", action="store_true", help="re-write the doc from the JSON")
     a = ap.parse_args()
-    prefix = a.workload == "prefix"
-    name, fronts, draw = (f"{NAME}_prefix", PREFIX_FRONTS, render_prefix) if prefix else (NAME, FRONTS, render)
-    concs = [int(x) for x in (a.concurrency or ("16" if prefix else "1,32,128")).split(",")]
-    prompts = [int(x) for x in (a.prompts or ("160" if prefix else "24,192,384")).split(",")]
+    prefix, kill = a.workload == "prefix", a.workload == "kill"
+    if a.layout == "own-core" and a.workload != "random":
+        ap.error("--layout own-core is for the random workload")
+    a.output_len = a.output_len or (256 if kill else 64)
+    if prefix:
+        name, fronts, draw = f"{NAME}_prefix", PREFIX_FRONTS, render_prefix
+    elif kill:
+        name, fronts, draw = f"{NAME}_kill", FRONTS, render_kill
+    else:
+        name, fronts, draw = NAME + ("_own_core" if a.layout == "own-core" else ""), FRONTS, render
+        if a.fronts:
+            fronts = tuple(a.fronts.split(","))
+            if not set(fronts) <= {*FRONTS, "kunserve-rr"} or "kunserve" not in fronts or "vllm-router-rr" not in fronts:
+                ap.error(f"--fronts: kunserve, vllm-router-rr and any of vllm-router-ca, kunserve-rr; got {a.fronts!r}")
+    concs = [int(x) for x in (a.concurrency or ("16" if prefix or kill else "1,32,128")).split(",")]
+    prompts = [int(x) for x in (a.prompts or ("160" if prefix or kill else "24,192,384")).split(",")]
     if len(prompts) != len(concs) or a.repeat < 1:
         ap.error("--prompts needs one count per --concurrency, and --repeat >= 1")
     if prefix and min(prompts) < a.num_prefixes:
         ap.error("--prompts must be at least --num-prefixes")
+    if a.layout == "own-core" and os.cpu_count() < 2:
+        ap.error("--layout own-core needs 2 cores")
     if a.render_only:
         data = json.loads((DOCS / f"{name}.json").read_text())
         (DOCS / f"{name}.md").write_text(draw(data["meta"], data["analysis"]))
         return 0
     from vllm_kunserve.tools.make_model import PRESETS, build_model
 
-    model = ROOT / "models" / "tiny"
+    if a.model not in PRESETS:
+        ap.error(f"--model {a.model!r}: one of {', '.join(sorted(PRESETS))}")
+    model = ROOT / "models" / a.model
     if not (model / "config.json").exists():
-        build_model(model, PRESETS["tiny"])
+        build_model(model, PRESETS[a.model])
+    dtype = json.loads((model / "config.json").read_text()).get("dtype") or "float32"
     out = Path(a.out or ROOT / "runs" / name)
     out.mkdir(parents=True, exist_ok=True)
     kv = a.kv_mib << 20
-    engines = [VllmServer(str(model), engine_args(kv), env=engine_environ(i, {"KUNSERVE_ENGINE_CPUS": "0|1",
-                                                                             "OMP_NUM_THREADS": "1"}),
-                          log_path=out / f"engine{i}.log", startup_timeout_s=600) for i in range(2)]
-    routers: list[subprocess.Popen] = []
-    kfronts: list[KunserveCluster] = []
+    own = a.layout == "own-core"
+    base = {**ENGINE_BASE, "KUNSERVE_ENGINE_CPUS": "1"} if own else ENGINE_BASE
+    engines = [VllmServer(str(model), engine_args(kv, dtype), env=engine_environ(i, base), log_path=out / f"engine{i}.log",
+                          startup_timeout_s=600) for i in range(2)]
+    fe = None
     runs: list[dict] = []
+    all_cores = os.sched_getaffinity(0)
     try:
+        if own:   # the engines' every process on core 1; what starts after them (fronts, client) on core 0
+            os.sched_setaffinity(0, {1})
         for e in engines:
             e.start()
+        if own:
+            os.sched_setaffinity(0, {0})
         urls = [e.url for e in engines]
+        fe = Fronts(urls, model, out)
         urls_of, pids = {}, {}
-        for fname, policy in (("vllm-router-rr", "round_robin"), ("vllm-router-ca", "cache_aware")):
-            if fname not in fronts:
-                continue
-            port = free_port()
-            with open(out / f"{fname}.log", "w") as log:
-                routers.append(subprocess.Popen(router_argv(router_binary(), "127.0.0.1", port, urls, policy,
-                                                            free_port()), stdout=log, stderr=subprocess.STDOUT,
-                                                start_new_session=True))
-            urls_of[fname] = f"http://127.0.0.1:{port}"
-            pids[fname] = routers[-1].pid
-            wait_healthy(urls_of[fname], routers[-1], 60)
-        for fname, dispatch in (("kunserve", []), ("kunserve-ca", ["--dispatch", "cache-aware"])):
-            if fname not in fronts:
-                continue
-            kfronts.append(KunserveCluster(str(model), [], None, log_path=out / f"{fname}.log", instances=2,
-                                           startup_timeout_s=120,
-                                           extra=[*dispatch, *[x for u in urls for x in ("--engine-url", u)]]))
-            kfronts[-1].start()
-            urls_of[fname], pids[fname] = kfronts[-1].url, kfronts[-1]._proc.proc.pid
+        for f in ([] if kill else fronts):   # kill: a fresh front per run
+            urls_of[f], pids[f] = fe.start(f)
         order_rng = random.Random(1)
         for rep in range(1, a.repeat + 1):
             for conc, n in zip(concs, prompts):
                 order = list(fronts)
                 order_rng.shuffle(order)
                 for f in order:
+                    if kill:
+                        res = kill_run(fe, f, engines, 1, conc, n, a, out, rep)
+                        runs.append({"front": f, "concurrency": conc, "rep": rep, "prompts": n, **res})
+                        print(f"rep {rep} {f}: killed at {res['killed_at_s']} s ({res['victim_running_at_kill']} "
+                              f"running), lost {res['lost']} (failed {res['failed']}, short {res['short']})", flush=True)
+                        continue
                     cpu0 = sum(cpu_times(pids[f]).values())   # the front end's process tree
                     loop0 = loop_view(urls_of[f]) if f == "kunserve" else None
                     pc0 = prefix_counters(urls) if prefix else None
@@ -367,25 +633,23 @@ def main() -> int:
                           f"{res['median_ttft_ms']:.1f} ms, P99 {res['p99_ttft_ms']:.1f} ms, median ITL "
                           f"{res['median_itl_ms']:.2f} ms, failed {res['failed']}", flush=True)
     finally:
-        for k in kfronts:
-            k.stop()
-        for p in routers:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGINT)
-                try:
-                    p.wait(20)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
+        if fe is not None:
+            fe.stop_all()
         for e in engines:
             e.stop()
-    an = analyse(runs, concs, fronts)
+        os.sched_setaffinity(0, all_cores)
+    an = analyse_kill(runs) if kill else analyse(runs, concs, fronts)
     meta = {"command": command("router_side_by_side.py"), "cpu": cpu_model(), "kv_bytes": kv, "repeat": a.repeat,
             "input_len": a.input_len, "output_len": a.output_len, "prompts": dict(zip(map(str, concs), prompts)),
-            "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "name": name, "workload": a.workload}
+            "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "name": name, "workload": a.workload, "model": a.model,
+            "layout": a.layout, "cores": os.cpu_count()}
     if prefix:
         meta.update(prefix_len=a.prefix_len, suffix_len=a.suffix_len, num_prefixes=a.num_prefixes)
+    if kill:
+        meta.update(kill_after_s=a.kill_after, concurrency=concs[0])
     write_json(DOCS / f"{name}.json", {"meta": meta, "analysis": an, "runs": runs}, indent=1, clean=False)
-    plot(an, DOCS / f"{name}.png", fronts)
+    if not kill:
+        plot(an, DOCS / f"{name}.png", fronts)
     (DOCS / f"{name}.md").write_text(draw(meta, an))
     print((DOCS / f"{name}.md").read_text())
     return 0

@@ -264,6 +264,27 @@ def test_engine_dying_mid_stream_fails_over_without_a_gap():
     assert any(e["event"] == "failover" for e in st["events"])
 
 
+def test_a_stream_that_runs_out_of_engines_ends_in_an_error_and_counts_as_failed():
+    """Every engine dies two tokens into every stream: the relay hops until its limit, then ends
+    the client's stream with an error event; the front end counts the request failed, not ok
+    (the stream reached its end, the answer did not)."""
+    async def go():
+        fakes, front, client, runners = await _stack(dispatch="round-robin")
+        try:
+            for f in fakes:
+                f.die_after = 2
+            ids, _, events = await _stream(client, {"prompt": [1, 2], "max_tokens": 40, "stream": True,
+                                                    "return_token_ids": True})
+            counts = {o: front.m_requests.labels("completion", o)._value.get() for o in ("ok", "failed")}
+            return ids, events, counts
+        finally:
+            await _teardown(front, client, runners)
+    ids, events, counts = asyncio.run(go())
+    assert 0 < len(ids) < 40 and ids == _expected([1, 2], len(ids))   # what was sent is right, and short
+    assert events[-1]["error"]["code"] == 503
+    assert counts == {"ok": 0.0, "failed": 1.0}
+
+
 def test_finished_streams_give_their_engine_connection_back_to_the_pool():
     """A stream relayed to its ``[DONE]`` leaves its connection to the engine open for later
     requests (closed, every request would open a connection on the path to its first token)."""

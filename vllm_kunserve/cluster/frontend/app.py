@@ -520,7 +520,8 @@ def build_app(front: FrontEnd):
 
             def finish(outcome: str) -> None:
                 relay.close(resp)
-                release(outcome)
+                # a stream that ended in an error event reached its end, but the request was lost
+                release("failed" if relay.failed else outcome)
             return EventStream(relay.stream(resp), rid, finish)
 
         async def whole():

@@ -176,6 +176,7 @@ class Relay:
         self.h, self.f, self.max_hops = host, flight, max_hops
         self.continuing = False      # chunks now come from a continuation completion
         self.finished = False
+        self.failed = False          # the stream ended in an error event: the request was lost
         self.usage_wanted = bool((flight.checked.body.get("stream_options") or {}).get("include_usage"))
         self.wants_ids = flight.wants_ids   # read once: every chunk asks, and the client's body does not change
         self.detok = None
@@ -444,5 +445,6 @@ class Relay:
                 resp = await self._continue(reason)
         except UpstreamLost as e:
             logger.warning("request %s failed: %s", f.rid, e)
+            self.failed = True
             yield _sse({"error": {"message": str(e), "type": "ServiceUnavailableError", "param": None, "code": 503}})
             yield b"data: [DONE]\n\n"
