@@ -30,6 +30,14 @@ with each run's prefix-cache hit rate from the engines' own counters (``vllm:pre
     python benchmarks/router_side_by_side.py --workload prefix --model decode-bf16 --kv-mib 48 \
         --num-prefixes 16 --prompts 96 --output-len 32
 
+``--workload mooncake`` asks it on real conversations: the first ``--prompts`` requests of the
+Mooncake FAST'25 conversation trace's multi-turn conversations, each 512-token block of the trace a
+text of ``--block-tokens`` random tokens (new texts every run), in the trace's order (``vllm bench
+serve --dataset-name custom --disable-shuffle``). Writes ``router_side_by_side_mooncake.{md,json,png}``.
+
+    python benchmarks/router_side_by_side.py --workload mooncake --model decode-bf16 --kv-mib 48 \
+        --prompts 96 --output-len 32
+
 ``--layout own-core`` gives the front end a core of its own: the engines (every process of theirs)
 on core 1, the front ends and the client on core 0; ``--fronts`` adds ``kunserve-rr`` (kunserve
 with ``--dispatch round-robin``, the router's policy: the data plane compared with the policy held
@@ -71,18 +79,78 @@ LOOP_KEYS = ("ticks", "late", "late_s", "late_cpu_s", "late_runq_s")   # /kunser
 EXTRA = ("front_cpu_us_per_token", "prefix_hit_rate")   # measured since the runs that record them
 
 
-def engine_args(kv_bytes: int, dtype: str = "float32") -> list[str]:
+def engine_args(kv_bytes: int, dtype: str = "float32", max_len: int = 512) -> list[str]:
     return ["--dtype", dtype, "--block-size", "32", "--kv-cache-memory-bytes", str(kv_bytes),
-            "--max-model-len", "512", "--enforce-eager", "--served-model-name", "model",
+            "--max-model-len", str(max_len), "--enforce-eager", "--served-model-name", "model",
             "--max-num-seqs", "256"]
 
 
-def dataset_args(a: argparse.Namespace) -> list[str]:
+def dataset_args(a: argparse.Namespace, dataset: Path | None = None) -> list[str]:
+    if a.workload == "mooncake":
+        return ["--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template", "--disable-shuffle",
+                "--custom-output-len", str(a.output_len)]
     if a.workload == "prefix":
         return ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(a.prefix_len),
                 "--prefix-repetition-suffix-len", str(a.suffix_len), "--prefix-repetition-num-prefixes",
                 str(a.num_prefixes), "--prefix-repetition-output-len", str(a.output_len)]
     return ["--dataset-name", "random", "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len)]
+
+
+MOONCAKE = "mooncake_fast25_conversation.jsonl"
+
+
+def mooncake_sessions(path: Path, n: int, max_blocks: int) -> list[list[int]]:
+    """The ``hash_ids`` of the Mooncake FAST'25 conversation trace's first multi-turn conversations
+    (a conversation: the requests sharing their second block, block 0 being every request's system
+    prompt), every turn of at most ``max_blocks`` blocks, in the trace's order, until ``n`` requests."""
+    from collections import defaultdict
+
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    turns: dict[int, list[int]] = defaultdict(list)
+    for i, r in enumerate(rows):
+        h = r.get("hash_ids")
+        if not isinstance(h, list) or len(h) < 2:
+            continue
+        turns[h[1]].append(i)
+    keep: list[int] = []
+    for idx in sorted((v for v in turns.values() if len(v) >= 2
+                       and all(len(rows[i]["hash_ids"]) <= max_blocks for i in v)), key=lambda v: v[0]):
+        if len(keep) >= n:
+            break
+        keep += idx
+    if len(keep) < n:
+        raise ValueError(f"{path}: only {len(keep)} requests in multi-turn conversations of <= {max_blocks} blocks")
+    return [rows[i]["hash_ids"] for i in sorted(keep)[:n]]
+
+
+def mooncake_dataset(sessions: list[list[int]], tokenizer, block_tokens: int, seed: int, out: Path) -> None:
+    """A ``vllm bench serve`` custom dataset: each block id becomes its own text of ``block_tokens``
+    random tokens (a new text per ``seed``: no run finds another's blocks cached), a prompt its blocks'
+    texts in order, so prompts share a prefix exactly where the trace's share blocks."""
+    rng = np.random.default_rng(seed)
+    vocab = [t for t in range(tokenizer.vocab_size) if t not in tokenizer.all_special_ids]
+    text: dict[int, str] = {}
+    with open(out, "w") as f:
+        for blocks in sessions:
+            for b in blocks:
+                if b not in text:
+                    text[b] = tokenizer.decode(rng.choice(vocab, block_tokens).tolist()) + " "
+            f.write(json.dumps({"prompt": "".join(text[b] for b in blocks)}) + "\n")
+
+
+def ideal_reuse(sessions: list[list[int]]) -> float:
+    """The share of the prompts' blocks an infinite cache would hit (each prompt's leading blocks seen
+    before, in order): the most any dispatch can reach."""
+    seen: set[int] = set()
+    hit = total = 0
+    for blocks in sessions:
+        for b in blocks:
+            if b not in seen:
+                break
+            hit += 1
+        total += len(blocks)
+        seen.update(blocks)
+    return round(hit / max(1, total), 3)
 
 
 def prefix_counters(urls: list[str]) -> tuple[float, float]:
@@ -100,17 +168,19 @@ def prefix_counters(urls: list[str]) -> tuple[float, float]:
     return hits, queries
 
 
-def bench_argv(url: str, model: Path, conc: int, n: int, a: argparse.Namespace, out: Path, seed: int) -> list[str]:
+def bench_argv(url: str, model: Path, conc: int, n: int, a: argparse.Namespace, out: Path, seed: int,
+               dataset: Path | None = None) -> list[str]:
     return [str(Path(sys.executable).parent / "vllm"), "bench", "serve", "--backend", "vllm", "--base-url", url,
-            "--model", "model", "--tokenizer", str(model), *dataset_args(a), "--ignore-eos",
+            "--model", "model", "--tokenizer", str(model), *dataset_args(a, dataset), "--ignore-eos",
             "--num-prompts", str(n), "--max-concurrency", str(conc), "--request-rate", "inf", "--seed", str(seed),
             "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
             "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm"]
 
 
-def bench(url: str, model: Path, conc: int, n: int, a: argparse.Namespace, out: Path, seed: int) -> dict:
+def bench(url: str, model: Path, conc: int, n: int, a: argparse.Namespace, out: Path, seed: int,
+          dataset: Path | None = None) -> dict:
     with open(out.with_suffix(".log"), "w") as log:
-        subprocess.run(bench_argv(url, model, conc, n, a, out, seed), check=True, stdout=log,
+        subprocess.run(bench_argv(url, model, conc, n, a, out, seed, dataset), check=True, stdout=log,
                        stderr=subprocess.STDOUT, env={**os.environ, "VLLM_HOST_IP": "127.0.0.1"})
     res = json.loads(out.read_text())
     return {"completed": res.get("completed"), "failed": res.get("failed", 0),
@@ -289,24 +359,43 @@ def kv_sentence(meta: dict) -> str:
     per_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim \
         * (2 if cfg.get("dtype") in ("bfloat16", "float16") else 4)
     tokens = meta["kv_bytes"] // per_token
+    if meta.get("workload") == "mooncake":
+        return f" The model's KV is {per_token / 1024:g} KiB per token, so an engine holds {tokens} tokens."
     return (f" The model's KV is {per_token / 1024:g} KiB per token, so an engine holds {tokens} tokens; the "
             f"{meta['num_prefixes']} prefixes alone are {meta['num_prefixes'] * meta['prefix_len']} tokens.")
+
+
+def client_sentence(meta: dict) -> str:
+    if meta.get("workload") == "mooncake":
+        n = meta["prompts"][next(iter(meta["prompts"]))]
+        return ("Client: `vllm bench serve --dataset-name custom --disable-shuffle`, in the trace's order: the first "
+                f"{n} requests of the multi-turn conversations of the Mooncake FAST'25 conversation trace "
+                f"(Moonshot AI and Tsinghua University, Qin et al., FAST 2025, Apache-2.0: `{meta['trace']}`; "
+                f"{meta['conversations']} conversations, every turn of at most "
+                f"{meta['max_blocks']} blocks; a conversation = the requests that share their second block, the first "
+                f"being every request's system prompt). Each of the trace's 512-token blocks becomes a text of its "
+                f"own, decoded from {meta['block_tokens']} random token ids, a new text every run (the seed), so prompts share "
+                "a prefix exactly where the trace's do and no run finds another's blocks cached; an infinite cache "
+                f"would hit {meta['ideal_block_reuse']:.0%} of the prompts' blocks. {meta['output_len']} output tokens "
+                "(`--ignore-eos`); the trace's timing is not kept (closed loop at the concurrency);")
+    return ("Client: `vllm bench serve --dataset-name prefix_repetition`: "
+            f"{meta['num_prefixes']} prefixes of {meta['prefix_len']} tokens, every prompt one of them "
+            f"and a {meta['suffix_len']}-token suffix of its own, {meta['output_len']} output tokens (`--ignore-eos`), "
+            "shuffled, a new set of prefixes every run (the seed), so no run finds another's prefixes cached;")
 
 
 def render_prefix(meta: dict, an: dict) -> str:
     """The shared-prefix page: per concurrency the fronts' throughput, TTFT and the engines' prefix-cache
     hit rate, and issue 37's cache-aware targets (kunserve-ca against least-work and vllm-router cache_aware)."""
     name = meta["name"]
-    L = ["# Shared prefixes: cache-aware dispatch side by side with vllm-router (written by "
+    L = ["# " + ("Mooncake conversations" if meta.get("workload") == "mooncake" else "Shared prefixes")
+         + ": cache-aware dispatch side by side with vllm-router (written by "
          "benchmarks/router_side_by_side.py)", "", f"Command: `{meta['command']}`.", "", f"![shared prefixes]({name}.png)",
          "", f"{meta['cpu']}, {os.cpu_count()} cores shared by everything. Two stock `vllm serve` engines (`models/{meta.get('model', 'tiny')}`, "
          f"{meta['kv_bytes'] >> 20} MiB of KV each, prefix caching on as vLLM's default, one compute thread each, bound "
          "to cores 0 and 1), started once; in front of them vllm-router 0.1.17 `--policy cache_aware` "
          "(`vllm-router-ca`) and two `kunserve serve --engine-url` over the same engines: least-work (`kunserve`, its "
-         "default) and `--dispatch cache-aware` (`kunserve-ca`). Client: `vllm bench serve --dataset-name "
-         f"prefix_repetition`: {meta['num_prefixes']} prefixes of {meta['prefix_len']} tokens, every prompt one of them "
-         f"and a {meta['suffix_len']}-token suffix of its own, {meta['output_len']} output tokens (`--ignore-eos`), "
-         "shuffled, a new set of prefixes every run (the seed), so no run finds another's prefixes cached; "
+         "default) and `--dispatch cache-aware` (`kunserve-ca`). " + client_sentence(meta) + " "
          f"{meta['repeat']} repetitions, the fronts in a shuffled order in each. Each cell: the mean over repetitions "
          "(95% bootstrap interval of the mean) and, in brackets, the ratio to `kunserve` (least-work). Prefix hit rate: "
          "the engines' own counters over the run, hit tokens over queried tokens." + kv_sentence(meta), ""]
@@ -524,7 +613,12 @@ ENGINE_BASE = {"KUNSERVE_ENGINE_CPUS": "0|1", "OMP_NUM_THREADS": "1"}
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--workload", choices=("random", "prefix", "kill"), default="random")
+    ap.add_argument("--workload", choices=("random", "prefix", "mooncake", "kill"), default="random")
+    ap.add_argument("--trace", default=str(ROOT.parent / "shared" / "data" / "traces" / MOONCAKE),
+                    help="mooncake: the Mooncake FAST'25 conversation trace (JSON lines with hash_ids)")
+    ap.add_argument("--block-tokens", type=int, default=16,
+                    help="mooncake: tokens per trace block (the trace's blocks are 512 tokens; scaled to this CPU)")
+    ap.add_argument("--max-blocks", type=int, default=24, help="mooncake: keep conversations whose turns have at most this many blocks")
     ap.add_argument("--layout", choices=("shared", "own-core"), default="shared",
                     help="random workload: everything on every core (shared), or the engines on core 1 and the "
                          "front end with the client on core 0 (own-core)")
@@ -545,12 +639,12 @@ def main() -> int:
     ap.add_argument("--out", default="", help="run directory (default runs/<the page's name>)")
     ap.add_argument("--render-only", action="store_true", help="re-write the doc from the JSON")
     a = ap.parse_args()
-    prefix, kill = a.workload == "prefix", a.workload == "kill"
+    prefix, kill = a.workload in ("prefix", "mooncake"), a.workload == "kill"
     if a.layout == "own-core" and a.workload != "random":
         ap.error("--layout own-core is for the random workload")
     a.output_len = a.output_len or (256 if kill else 64)
     if prefix:
-        name, fronts, draw = f"{NAME}_prefix", PREFIX_FRONTS, render_prefix
+        name, fronts, draw = f"{NAME}_{a.workload}", PREFIX_FRONTS, render_prefix
     elif kill:
         name, fronts, draw = f"{NAME}_kill", FRONTS, render_kill
     else:
@@ -563,8 +657,13 @@ def main() -> int:
     prompts = [int(x) for x in (a.prompts or ("160" if prefix or kill else "24,192,384")).split(",")]
     if len(prompts) != len(concs) or a.repeat < 1:
         ap.error("--prompts needs one count per --concurrency, and --repeat >= 1")
-    if prefix and min(prompts) < a.num_prefixes:
+    if a.workload == "prefix" and min(prompts) < a.num_prefixes:
         ap.error("--prompts must be at least --num-prefixes")
+    if a.workload == "mooncake":
+        if a.block_tokens < 1 or a.max_blocks < 2:
+            ap.error("--block-tokens must be >= 1 and --max-blocks >= 2")
+        if not Path(a.trace).is_file():
+            ap.error(f"--trace {a.trace}: no such file (the Mooncake FAST'25 conversation trace, ../shared/data/traces)")
     if a.layout == "own-core" and os.cpu_count() < 2:
         ap.error("--layout own-core needs 2 cores")
     if a.render_only:
@@ -583,8 +682,17 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     kv = a.kv_mib << 20
     own = a.layout == "own-core"
+    if a.workload == "mooncake":
+        from transformers import AutoTokenizer
+
+        try:
+            sessions = mooncake_sessions(Path(a.trace), max(prompts), a.max_blocks)
+        except (ValueError, KeyError, TypeError) as e:
+            ap.error(f"--trace {a.trace}: {e}")
+        tokenizer = AutoTokenizer.from_pretrained(str(model))
     base = {**ENGINE_BASE, "KUNSERVE_ENGINE_CPUS": "1"} if own else ENGINE_BASE
-    engines = [VllmServer(str(model), engine_args(kv, dtype), env=engine_environ(i, base), log_path=out / f"engine{i}.log",
+    engines = [VllmServer(str(model), engine_args(kv, dtype, 1024 if a.workload == "mooncake" else 512),
+                          env=engine_environ(i, base), log_path=out / f"engine{i}.log",
                           startup_timeout_s=600) for i in range(2)]
     fe = None
     runs: list[dict] = []
@@ -618,7 +726,12 @@ def main() -> int:
                     pc0 = prefix_counters(urls) if prefix else None
                     # prefix: every run its own prefixes (a run must not find another's in the caches)
                     seed = 1000 * rep + 10 * concs.index(conc) + fronts.index(f) if prefix else rep
-                    res = bench(urls_of[f], model, conc, n, a, out / f"{f}-c{conc}-rep{rep}.json", seed=seed)
+                    dataset = None
+                    if a.workload == "mooncake":
+                        dataset = out / f"mooncake-{seed}.jsonl"
+                        mooncake_dataset(sessions[:n], tokenizer, a.block_tokens, seed, dataset)
+                    res = bench(urls_of[f], model, conc, n, a, out / f"{f}-c{conc}-rep{rep}.json", seed=seed,
+                                dataset=dataset)
                     if pc0 is not None:
                         pc1 = prefix_counters(urls)
                         res["prefix_hit_rate"] = (pc1[0] - pc0[0]) / max(1.0, pc1[1] - pc0[1])
@@ -643,8 +756,12 @@ def main() -> int:
             "input_len": a.input_len, "output_len": a.output_len, "prompts": dict(zip(map(str, concs), prompts)),
             "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "name": name, "workload": a.workload, "model": a.model,
             "layout": a.layout, "cores": os.cpu_count()}
-    if prefix:
+    if a.workload == "prefix":
         meta.update(prefix_len=a.prefix_len, suffix_len=a.suffix_len, num_prefixes=a.num_prefixes)
+    if a.workload == "mooncake":
+        meta.update(block_tokens=a.block_tokens, max_blocks=a.max_blocks, trace=Path(a.trace).name,
+                    conversations=len({b[1] for b in sessions[:max(prompts)]}),
+                    ideal_block_reuse=ideal_reuse(sessions[:max(prompts)]))
     if kill:
         meta.update(kill_after_s=a.kill_after, concurrency=concs[0])
     write_json(DOCS / f"{name}.json", {"meta": meta, "analysis": an, "runs": runs}, indent=1, clean=False)

@@ -1,0 +1,78 @@
+"""benchmarks/router_side_by_side.py's pure parts: the fault runs' losses (read from the client's
+per-request results, a stream cut short but closed as if whole included) and their verdict; the
+Mooncake workload's conversations, prompts that share a prefix exactly where the trace's blocks do,
+and the reuse an infinite cache would reach."""
+
+from __future__ import annotations
+
+import pytest
+
+import json
+
+from tests.unit.benchmod import load_benchmark
+
+pytestmark = pytest.mark.unit
+
+TRACE = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+         "aiohttp.client_exceptions.ClientPayloadError: Response payload is not completed")
+
+
+def test_losses_count_failed_and_short_answers():
+    sbs = load_benchmark("router_side_by_side")
+    res = {"output_lens": [256, 256, 0, 200, 256], "errors": ["", "", TRACE, "", None]}
+    got = sbs.client_losses(res, 256)
+    assert (got["completed"], got["failed"], got["short"], got["lost"]) == (3, 1, 1, 2)
+    assert got["first_errors"] == ["aiohttp.client_exceptions.ClientPayloadError: Response payload is not completed"]
+    with pytest.raises(ValueError, match="save-detailed"):
+        sbs.client_losses({"completed": 5}, 256)
+
+
+def test_page_says_met_only_when_kunserve_lost_nothing():
+    sbs = load_benchmark("router_side_by_side")
+    run = {"concurrency": 16, "prompts": 160, "median_ttft_ms": 40.0, "output_throughput": 2500.0,
+           "killed_at_s": 11.5, "victim_running_at_kill": 8, "first_errors": []}
+    runs = [{**run, "front": "vllm-router-rr", "rep": 1, "completed": 152, "failed": 8, "short": 0, "lost": 8},
+            {**run, "front": "kunserve", "rep": 1, "completed": 160, "failed": 0, "short": 0, "lost": 0}]
+    meta = {"name": "x", "command": "c", "cpu": "cpu", "cores": 2, "kv_bytes": 64 << 20, "input_len": 64,
+            "output_len": 256, "prompts": {"16": 160}, "concurrency": 16, "kill_after_s": 3.0, "repeat": 1}
+    an = sbs.analyse_kill(runs)
+    assert an["vllm-router-rr"]["runs_with_loss"] == 1 and an["kunserve"]["lost"] == 0
+    page = sbs.render_kill(meta, an)
+    assert "kunserve lost 0 of 160 -> **met**; vllm-router-rr lost 8 of 160" in page
+    runs[1].update(completed=159, short=1, lost=1)
+    assert "kunserve lost 1 of 160 -> **missed**" in sbs.render_kill(meta, sbs.analyse_kill(runs))
+
+
+class _Tok:
+    """A stand-in tokenizer: token t is the word ``w<t>``."""
+    vocab_size = 50
+    all_special_ids = [0, 1, 2]
+
+    def decode(self, ids):
+        return " ".join(f"w{t}" for t in ids)
+
+
+def test_mooncake_prompts_share_a_prefix_where_the_trace_blocks_do(tmp_path):
+    sbs = load_benchmark("router_side_by_side")
+    rows = [{"timestamp": 0, "hash_ids": [0, 1, 2]},        # conversation 1, turn 1
+            {"timestamp": 1, "hash_ids": [0, 5]},           # a single turn: left out
+            {"timestamp": 2, "hash_ids": [0, 7, 8]},        # conversation 7, turn 1
+            {"timestamp": 3, "hash_ids": [0, 1, 2, 3, 4]},  # conversation 1, turn 2
+            {"timestamp": 4, "hash_ids": [0, 7, 8, 9]},     # conversation 7, turn 2
+            {"timestamp": 5, "hash_ids": [0, 9, *range(10, 40)]},   # over --max-blocks: left out
+            {"timestamp": 6, "hash_ids": [0, 9, 41]}]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    sessions = sbs.mooncake_sessions(trace, 4, max_blocks=8)
+    assert sessions == [[0, 1, 2], [0, 7, 8], [0, 1, 2, 3, 4], [0, 7, 8, 9]]
+    # seen before, leading: none, block 0, blocks 0,1,2, blocks 0,7,8: 7 of 15
+    assert sbs.ideal_reuse(sessions) == round(7 / 15, 3)
+    with pytest.raises(ValueError, match="only 4 requests"):
+        sbs.mooncake_sessions(trace, 5, max_blocks=8)
+    out = tmp_path / "d.jsonl"
+    sbs.mooncake_dataset(sessions, _Tok(), 4, seed=1, out=out)
+    p = [json.loads(line)["prompt"] for line in out.read_text().splitlines()]
+    assert p[2].startswith(p[0]) and p[3].startswith(p[1]) and not p[1].startswith(p[0][:20])
+    assert len(p[0].split()) == 3 * 4 and not any(w in ("w0", "w1", "w2") for w in " ".join(p).split())
+    sbs.mooncake_dataset(sessions, _Tok(), 4, seed=2, out=out)   # another run: other texts
+    assert json.loads(out.read_text().splitlines()[0])["prompt"] != p[0]
