@@ -76,7 +76,7 @@ PREFIX_FRONTS = ("vllm-router-ca", "kunserve", "kunserve-ca")
 ALL_FRONTS = ("vllm-router-rr", "vllm-router-ca", "kunserve", "kunserve-rr", "kunserve-ca")   # the pages' order
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms")
 LOOP_KEYS = ("ticks", "late", "late_s", "late_cpu_s", "late_runq_s")   # /kunserve/status loop totals
-EXTRA = ("front_cpu_us_per_token", "prefix_hit_rate")   # measured since the runs that record them
+EXTRA = ("front_cpu_us_per_token", "prefix_hit_rate", "engine_queue_ms", "engine_prefill_ms")   # measured since the runs that record them
 
 
 def engine_args(kv_bytes: int, dtype: str = "float32", max_len: int = 512) -> list[str]:
@@ -153,19 +153,35 @@ def ideal_reuse(sessions: list[list[int]]) -> float:
     return round(hit / max(1, total), 3)
 
 
-def prefix_counters(urls: list[str]) -> tuple[float, float]:
-    """The engines' prefix-cache hits and queries (tokens) so far, summed over engines."""
+ENGINE_SERIES = {"vllm:prefix_cache_hits_total": "hits", "vllm:prefix_cache_queries_total": "queries",
+                 "vllm:request_queue_time_seconds_sum": "queue_s", "vllm:request_queue_time_seconds_count": "queue_n",
+                 "vllm:request_prefill_time_seconds_sum": "prefill_s",
+                 "vllm:request_prefill_time_seconds_count": "prefill_n"}
+
+
+def engine_counters(urls: list[str]) -> dict[str, float]:
+    """The engines' counters so far, summed over engines: prefix-cache hits and queries (tokens), and
+    the sums and counts of vLLM's per-request queue-time and prefill-time histograms."""
     import urllib.request
 
-    hits = queries = 0.0
+    out = dict.fromkeys(ENGINE_SERIES.values(), 0.0)
     for u in urls:
         with urllib.request.urlopen(u + "/metrics", timeout=10) as r:
             for line in r.read().decode().splitlines():
-                if line.startswith("vllm:prefix_cache_hits_total"):
-                    hits += float(line.rsplit(" ", 1)[1])
-                elif line.startswith("vllm:prefix_cache_queries_total"):
-                    queries += float(line.rsplit(" ", 1)[1])
-    return hits, queries
+                key = ENGINE_SERIES.get(line.split("{", 1)[0].split(" ", 1)[0])
+                if key:
+                    out[key] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def engine_view(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """A run's prefix hit rate and its requests' mean time queued and mean prefill time in the engines."""
+    d = {k: after[k] - before[k] for k in before}
+    view = {"prefix_hit_rate": d["hits"] / max(1.0, d["queries"])}
+    if d["queue_n"] > 0 and d["prefill_n"] > 0:
+        view.update(engine_queue_ms=1e3 * d["queue_s"] / d["queue_n"],
+                    engine_prefill_ms=1e3 * d["prefill_s"] / d["prefill_n"])
+    return view
 
 
 def bench_argv(url: str, model: Path, conc: int, n: int, a: argparse.Namespace, out: Path, seed: int,
@@ -384,6 +400,20 @@ def client_sentence(meta: dict) -> str:
             "shuffled, a new set of prefixes every run (the seed), so no run finds another's prefixes cached;")
 
 
+def prefill_reading(fr: dict) -> str:
+    """Where the first token's time went in the engines, and what kunserve-ca's hits took off it."""
+    k, lw = fr.get("kunserve-ca"), fr.get("kunserve")
+    if not (k and lw and "engine_prefill_ms" in k and "engine_prefill_ms" in lw):
+        return ""
+    q = max(fr[f]["engine_queue_ms"]["mean"] for f in fr if "engine_queue_ms" in fr[f])
+    hk, hl = k["prefix_hit_rate"]["mean"], lw["prefix_hit_rate"]["mean"]
+    return (f" Reading: no request waited in an engine's queue (at most {q:.2f} ms on average): the time to a first "
+            "token is the prefill phase, whose steps the request shares with the others running. kunserve-ca's "
+            f"hits ({hk:.3f} of prompt tokens against least-work's {hl:.3f}) leave "
+            f"{(1 - hk) / max(1e-9, 1 - hl):.0%} of least-work's prefill tokens to compute, and its prefill phase "
+            f"took {k['engine_prefill_ms']['mean'] / lw['engine_prefill_ms']['mean']:.2f}x least-work's.")
+
+
 def render_prefix(meta: dict, an: dict) -> str:
     """The shared-prefix page: per concurrency the fronts' throughput, TTFT and the engines' prefix-cache
     hit rate, and issue 37's cache-aware targets (kunserve-ca against least-work and vllm-router cache_aware)."""
@@ -401,11 +431,20 @@ def render_prefix(meta: dict, an: dict) -> str:
          "the engines' own counters over the run, hit tokens over queried tokens." + kv_sentence(meta), ""]
     for c, fr in an.items():
         L += [f"## {c} concurrent stream{'s' if c != '1' else ''}", ""]
-        L += md_table(["front", "output tok/s", "median TTFT (ms)", "P99 TTFT (ms)", "prefix hit rate", "failed"],
-                      "lrrrrr", ([f, *(cell(fr, f, m, d, "kunserve") for m, d in (
-                          ("output_throughput", 0), ("median_ttft_ms", 1), ("p99_ttft_ms", 1), ("prefix_hit_rate", 3))),
-                          fr[f]["failed"]] for f in PREFIX_FRONTS if f in fr))
+        cols = [("output_throughput", 0, "output tok/s"), ("median_ttft_ms", 1, "median TTFT (ms)"),
+                ("p99_ttft_ms", 1, "P99 TTFT (ms)"), ("prefix_hit_rate", 3, "prefix hit rate")]
+        if all("engine_queue_ms" in fr[f] for f in fr):
+            cols += [("engine_queue_ms", 2, "in the engine: queued (ms, mean)"),
+                     ("engine_prefill_ms", 0, "in the engine: prefill (ms, mean)")]
+        L += md_table(["front", *(h for _, _, h in cols), "failed"], "l" + "r" * (len(cols) + 1),
+                      ([f, *(cell(fr, f, m, d, "kunserve") for m, d, _ in cols), fr[f]["failed"]]
+                       for f in PREFIX_FRONTS if f in fr))
         L += [""]
+        if len(cols) > 4:
+            L += ["Queued and prefill: vLLM's own per-request histograms (`vllm:request_queue_time_seconds`, "
+                  "`vllm:request_prefill_time_seconds`), their sums over counts across both engines over the run: "
+                  "a request's first token waits for both, and a prefix hit shortens only the prefill."
+                  + prefill_reading(fr), ""]
     L += ["## Targets (issue 37, shared-prefix workloads)", ""]
     for c, fr in an.items():
         k, lw, ca = fr.get("kunserve-ca"), fr.get("kunserve"), fr.get("vllm-router-ca")
@@ -723,7 +762,7 @@ def main() -> int:
                         continue
                     cpu0 = sum(cpu_times(pids[f]).values())   # the front end's process tree
                     loop0 = loop_view(urls_of[f]) if f == "kunserve" else None
-                    pc0 = prefix_counters(urls) if prefix else None
+                    pc0 = engine_counters(urls) if prefix else None
                     # prefix: every run its own prefixes (a run must not find another's in the caches)
                     seed = 1000 * rep + 10 * concs.index(conc) + fronts.index(f) if prefix else rep
                     dataset = None
@@ -733,8 +772,7 @@ def main() -> int:
                     res = bench(urls_of[f], model, conc, n, a, out / f"{f}-c{conc}-rep{rep}.json", seed=seed,
                                 dataset=dataset)
                     if pc0 is not None:
-                        pc1 = prefix_counters(urls)
-                        res["prefix_hit_rate"] = (pc1[0] - pc0[0]) / max(1.0, pc1[1] - pc0[1])
+                        res.update(engine_view(pc0, engine_counters(urls)))
                     res["front_cpu_s"] = sum(cpu_times(pids[f]).values()) - cpu0
                     res["front_cpu_us_per_token"] = 1e6 * res["front_cpu_s"] / max(1, (res["completed"] or 0)
                                                                                      * a.output_len)

@@ -76,3 +76,12 @@ def test_mooncake_prompts_share_a_prefix_where_the_trace_blocks_do(tmp_path):
     assert len(p[0].split()) == 3 * 4 and not any(w in ("w0", "w1", "w2") for w in " ".join(p).split())
     sbs.mooncake_dataset(sessions, _Tok(), 4, seed=2, out=out)   # another run: other texts
     assert json.loads(out.read_text().splitlines()[0])["prompt"] != p[0]
+
+
+def test_engine_view_takes_the_runs_differences():
+    sbs = load_benchmark("router_side_by_side")
+    before = {"hits": 10.0, "queries": 20.0, "queue_s": 1.0, "queue_n": 4.0, "prefill_s": 2.0, "prefill_n": 4.0}
+    after = {"hits": 40.0, "queries": 80.0, "queue_s": 7.0, "queue_n": 10.0, "prefill_s": 3.2, "prefill_n": 10.0}
+    v = sbs.engine_view(before, after)
+    assert v == pytest.approx({"prefix_hit_rate": 0.5, "engine_queue_ms": 1000.0, "engine_prefill_ms": 200.0})
+    assert sbs.engine_view(before, dict(before)) == {"prefix_hit_rate": 0.0}   # no request finished: no means
