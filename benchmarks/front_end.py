@@ -47,6 +47,7 @@ import aiohttp
 from vllm_kunserve.bench.client import RequestSpec, completions_url, request
 from vllm_kunserve.bench.metrics import median_ci
 from vllm_kunserve.bench.report import cpu_device, doc_header, md_row, md_table, pyplot, rel, save_figure, write_json
+from vllm_kunserve.bench.scrape import engine_metrics
 from vllm_kunserve.cluster.fleet.launcher import KunserveCluster
 from vllm_kunserve.workload.stats import percentile
 
@@ -579,16 +580,6 @@ class StandInLoad:
         if self.proc.is_alive():
             self.proc.kill()
         return used
-
-
-def engine_metrics(url: str) -> dict[str, float]:
-    """The engine's ``/metrics`` now, parsed as the replay's scraper does (sums and counts kept)."""
-    import urllib.request
-
-    from vllm_kunserve.bench.scrape import metrics_url, parse_metrics
-
-    with urllib.request.urlopen(metrics_url(url), timeout=30) as r:
-        return parse_metrics(r.read().decode())[0]
 
 
 def pin_process(pid: int, cpus: set[int]) -> int:

@@ -65,6 +65,7 @@ import numpy as np
 
 from vllm_kunserve.bench.compare import cpu_times
 from vllm_kunserve.bench.report import command, cpu_model, md_table, pyplot, save_figure, write_json
+from vllm_kunserve.bench.scrape import engine_metrics
 from vllm_kunserve.bench.router_fleet import engine_environ, router_argv, router_binary, wait_healthy
 from vllm_kunserve.cluster.fleet.launcher import KunserveCluster, VllmServer, free_port
 
@@ -156,21 +157,18 @@ def ideal_reuse(sessions: list[list[int]]) -> float:
 ENGINE_SERIES = {"vllm:prefix_cache_hits_total": "hits", "vllm:prefix_cache_queries_total": "queries",
                  "vllm:request_queue_time_seconds_sum": "queue_s", "vllm:request_queue_time_seconds_count": "queue_n",
                  "vllm:request_prefill_time_seconds_sum": "prefill_s",
-                 "vllm:request_prefill_time_seconds_count": "prefill_n"}
+                 "vllm:request_prefill_time_seconds_count": "prefill_n", "vllm:num_requests_running": "running"}
+COUNTERS = ("hits", "queries", "queue_s", "queue_n", "prefill_s", "prefill_n")
 
 
 def engine_counters(urls: list[str]) -> dict[str, float]:
     """The engines' counters so far, summed over engines: prefix-cache hits and queries (tokens), and
     the sums and counts of vLLM's per-request queue-time and prefill-time histograms."""
-    import urllib.request
-
-    out = dict.fromkeys(ENGINE_SERIES.values(), 0.0)
+    out = dict.fromkeys(COUNTERS, 0.0)
     for u in urls:
-        with urllib.request.urlopen(u + "/metrics", timeout=10) as r:
-            for line in r.read().decode().splitlines():
-                key = ENGINE_SERIES.get(line.split("{", 1)[0].split(" ", 1)[0])
-                if key:
-                    out[key] += float(line.rsplit(" ", 1)[1])
+        m = engine_metrics(u, ENGINE_SERIES, timeout_s=10)
+        for k in COUNTERS:
+            out[k] += m.get(k, 0.0)
     return out
 
 
@@ -588,12 +586,8 @@ class Fronts:
 
 def running(url: str) -> float | None:
     """The engine's requests running now (``vllm:num_requests_running``; None if it does not answer)."""
-    import urllib.request
-
     try:
-        with urllib.request.urlopen(url + "/metrics", timeout=2) as r:
-            return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
-                       if line.startswith("vllm:num_requests_running"))
+        return engine_metrics(url, ENGINE_SERIES, timeout_s=2).get("running", 0.0)
     except OSError:
         return None
 

@@ -49,27 +49,38 @@ def _label_key(name: str, labels: dict[str, str]) -> str:
 _KEEP = tuple(VLLM_SERIES) + ("kunserve:", "vllm:cache_config_info")
 
 
-def _kept_lines(text: str) -> str:
+def _kept_lines(text: str, keep: tuple[str, ...] = _KEEP) -> str:
     """Only the sample lines ``parse_metrics`` keeps. A 2-engine cluster exposes ~100 KB of
     histograms; parsing all of it on the replay client's event loop once a second delayed sends by
     up to 0.85 s on a 2-core machine whose cores the engines hold (a late client, not a slow server)."""
-    return "\n".join(line for line in text.splitlines() if line.startswith(_KEEP)) + "\n"
+    return "\n".join(line for line in text.splitlines() if line.startswith(keep)) + "\n"
 
 
-def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, str]]:
-    """(values, cache_config_labels) from a Prometheus text exposition."""
+def parse_metrics(text: str, series: dict[str, str] = VLLM_SERIES) -> tuple[dict[str, float], dict[str, str]]:
+    """(values, cache_config_labels) from a Prometheus text exposition; ``series`` names the ``vllm:``
+    samples kept and their keys (the replay's by default)."""
+    keep = _KEEP if series is VLLM_SERIES else (*series, "kunserve:", "vllm:cache_config_info")
     sums: dict[str, list[float]] = {}
     info: dict[str, str] = {}
-    for family in text_string_to_metric_families(_kept_lines(text)):
+    for family in text_string_to_metric_families(_kept_lines(text, keep)):
         for s in family.samples:
-            if s.name in VLLM_SERIES:
-                sums.setdefault(VLLM_SERIES[s.name], []).append(float(s.value))
+            if s.name in series:
+                sums.setdefault(series[s.name], []).append(float(s.value))
             elif s.name.startswith("kunserve:"):
                 sums.setdefault(_label_key(s.name, s.labels), []).append(float(s.value))
             elif s.name == "vllm:cache_config_info" and not info:
                 info = dict(s.labels)
     values = {k: (sum(v) / len(v) if k in _MEAN else sum(v)) for k, v in sums.items()}
     return values, info
+
+
+def engine_metrics(url: str, series: dict[str, str] = VLLM_SERIES, timeout_s: float = 30.0) -> dict[str, float]:
+    """A server's ``/metrics`` now, parsed as the replay's scraper does (sums over label sets), from
+    synchronous code (benchmark harnesses). Raises OSError when the server does not answer."""
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url(url), timeout=timeout_s) as r:
+        return parse_metrics(r.read().decode(), series)[0]
 
 
 @dataclass
