@@ -673,8 +673,8 @@ def main() -> int:
     ap.add_argument("--render-only", action="store_true", help="re-write the doc from the JSON")
     a = ap.parse_args()
     prefix, kill = a.workload in ("prefix", "mooncake"), a.workload == "kill"
-    if a.layout == "own-core" and a.workload != "random":
-        ap.error("--layout own-core is for the random workload")
+    if a.workload != "random" and (a.layout == "own-core" or a.fronts):
+        ap.error(f"--layout own-core and --fronts are for the random workload (--workload {a.workload})")
     a.output_len = a.output_len or (256 if kill else 64)
     if prefix:
         name, fronts, draw = f"{NAME}_{a.workload}", PREFIX_FRONTS, render_prefix
