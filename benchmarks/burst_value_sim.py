@@ -28,7 +28,10 @@ Systems, simulated as the harness runs them:
   on prompts that share no prefix, sends each request to the worker whose prefix tree holds the
   fewest characters (equal prompts: alternately) unless the workers' loads drift apart; its
   step lines are ``vllm``'s (the harness reads ``/metrics`` through the router, one engine's, so
-  the router's timeline cannot be fitted);
+  the router's timeline cannot be fitted); ``vllm-router-rr`` (its ``round_robin``) the same;
+* ``static``: the simulator's static policy (one pipeline group of all engines from the start), its
+  lines from the fit run's ``static`` where it ran, else ``kunserve``'s (whose grouped line is the
+  same pipeline's);
 * ``kunserve``: the simulator's KunServe policy with the run's kunserve config (the real monitor
   and drop planner; a group member's KV capped at ``memory.max_kv_ratio`` x its base).
 """
@@ -52,10 +55,12 @@ from vllm_kunserve.workload.traces import parse_phases
 ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
 DOCS = ROOT / "docs" / "benchmarks"
 TOL = 0.25
-SYSTEMS = ("vllm", "vllm-tuned", "vllm-router", "kunserve", "oracle-equal")
+SLOW_S = 2.0   # burst_value.py's TTFT SLO (--ttft-slo): a request waiting longer missed it
+SYSTEMS = ("vllm", "vllm-tuned", "vllm-router", "vllm-router-rr", "static", "kunserve", "oracle-equal")
 #: how each harness system is simulated: the simulator's policy, and where its step lines come from
-SIM_AS = {"vllm": "vllm", "vllm-tuned": "vllm", "vllm-router": "vllm", "oracle-equal": "vllm", "kunserve": "kunserve"}
-LINES_FROM = {"vllm-router": "vllm"}
+SIM_AS = {"vllm": "vllm", "vllm-tuned": "vllm", "vllm-router": "vllm", "vllm-router-rr": "vllm", "oracle-equal": "vllm",
+          "static": "static", "kunserve": "kunserve"}
+LINES_FROM = {"vllm-router": "vllm", "vllm-router-rr": "vllm"}
 
 
 def reps_of(run: Path, system: str) -> list[tuple[int, Path]]:
@@ -85,7 +90,7 @@ def settings_of(run: Path) -> dict:
     model = Path(base["model"])
     if not (model / "config.json").exists():   # a run made in another checkout: the same preset here
         base["model"] = str(ROOT / "models" / model.name)
-    specs = {"vllm-router": {"dispatch": "round-robin"},
+    specs = {"vllm-router": {"dispatch": "round-robin"}, "vllm-router-rr": {"dispatch": "round-robin"},
              "oracle-equal": {"kv_x": float(args.get("oracle_equal_kv_multiplier") or 1.0)}}
     if args.get("tuned_max_num_seqs"):
         specs["vllm-tuned"] = {"max_seqs": int(args["tuned_max_num_seqs"])}
@@ -136,12 +141,19 @@ def main() -> int:
     if unknown:
         raise SystemExit(f"--systems: no simulation of {unknown}; known: {', '.join(SIM_AS)}")
     fset, pset = settings_of(fit_run), settings_of(pred_run)
-    sources = sorted({LINES_FROM.get(s, s) for s in systems})
+    lines_from = {s: LINES_FROM.get(s, s) for s in systems}
+    if "static" in systems and not reps_of(fit_run, "static"):
+        lines_from["static"] = "kunserve"
+    # a system whose lines come from another is rescaled to its own TPOT in the fit run, where it ran
+    # there: the routers' engines decode faster than the same engines behind kunserve serve, whose
+    # front end shares their cores (the timeline behind a router is one engine's, so no lines of its own)
+    own = [s for s in systems if lines_from[s] != s and reps_of(fit_run, s)]
+    sources = sorted(set(lines_from.values()) | set(own))
     fdata = load(fit_run, sources, fset["window"][0], fset["instances"])
 
     rows, per = [], {}
     for s in systems:
-        src = LINES_FROM.get(s, s)
+        src = lines_from[s]
         fits, pf = runfit.pooled_fits(fdata, src)
         single, grouped = fits["single"] or fits["grouped"], fits["grouped"] or fits["single"]
         if single is None or len(pf) < runfit.MIN_PREFILL:
@@ -152,6 +164,11 @@ def main() -> int:
             ks = sorted(k for s2, k in fdata if s2 == src)
             cal = runfit.calibrate(fdata, src, ks, single, grouped, {**fset, "system_as": SIM_AS}, None)
             single, grouped, tps = runfit.scaled(single, cal["scale"]), runfit.scaled(grouped, cal["scale"]), cal["tps"]
+            if s in own:
+                ko = sorted(k for s2, k in fdata if s2 == s)
+                c2 = runfit.calibrate(fdata, s, ko, single, grouped, {**fset, "system_as": SIM_AS}, tps)
+                single, grouped = runfit.scaled(single, c2["scale"]), runfit.scaled(grouped, c2["scale"])
+                cal = {**cal, "scale": cal["scale"] * c2["scale"], "own": c2}
         st, st_g = runfit.step_times(single, grouped, 1.0, tps)
         meas, pred = [], []
         for k, d in reps_of(pred_run, s):
@@ -166,6 +183,18 @@ def main() -> int:
         for q in ("p50", "p90", "p99"):
             m, p = mt[q]["value"], pt[q]["value"]
             row[f"ratio_{q}"] = p / m if m and p is not None and math.isfinite(m) and math.isfinite(p) else None
+        # the share of the window waiting over the TTFT SLO: stable where a percentile sits on the knee
+        row["over_slo"] = {"measured": pooled.share_above(meas, SLOW_S), "predicted": pooled.share_above(pred, SLOW_S)}
+        o = row["over_slo"]
+        # each repetition's own share: the spread between runs of one system (the bootstrap interval
+        # resamples requests within repetitions, so it leaves this spread out)
+        per = sorted(pooled.share_above([r for r in meas if r.rep == k], SLOW_S)["value"]
+                     for k in sorted({r.rep for r in meas}))
+        o["measured_reps"] = per
+        row["over_slo_in_reps"] = (o["predicted"]["value"] is not None and bool(per)
+                                   and per[0] <= o["predicted"]["value"] <= per[-1])
+        row["over_slo_in_ci"] = (o["predicted"]["value"] is not None and o["measured"]["lo"] is not None
+                                 and o["measured"]["lo"] <= o["predicted"]["value"] <= o["measured"]["hi"])
         row["within"] = all(row[f"ratio_{q}"] is not None and abs(row[f"ratio_{q}"] - 1) <= TOL for q in ("p90", "p99"))
         # where a percentile sits on the knee of the TTFT curve its interval is wide: is the prediction in it?
         row["in_ci"] = all(pt[q]["value"] is not None and mt[q]["lo"] is not None
@@ -195,6 +224,36 @@ def held_out(fit: dict, pred: dict) -> str:
     return "The two runs share the trace window, seed and phases: not a held-out test."
 
 
+def share_cell(row: dict) -> str:
+    o = row.get("over_slo")
+    if not o or o["measured"]["value"] is None:
+        return "-"
+    m, p = o["measured"], o["predicted"]
+    sim = "-" if p["value"] is None else f"{p['value']:.1%}"
+    reps = o.get("measured_reps") or []
+    spread = f"; reps {reps[0]:.0%}..{reps[-1]:.0%}" if len(reps) > 1 else ""
+    return f"{m['value']:.1%} ({m['lo']:.1%}..{m['hi']:.1%}{spread}) / {sim}"
+
+
+def knee_note(rows: list[dict]) -> str:
+    """Which missed percentiles sit on the knee: the share over the SLO straddles the percentile's
+    tail share, so a few requests more or fewer move it across the knee."""
+    knee = []
+    for r in rows:
+        o = (r.get("over_slo") or {}).get("measured") or {}
+        if r["within"] or o.get("lo") is None:
+            continue
+        for q, tail_share in (("p90", 0.10), ("p99", 0.01)):
+            x = r.get(f"ratio_{q}")
+            if (x is None or abs(x - 1) > TOL) and o["lo"] <= tail_share <= o["hi"]:
+                knee.append(f"{r['system']}'s {q.upper()}")
+    if not knee:
+        return ""
+    return (f". On the knee ({', '.join(knee)}): the measured share over {SLOW_S:g} s has the percentile's tail share "
+            "(10% for P90, 1% for P99) inside its interval, so whether that percentile lands under a second or near "
+            "a minute turns on a few requests, across repetitions as in the simulator")
+
+
 def render(res: dict) -> str:
     rows = res["rows"]
     met = [r["system"] for r in rows if r["within"]]
@@ -209,18 +268,22 @@ def render(res: dict) -> str:
          f"- outside: {', '.join(miss) or 'none'}",
          f"- the prediction inside the measured 95% interval at P90 and P99 (where a percentile sits on the knee "
          f"of the TTFT curve, its interval spans the knee): "
-         f"{', '.join(r['system'] for r in rows if r.get('in_ci')) or 'none'}", "",
+         f"{', '.join(r['system'] for r in rows if r.get('in_ci')) or 'none'}",
+         f"- the share of window requests waiting over {SLOW_S:g} s for their first token predicted inside its "
+         f"measured 95% interval: {', '.join(r['system'] for r in rows if r.get('over_slo_in_ci')) or 'none'}; "
+         f"inside the range of the repetitions' own shares: "
+         f"{', '.join(r['system'] for r in rows if r.get('over_slo_in_reps')) or 'none'}" + knee_note(rows), "",
          "## Pooled burst-window TTFT, measured vs simulated (seconds)", ""]
     L += md_table(["system", "requests", "P50 meas / sim", "P90 meas (95% CI) / sim", "P99 meas (95% CI) / sim",
-                   "sim / meas P50, P90, P99", "P50 TPOT meas / sim (ms)", "lines from", "scale", "lost (sim)"],
-                  "lrllllllrr")
+                   "sim / meas P50, P90, P99", f"TTFT > {SLOW_S:g} s meas (95% CI; reps' range) / sim", "P50 TPOT meas / sim (ms)",
+                   "lines from", "scale", "lost (sim)"], "lrlllllllrr")
     for r in rows:
         m, p = r["measured"], r["predicted"]
         ci = lambda q: f"{fmt(m[q]['value'])} ({fmt(m[q]['lo'])}..{fmt(m[q]['hi'])})"  # noqa: E731
         tp = r["tpot_p50"]
         L.append(md_row([r["system"], r["n_measured"], f"{fmt(m['p50']['value'])} / {fmt(p['p50']['value'])}",
                          f"{ci('p90')} / {fmt(p['p90']['value'])}", f"{ci('p99')} / {fmt(p['p99']['value'])}",
-                         f"{fmt(r['ratio_p50'])}, {fmt(r['ratio_p90'])}, {fmt(r['ratio_p99'])}",
+                         f"{fmt(r['ratio_p50'])}, {fmt(r['ratio_p90'])}, {fmt(r['ratio_p99'])}", share_cell(r),
                          f"{fmt(tp['measured'] and tp['measured'] * 1e3, 0)} / "
                          f"{fmt(tp['predicted'] and tp['predicted'] * 1e3, 0)}",
                          r["lines_from"], fmt(r["calibration"] and r["calibration"]["scale"], 3), r["lost_predicted"]]))
@@ -229,9 +292,10 @@ def render(res: dict) -> str:
           "(`vllm_kunserve/sim/runfit.py`, as `benchmarks/cluster_burst_sim.py` fits them), every repetition pooled; a group's cycle has its own line. "
           "Prefill rate: the fit run's warm requests that had an engine to themselves.",
           "- Calibration: one factor on each system's lines, found where the simulated median TPOT of the fit run's "
-          "repetitions equals the measured (`sim.runfit.calibrate`).",
-          "- Systems: " + "; ".join(f"`{s}` as the simulator's `{v}`" for s, v in SIM_AS.items())
-          + "; `vllm-router` dispatched round-robin with `vllm`'s lines (module docstring).", "",
+          "repetitions equals the measured (`sim.runfit.calibrate`); a system whose lines come from another is "
+          "scaled again to its own median TPOT in the fit run, where it ran there (the scale column is the product).",
+          "- Systems: " + "; ".join(f"`{s}` as the simulator's `{SIM_AS[s]}`" for s in (r["system"] for r in rows))
+          + "; the routers' systems dispatched round-robin with `vllm`'s lines (module docstring).", "",
           ] + md_table(["system", "single line", "grouped line", "prefill tok/s"], "lllr",
                        ([r["system"], runfit.line_str(r["single"]), runfit.line_str(r["grouped"]), f"{r['prefill_tps']:.0f}"]
                         for r in rows))

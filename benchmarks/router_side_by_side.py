@@ -315,7 +315,7 @@ def render(meta: dict, an: dict) -> str:
          f"Client: `vllm bench serve`, random dataset, {meta['input_len']}-token prompts, {meta['output_len']} output "
          f"tokens (`--ignore-eos`), {meta['repeat']} repetitions, the fronts in a shuffled order in each; the prompt "
          "counts per concurrency are in the JSON. Each cell: the mean over repetitions (95% bootstrap interval of the "
-         "mean) and, in brackets, the ratio to vllm-router round_robin's mean.", ""]
+         "mean) and, in brackets, the ratio to vllm-router round_robin's mean. " + CLOSED_LOOP, ""]
     for c, fr in an.items():
         L += [f"## {c} concurrent stream{'s' if c != '1' else ''}", ""]
         L += md_table(["front", "output tok/s", "median TTFT (ms)", "P99 TTFT (ms)", "median ITL (ms)", "failed"],
@@ -379,6 +379,11 @@ def kv_sentence(meta: dict) -> str:
             f"{meta['num_prefixes']} prefixes alone are {meta['num_prefixes'] * meta['prefix_len']} tokens.")
 
 
+#: every workload's client runs closed loop: what the brief's send lag would measure does not arise
+CLOSED_LOOP = ("The client runs closed loop (`--request-rate inf --max-concurrency N`): it sends a request when one "
+               "of its N streams frees, so there is no send schedule to fall behind and no send lag to record.")
+
+
 def client_sentence(meta: dict) -> str:
     if meta.get("workload") == "mooncake":
         n = meta["prompts"][next(iter(meta["prompts"]))]
@@ -426,7 +431,8 @@ def render_prefix(meta: dict, an: dict) -> str:
          "default) and `--dispatch cache-aware` (`kunserve-ca`). " + client_sentence(meta) + " "
          f"{meta['repeat']} repetitions, the fronts in a shuffled order in each. Each cell: the mean over repetitions "
          "(95% bootstrap interval of the mean) and, in brackets, the ratio to `kunserve` (least-work). Prefix hit rate: "
-         "the engines' own counters over the run, hit tokens over queried tokens." + kv_sentence(meta), ""]
+         "the engines' own counters over the run, hit tokens over queried tokens." + kv_sentence(meta) + " "
+         + CLOSED_LOOP, ""]
     for c, fr in an.items():
         L += [f"## {c} concurrent stream{'s' if c != '1' else ''}", ""]
         cols = [("output_throughput", 0, "output tok/s"), ("median_ttft_ms", 1, "median TTFT (ms)"),
@@ -490,7 +496,7 @@ def render_kill(meta: dict, an: dict) -> str:
          f"one (the client's start-up, about 8 s, is inside the kill time below). {meta['repeat']} repetition"
          f"{'s' if meta['repeat'] != 1 else ''}, the fronts in a shuffled order in each. Lost = requests the client "
          "counted failed + requests that completed with fewer tokens than asked (a stream cut short and closed "
-         "as if whole).", ""]
+         "as if whole). " + CLOSED_LOOP, ""]
     L += md_table(["front", "runs", "requests", "lost", "failed", "short", "runs with a loss", "kill at (s after the client started)",
                    "victim's running requests (its metrics, polled just before the kill)", "median TTFT (ms, median of runs)",
                    "output tok/s (median of runs)"], "lrrrrrrllrr",

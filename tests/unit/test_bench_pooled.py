@@ -32,6 +32,16 @@ def test_tail_pools_repetitions_and_brackets_the_point():
     assert t["p99"]["hi"] - t["p99"]["lo"] > t["p50"]["hi"] - t["p50"]["lo"]   # the tail is the uncertain end
 
 
+def test_share_above_counts_slow_and_lost_requests_with_an_interval():
+    # rep 1: 10 of 100 over 2 s; rep 2: 30 of 100 over, one of them lost
+    r = reqs([0.5] * 90 + [30.0] * 10, rep=1) + reqs([0.5] * 70 + [9.0] * 29, rep=2) + reqs([0.0], rep=2, ok=False)
+    s = P.share_above(r, 2.0)
+    assert s["value"] == pytest.approx(40 / 200)
+    assert s["lo"] < s["value"] < s["hi"] and s["hi"] - s["lo"] < 0.2
+    assert P.share_above(r, 100.0)["value"] == pytest.approx(1 / 200)   # only the lost one
+    assert P.share_above([], 2.0)["value"] is None
+
+
 def test_a_lost_request_is_an_infinite_ttft():
     r = reqs([1.0] * 95) + reqs([0.0] * 5, ok=False)
     t = P.tail(r)
@@ -99,3 +109,34 @@ def test_analysis_picks_the_best_alternative_and_judges_the_targets(bv):
     assert "no group forms in the warm phase" in text and text.count("**missed**") == 0
     early = bv.verdict(an, totals, {"kunserve": {1: {"first_s": 12.0}}}, (40.0, 80.0))
     assert "first grouped at 12 s; warm phase ends at 40 s -> **missed**" in "\n".join(early)
+
+
+def test_verdict_says_which_missed_targets_the_equal_memory_oracle_misses_too(bv):
+    rng = np.random.default_rng(2)
+    x = rng.exponential(1.0, 320)
+    runs = {"vllm": reqs(x * 10, tpot=0.05), "vllm-tuned": reqs(x * 6, tpot=0.05),
+            "kunserve": reqs(x * 1.1, tpot=0.10), "oracle-equal": reqs(x, tpot=0.08)}
+    an = bv.analyse(runs, ttft_slo=2.0, tpot_slo=0.2)
+    lines = bv.verdict(an, {s: {"failed": 0} for s in runs}, {}, (40.0, 80.0))
+    tpot = next(x for x in lines if "P50 TPOT" in x)
+    assert "2.00; oracle-equal (the same memory, no pipeline): 1.60, missed -> **missed**" in tpot
+    too = [x for x in lines if "misses the" in x]
+    assert len(too) == 1 and too[0].startswith("oracle-equal misses the TPOT target too")
+    p99 = next(x for x in lines if "P99 <= 0.6x the best" in x)   # met by both: not listed
+    assert p99.endswith("**met**") and "met ->" in p99 and "P99 TTFT" not in too[0]
+
+
+def test_where_the_cores_went_averages_each_roles_share_over_runs(bv):
+    compare = {"systems": [{"name": "vllm-router", "launcher": "vllm-router"}], "runs": {
+        "vllm": [{"failed": 0, "requests": 5, "server": {"cpu_share": {"python": 0.08, "VLLM::Worker": 1.6, "client": 0.04}}},
+                 {"failed": 0, "requests": 5, "server": {"cpu_share": {"python": 0.06, "VLLM::Worker": 1.4, "client": 0.04}}}],
+        "vllm-router": [{"failed": 0, "requests": 5, "server": {"cpu_share": {"python": 0.035, "vllm::router": 0.008,
+                                                                               "VLLM::Worker": 1.7}}}]}}
+    totals = bv.run_totals(compare, ["vllm", "vllm-router"])
+    assert totals["vllm"]["cpu"]["python"] == pytest.approx(0.07)
+    assert totals["vllm"]["cpu"]["VLLM::Worker"] == pytest.approx(1.5)
+    assert totals["vllm-router"]["cpu"]["vllm::router"] == pytest.approx(0.008)
+    text = "\n".join(bv.cpu_section(totals))
+    assert "| vllm | 0.070 | 0.000 | 0.000 | 1.500 | 0.040 |" in text
+    assert "| vllm-router | 0.035 | 0.008 | 0.000 | 1.700 | 0.000 |" in text
+    assert bv.cpu_section({"x": {"cpu": {}}}) == []

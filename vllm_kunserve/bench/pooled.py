@@ -137,6 +137,21 @@ def gap_closed(best: Sequence[Request], system: Sequence[Request], bound: Sequen
     return {"value": (pb - ps) / (pb - po), "lo": lo, "hi": hi}
 
 
+def share_above(reqs: Sequence[Request], threshold_s: float, seed: int = 0) -> dict:
+    """The share of the requests whose TTFT exceeds ``threshold_s`` (a lost request does), pooled,
+    with the stratified bootstrap interval. Where a percentile sits on the knee of the TTFT curve
+    (a few more slow requests move it from seconds to a minute), this share is the stable figure."""
+    g = by_rep(reqs, lambda r: r.ttft_s)
+    if not g:
+        return {"value": None, "lo": None, "hi": None}
+    rng = np.random.default_rng(seed)
+    over = [(x > threshold_s).astype(np.float64) for x in g]
+    hits = sum(o[rng.integers(0, o.size, size=(DRAWS, o.size))].sum(axis=1) for o in over)
+    n = sum(o.size for o in over)
+    lo, hi = np.percentile(hits / n, [2.5, 97.5])
+    return {"value": float(sum(o.sum() for o in over) / n), "lo": float(lo), "hi": float(hi)}
+
+
 def tpot(reqs: Sequence[Request], qs: Iterable[float] = (50.0, 99.0)) -> dict[str, float | None]:
     return percentiles([r.tpot_s for r in reqs if r.tpot_s is not None], tuple(qs))
 

@@ -1,0 +1,37 @@
+"""benchmarks/burst_value_sim.py's verdict helpers: which missed percentiles sit on the knee of the
+TTFT curve (the measured share of slow requests straddles the percentile's tail share)."""
+
+import pytest
+
+from .benchmod import load_benchmark
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def bvs():
+    return load_benchmark("burst_value_sim")
+
+
+def row(system, r90, r99, share, lo, hi, sim_share=None, within=None):
+    return {"system": system, "ratio_p90": r90, "ratio_p99": r99,
+            "within": within if within is not None else all(abs(x - 1) <= 0.25 for x in (r90, r99)),
+            "over_slo": {"measured": {"value": share, "lo": lo, "hi": hi},
+                         "predicted": {"value": sim_share, "lo": None, "hi": None}}}
+
+
+def test_knee_note_names_missed_percentiles_whose_tail_share_is_inside_the_measured_interval(bvs):
+    rows = [row("router", 9.95, 0.90, 0.097, 0.065, 0.13),     # P90 missed, 10% inside 6.5..13%: on the knee
+            row("stock", 0.07, 0.77, 0.19, 0.15, 0.23),        # P90 missed, 10% outside: a real miss
+            row("oracle", 1.1, 1.0, 0.0, 0.0, 0.0)]            # within: never listed
+    note = bvs.knee_note(rows)
+    assert "router's P90" in note and "stock" not in note and "oracle" not in note
+    assert bvs.knee_note(rows[1:]) == ""
+
+
+def test_share_cell_reads_measured_interval_and_prediction(bvs):
+    assert bvs.share_cell(row("a", 1, 1, 0.192, 0.149, 0.234, sim_share=0.104)) == "19.2% (14.9%..23.4%) / 10.4%"
+    r = row("a", 1, 1, 0.192, 0.149, 0.234, sim_share=0.104)
+    r["over_slo"]["measured_reps"] = [0.05, 0.21, 0.29]
+    assert bvs.share_cell(r) == "19.2% (14.9%..23.4%; reps 5%..29%) / 10.4%"
+    assert bvs.share_cell({"system": "b"}) == "-"
