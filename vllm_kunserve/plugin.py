@@ -46,6 +46,7 @@ ENV_PATCHES = "KUNSERVE_PATCHES"
 ENV_FEATURES = "KUNSERVE_FEATURES"
 #: vLLM's shared-memory queue readers sleep on the writer's signal instead of spinning (integration/vllm/shm_wait.py)
 ENV_SHM_SPIN = "KUNSERVE_SHM_WAIT_MS"
+ENV_ANNOUNCE = "KUNSERVE_CONTROL_ANNOUNCE"   # the control port's announce file (integration/vllm/endpoint.py)
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"patches": [], "logged": False, "gate": None}
@@ -83,7 +84,9 @@ def _install_gate() -> None:
         cfg = config_from_additional(getattr(self, "additional_config", None))  # raises on bad options
         if cfg is None:
             _export([], "")  # this engine's processes are stock, whatever engines came before
+            os.environ.pop(ENV_ANNOUNCE, None)
             return orig(self, *args, **kwargs)
+        _name_announce()
         patches = activate(cfg)
         for p in patches:
             p.configure(cfg, self)
@@ -96,6 +99,17 @@ def _install_gate() -> None:
     create_engine_config.__wrapped__ = orig
     EngineArgs.create_engine_config = create_engine_config
     _state["gate"] = create_engine_config
+
+
+def _name_announce() -> None:
+    """Where this engine's core announces its control port to the API server's ``/kunserve/engine``
+    route (``integration/vllm/endpoint.py``): a fresh file per engine built in this process, inherited
+    by the engine-core process vLLM starts next."""
+    import tempfile
+    import uuid
+
+    os.environ[ENV_ANNOUNCE] = os.path.join(tempfile.gettempdir(),
+                                            f"kunserve-control-{os.getpid()}-{uuid.uuid4().hex[:8]}.json")
 
 
 def activate(cfg: KunServeConfig | dict | None = None) -> list:

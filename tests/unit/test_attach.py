@@ -103,6 +103,13 @@ def test_engine_url_flags_are_checked():
                                "--engine-control-url", "http://a:9000")
     assert opts.instances == 2 and opts.backend == "attach" and engine_args == []
     for bad, why in [(("--engine-url", "a:8000"), "http:// or https://"),
+                     (("--engine-url", "http://"), "no host"),
+                     (("--engine-url", "http://a:abc"), "port must be a number"),
+                     (("--engine-url", "http://a:99999"), "port must be a number"),
+                     (("--engine-url", "http://a:1?x=1"), "no query"),
+                     (("--engine-url", "http://a:1", "--engine-url", "http://a:1/"), "given twice"),
+                     (("--engine-url", "http://a:1", "--backend", "ray"), "--backend with --engine-url"),
+                     (("--engine-url", "http://a:1", "--ray-address=x:1"), "--ray-address with --engine-url"),
                      (("--engine-control-url", "http://a:9000"), "needs --engine-url"),
                      (("--engine-url", "http://a", "--instances", "3"), "counted by their URLs"),
                      (("--engine-url", "http://a", "--engine-control-url", "http://a:1", "--engine-control-url",
@@ -138,7 +145,84 @@ def test_a_flaky_engine_is_skipped_by_its_breaker_and_no_request_fails():
             kinds = [e["event"] for e in front.events]
             assert kinds.count("circuit_open") == 1 and kinds.count("failover") == 3
             st = (await client.get("/kunserve/status")).json()
-            assert st["breakers"]["1"]["open_s"] > 0
+            assert st["breakers"]["1"]["open_s"] > 0 and st["breakers"]["1"]["state"] == "open"
+            assert 'kunserve:circuit_state{instance="1"} 1.0' in (await client.get("/metrics")).text
+            # the cool-down ends and engine 1 is well again: half open, probed, closed
+            fakes[1].die_after = None
+            front.breakers._s[1].open_until = 0.0
+            for _ in range(2):
+                r = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 3,
+                                                               "stream": True})
+                assert r.status_code == 200 and "error" not in r.text
+            kinds = [e["event"] for e in front.events if e["event"].startswith("circuit_")]
+            assert kinds == ["circuit_open", "circuit_half_open", "circuit_closed"], kinds
+            assert len(fakes[1].requests) == 4
+            assert 'kunserve:circuit_state{instance="1"} 0.0' in (await client.get("/metrics")).text
         finally:
             await _teardown(client, front, fleet, loop)
     asyncio.run(go())
+
+
+def test_a_kunserve_engine_is_asked_for_its_control_port():
+    """An attached engine that serves kunserve's /kunserve/engine route is read through the control
+    port it names; one that answers 404 is stock; a typed --engine-control-url is not asked; a
+    port on another machine's loopback is refused (unreachable from here)."""
+    from vllm_kunserve.cluster.fleet.spec import Engine
+
+    asked = []
+
+    def route(answer):
+        async def h(request):
+            asked.append(answer)
+            if isinstance(answer, int):
+                return web.json_response({"error": "x"}, status=answer)
+            return web.json_response({"control_url": answer})
+        return h
+    _, _, loop = _engines_elsewhere(0)   # an event loop of their own, in another thread
+    try:
+        apps = [web.Application() for _ in range(3)]
+        for app, ans in zip(apps, ("http://127.0.0.1:9100", 404, "http://127.0.0.1:9102")):
+            app.router.add_get("/health", lambda r: web.Response(status=200))
+            app.router.add_get("/kunserve/engine", route(ans))
+        new = []
+
+        async def start():
+            for app in apps:
+                runner = web.AppRunner(app)
+                await runner.setup()
+                site = web.TCPSite(runner, "127.0.0.1", 0)
+                await site.start()
+                new.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+        asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+        b = AttachBackend(new, [None, None, "http://127.0.0.1:7/"])
+        engines = [Engine(i) for i in range(3)]
+        for e in engines:
+            b.launch(EngineSpec("m"), e.index, e)
+            b.wait_ready(e, 5)
+        assert [e.control_url for e in engines] == ["http://127.0.0.1:9100", None, "http://127.0.0.1:7"]
+        assert b.found == {0: "engine", 1: "stock (GET /kunserve/engine answered 404)", 2: "flag"}
+        assert asked == ["http://127.0.0.1:9100", 404]   # the typed one was not asked
+        # an engine elsewhere that names its own loopback: not reachable from here, read as stock
+        far = AttachBackend(["http://10.9.8.7:1"])
+        e = Engine(0)
+        far.launch(EngineSpec("m"), 0, e)
+        import urllib.request
+        from unittest import mock
+
+        class Resp:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *a):
+                return False
+
+            def read(self):
+                return b'{"control_url": "http://127.0.0.1:5555"}'
+        with mock.patch.object(urllib.request, "urlopen", return_value=Resp()):
+            far.discover(e, time.monotonic() + 1)
+        assert e.control_url is None and "loopback" in far.found[0]
+        line = serve.attach_line(type("F", (), {"backend": b, "engines": engines})(), drop_on=False)
+        assert "0: control http://127.0.0.1:9100 (from the engine)" in line and "1: stock (GET" in line
+        assert "2: control http://127.0.0.1:7 (--engine-control-url)" in line and "cluster drop: off" in line
+    finally:
+        loop.call_soon_threadsafe(loop.stop)

@@ -73,3 +73,63 @@ def test_attached_real_engines_hung_and_killed(tiny_model, tmp_path):
     assert [a.token_ids for a in killed] == ref and all(a.status == 200 and a.error is None for a in killed)
     # attached: the front end never restarts what it did not start
     assert st["instances"][0]["restarts"] == 0
+
+
+def test_attached_kunserve_engines_are_found_and_grouped(burst_model, tmp_path):
+    """Two kunserve `vllm serve` engines started elsewhere, with the kunserve endpoint plugin allowed
+    (`VLLM_PLUGINS=kunserve`): `kunserve serve --engine-url` finds each one's control port from the
+    engine (`GET /kunserve/engine`, nothing typed), groups them on an operator's drop with outputs
+    token-identical to the ungrouped ones, and restore splits the group."""
+    from tests.vllm.cluster_client import op
+    from tests.vllm.conftest import BURST_KV_BYTES
+
+    args = ["--dtype", "float32", "--block-size", "32", "--kv-cache-memory-bytes", str(BURST_KV_BYTES),
+            "--max-model-len", "512", "--enforce-eager", "--served-model-name", "m"]
+    kcfg = {"drop": {"enable": False}}
+    engines = [VllmServer(str(burst_model), args, {"kunserve": {**kcfg, "drop": {"enable": False, "group_member": True}}},
+                          env={"VLLM_PLUGINS": "kunserve"}, log_path=tmp_path / f"engine{i}.log", startup_timeout_s=600)
+               for i in range(2)]
+    front = None
+    try:
+        for e in engines:
+            e.start()
+        front = KunserveCluster(str(burst_model), [], kcfg, log_path=tmp_path / "front.log", instances=2,
+                                startup_timeout_s=120,
+                                extra=["--engine-url", engines[0].url, "--engine-url", engines[1].url,
+                                       "--monitor-interval", "0.25"])
+        front.start()
+
+        async def go():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+                announced = []
+                for e in engines:
+                    async with s.get(e.url + "/kunserve/engine") as r:
+                        announced.append((r.status, await r.json()))
+                refs = {p: (await complete(s, front.url, p, max_tokens=64)).token_ids for p in PROMPTS[:3]}
+                before = await status(s, front.url)
+                code, ev = await op(s, front.url, "drop", {"instances": [0, 1]})
+                grouped = await status(s, front.url)
+                outs = [await complete(s, front.url, p, max_tokens=64, stream=True) for p in PROMPTS[:3]]
+                rcode, _ = await op(s, front.url, "restore", {})
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < 120:
+                    split = await status(s, front.url)
+                    if not split["groups"]:
+                        break
+                    await asyncio.sleep(0.25)
+                return announced, refs, before, code, ev, grouped, outs, rcode, split
+        announced, refs, before, code, ev, grouped, outs, rcode, split = asyncio.run(go())
+    finally:
+        if front is not None:
+            front.stop()
+        for e in engines:
+            e.stop()
+    assert [a[0] for a in announced] == [200, 200], announced
+    assert [i["control_url"] for i in before["instances"]] == [a[1]["control_url"] for a in announced]
+    log = (tmp_path / "front.log").read_text()
+    assert "0: control " in log and "(from the engine)" in log and "cluster drop: on" in log
+    assert code == 200 and ev["members"] == [0, 1], ev
+    (g,) = grouped["groups"]
+    assert g["state"] == "grouped" and g["members"] == [0, 1]
+    assert [o.token_ids for o in outs] == [refs[p] for p in PROMPTS[:3]] and all(len(o.token_ids) == 64 for o in outs)
+    assert rcode == 200 and not split["groups"]

@@ -100,6 +100,26 @@ def check_engine_args(model: str, engine_args: list[str]) -> argparse.Namespace:
     return parser.parse_args([model, *engine_args])
 
 
+def check_url(u: str) -> None:
+    """An engine URL: http(s)://host[:port][/path], the port a number in 1..65535."""
+    from urllib.parse import urlsplit
+
+    what = f"--engine-url / --engine-control-url {u!r}"
+    parts = urlsplit(u)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{what}: an http:// or https:// URL")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"{what}: the port must be a number in 1..65535") from None
+    if not parts.hostname:
+        raise ValueError(f"{what}: no host")
+    if port == 0:
+        raise ValueError(f"{what}: the port must be a number in 1..65535")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{what}: no query or fragment (the engine's base URL)")
+
+
 def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
     opts, engine_args = _options().parse_known_args(args.rest)
     if opts.engine_control_url and not opts.engine_url:
@@ -113,9 +133,17 @@ def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
         if len(opts.engine_control_url) > len(opts.engine_url):
             raise ValueError(f"{len(opts.engine_control_url)} --engine-control-url for {len(opts.engine_url)} "
                              "--engine-url")
+        for flag in ("--backend", "--ray-address"):
+            if any(a == flag or a.startswith(flag + "=") for a in args.rest):
+                raise ValueError(f"{flag} with --engine-url: attached engines were started elsewhere, kunserve "
+                                 "starts none (drop one of them)")
         for u in opts.engine_url + opts.engine_control_url:
-            if not u.startswith(("http://", "https://")):
-                raise ValueError(f"--engine-url / --engine-control-url {u!r}: an http:// or https:// URL")
+            check_url(u)
+        for name, urls in (("--engine-url", opts.engine_url), ("--engine-control-url", opts.engine_control_url)):
+            seen = [u.rstrip("/") for u in urls]
+            dup = next((u for i, u in enumerate(seen) if u in seen[:i]), None)
+            if dup:
+                raise ValueError(f"{name} {dup} given twice: one engine, one URL")
         opts.instances, opts.backend = len(opts.engine_url), ATTACH
     if opts.instances < 1 or opts.instances > 256:
         raise ValueError(f"--instances must be 1..256, got {opts.instances}")
@@ -253,6 +281,19 @@ def build(model: str, opts: argparse.Namespace, engine_args: list[str], engine_n
     return fleet, front
 
 
+def attach_line(fleet, drop_on: bool) -> str:
+    """What ``kunserve serve --engine-url`` found on the engines it attached: which are kunserve
+    engines (a control port, typed or announced by the engine) and whether cluster drop runs."""
+    found = getattr(fleet.backend, "found", {})
+    parts = [f"{e.index}: " + (f"control {e.control_url} ({'--engine-control-url' if found.get(e.index) == 'flag' else 'from the engine'})"
+                               if e.control_url else found.get(e.index, "stock"))
+             for e in fleet.engines]
+    n = sum(1 for e in fleet.engines if e.control_url)
+    tail = ("" if not n else " cluster drop: on (--kunserve-config)" if drop_on else
+            " cluster drop: off (pass --kunserve-config, '{}' for the defaults, to let these engines form groups)")
+    return f"[kunserve] attached engines: {'; '.join(parts)}.{tail}"
+
+
 def listen_socket(host: str, port: int) -> socket.socket:
     """The front end's listening socket, bound now: before any engine starts, so that a port in
     use fails at once with a clear error, and no engine's own ports (vLLM picks free ones while
@@ -318,6 +359,8 @@ def run(args: argparse.Namespace) -> int:
             fleet.start()
         except StartupExited as e:   # one line, no traceback (the fleet has stopped every engine)
             raise ValueError(e.one_line()) from None
+        if opts.engine_url:
+            print(attach_line(fleet, opts.kunserve_config is not None), flush=True)
         try:
             app = build_app(front)
             config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning", timeout_keep_alive=30)

@@ -189,7 +189,11 @@ class AttachBackend:
     kunserve fronts them and watches their ``/health``; it neither starts, stops nor kills them. One
     that stops answering is marked dead (its requests fail over) and rejoins once ``/health``
     answers again (the fleet's restart waits for it). ``control_urls``: their control ports, for
-    kunserve engines (None or missing: stock, read through ``/metrics``)."""
+    kunserve engines; where one is not given, the engine is asked (``GET /kunserve/engine``, the
+    kunserve endpoint plugin's route on ``vllm serve``, ``integration/vllm/endpoint.py``) once its
+    ``/health`` answers; an engine without the route is stock, read through ``/metrics``.
+    ``found``: per index, where its control URL came from ("flag", "engine") and, for an engine
+    whose announced port cannot serve this front end, why it is read as stock."""
 
     name = ATTACH
     probe_on_failure = False  # alive() is an HTTP round trip: never in the front end's event loop
@@ -205,9 +209,49 @@ class AttachBackend:
         self.urls = [u.rstrip("/") for u in urls]
         self.control = [c.rstrip("/") if c else None for c in control] + [None] * (len(urls) - len(control))
         self.health_timeout_s = health_timeout_s
+        self.found: dict[int, str] = {i: "flag" for i, c in enumerate(self.control) if c}
 
     def launch(self, spec: EngineSpec, index: int, engine: Engine) -> None:
         engine.url, engine.control_url, engine.handle = self.urls[index], self.control[index], None
+
+    def discover(self, engine: Engine, deadline: float) -> None:
+        """Ask a serving engine for its control port (kunserve's endpoint plugin); leave it stock
+        where the engine has no such route (404: a stock engine, or one run without
+        ``VLLM_PLUGINS=kunserve``), and where its port listens on a loopback address of another
+        machine (unreachable from here)."""
+        import json
+        import urllib.error
+        import urllib.parse
+        import urllib.request
+
+        from vllm_kunserve.engine.control import is_loopback
+
+        if self.control[engine.index]:
+            return
+        while True:
+            try:
+                with urllib.request.urlopen(f"{engine.url}/kunserve/engine", timeout=self.health_timeout_s) as r:
+                    url = json.loads(r.read()).get("control_url")
+                break
+            except urllib.error.HTTPError as e:
+                if e.code == 503 and time.monotonic() < deadline:   # the engine core has not announced yet
+                    time.sleep(0.5)
+                    continue
+                self.found[engine.index] = f"stock (GET /kunserve/engine answered {e.code})"
+                return
+            except (urllib.error.URLError, OSError, ValueError) as e:
+                self.found[engine.index] = f"stock (GET /kunserve/engine: {type(e).__name__})"
+                return
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            self.found[engine.index] = "stock (/kunserve/engine named no control URL)"
+            return
+        host = urllib.parse.urlsplit(url).hostname or ""
+        if is_loopback(host) and not is_loopback(urllib.parse.urlsplit(engine.url).hostname or ""):
+            self.found[engine.index] = (f"stock (its control port {url} listens on the engine's loopback, "
+                                        "unreachable from here: set the engine's kunserve control.host)")
+            return
+        engine.control_url = url.rstrip("/")   # asked again after a restart: the port may be another
+        self.found[engine.index] = "engine"
 
     def healthy(self, url: str, timeout_s: float | None = None) -> bool:
         import urllib.error
@@ -226,6 +270,7 @@ class AttachBackend:
                 raise StartupExited(f"{engine.url}/health did not answer 200 within {timeout_s:.0f} s "
                                     f"(--engine-url: the engine must be serving)", None, engine.index)
             time.sleep(0.5)
+        self.discover(engine, deadline)
 
     def alive(self, engine: Engine) -> bool:
         """False after ``misses_to_dead`` failed checks in a row (one lost probe on a network is not

@@ -50,6 +50,9 @@ logger = logging.getLogger("kunserve.frontend")
 
 __all__ = ["FrontEnd", "build_app", "relabel_metrics"]
 
+#: the breaker's events (cluster/frontend/breaker.py) and the kunserve:circuit_state value each sets
+CIRCUIT_STATES = {"circuit_closed": 0, "circuit_open": 1, "circuit_half_open": 2}
+
 
 def relabel_metrics(texts: dict[int, str]) -> str:
     """Merge engines' Prometheus texts into one exposition, each sample labelled ``instance``
@@ -158,6 +161,8 @@ class FrontEnd:
                                  ["instance", "reason"], registry=r)
         self.m_circuit = Gauge("kunserve:circuit_open", "1 while the instance's circuit breaker is open",
                                ["instance"], registry=r)
+        self.m_circuit_state = Gauge("kunserve:circuit_state", "The instance's circuit breaker: 0 closed, 1 open, "
+                                     "2 half open (cooled down, the next request probes it)", ["instance"], registry=r)
         self.m_restarts = Counter("kunserve:engine_restarts", "Engine restarts", ["instance"], registry=r)
         self.m_up = Gauge("kunserve:engine_up", "1 while the instance accepts work", ["instance"], registry=r)
         self.m_blocks = Gauge("kunserve:engine_kv_blocks", "KV block capacity per instance (last poll)",
@@ -184,8 +189,9 @@ class FrontEnd:
             self.m_migrations.labels("kv", "fallback").inc()
         elif kind == "failover":
             self.m_failovers.inc()
-        elif kind in ("circuit_open", "circuit_closed"):
+        elif kind in CIRCUIT_STATES:
             self.m_circuit.labels(str(info.get("instance"))).set(1 if kind == "circuit_open" else 0)
+            self.m_circuit_state.labels(str(info.get("instance"))).set(CIRCUIT_STATES[kind])
         logger.info("%s %s", kind, {k: v for k, v in info.items()})
 
     # -- lifecycle ----------------------------------------------------------------------------------

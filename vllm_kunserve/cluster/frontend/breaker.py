@@ -4,7 +4,10 @@ to an engine that keeps failing, and spaces its retries of one request.
 An engine that refused connections or broke ``threshold`` requests in a row is *open* for a
 cool-down (doubling on each new trip, up to ``max_cooldown_s``): dispatch skips it while another
 engine can take the request. After the cool-down it is *half open*: the next request may go
-there; a success closes it, a failure opens it again for the doubled cool-down. The fleet's
+there; a success closes it, a failure opens it again for the doubled cool-down. Every change of
+state is reported through ``on_change`` (``circuit_open``, ``circuit_half_open`` the first time
+dispatch looks at it after its cool-down, ``circuit_closed``), which the front end makes an event
+and the ``kunserve:circuit_state`` gauge. The fleet's
 supervisor still decides whether an engine is dead (and restarts it); the breaker is what keeps a
 flaky but living engine (or an attached one across a network) from taking every retry.
 """
@@ -33,6 +36,7 @@ class _State:
     failures: int = 0       # in a row
     open_until: float = 0.0
     cooldown_s: float = 0.0  # the last trip's (0: never tripped or closed since)
+    half_open: bool = False  # its cool-down ended and that was reported (until it closes or trips again)
 
 
 class Breakers:
@@ -57,6 +61,7 @@ class Breakers:
         if s.failures >= self.threshold or half_open:
             s.cooldown_s = min(self.max_cooldown_s, 2 * s.cooldown_s) if s.cooldown_s else self.cooldown_s
             s.open_until = self.clock() + s.cooldown_s
+            s.half_open = False
             if self.on_change:
                 self.on_change(i, "circuit_open", {"failures": s.failures, "cooldown_s": s.cooldown_s,
                                                    "reason": why[:200]})
@@ -73,9 +78,25 @@ class Breakers:
     def is_open(self, i: int) -> bool:
         """Dispatch should skip ``i`` now (open and cooling down; half open lets the next one through)."""
         s = self._s.get(i)
-        return s is not None and self.clock() < s.open_until
+        if s is None:
+            return False
+        if self.clock() < s.open_until:
+            return True
+        if s.cooldown_s and not s.half_open:
+            s.half_open = True
+            if self.on_change:
+                self.on_change(i, "circuit_half_open", {"cooldown_s": s.cooldown_s})
+        return False
+
+    def state(self, i: int) -> str:
+        """"closed", "open" or "half_open" (cooled down, not yet probed by a request)."""
+        s = self._s.get(i)
+        if s is None or not s.cooldown_s:
+            return "closed"
+        return "open" if self.clock() < s.open_until else "half_open"
 
     def view(self) -> dict[str, dict]:
         now = self.clock()
-        return {str(i): {"failures": s.failures, "open_s": round(max(0.0, s.open_until - now), 2)}
-                for i, s in self._s.items() if s.failures or s.open_until > now}
+        return {str(i): {"failures": s.failures, "open_s": round(max(0.0, s.open_until - now), 2),
+                         "state": self.state(i)}
+                for i, s in self._s.items() if s.failures or s.open_until > now or s.cooldown_s}

@@ -196,7 +196,15 @@ def _start_control(core: Any, agent: Any, cfg: Any) -> None:
     core._kunserve_control = srv
     agent.info["control_url"] = url
     agent._publish()
-    logger.info("kunserve control port: %s (engine %s)", url, agent.label)
+    from vllm_kunserve.integration.vllm.endpoint import announce
+
+    try:
+        where = announce(url)   # for vllm serve's /kunserve/engine route (an attached front end finds it)
+    except OSError as e:   # the route then answers 503; the engine serves as before
+        where = None
+        logger.warning("kunserve control port not announced: %s", e)
+    logger.info("kunserve control port: %s (engine %s)%s", url, agent.label,
+                f", announced in {where}" if where else "")
 
 
 def _wake(core: Any) -> None:

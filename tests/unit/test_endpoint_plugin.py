@@ -1,0 +1,51 @@
+"""The kunserve endpoint plugin (integration/vllm/endpoint.py): ``GET /kunserve/engine`` on vllm
+serve names the engine's control port, announced by the engine core through a file the API server's
+activation gate names (plugin.py)."""
+
+import os
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from vllm_kunserve import plugin
+from vllm_kunserve.integration.vllm import endpoint
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def app():
+    a = FastAPI()
+    p = endpoint.KunserveEndpoint()
+    assert p.name == "kunserve" and p.required_tasks is None
+    p.attach_router(a)
+    return TestClient(a)
+
+
+def test_route_answers_what_the_engine_core_announced(app, tmp_path, monkeypatch):
+    monkeypatch.delenv(plugin.ENV_ANNOUNCE, raising=False)
+    r = app.get("/kunserve/engine")
+    assert r.status_code == 404 and "stock engine" in r.json()["error"]   # no kunserve key: nothing named
+    monkeypatch.setenv(plugin.ENV_ANNOUNCE, str(tmp_path / "a.json"))
+    assert app.get("/kunserve/engine").status_code == 503            # named, not announced yet
+    assert endpoint.announce("http://127.0.0.1:4242") == tmp_path / "a.json"
+    r = app.get("/kunserve/engine")
+    assert r.status_code == 200 and r.json() == {"control_url": "http://127.0.0.1:4242"}
+    assert sorted(os.listdir(tmp_path)) == ["a.json"]                 # written whole, no temp left
+    (tmp_path / "a.json").write_text("{not json")
+    assert app.get("/kunserve/engine").status_code == 500
+
+
+def test_each_kunserve_engine_built_gets_its_own_announce_file(monkeypatch):
+    monkeypatch.delenv(plugin.ENV_ANNOUNCE, raising=False)
+    plugin._name_announce()
+    first = os.environ[plugin.ENV_ANNOUNCE]
+    plugin._name_announce()
+    assert os.environ[plugin.ENV_ANNOUNCE] != first and str(os.getpid()) in first
+    assert endpoint.announce is not None and endpoint.ENV_ANNOUNCE == plugin.ENV_ANNOUNCE
+
+
+def test_no_file_is_written_where_no_engine_asked(monkeypatch):
+    monkeypatch.delenv(plugin.ENV_ANNOUNCE, raising=False)
+    assert endpoint.announce("http://127.0.0.1:1") is None
