@@ -25,6 +25,18 @@ def test_doctor_reports_entry_point_and_backends(capsys):
     assert rc == 0
     assert set(info["memory_backends"]) == {"host", "cuda"}
     assert info["python"].count(".") == 2
+    ep = info["endpoint_plugin"]
+    assert ep["registered"] is True and ep["value"] == "vllm_kunserve.integration.vllm.endpoint:KunserveEndpoint"
+    assert ep["loadable"] is True
+
+
+def test_doctor_says_whether_vllm_serve_loads_the_endpoint_plugin(capsys, monkeypatch):
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    main(["doctor", "--json"])
+    assert json.loads(capsys.readouterr().out)["endpoint_plugin"]["loaded_by_vllm_serve"] is False
+    monkeypatch.setenv("VLLM_PLUGINS", "other, kunserve")
+    main(["doctor", "--json"])
+    assert json.loads(capsys.readouterr().out)["endpoint_plugin"]["loaded_by_vllm_serve"] is True
 
 
 @pytest.mark.parametrize("argv, needle", [

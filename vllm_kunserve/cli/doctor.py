@@ -1,7 +1,8 @@
 """``kunserve doctor``: what this machine offers kunserve.
 
 Versions (vLLM, torch, Python), CPU/CUDA, whether the ``vllm.general_plugins`` entry point is
-registered, and which memory backends (host, CUDA VMM) are usable here.
+registered (and the ``vllm.endpoint_plugins`` one, with whether ``VLLM_PLUGINS`` lets vLLM load it),
+and which memory backends (host, CUDA VMM) are usable here.
 """
 
 from __future__ import annotations
@@ -28,12 +29,21 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _entry_point() -> dict[str, Any]:
-    eps = [ep for ep in md.entry_points(group="vllm.general_plugins") if ep.name == "kunserve"]
+def _entry_point(group: str = "vllm.general_plugins") -> dict[str, Any]:
+    eps = [ep for ep in md.entry_points(group=group) if ep.name == "kunserve"]
     if not eps:
         return {"registered": False}
     return {"registered": True, "value": eps[0].value,
             "loadable": _try(lambda: eps[0].load() is not None)}
+
+
+def _endpoint_plugin() -> dict[str, Any]:
+    """The ``/kunserve/engine`` route's entry point, and whether this environment's ``VLLM_PLUGINS``
+    lets ``vllm serve`` load it (vLLM loads endpoint plugins only where that list names them)."""
+    allowed = os.environ.get("VLLM_PLUGINS")
+    names = [n.strip() for n in allowed.split(",")] if allowed is not None else []
+    return {**_entry_point("vllm.endpoint_plugins"), "loaded_by_vllm_serve": "kunserve" in names,
+            "how": "set VLLM_PLUGINS=kunserve on the engines (an attached front end then finds their control ports)"}
 
 
 def _try(fn) -> Any:
@@ -76,6 +86,7 @@ def collect() -> dict[str, Any]:
         "torch": _version("torch"),
         "cpus": os.cpu_count(),
         "plugin_entry_point": _entry_point(),
+        "endpoint_plugin": _endpoint_plugin(),
     }
     try:
         import torch
