@@ -103,6 +103,30 @@ def load(run: Path, systems: list[str], lo: float, inst: int) -> dict:
     return {(s, k): runfit.rep_data(d, lo, inst) for s in systems for k, d in reps_of(run, s)}
 
 
+def warm_tpot(run: Path, system: str, lo: float) -> float | None:
+    """Median TPOT of a system's warm-phase requests (arrivals before the burst window), pooled over
+    its repetitions."""
+    reqs = [r for k, d in reps_of(run, system) for r in pooled.read_window(d / "requests.csv", k, 0.0, lo)]
+    return pooled.tpot(reqs, (50.0,))["p50"]
+
+
+def machine_speed(fit_run: Path, pred_run: Path, fset: dict, pset: dict, systems: list[str]) -> dict | None:
+    """How much slower (> 1) or faster the machine decoded on the predicted run's day than on the fit
+    run's: per system in both, its warm-phase median TPOT in the predicted run over the fit run's
+    (the warm phase runs at half the capacity, below any drop, and comes before the burst window the
+    prediction is judged on), the median over systems. Runs made in different sessions of this
+    shared machine decode at speeds 10-25% apart, which alone moves a tail on the knee by more than
+    the target's 25%."""
+    ratios = {}
+    for s in systems:
+        f, p = warm_tpot(fit_run, s, fset["window"][0]), warm_tpot(pred_run, s, pset["window"][0])
+        if f and p:
+            ratios[s] = p / f
+    if not ratios:
+        return None
+    return {"factor": statistics.median(ratios.values()), "by_system": ratios}
+
+
 def sim_window(st, st_g, settings: dict, system: str, rows: list[dict], rep: int) -> list[pooled.Request]:
     """One repetition simulated with its own offered requests: its window's requests as pooled sees them."""
     sim = runfit.make_sim(st, st_g, settings, system, runfit.trace_of(rows)).run()
@@ -130,6 +154,8 @@ def main() -> int:
     ap.add_argument("--predict", required=True, help="the burst_value run predicted (its offered requests only)")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--no-calibrate", action="store_true", help="the lines as fitted (no TPOT calibration)")
+    ap.add_argument("--no-machine-speed", action="store_true",
+                    help="do not scale the lines by the machine's speed on the predicted run's day (its warm phase)")
     ap.add_argument("--out-name", default="burst_value_sim", help="writes docs/benchmarks/<name>.{md,json}")
     a = ap.parse_args()
     fit_run, pred_run = Path(a.fit), Path(a.predict)
@@ -150,6 +176,7 @@ def main() -> int:
     own = [s for s in systems if lines_from[s] != s and reps_of(fit_run, s)]
     sources = sorted(set(lines_from.values()) | set(own))
     fdata = load(fit_run, sources, fset["window"][0], fset["instances"])
+    speed = None if a.no_machine_speed else machine_speed(fit_run, pred_run, fset, pset, systems)
 
     rows, per = [], {}
     for s in systems:
@@ -169,6 +196,8 @@ def main() -> int:
                 c2 = runfit.calibrate(fdata, s, ko, single, grouped, {**fset, "system_as": SIM_AS}, tps)
                 single, grouped = runfit.scaled(single, c2["scale"]), runfit.scaled(grouped, c2["scale"])
                 cal = {**cal, "scale": cal["scale"] * c2["scale"], "own": c2}
+        if speed:   # the machine's speed on the predicted run's day, from its warm phase (below)
+            single, grouped = runfit.scaled(single, speed["factor"]), runfit.scaled(grouped, speed["factor"])
         st, st_g = runfit.step_times(single, grouped, 1.0, tps)
         meas, pred = [], []
         for k, d in reps_of(pred_run, s):
@@ -204,6 +233,7 @@ def main() -> int:
               f"{fmt(pt['p90']['value'])} / {fmt(pt['p99']['value'])} s; scale {fmt(cal and cal['scale'], 3)}", flush=True)
     cmd = command("burst_value_sim.py")
     res = {"command": cmd, "fit": str(fit_run), "predict": str(pred_run), "tolerance": TOL, "out_name": a.out_name,
+           "machine_speed": speed,
            "fit_settings": fset, "predict_settings": pset, "rows": rows}
     write_json(DOCS / f"{a.out_name}.json", res, indent=1, clean=False, default=str)
     (DOCS / f"{a.out_name}.md").write_text(render(res))
@@ -222,6 +252,15 @@ def held_out(fit: dict, pred: dict) -> str:
         return ("The two runs share the trace window and seed; they differ in the burst's rate, so each arrival "
                 "sequence is new to the fit.")
     return "The two runs share the trace window, seed and phases: not a held-out test."
+
+
+def machine_line(speed: dict | None) -> str:
+    if not speed:
+        return "- Machine speed: not applied (`--no-machine-speed`, or no warm-phase TPOT in both runs)."
+    by = ", ".join(f"{s} {x:.2f}" for s, x in speed["by_system"].items())
+    return (f"- Machine speed: every line x{speed['factor']:.3f}, the median over systems of the predicted run's "
+            f"warm-phase median TPOT over the fit run's ({by}): the machine's speed that day, read before the "
+            "burst window (nothing of the window is used; `--no-machine-speed` leaves it out).")
 
 
 def share_cell(row: dict) -> str:
@@ -291,6 +330,7 @@ def render(res: dict) -> str:
           "- Decode step lines (`a + c b` ms at a batch of b per engine) from the fit run's timelines' clean seconds "
           "(`vllm_kunserve/sim/runfit.py`, as `benchmarks/cluster_burst_sim.py` fits them), every repetition pooled; a group's cycle has its own line. "
           "Prefill rate: the fit run's warm requests that had an engine to themselves.",
+          machine_line(res.get("machine_speed")),
           "- Calibration: one factor on each system's lines, found where the simulated median TPOT of the fit run's "
           "repetitions equals the measured (`sim.runfit.calibrate`); a system whose lines come from another is "
           "scaled again to its own median TPOT in the fit run, where it ran there (the scale column is the product).",

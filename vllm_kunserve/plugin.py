@@ -46,7 +46,6 @@ ENV_PATCHES = "KUNSERVE_PATCHES"
 ENV_FEATURES = "KUNSERVE_FEATURES"
 #: vLLM's shared-memory queue readers sleep on the writer's signal instead of spinning (integration/vllm/shm_wait.py)
 ENV_SHM_SPIN = "KUNSERVE_SHM_WAIT_MS"
-ENV_ANNOUNCE = "KUNSERVE_CONTROL_ANNOUNCE"   # the control port's announce file (integration/vllm/endpoint.py)
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"patches": [], "logged": False, "gate": None}
@@ -84,7 +83,9 @@ def _install_gate() -> None:
         cfg = config_from_additional(getattr(self, "additional_config", None))  # raises on bad options
         if cfg is None:
             _export([], "")  # this engine's processes are stock, whatever engines came before
-            os.environ.pop(ENV_ANNOUNCE, None)
+            from vllm_kunserve.engine.control import ANNOUNCE_ENV
+
+            os.environ.pop(ANNOUNCE_ENV, None)
             return orig(self, *args, **kwargs)
         _name_announce()
         patches = activate(cfg)
@@ -108,7 +109,9 @@ def _name_announce() -> None:
     import tempfile
     import uuid
 
-    os.environ[ENV_ANNOUNCE] = os.path.join(tempfile.gettempdir(),
+    from vllm_kunserve.engine.control import ANNOUNCE_ENV
+
+    os.environ[ANNOUNCE_ENV] = os.path.join(tempfile.gettempdir(),
                                             f"kunserve-control-{os.getpid()}-{uuid.uuid4().hex[:8]}.json")
 
 

@@ -102,13 +102,14 @@ def test_engine_url_flags_are_checked():
     opts, engine_args = _parse("--engine-url", "http://a:8000", "--engine-url", "http://b:8000",
                                "--engine-control-url", "http://a:9000")
     assert opts.instances == 2 and opts.backend == "attach" and engine_args == []
+    assert _parse("--engine-url", "http://a:8000", "--backend", "local")[0].backend == "attach"  # the default
     for bad, why in [(("--engine-url", "a:8000"), "http:// or https://"),
                      (("--engine-url", "http://"), "no host"),
                      (("--engine-url", "http://a:abc"), "port must be a number"),
                      (("--engine-url", "http://a:99999"), "port must be a number"),
                      (("--engine-url", "http://a:1?x=1"), "no query"),
                      (("--engine-url", "http://a:1", "--engine-url", "http://a:1/"), "given twice"),
-                     (("--engine-url", "http://a:1", "--backend", "ray"), "--backend with --engine-url"),
+                     (("--engine-url", "http://a:1", "--backend", "ray"), "--backend ray with --engine-url"),
                      (("--engine-url", "http://a:1", "--ray-address=x:1"), "--ray-address with --engine-url"),
                      (("--engine-control-url", "http://a:9000"), "needs --engine-url"),
                      (("--engine-url", "http://a", "--instances", "3"), "counted by their URLs"),

@@ -35,3 +35,28 @@ def test_share_cell_reads_measured_interval_and_prediction(bvs):
     r["over_slo"]["measured_reps"] = [0.05, 0.21, 0.29]
     assert bvs.share_cell(r) == "19.2% (14.9%..23.4%; reps 5%..29%) / 10.4%"
     assert bvs.share_cell({"system": "b"}) == "-"
+
+
+def _run(tmp_path, name, tpots):
+    """A burst_value run directory: per system one repetition, warm requests (arrival < 30 s) with
+    the given TPOT and window requests (arrival >= 30 s) ten times slower, which must not count."""
+    for system, tpot in tpots.items():
+        d = tmp_path / name / system / "rep1"
+        d.mkdir(parents=True)
+        rows = ["idx,arrival_s,ok,ttft_s,tpot_s,output_tokens,e2e_s"]
+        rows += [f"{i},{i},1,0.5,{tpot},100,10" for i in range(10)]
+        rows += [f"{10 + i},{40 + i},1,0.5,{tpot * 10},100,10" for i in range(10)]
+        (d / "requests.csv").write_text("\n".join(rows) + "\n")
+    return tmp_path / name
+
+
+def test_machine_speed_is_the_median_warm_tpot_ratio_over_systems(bvs, tmp_path):
+    fit = _run(tmp_path, "fit", {"vllm": 0.20, "kunserve": 0.25, "oracle-equal": 0.22})
+    pred = _run(tmp_path, "pred", {"vllm": 0.23, "kunserve": 0.30, "oracle-equal": 0.242})
+    w = {"window": [30.0, 94.0]}
+    sp = bvs.machine_speed(fit, pred, w, w, ["vllm", "kunserve", "oracle-equal", "static"])
+    assert sp["by_system"] == pytest.approx({"vllm": 1.15, "kunserve": 1.2, "oracle-equal": 1.1})
+    assert sp["factor"] == pytest.approx(1.15)
+    assert "every line x1.150" in bvs.machine_line(sp)
+    assert bvs.machine_speed(fit, pred, w, w, ["static"]) is None
+    assert "not applied" in bvs.machine_line(None)

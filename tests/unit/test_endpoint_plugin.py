@@ -9,6 +9,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from vllm_kunserve import plugin
+from vllm_kunserve.engine.control import ANNOUNCE_ENV
 from vllm_kunserve.integration.vllm import endpoint
 
 pytestmark = pytest.mark.unit
@@ -24,10 +25,10 @@ def app():
 
 
 def test_route_answers_what_the_engine_core_announced(app, tmp_path, monkeypatch):
-    monkeypatch.delenv(plugin.ENV_ANNOUNCE, raising=False)
+    monkeypatch.delenv(ANNOUNCE_ENV, raising=False)
     r = app.get("/kunserve/engine")
     assert r.status_code == 404 and "stock engine" in r.json()["error"]   # no kunserve key: nothing named
-    monkeypatch.setenv(plugin.ENV_ANNOUNCE, str(tmp_path / "a.json"))
+    monkeypatch.setenv(ANNOUNCE_ENV, str(tmp_path / "a.json"))
     assert app.get("/kunserve/engine").status_code == 503            # named, not announced yet
     assert endpoint.announce("http://127.0.0.1:4242") == tmp_path / "a.json"
     r = app.get("/kunserve/engine")
@@ -38,14 +39,14 @@ def test_route_answers_what_the_engine_core_announced(app, tmp_path, monkeypatch
 
 
 def test_each_kunserve_engine_built_gets_its_own_announce_file(monkeypatch):
-    monkeypatch.delenv(plugin.ENV_ANNOUNCE, raising=False)
+    monkeypatch.delenv(ANNOUNCE_ENV, raising=False)
     plugin._name_announce()
-    first = os.environ[plugin.ENV_ANNOUNCE]
+    first = os.environ[ANNOUNCE_ENV]
     plugin._name_announce()
-    assert os.environ[plugin.ENV_ANNOUNCE] != first and str(os.getpid()) in first
-    assert endpoint.announce is not None and endpoint.ENV_ANNOUNCE == plugin.ENV_ANNOUNCE
+    assert os.environ[ANNOUNCE_ENV] != first and str(os.getpid()) in first
+    assert endpoint.ANNOUNCE_ENV == ANNOUNCE_ENV
 
 
 def test_no_file_is_written_where_no_engine_asked(monkeypatch):
-    monkeypatch.delenv(plugin.ENV_ANNOUNCE, raising=False)
+    monkeypatch.delenv(ANNOUNCE_ENV, raising=False)
     assert endpoint.announce("http://127.0.0.1:1") is None

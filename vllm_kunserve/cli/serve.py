@@ -133,10 +133,14 @@ def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
         if len(opts.engine_control_url) > len(opts.engine_url):
             raise ValueError(f"{len(opts.engine_control_url)} --engine-control-url for {len(opts.engine_url)} "
                              "--engine-url")
-        for flag in ("--backend", "--ray-address"):
-            if any(a == flag or a.startswith(flag + "=") for a in args.rest):
-                raise ValueError(f"{flag} with --engine-url: attached engines were started elsewhere, kunserve "
-                                 "starts none (drop one of them)")
+        from vllm_kunserve.cluster.fleet.backends import BACKENDS
+
+        # the default backend (local) is harmless to name; another, or a Ray address, would be ignored
+        named = [f"--backend {opts.backend}"] if opts.backend != BACKENDS[0] else []
+        named += ["--ray-address"] if opts.ray_address else []
+        if named:
+            raise ValueError(f"{named[0]} with --engine-url: attached engines were started elsewhere, kunserve "
+                             "starts none (drop one of them)")
         for u in opts.engine_url + opts.engine_control_url:
             check_url(u)
         for name, urls in (("--engine-url", opts.engine_url), ("--engine-control-url", opts.engine_control_url)):

@@ -36,6 +36,9 @@ logger = logging.getLogger("vllm.kunserve")
 
 MAX_BODY = 64 << 10
 TOKEN_ENV = "KUNSERVE_CONTROL_TOKEN"
+#: where an engine core announces its control URL to its API server's ``GET /kunserve/engine``
+#: (integration/vllm/endpoint.py): a file the plugin's activation gate names per engine
+ANNOUNCE_ENV = "KUNSERVE_CONTROL_ANNOUNCE"
 _THREAD = "kunserve-control"
 
 

@@ -24,14 +24,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vllm_kunserve.plugin import ENV_ANNOUNCE
+from vllm_kunserve.engine.control import ANNOUNCE_ENV
 
 ROUTE = "/kunserve/engine"
 
 
 def announce(url: str) -> Path | None:
     """Engine core: write this engine's control URL where the API server's route reads it."""
-    path = os.environ.get(ENV_ANNOUNCE, "").strip()
+    path = os.environ.get(ANNOUNCE_ENV, "").strip()
     if not path:
         return None
     p = Path(path)
@@ -43,7 +43,7 @@ def announce(url: str) -> Path | None:
 
 def read_announced() -> tuple[int, dict[str, Any]]:
     """(HTTP status, body) of ``GET /kunserve/engine`` in this process."""
-    path = os.environ.get(ENV_ANNOUNCE, "").strip()
+    path = os.environ.get(ANNOUNCE_ENV, "").strip()
     if not path:
         return 404, {"error": "no kunserve control port on this engine (a stock engine, or kunserve's "
                               "control.enable is off)"}
