@@ -282,6 +282,21 @@ def cpu_section(totals: dict) -> list[str]:
     return L
 
 
+def reused_note(command: str) -> str:
+    """Where the measuring command ran only some steps, the others' results came from the run
+    directory: say so (the capacity and the sweep then predate the comparison)."""
+    import shlex
+
+    argv = shlex.split(command)
+    steps = argv[argv.index("--steps") + 1] if "--steps" in argv[:-1] else "capacity,sweep,compare"
+    missing = [x for x in ("capacity", "sweep") if x not in steps.split(",")]
+    if not missing:
+        return ""
+    return (f"The {' and the '.join(missing)} {'were' if len(missing) > 1 else 'was'} not re-measured by this "
+            f"command (`--steps {steps}`): {'they are' if len(missing) > 1 else 'it is'} an earlier run's, "
+            "read from the run directory.")
+
+
 def analyse(reqs: dict[str, list[pooled.Request]], ttft_slo: float, tpot_slo: float,
             equal: str = "oracle-equal") -> dict:
     """Pooled statistics per system, the best alternative per statistic, and the comparisons with
@@ -497,7 +512,7 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
         L += md_table(["concurrency", "requests", "req/s", "output tokens/s", "median TPOT (ms)"], "rrrrr",
                       ([r["concurrency"], r["completed"], f"{r['req_per_s']:.3f}", f"{r['output_tokens_per_s']:.1f}",
                         f"{r['median_tpot_ms']:.1f}"] for r in cap["rows"]))
-        L += ["", f"Capacity: **{cap['req_per_s']:.3f} req/s** (the best row). "]
+        L += ["", f"Capacity: **{cap['req_per_s']:.3f} req/s** (the best row). " + reused_note(meta["command"])]
     elif cap:
         L += [f"Capacity: {cap.get('note')}", ""]
     L += [f"Workload: the Azure LLM conversation trace's (2023, CC BY 4.0) arrival times re-timed into phases "

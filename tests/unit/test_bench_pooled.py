@@ -140,3 +140,12 @@ def test_where_the_cores_went_averages_each_roles_share_over_runs(bv):
     assert "| vllm | 0.070 | 0.000 | 0.000 | 1.500 | 0.040 |" in text
     assert "| vllm-router | 0.035 | 0.008 | 0.000 | 1.700 | 0.000 |" in text
     assert bv.cpu_section({"x": {"cpu": {}}}) == []
+
+
+def test_a_doc_says_which_steps_its_command_did_not_measure(bv):
+    assert bv.reused_note("python benchmarks/burst_value.py --regime r1 --repeat 5") == ""
+    assert bv.reused_note("python benchmarks/burst_value.py --steps capacity,sweep,compare") == ""
+    n = bv.reused_note("python benchmarks/burst_value.py --steps compare --repeat 5")
+    assert n.startswith("The capacity and the sweep were not re-measured") and "`--steps compare`" in n
+    assert bv.reused_note("python benchmarks/burst_value.py --steps sweep,compare").startswith(
+        "The capacity was not re-measured")
