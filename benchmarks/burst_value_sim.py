@@ -178,7 +178,7 @@ def main() -> int:
     fdata = load(fit_run, sources, fset["window"][0], fset["instances"])
     speed = None if a.no_machine_speed else machine_speed(fit_run, pred_run, fset, pset, systems)
 
-    rows, per = [], {}
+    rows = []
     for s in systems:
         src = lines_from[s]
         fits, pf = runfit.pooled_fits(fdata, src)
@@ -217,11 +217,11 @@ def main() -> int:
         o = row["over_slo"]
         # each repetition's own share: the spread between runs of one system (the bootstrap interval
         # resamples requests within repetitions, so it leaves this spread out)
-        per = sorted(pooled.share_above([r for r in meas if r.rep == k], SLOW_S)["value"]
-                     for k in sorted({r.rep for r in meas}))
-        o["measured_reps"] = per
-        row["over_slo_in_reps"] = (o["predicted"]["value"] is not None and bool(per)
-                                   and per[0] <= o["predicted"]["value"] <= per[-1])
+        rep_shares = sorted(pooled.share_above([r for r in meas if r.rep == k], SLOW_S)["value"]
+                            for k in sorted({r.rep for r in meas}))
+        o["measured_reps"] = rep_shares
+        row["over_slo_in_reps"] = (o["predicted"]["value"] is not None and bool(rep_shares)
+                                   and rep_shares[0] <= o["predicted"]["value"] <= rep_shares[-1])
         row["over_slo_in_ci"] = (o["predicted"]["value"] is not None and o["measured"]["lo"] is not None
                                  and o["measured"]["lo"] <= o["predicted"]["value"] <= o["measured"]["hi"])
         row["within"] = all(row[f"ratio_{q}"] is not None and abs(row[f"ratio_{q}"] - 1) <= TOL for q in ("p90", "p99"))

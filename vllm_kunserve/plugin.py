@@ -81,13 +81,10 @@ def _install_gate() -> None:
 
     def create_engine_config(self, *args, **kwargs):
         cfg = config_from_additional(getattr(self, "additional_config", None))  # raises on bad options
+        _name_announce(cfg)
         if cfg is None:
             _export([], "")  # this engine's processes are stock, whatever engines came before
-            from vllm_kunserve.engine.control import ANNOUNCE_ENV
-
-            os.environ.pop(ANNOUNCE_ENV, None)
             return orig(self, *args, **kwargs)
-        _name_announce()
         patches = activate(cfg)
         for p in patches:
             p.configure(cfg, self)
@@ -102,15 +99,20 @@ def _install_gate() -> None:
     _state["gate"] = create_engine_config
 
 
-def _name_announce() -> None:
+def _name_announce(cfg: KunServeConfig | None) -> None:
     """Where this engine's core announces its control port to the API server's ``/kunserve/engine``
     route (``integration/vllm/endpoint.py``): a fresh file per engine built in this process, inherited
-    by the engine-core process vLLM starts next."""
+    by the engine-core process vLLM starts next. An engine that opens no control port (stock, or one
+    that moves no memory, or ``control.enable`` off: ``engine_hooks._attach`` / ``_start_control``) gets
+    none, so the route answers 404 at once instead of 503 for ever."""
     import tempfile
     import uuid
 
     from vllm_kunserve.engine.control import ANNOUNCE_ENV
 
+    if cfg is None or not (cfg.moves_memory and cfg.control.enable):
+        os.environ.pop(ANNOUNCE_ENV, None)
+        return
     os.environ[ANNOUNCE_ENV] = os.path.join(tempfile.gettempdir(),
                                             f"kunserve-control-{os.getpid()}-{uuid.uuid4().hex[:8]}.json")
 

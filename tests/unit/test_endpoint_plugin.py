@@ -39,11 +39,19 @@ def test_route_answers_what_the_engine_core_announced(app, tmp_path, monkeypatch
 
 
 def test_each_kunserve_engine_built_gets_its_own_announce_file(monkeypatch):
+    from vllm_kunserve.config import parse_config
+
+    member = parse_config({"drop": {"group_member": True}})
     monkeypatch.delenv(ANNOUNCE_ENV, raising=False)
-    plugin._name_announce()
+    plugin._name_announce(member)
     first = os.environ[ANNOUNCE_ENV]
-    plugin._name_announce()
+    plugin._name_announce(member)
     assert os.environ[ANNOUNCE_ENV] != first and str(os.getpid()) in first
+    # an engine that opens no control port names none: its route answers 404 at once, not 503
+    for cfg in (None, parse_config({}), parse_config({"drop": {"group_member": True}, "control": {"enable": False}})):
+        plugin._name_announce(member)
+        plugin._name_announce(cfg)
+        assert ANNOUNCE_ENV not in os.environ
     assert endpoint.ANNOUNCE_ENV == ANNOUNCE_ENV
 
 
