@@ -54,6 +54,12 @@ class DropConfig:
     decode_share_window_s: float = _opt(
         5.0, "Seconds of the monitor's recent readings the decode share is summed over, with the current one "
         "(0: the current reading alone).", lo=0.0, hi=600.0)
+    defer_for_first_token_s: float = _opt(
+        2.0, "While the instances a drop would group have requests waiting for their first token and their KV is "
+        "not yet short (demand below capacity), wait up to this many seconds for a moment with none before "
+        "joining: a join stalls its members for its length (0.3-0.7 s on a CPU), which those requests would pay "
+        "in TTFT, where the requests already decoding pay it once in a stream of tokens. 0 joins at once.",
+        lo=0.0, hi=60.0)
     max_group_size: int = _opt(
         8, "Largest pipeline group the planner may form (instances per group).", lo=1, hi=4096)
     check_interval_s: float = _opt(0.5, "Monitor period in seconds.", lo=0.01, hi=60.0, lo_open=False)

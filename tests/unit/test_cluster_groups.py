@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from vllm_kunserve.cluster.control.groups import GroupController, GroupOpError
+from vllm_kunserve.cluster.control.monitor import FlightBook
 from vllm_kunserve.config import parse_config
 from vllm_kunserve.engine.state import EngineState
 
@@ -34,6 +35,7 @@ class FakeFront:
                                               for i in range(n)])
         self.states = {i: _state(i) for i in range(n)}
         self.monitor = SimpleNamespace(reports={i: SimpleNamespace(ok=True, state=self.states[i]) for i in range(n)})
+        self.book = FlightBook()   # what the front end relays (empty: no request awaits a first token)
 
     def record(self, kind, **info):
         self.events.append({"event": kind, **info})

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from vllm_kunserve.cluster.control import groups as fleet_groups
 from vllm_kunserve.cluster.control.groups import GroupController, GroupOpError
+from vllm_kunserve.cluster.control.monitor import FlightBook
 from vllm_kunserve.config import parse_config
 from vllm_kunserve.engine.state import EngineState
 from vllm_kunserve.policy.drop import balanced_stages
@@ -56,11 +57,12 @@ STEPS = [
 ]
 
 
-def snapshot(now, load, groups, sick) -> ClusterSnapshot:
+def snapshot(now, load, groups, sick, awaiting=()) -> ClusterSnapshot:
     held = {i: r for g in groups for i, r in zip(g, balanced_stages(L, len(g)))}
     insts = tuple(InstanceSnapshot(
         i, MAX if i in held else BASE, used, queued, *(held.get(i) or (0, 0)), healthy=i not in sick,
-        kv_blocks_base=BASE, prompt_tokens=10 * used, output_tokens=30 * used, kv_blocks_max=MAX)
+        kv_blocks_base=BASE, prompt_tokens=10 * used, output_tokens=30 * used, kv_blocks_max=MAX,
+        awaiting_first_token=(awaiting or (0,) * N)[i])
         for i, (used, queued) in enumerate(load))
     alone = [(i,) for i in range(N) if i not in held]
     return ClusterSnapshot(MODEL, insts, tuple(groups) + tuple(alone), now_s=now)
@@ -95,11 +97,13 @@ class FakePorts:
         return {"draining": 0}
 
 
-def fleet_controller(ports: FakePorts):
+def fleet_controller(ports: FakePorts, cfg: dict = CFG):
     engines = [SimpleNamespace(index=i, accepting=True, control_url=f"http://c{i}") for i in range(N)]
+    events: list = []
     front = SimpleNamespace(registry=CollectorRegistry(), token="", fleet=SimpleNamespace(engines=engines),
-                            monitor=SimpleNamespace(reports={}), record=lambda kind, **info: None)
-    gc = GroupController(front, parse_config(CFG))
+                            monitor=SimpleNamespace(reports={}), book=FlightBook(), events=events,
+                            record=lambda kind, **info: events.append((kind, info)))
+    gc = GroupController(front, parse_config(cfg))
     gc._op = ports.op
     return front, gc
 
@@ -116,13 +120,17 @@ def recorded(monkeypatch, module) -> list:
     return ticks
 
 
-def test_the_fleet_and_the_simulator_decide_the_same_over_the_same_snapshots(monkeypatch):
+def drive(monkeypatch, steps, cfg: dict = CFG):
+    """Feed ``steps`` ((now, load, groups, sick, expected action[, awaiting first token per
+    instance])) to the fleet's controller and the simulator's policy; assert, step by step, that
+    they decide the same and that the fleet's operations are that decision's. Returns (the fleet's
+    ticks, the front end, the controller, each step's finished leaves)."""
     fleet_ticks, sim_ticks = recorded(monkeypatch, fleet_groups), recorded(monkeypatch, sim_kunserve)
     ports = FakePorts()
-    front, gc = fleet_controller(ports)
+    front, gc = fleet_controller(ports, cfg)
 
     # the simulator: its KunServe policy's on_tick over the recorded snapshot, its mechanisms recorded
-    pol = sim_kunserve.KunServePolicy(parse_config(CFG))
+    pol = sim_kunserve.KunServePolicy(parse_config(cfg))
     sim_decs = []
     sim = SimpleNamespace(_pending=None, recorded=None)
     monkeypatch.setattr(adapters, "cluster_snapshot", lambda s: s.recorded)
@@ -130,9 +138,14 @@ def test_the_fleet_and_the_simulator_decide_the_same_over_the_same_snapshots(mon
     pol._restore = lambda s, dec: sim_decs.append(("restore", dec))
 
     actions, finishes = [], {}
-    for now, load, groups, sick, expected in STEPS:
-        snap = snapshot(now, load, groups, sick)
-        # the fleet
+    for now, load, groups, sick, expected, *rest in steps:
+        awaiting = rest[0] if rest else ()
+        snap = snapshot(now, load, groups, sick, awaiting)
+        # the fleet: what it relays to each engine, in its own book (no first token: not started)
+        front.book = FlightBook()
+        for i, n in enumerate(awaiting):
+            for k in range(n):
+                front.book.put(i, f"r{i}-{k}", 64, 0, False)
         for r in snap.instances:
             front.fleet.engines[r.instance_id].accepting = ports.healthy[r.instance_id] = r.healthy
         if 3 in sick and gc.group_of(3) is not None and not groups:
@@ -172,7 +185,12 @@ def test_the_fleet_and_the_simulator_decide_the_same_over_the_same_snapshots(mon
         assert not joins, now
         want = [i for r in (fdec.restore.restore if fdec.action == "restore" else ()) for i in r.instances]
         assert sorted(begins) == sorted(want), now
-    assert actions == [e for *_, e in STEPS]
+    assert actions == [s[4] for s in steps]
+    return fleet_ticks, front, gc, finishes
+
+
+def test_the_fleet_and_the_simulator_decide_the_same_over_the_same_snapshots(monkeypatch):
+    fleet_ticks, front, gc, finishes = drive(monkeypatch, STEPS)
 
     # the settled behaviours, as the two decided them
     by_t = {s[0]: d for (s, d) in ((st, dec) for st, (_, dec) in zip(STEPS, fleet_ticks))}
@@ -197,3 +215,38 @@ async def _fresh(ports: FakePorts, snap: ClusterSnapshot, members) -> dict:
             raise GroupOpError(f"instance {i} is not a live group member")
     return {i: EngineState.from_dict(ports.state(by_id[i])) for i in members}
 
+
+
+# a drop due while requests await their first token: it waits for a moment with none, for at most
+# drop.defer_for_first_token_s (1 s here), and never while the KV is short
+DEFER_CFG = {**CFG, "drop": {**CFG["drop"], "defer_for_first_token_s": 1.0}}
+DEFER_STEPS = [
+    (0.0, [(40, 0)] * 4, [], (), "none"),
+    (0.5, [(90, 0), (90, 0), (40, 0), (40, 0)], [], (), "none", (2, 0, 1, 0)),   # due, (0, 1) await: waits
+    (1.0, [(92, 0), (92, 0), (40, 0), (40, 0)], [], (), "drop", (0, 0, 1, 0)),   # none left on (0, 1): joins
+    (1.5, [(180, 0)] * 2 + [(92, 0)] * 2, [(0, 1)], (), "none", (0, 0, 1, 1)),    # (2, 3) due, awaiting: waits
+    (2.0, [(180, 0)] * 2 + [(94, 0)] * 2, [(0, 1)], (), "none", (0, 0, 1, 1)),
+    (2.5, [(180, 0)] * 2 + [(96, 0)] * 2, [(0, 1)], (), "drop", (0, 0, 1, 1)),    # waited 1 s: joins anyway
+]
+
+
+def test_a_due_drop_waits_for_first_tokens_alike_in_the_fleet_and_the_simulator(monkeypatch):
+    fleet_ticks, front, gc, _ = drive(monkeypatch, DEFER_STEPS, DEFER_CFG)
+    by_t = {s[0]: d for s, (_, d) in zip(DEFER_STEPS, fleet_ticks)}
+    assert "2 requests on [0, 1] await their first token" in by_t[0.5].deferred
+    assert [g.instances for g in by_t[0.5].drop.groups] == [(0, 1)]     # the plan it waits to carry out
+    assert not by_t[1.0].deferred and not by_t[2.5].deferred
+    assert by_t[1.5].deferred and by_t[2.0].deferred
+    assert [g.instances for g in by_t[2.5].drop.groups] == [(2, 3)]
+    # one event per deferral, when it starts
+    assert [k for k, _ in front.events if k == "drop_deferred"] == ["drop_deferred"] * 2
+
+
+def test_a_drop_never_waits_while_the_kv_is_short(monkeypatch):
+    # instance 0's demand is over its capacity (the cluster's is not): the join goes ahead, awaiting or not
+    steps = [(0.0, [(60, 0)] * 4, [], (), "none"),
+             (0.5, [(100, 10), (98, 0), (60, 0), (60, 0)], [], (), "drop", (3, 3, 0, 0))]
+    fleet_ticks, *_ = drive(monkeypatch, steps, DEFER_CFG)
+    rep = fleet_ticks[-1][1].overload
+    assert rep.demand_blocks < rep.capacity_blocks and rep.instances[0].ratio > 1.0
+    assert not fleet_ticks[-1][1].deferred

@@ -422,7 +422,8 @@ class EngineAgent:
                            name=name, drop=sorted(set(drop)), transition=transition, recomputed=recomputed,
                            held_blocks=len(held), blocks_before=st.visible,
                            blocks_after=self.sched.state().visible, own_blocks=own, peer_blocks=peer_cap,
-                           worker_s=round(max(o["seconds"] for o in outs), 4))
+                           worker_s=round(max(o["seconds"] for o in outs), 4),
+                           worker_ms=[o.get("ms") for o in outs])
 
     def _stage_bytes(self) -> int:
         """Shared-memory buffer for one step's hidden states, residual and positions."""

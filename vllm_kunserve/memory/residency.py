@@ -366,7 +366,7 @@ class LayerResidency:
             tx.step("exchange", exchange)
             tx.step("kv_free", lambda: self._resize({k.region: 0 for k in own_dropped}),
                     lambda: self._resize(prev))
-            self._grow_best_effort()  # after kv_free: a failure here must not roll back (KV moved)
+            tx.step("kv_grow_after", self._grow_best_effort)  # after kv_free: never rolls back (KV moved)
         return self._run("join", body, commit, layers=list(D), peers=dict(peers),
                          nbytes=sum(self.weights[i].max_bytes for i in D))
 
@@ -457,7 +457,8 @@ class LayerResidency:
         else:
             self.pending = tx
         self.event(name, time.perf_counter() - t0, nbytes, blocks_before=before,
-                    blocks_after=self.mapped_blocks, **info)
+                    blocks_after=self.mapped_blocks, step_ms={k: round(v, 1) for k, v in tx.step_ms.items()},
+                    **info)
         return self.mapped_blocks
 
     def event(self, kind: str, seconds: float, nbytes: int, **extra) -> None:

@@ -78,13 +78,17 @@ class Transaction:
         self.name = name
         self.faults = faults
         self.steps: list[str] = []
+        #: milliseconds per step name, summed over the steps of that name (where a transition's time went)
+        self.step_ms: dict[str, float] = {}
         self._undo: list[tuple[str, Callable[[], Any]]] = []
 
     def step(self, name: str, do: Callable[[], Any], undo: Callable[[], Any] | None = None) -> Any:
         """Run ``do`` (after the fault check); remember ``undo`` once it succeeded."""
         if self.faults is not None:
             self.faults.check(name)
+        t0 = time.perf_counter()
         out = do()
+        self.step_ms[name] = self.step_ms.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
         self.steps.append(name)
         if undo is not None:
             self._undo.append((name, undo))

@@ -49,7 +49,7 @@ def cluster_input(*, num_layers: int, layer_bytes: int, block_bytes: int, block_
     it runs in a group or None for all, ``healthy``, optional ``base_blocks``: capacity holding every
     layer, optional ``max_blocks``: the most its KV cache can reach, optional ``host``: the
     machine it runs on (groups form within one), optional ``prompt_tokens`` / ``output_tokens``: the request mix, the prompt lengths and output budgets of
-    the requests in the engine). Capacity and use count one block per
+    the requests in the engine, optional ``awaiting_first_token``: how many of them have had no token yet). Capacity and use count one block per
     ``block_size`` tokens of a request, whichever members hold its layers."""
     from vllm_kunserve.policy.snapshot import ClusterSnapshot, InstanceSnapshot, ModelSpec
 
@@ -63,6 +63,7 @@ def cluster_input(*, num_layers: int, layer_bytes: int, block_bytes: int, block_
                                    prompt_tokens=int(r.get("prompt_tokens") or 0),
                                    output_tokens=int(r.get("output_tokens") or 0),
                                    kv_blocks_max=int(r.get("max_blocks") or 0),
-                                   host=str(r.get("host") or "")) for r in rows)
+                                   host=str(r.get("host") or ""),
+                                   awaiting_first_token=int(r.get("awaiting_first_token") or 0)) for r in rows)
     return ClusterSnapshot(model=model, instances=insts, groups=tuple(groups), now_s=now_s,
                            demand_history=tuple(history), work_history=tuple(work_history))

@@ -8,7 +8,11 @@ through the engines' control ports, the simulator by timing the transition). The
 cluster's demand, keeps the last ``history_s`` of it for the forecast, and returns what to do:
 
 * ``drop`` when :func:`assess_overload` finds the cluster overloaded and drop is enabled, with the
-  :func:`plan_drop` plan for what must be freed (the restore hold starts over);
+  :func:`plan_drop` plan for what must be freed (the restore hold starts over), unless the join is
+  *deferred*: the instances it would group have requests waiting for their first token, their KV
+  is not short yet (demand below capacity) and the deferral has not lasted
+  ``drop.defer_for_first_token_s``; then ``none``, with the plan and the reason (a join stalls its
+  members for its length: those requests would pay it in TTFT, decoding ones once in a stream);
 * else ``restore`` when some group may split (:func:`decide_restore`: hysteresis, hold time, no
   re-trigger; a group with an unhealthy member splits at once, restore enabled or not);
 * else ``none`` (with the restore decision where one was asked for, for status).
@@ -47,6 +51,7 @@ class MonitorState:
     history: tuple[tuple[float, float], ...] = ()  # (time_s, cluster demand blocks), oldest first
     restore: RestoreState = RestoreState()
     work: tuple[tuple[float, int, int], ...] = ()  # (time_s, decode, prefill tokens to compute), oldest first
+    deferred_since: float | None = None  # when the drop now waiting for first tokens was first due
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ class MonitorDecision:
     overload: OverloadReport
     drop: DropPlan | None = None
     restore: RestoreDecision | None = None  # the restore decision, wherever one was asked for
+    deferred: str = ""  # why a due drop waits (action "none", with its plan in ``drop``)
 
 
 def record_demand(history: tuple[tuple[float, float], ...], now_s: float, demand_blocks: float,
@@ -79,6 +85,11 @@ def monitor_tick(cluster: ClusterSnapshot, state: MonitorState = MonitorState(),
     rep = assess_overload(snap, drop)
     if rep.overloaded and drop.enable:
         plan = plan_drop(snap, rep.need_bytes, drop.max_group_size, regroup=regroup)
+        why = deferral(snap, plan, rep, drop, state.deferred_since)
+        if why:
+            since = cluster.now_s if state.deferred_since is None else state.deferred_since
+            return (MonitorDecision("none", snap, rep, drop=plan, deferred=why),
+                    MonitorState(history, RestoreState(), work, since))
         return MonitorDecision("drop", snap, rep, drop=plan), MonitorState(history, RestoreState(), work)
     rstate, dec = state.restore, None
     grouped = [g for g in snap.groups if len(g) > 1]
@@ -90,4 +101,24 @@ def monitor_tick(cluster: ClusterSnapshot, state: MonitorState = MonitorState(),
     return MonitorDecision("none", snap, rep, restore=dec), MonitorState(history, rstate, work)
 
 
-__all__ = ["MonitorDecision", "MonitorState", "monitor_tick", "record_demand"]
+def deferral(cluster: ClusterSnapshot, plan: DropPlan, rep: OverloadReport, drop: DropConfig,
+             since: float | None) -> str:
+    """Why the drop ``plan`` should wait this period, or "" to carry it out now: it waits while
+    the instances it groups have requests with no first token yet, as long as the KV is not short
+    (the demand below capacity, the cluster's and each of those instances') and for at most
+    ``drop.defer_for_first_token_s`` from ``since`` (when it was first due; None: now)."""
+    if drop.defer_for_first_token_s <= 0 or rep.demand_blocks >= rep.capacity_blocks:
+        return ""
+    if since is not None and cluster.now_s - since >= drop.defer_for_first_token_s:
+        return ""
+    members = {i for g in plan.groups for i in g.instances}
+    if any(d.ratio >= 1.0 for d in rep.instances if d.instance_id in members):
+        return ""
+    waiting = sum(i.awaiting_first_token for i in cluster.instances if i.instance_id in members and i.healthy)
+    if not waiting:
+        return ""
+    return (f"{waiting} requests on {sorted(members)} await their first token; KV demand "
+            f"{rep.demand_blocks:.0f} of {rep.capacity_blocks:.0f} blocks")
+
+
+__all__ = ["MonitorDecision", "MonitorState", "deferral", "monitor_tick", "record_demand"]

@@ -101,12 +101,13 @@ class InstanceSnapshot:
     output_tokens: int = 0   # their output budgets (max_tokens)
     kv_blocks_max: int = 0   # the most blocks its KV cache can reach (memory.max_kv_ratio x base; 0: unknown)
     host: str = ""           # the machine it runs on: a pipeline group's stage link is one host's ("": unknown)
+    awaiting_first_token: int = 0  # requests in it that have not had their first token yet
 
     def __post_init__(self) -> None:
         if (self.kv_blocks_total < 0 or self.kv_blocks_used < 0 or self.queued_blocks < 0 or self.kv_blocks_base < 0
                 or self.kv_blocks_max < 0):
             raise ValueError(f"instance {self.instance_id}: block counts must be >= 0")
-        if self.prompt_tokens < 0 or self.output_tokens < 0:
+        if self.prompt_tokens < 0 or self.output_tokens < 0 or self.awaiting_first_token < 0:
             raise ValueError(f"instance {self.instance_id}: request-mix token counts must be >= 0")
 
     def held_layers(self, num_layers: int) -> int:

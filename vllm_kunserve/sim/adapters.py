@@ -69,6 +69,7 @@ def cluster_snapshot(sim) -> ps.ClusterSnapshot:
         cap = s.capacity
         reqs = [*s.running, *s.waiting]
         prompt, output = sum(r.prompt for r in reqs), sum(r.output for r in reqs)  # the request mix
+        awaiting = sum(1 for r in reqs if r.first_t is None)  # no first token yet
         for j, i in enumerate(s.instances):
             share = lambda x: x // k + (1 if j < x % k else 0)  # noqa: E731
             lo, hi = sim.layer_range[i]
@@ -76,7 +77,8 @@ def cluster_snapshot(sim) -> ps.ClusterSnapshot:
                 instance_id=i, kv_blocks_total=share(cap), kv_blocks_used=share(s.used),
                 queued_blocks=share(queued), layer_start=lo,
                 layer_end=0 if (lo, hi) == (0, sim.cfg.model.layers) else hi,
-                prompt_tokens=share(prompt), output_tokens=share(output)))
+                prompt_tokens=share(prompt), output_tokens=share(output),
+                awaiting_first_token=share(awaiting)))
         groups.append(tuple(s.instances))
     return ps.ClusterSnapshot(model=policy_model(sim), instances=tuple(insts), groups=tuple(groups),
                               now_s=sim.now)

@@ -73,6 +73,7 @@ class GroupController:
         self.last: dict = {}
         self.peak_ratio = 0.0  # the highest (demand + forecast) / capacity seen (status, diagnosis)
         self.compute_bound = False  # over the trigger with a prefill-heavy queue: no drop (an event on change)
+        self.deferred = ""  # why a due drop waits for first tokens (an event when a deferral starts)
         self._ids = 0
         from prometheus_client import Counter, Gauge
 
@@ -114,7 +115,9 @@ class GroupController:
                          "base_blocks": s.capacity.blocks_base or 0, "max_blocks": s.capacity.blocks_max or 0,
                          "prompt_tokens": s.requests.mix_prompt_tokens or 0,
                          "output_tokens": s.requests.mix_output_tokens or 0,
-                         "host": s.engine.get("host", "")})
+                         "host": s.engine.get("host", ""),
+                         # the front end's own count: requests it relays there that have had no token yet
+                         "awaiting_first_token": self.front.book.tally(i, s.capacity.block_size or 16).awaiting})
         s0 = states[members[0]]
         layer_bytes = max(x.bytes or 0 for x in s0.layers)
         groups = [tuple(g.members) for g in self.groups if g.state in ("forming", "grouped", "leaving")]
@@ -159,6 +162,12 @@ class GroupController:
             self.front.record("compute_bound" if report.compute_bound else "compute_bound_over",
                               ratio=round(report.ratio, 3), decode_share=round(report.decode_share, 3),
                               min_decode_share=self.cfg.drop.min_decode_share)
+        if dec.deferred and not self.deferred:
+            self.front.record("drop_deferred", reason=dec.deferred, ratio=round(report.ratio, 3),
+                              max_s=self.cfg.drop.defer_for_first_token_s)
+        self.deferred = dec.deferred
+        if dec.deferred:
+            self.last["deferred"] = dec.deferred
         if dec.action == "drop":  # live groups are not in the plan (no regroup): only lone instances merge
             plan = dec.drop
             self.m_shortfall.set(max(0.0, plan.shortfall_bytes / snap.model.block_bytes))
@@ -225,20 +234,24 @@ class GroupController:
             logger.warning("instance %s could not abandon its group (%s): %s", instance, reason[:120], exc)
 
     async def _fresh_states(self, members: list[int]) -> dict[int, EngineState]:
-        out = {}
+        """Every member's state, read at once (a transition waits for the slowest read, not their sum)."""
         for i in members:
             e = self.front.fleet.engines[i]
             if not e.accepting or not e.control_url:
                 raise GroupOpError(f"instance {i} is not a live group member")
+
+        async def one(i: int) -> EngineState:
             try:
-                out[i] = await self._client().state(self.front.session, e.control_url)
+                st = await self._client().state(self.front.session, self.front.fleet.engines[i].control_url)
             except EngineStateError as exc:
                 raise GroupOpError(f"instance {i}: {exc}") from None
             except (ControlPortError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 raise GroupOpError(f"instance {i}: its state: {type(exc).__name__}: {exc}") from None
-            if not out[i].engine.stage:
+            if not st.engine.stage:
                 raise GroupOpError(f"instance {i} has no stage link (not started as a group member)")
-        return out
+            return st
+
+        return dict(zip(members, await asyncio.gather(*(one(i) for i in members))))
 
     async def form(self, members: list[int], reason: str = "forced", inputs: dict | None = None,
                    decision: dict | None = None, transition: str | None = None) -> dict:
@@ -305,6 +318,10 @@ class GroupController:
                   "recomputed": {str(i): o.get("recomputed", 0) for i, o in zip(members, outs)}, "ms": round((time.perf_counter() - t0) * 1e3, 1),
                   "bytes": sum(o.get("bytes", 0) for o in outs),
                   "blocks": {str(i): [o.get("blocks_before"), o.get("blocks_after")] for i, o in zip(members, outs)},
+                  # each engine's own time in the transition (the rest of "ms" is the front end's reads and the
+                  # engines' waits for a step to end) and its workers' steps
+                  "engine_ms": {str(i): o.get("ms") for i, o in zip(members, outs)},
+                  "worker_ms": {str(i): o.get("worker_ms") for i, o in zip(members, outs)},
                   "inputs": inputs, "decision": decision}
             self.front.record("group_join", outcome="ok", **ev)
             return ev

@@ -94,6 +94,7 @@ class _Tally:
     requests: int = 0
     used_tokens: int = 0         # tokens whose KV exists (started requests: prompt + generated)
     queued_prompt_tokens: int = 0  # prompts not yet answered with a first token
+    awaiting: int = 0              # requests not yet answered with a first token
     used_blocks: int = 0
     queued_blocks: int = 0
 
@@ -123,6 +124,7 @@ class FlightBook:
                 t.used_tokens += prompt + gen
                 t.used_blocks += math.ceil((prompt + gen) / bs)
             else:
+                t.awaiting += 1
                 t.queued_prompt_tokens += prompt
                 t.queued_blocks += math.ceil(prompt / bs)
         return t
