@@ -49,6 +49,7 @@ Steps (``--steps``, each kept in ``--out`` and skipped when its file is there):
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
 import os
@@ -453,6 +454,61 @@ def monitor_decisions(run: Path, repeat: int) -> list[dict]:
     return out
 
 
+def join_events(run: Path, repeat: int) -> list[dict]:
+    """Each kunserve repetition's first group join, from its front end's log: when the drop was
+    first due and deferred (``drop_deferred``: requests awaiting their first token), when the join
+    was logged, its length at the front end and in each engine, and its workers' largest steps."""
+    out = []
+    stamp = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \S+ INFO (group_join|drop_deferred) (\{.*\})$")
+    for k in range(1, repeat + 1):
+        log = run / "kunserve" / f"rep{k}" / "server.log"
+        if not log.exists():
+            continue
+        deferred_at, row = None, None
+        for line in log.read_text(errors="replace").splitlines():
+            m = stamp.match(line)
+            if not m:
+                continue
+            t = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1e3
+            info = ast.literal_eval(m.group(4))
+            if m.group(3) == "drop_deferred":  # logged when a deferral starts: the join's is the latest
+                deferred_at = t
+                continue
+            if info.get("outcome") != "ok":
+                continue
+            wms = [w for ws in (info.get("worker_ms") or {}).values() for w in (ws or []) if w]
+            row = {"rep": k, "ms": info.get("ms"), "bytes": info.get("bytes"),
+                   "engine_ms": sorted((info.get("engine_ms") or {}).values()),
+                   "deferred_s": round(t - info["ms"] / 1e3 - deferred_at, 2) if deferred_at else 0.0,
+                   "kv_send_ms": max((w.get("kv_send", 0) for w in wms), default=None),
+                   "barrier_wait_ms": max((w.get("ready_barrier", 0) for w in wms), default=None),
+                   "zero_map_ms": max((w.get("residency.foreign_create", 0) + w.get("residency.kv_grow_after", 0)
+                                       for w in wms), default=None)}
+            break
+        if row:
+            out.append(row)
+    return out
+
+
+def join_section(joins: list[dict]) -> list[str]:
+    """The doc's lines on how long kunserve's joins took and whether they waited for first tokens."""
+    if not joins:
+        return []
+    L = ["", "Each repetition's join: how long a due drop waited for the members' requests to get their first "
+         "token (`drop.defer_for_first_token_s`, at most 2 s, never while the KV is short), the join's length at the "
+         "front end (the members' state reads, their waits for a step to end, the transition) and in each engine, "
+         "and, of its workers' steps, the longest wait for the peer at the first barrier, the KV exchange's sending "
+         "and the KV regions' mapping and zeroing:", ""]
+    L += md_table(["rep", "waited (s)", "join (ms)", "engines (ms)", "peer wait (ms)", "KV send (ms)", "map + zero (ms)",
+                   "KV moved (MB)"], "rrrlrrrr",
+                  ([j["rep"], f"{j['deferred_s']:.2f}", f"{j['ms']:.0f}", " / ".join(f"{x:.0f}" for x in j["engine_ms"]) or "-",
+                    "-" if j["barrier_wait_ms"] is None else f"{j['barrier_wait_ms']:.0f}",
+                    "-" if j["kv_send_ms"] is None else f"{j['kv_send_ms']:.0f}",
+                    "-" if j["zero_map_ms"] is None else f"{j['zero_map_ms']:.0f}", f"{j['bytes'] / 1e6:.0f}"]
+                   for j in joins))
+    return L
+
+
 def no_gap_note(meta: dict, an: dict) -> list[str]:
     """Where the best alternative's P99 is within 1.5x oracle-equal's, why: what a request costs in
     prefill and in decode on this CPU (the batch table's lines) and what the monitor decided."""
@@ -578,6 +634,7 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
                        for k, g in sorted(ks.items())))
         L += ["", f"oracle-equal holds {meta['oracle_equal_x']:.2f}x the base KV per engine "
               f"({int(a.kv_tokens * meta['oracle_equal_x'] // 32)} blocks)."]
+        L += join_section(meta.get("joins") or [])
     split = meta.get("dispatch_split") or {}
     if split:
         L += ["", "## Dispatch split", "",
@@ -750,6 +807,7 @@ def main() -> int:
             capacity_data="a custom dataset of the scaled trace's own prompt and output lengths, text prompts of "
                           "exact token counts")
     meta.update(prefill_line=scaling.get("prefill_line"), monitor_decisions=monitor_decisions(out, a.repeat),
+                joins=join_events(out, a.repeat),
                 mean_lengths=(cap["rows"][0].get("lengths") if cap.get("rows") else None) or {
                     "mean_prompt": MIX["prompt_len"], "mean_output": (MIX["output_len"] + MIX["output_len_max"]) / 2})
     meta.update(phases=phases, window=window, capacity=cap, sweep=sweep, orders=compare.get("orders"),

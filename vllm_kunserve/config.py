@@ -55,10 +55,12 @@ class DropConfig:
         5.0, "Seconds of the monitor's recent readings the decode share is summed over, with the current one "
         "(0: the current reading alone).", lo=0.0, hi=600.0)
     defer_for_first_token_s: float = _opt(
-        2.0, "While the instances a drop would group have requests waiting for their first token and their KV is "
+        0.0, "While the instances a drop would group have requests waiting for their first token and their KV is "
         "not yet short (demand below capacity), wait up to this many seconds for a moment with none before "
-        "joining: a join stalls its members for its length (0.3-0.7 s on a CPU), which those requests would pay "
-        "in TTFT, where the requests already decoding pay it once in a stream of tokens. 0 joins at once.",
+        "joining: a join stalls its members for its length (0.5 s on a CPU), which those requests would pay "
+        "in TTFT, where the requests already decoding pay it once in a stream of tokens. 0 (the default) joins at "
+        "once: measured at 2 s (docs/benchmarks/burst_value_r1_2x_join.md) it waited in 1 of 5 runs, for its whole "
+        "2 s, and that run had kunserve's only preemption and its slowest first token.",
         lo=0.0, hi=60.0)
     max_group_size: int = _opt(
         8, "Largest pipeline group the planner may form (instances per group).", lo=1, hi=4096)

@@ -66,6 +66,7 @@ class HostBackend(Backend):
         self.granularity = _mmap.PAGESIZE
         self.default_chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
         self._fd = os.memfd_create("kunserve-pool", getattr(os, "MFD_CLOEXEC", 1))
+        self.populate = MAP_POPULATE   # 0: map lazily, page by page (benchmarks/memory_pool.py compares)
         self._size = 0
         self._lock = threading.Lock()
 
@@ -90,10 +91,9 @@ class HostBackend(Backend):
 
     def map(self, va: int, chunk_bytes: int, handle: int) -> None:
         # MAP_POPULATE: a mapped chunk is always written next (zeroed KV, a reloaded layer, a peer's
-        # KV), and one populate call costs far less than a page fault per 4 KiB page: a chunk that
-        # held a released layer maps and zeroes 300 MB in ~40 ms instead of ~105 ms (Zen 4, one
-        # thread). A chunk with no pages yet costs the same either way (the kernel zero-fills it).
-        _mmap_call(va, chunk_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED | MAP_POPULATE, self._fd, handle)
+        # KV), and one populate call costs less than a page fault per 4 KiB page
+        # (docs/benchmarks/mechanisms_memory_pool.md measures both ways).
+        _mmap_call(va, chunk_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED | self.populate, self._fd, handle)
 
     def unmap(self, va: int, nbytes: int) -> None:
         # Replace with PROT_NONE so the range stays reserved; the memfd keeps the data.
