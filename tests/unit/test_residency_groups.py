@@ -82,6 +82,11 @@ def test_join_frees_dropped_layers_into_kept_kv_and_hosts_the_peer(setup):
     assert int(res.place("kv1").region.view(torch.uint8)[2 * PAGE]) == 12
     assert torch.equal(_run(layers, x, 3), _run(_stack(), x, 3))
     assert res.check_invariants() == []
+    # where the join's time went: every step of its transaction, and the grow after it, in its event
+    ev = res.events[-1]
+    assert ev["event"] == "join"
+    assert set(ev["step_ms"]) == {"release", "foreign_create", "exchange", "kv_free", "kv_grow_after"}
+    assert all(v >= 0 for v in ev["step_ms"].values()) and sum(ev["step_ms"].values()) <= ev["ms"] + 1
 
 
 @pytest.mark.parametrize("step", ["release", "foreign_create", "exchange"])

@@ -366,7 +366,9 @@ class LayerResidency:
             tx.step("exchange", exchange)
             tx.step("kv_free", lambda: self._resize({k.region: 0 for k in own_dropped}),
                     lambda: self._resize(prev))
-            tx.step("kv_grow_after", self._grow_best_effort)  # after kv_free: never rolls back (KV moved)
+            t = time.perf_counter()
+            self._grow_best_effort()  # after kv_free: a failure here must not roll back (KV moved)
+            tx.step_ms["kv_grow_after"] = (time.perf_counter() - t) * 1e3   # timed, not a step: nothing to undo
         return self._run("join", body, commit, layers=list(D), peers=dict(peers),
                          nbytes=sum(self.weights[i].max_bytes for i in D))
 
