@@ -286,8 +286,6 @@ def cpu_section(totals: dict) -> list[str]:
 def reused_note(command: str) -> str:
     """Where the measuring command ran only some steps, the others' results came from the run
     directory: say so (the capacity and the sweep then predate the comparison)."""
-    import shlex
-
     argv = shlex.split(command)
     steps = argv[argv.index("--steps") + 1] if "--steps" in argv[:-1] else "capacity,sweep,compare"
     missing = [x for x in ("capacity", "sweep") if x not in steps.split(",")]
@@ -437,57 +435,52 @@ def plot(path: Path, an: dict, systems: list[str], title: str) -> bool:
     return True
 
 
-def monitor_decisions(run: Path, repeat: int) -> list[dict]:
-    """The front end's drop decisions in kunserve's runs that formed no group: its log lines
-    ``compute_bound {...}`` (demand above the trigger, the decode share of the work below
-    ``drop.min_decode_share``: more KV would not buy throughput, so nothing is dropped)."""
-    out = []
+def front_events(run: Path, repeat: int, kinds: str):
+    """(repetition, log time in s, kind, fields) of every event ``kinds`` (a regex alternation)
+    that kunserve's front end logged in each repetition (its ``server.log`` lines ``<date> <time>,<ms>
+    <logger> INFO <kind> {...}``), in order."""
+    line_re = re.compile(rf"^(\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{{3}}) \S+ INFO ({kinds}) (\{{.*\}})$")
     for k in range(1, repeat + 1):
         log = run / "kunserve" / f"rep{k}" / "server.log"
         if not log.exists():
             continue
         for line in log.read_text(errors="replace").splitlines():
-            m = re.search(r"INFO (compute_bound(?:_over)?) (\{.*\})", line)
+            m = line_re.match(line)
             if m:
-                info = json.loads(m.group(2).replace("'", '"'))
-                out.append({"rep": k, "event": m.group(1), **info})
-    return out
+                t = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1e3
+                yield k, t, m.group(3), ast.literal_eval(m.group(4))
+
+
+def monitor_decisions(run: Path, repeat: int) -> list[dict]:
+    """The front end's drop decisions in kunserve's runs that formed no group: its log lines
+    ``compute_bound {...}`` (demand above the trigger, the decode share of the work below
+    ``drop.min_decode_share``: more KV would not buy throughput, so nothing is dropped)."""
+    return [{"rep": k, "event": kind, **info}
+            for k, _, kind, info in front_events(run, repeat, "compute_bound|compute_bound_over")]
 
 
 def join_events(run: Path, repeat: int) -> list[dict]:
     """Each kunserve repetition's first group join, from its front end's log: when the drop was
     first due and deferred (``drop_deferred``: requests awaiting their first token), when the join
     was logged, its length at the front end and in each engine, and its workers' largest steps."""
-    out = []
-    stamp = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \S+ INFO (group_join|drop_deferred) (\{.*\})$")
-    for k in range(1, repeat + 1):
-        log = run / "kunserve" / f"rep{k}" / "server.log"
-        if not log.exists():
+    out, deferred_at = {}, {}
+    for k, t, kind, info in front_events(run, repeat, "group_join|drop_deferred"):
+        if k in out:
             continue
-        deferred_at, row = None, None
-        for line in log.read_text(errors="replace").splitlines():
-            m = stamp.match(line)
-            if not m:
-                continue
-            t = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1e3
-            info = ast.literal_eval(m.group(4))
-            if m.group(3) == "drop_deferred":  # logged when a deferral starts: the join's is the latest
-                deferred_at = t
-                continue
-            if info.get("outcome") != "ok":
-                continue
-            wms = [w for ws in (info.get("worker_ms") or {}).values() for w in (ws or []) if w]
-            row = {"rep": k, "ms": info.get("ms"), "bytes": info.get("bytes"),
-                   "engine_ms": sorted((info.get("engine_ms") or {}).values()),
-                   "deferred_s": round(t - info["ms"] / 1e3 - deferred_at, 2) if deferred_at else 0.0,
-                   "kv_send_ms": max((w.get("kv_send", 0) for w in wms), default=None),
-                   "barrier_wait_ms": max((w.get("ready_barrier", 0) for w in wms), default=None),
-                   "zero_map_ms": max((w.get("residency.foreign_create", 0) + w.get("residency.kv_grow_after", 0)
-                                       for w in wms), default=None)}
-            break
-        if row:
-            out.append(row)
-    return out
+        if kind == "drop_deferred":  # logged when a deferral starts: the join's is the latest
+            deferred_at[k] = t
+            continue
+        if info.get("outcome") != "ok":
+            continue
+        wms = [w for ws in (info.get("worker_ms") or {}).values() for w in (ws or []) if w]
+        out[k] = {"rep": k, "ms": info.get("ms"), "bytes": info.get("bytes"),
+                  "engine_ms": sorted((info.get("engine_ms") or {}).values()),
+                  "deferred_s": round(t - info["ms"] / 1e3 - deferred_at[k], 2) if k in deferred_at else 0.0,
+                  "kv_send_ms": max((w.get("kv_send", 0) for w in wms), default=None),
+                  "barrier_wait_ms": max((w.get("ready_barrier", 0) for w in wms), default=None),
+                  "zero_map_ms": max((w.get("residency.foreign_create", 0) + w.get("residency.kv_grow_after", 0)
+                                      for w in wms), default=None)}
+    return list(out.values())
 
 
 def join_section(joins: list[dict]) -> list[str]:

@@ -102,10 +102,10 @@ def write_md(results: list[dict], path: Path, json_path: Path) -> None:
                        "weights intact"], "l" * 14)
     for r in results:
         m = r["median"]
-        mode = "" if r["backend"] != "host" else ("populate" if r.get("populate", True) else "lazy")
+        mode = "" if r["backend"] != "host" else ("populate" if r["populate"] else "lazy")
         lines.append(md_row([r["backend"], mode, f"{r['gb_moved']:.2f}", r["chunk_mb"], r["chunks_moved"],
                              f"{m['release_ms']:.2f}", f"{m['grow_ms']:.2f}", f"{m['to_kv_ms']:.2f}",
-                             f"{r['to_kv_ms_per_10gb']:.1f}", f"{m.get('zero_ms', float('nan')):.1f}",
+                             f"{r['to_kv_ms_per_10gb']:.1f}", f"{m['zero_ms']:.1f}",
                              f"{m['shrink_ms']:.2f}", f"{m['reload_ms']:.1f}",
                              f"{r['reload_gbps']:.2f}", r["weights_intact"]]))
     cuda = [r for r in results if r["backend"] == "cuda"]

@@ -73,7 +73,6 @@ class GroupController:
         self.last: dict = {}
         self.peak_ratio = 0.0  # the highest (demand + forecast) / capacity seen (status, diagnosis)
         self.compute_bound = False  # over the trigger with a prefill-heavy queue: no drop (an event on change)
-        self.deferred = ""  # why a due drop waits for first tokens (an event when a deferral starts)
         self._ids = 0
         from prometheus_client import Counter, Gauge
 
@@ -153,6 +152,7 @@ class GroupController:
         snap = self.snapshot(states)
         if snap is None:
             return
+        waiting_since = self.mstate.deferred_since   # a due drop already waiting for first tokens
         dec, self.mstate = monitor_tick(snap, self.mstate, self.cfg.drop, self.cfg.restore)
         report = dec.overload
         self.peak_ratio = max(self.peak_ratio, report.ratio)
@@ -162,12 +162,11 @@ class GroupController:
             self.front.record("compute_bound" if report.compute_bound else "compute_bound_over",
                               ratio=round(report.ratio, 3), decode_share=round(report.decode_share, 3),
                               min_decode_share=self.cfg.drop.min_decode_share)
-        if dec.deferred and not self.deferred:
-            self.front.record("drop_deferred", reason=dec.deferred, ratio=round(report.ratio, 3),
-                              max_s=self.cfg.drop.defer_for_first_token_s)
-        self.deferred = dec.deferred
         if dec.deferred:
             self.last["deferred"] = dec.deferred
+            if waiting_since is None:   # an event when a deferral starts
+                self.front.record("drop_deferred", reason=dec.deferred, ratio=round(report.ratio, 3),
+                                  max_s=self.cfg.drop.defer_for_first_token_s)
         if dec.action == "drop":  # live groups are not in the plan (no regroup): only lone instances merge
             plan = dec.drop
             self.m_shortfall.set(max(0.0, plan.shortfall_bytes / snap.model.block_bytes))
