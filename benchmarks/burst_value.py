@@ -435,13 +435,13 @@ def plot(path: Path, an: dict, systems: list[str], title: str) -> bool:
     return True
 
 
-def front_events(run: Path, repeat: int, kinds: str):
+def front_events(run: Path, repeat: int, kinds: str, system: str = "kunserve"):
     """(repetition, log time in s, kind, fields) of every event ``kinds`` (a regex alternation)
-    that kunserve's front end logged in each repetition (its ``server.log`` lines ``<date> <time>,<ms>
+    that ``system``'s front end logged in each repetition (its ``server.log`` lines ``<date> <time>,<ms>
     <logger> INFO <kind> {...}``), in order."""
     line_re = re.compile(rf"^(\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{{3}}) \S+ INFO ({kinds}) (\{{.*\}})$")
     for k in range(1, repeat + 1):
-        log = run / "kunserve" / f"rep{k}" / "server.log"
+        log = run / system / f"rep{k}" / "server.log"
         if not log.exists():
             continue
         for line in log.read_text(errors="replace").splitlines():
@@ -459,12 +459,13 @@ def monitor_decisions(run: Path, repeat: int) -> list[dict]:
             for k, _, kind, info in front_events(run, repeat, "compute_bound|compute_bound_over")]
 
 
-def join_events(run: Path, repeat: int) -> list[dict]:
-    """Each kunserve repetition's first group join, from its front end's log: when the drop was
-    first due and deferred (``drop_deferred``: requests awaiting their first token), when the join
-    was logged, its length at the front end and in each engine, and its workers' largest steps."""
+def join_events(run: Path, repeat: int, system: str = "kunserve") -> list[dict]:
+    """Each repetition's first group join of ``system`` (kunserve or a ``--variant`` of it), from its
+    front end's log: when the drop was first due and deferred (``drop_deferred``: requests awaiting
+    their first token), when the join was logged, its length at the front end and in each engine,
+    and its workers' largest steps."""
     out, deferred_at = {}, {}
-    for k, t, kind, info in front_events(run, repeat, "group_join|drop_deferred"):
+    for k, t, kind, info in front_events(run, repeat, "group_join|drop_deferred", system):
         if k in out:
             continue
         if kind == "drop_deferred":  # logged when a deferral starts: the join's is the latest
@@ -497,7 +498,7 @@ def join_section(joins: list[dict]) -> list[str]:
                   ([j["rep"], f"{j['deferred_s']:.2f}", f"{j['ms']:.0f}", " / ".join(f"{x:.0f}" for x in j["engine_ms"]) or "-",
                     "-" if j["barrier_wait_ms"] is None else f"{j['barrier_wait_ms']:.0f}",
                     "-" if j["kv_send_ms"] is None else f"{j['kv_send_ms']:.0f}",
-                    "-" if j["zero_map_ms"] is None else f"{j['zero_map_ms']:.0f}", f"{j['bytes'] / 1e6:.0f}"]
+                    "-" if j["zero_map_ms"] is None else f"{j['zero_map_ms']:.0f}", f"{(j['bytes'] or 0) / 1e6:.0f}"]
                    for j in joins))
     return L
 
@@ -615,11 +616,19 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
           "configuration, not a bound: kunserve can beat it.", "",
           "## Verdict (issue 34's targets for R1" + (", applied to R0 for reference)" if a.regime == "r0" else ")"),
           ""]
-    L += verdict(an, totals, groups, meta["window"])
+    v = verdict(an, totals, groups, meta["window"])
+    if not an["best"]:   # no alternative ran (an ablation): the targets against it are not measured here
+        v = [x for x in v if not x.endswith("**not measured**")]
+        L += ["No alternative ran here: only the targets this run measures. Those against the best alternative are "
+              "in the page of the run with them.", ""]
+    L += v
     L += no_gap_note(meta, an)
-    ks = groups.get("kunserve", {})
-    if ks:
-        L += ["", "## When kunserve grouped", "",
+    joins = {"kunserve": meta.get("joins") or [], **(meta.get("variant_joins") or {})}
+    for sysname, sys_joins in joins.items():
+        ks = groups.get(sysname, {})
+        if not ks:
+            continue
+        L += ["", f"## When {sysname} grouped", "",
               "The first second its engines were in a pipeline group, the share of the burst window's seconds they "
               "were, and what each engine held at the window's end (layers, KV blocks of 32 tokens):", ""]
         L += md_table(["rep", "first grouped (s)", "window share", "layers", "KV blocks"], "rrrll",
@@ -627,7 +636,7 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
                        for k, g in sorted(ks.items())))
         L += ["", f"oracle-equal holds {meta['oracle_equal_x']:.2f}x the base KV per engine "
               f"({int(a.kv_tokens * meta['oracle_equal_x'] // 32)} blocks)."]
-        L += join_section(meta.get("joins") or [])
+        L += join_section(sys_joins)
     split = meta.get("dispatch_split") or {}
     if split:
         L += ["", "## Dispatch split", "",
@@ -721,6 +730,9 @@ def main() -> int:
     ap.add_argument("--length-scale", type=float, default=0.25, help="--lengths azure: prompt and output multiplier")
     ap.add_argument("--max-total-len", type=int, default=1000,
                     help="--lengths azure: a request's prompt + output is clipped to this (max model len 1024)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                    help="a kunserve system with these config sections merged over the benchmark's (an ablation; "
+                         "name it in --systems too), passed to kunserve compare; repeatable")
     ap.add_argument("--name", default="")
     a = ap.parse_args()
     if a.repeat < 1:
@@ -749,6 +761,9 @@ def main() -> int:
     oracle_x = round(min(group_kv_factor(w), KV_CAP), 3)   # what a kunserve group reaches here
     command = cmd("burst_value.py")
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    variants = [v.partition("=")[0].strip() for v in a.variant]
+    if set(variants) - set(systems):
+        ap.error(f"--variant {sorted(set(variants) - set(systems))}: name it in --systems too")
     meta: dict = {"cpu": scaling.get("cpu") or "this CPU", "preset": reg["preset"], "weight_bytes": spec.weight_bytes(),
                   "kv_bytes_per_token": kv_b, "weight_share": w, "group_kv_factor": group_kv_factor(w),
                   "oracle_equal_x": oracle_x, "scaling_rows": scaling.get("rows", []),
@@ -786,7 +801,8 @@ def main() -> int:
         if sweep:
             extra += ["--tuned-max-num-seqs", str(sweep["cap"])]
         if kunserve(["compare", *base, "--systems", ",".join(systems), "--repeat", str(a.repeat), "--out", str(out),
-                     "--kunserve-config", kcfg, "--order", "shuffled", *extra]) != 0:
+                     "--kunserve-config", kcfg, "--order", "shuffled", *extra,
+                     *(f"--variant={v}" for v in a.variant)]) != 0:
             return 1
     compare = json.loads((out / "compare.json").read_text())
     prev = DOCS / f"{name}.json"
@@ -801,6 +817,7 @@ def main() -> int:
                           "exact token counts")
     meta.update(prefill_line=scaling.get("prefill_line"), monitor_decisions=monitor_decisions(out, a.repeat),
                 joins=join_events(out, a.repeat),
+                variant_joins={v: join_events(out, a.repeat, v) for v in variants},
                 mean_lengths=(cap["rows"][0].get("lengths") if cap.get("rows") else None) or {
                     "mean_prompt": MIX["prompt_len"], "mean_output": (MIX["output_len"] + MIX["output_len_max"]) / 2})
     meta.update(phases=phases, window=window, capacity=cap, sweep=sweep, orders=compare.get("orders"),
@@ -825,7 +842,7 @@ def main() -> int:
     an = analyse(reqs, a.ttft_slo, meta["tpot_slo"], meta["equal"])
     totals = run_totals(compare, systems)
     lag = send_lag(out, systems, meta["window"])
-    groups = group_times(out, [s for s in systems if s in ("kunserve", "static")], a.repeat, meta["window"])
+    groups = group_times(out, [s for s in systems if s in ("kunserve", "static", *variants)], a.repeat, meta["window"])
     meta["dispatch_split"] = dispatch_split(out, systems, a.repeat, meta["window"])
     assets = DOCS / name
     meta["raw"] = assets.relative_to(DOCS).as_posix()

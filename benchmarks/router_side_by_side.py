@@ -52,6 +52,7 @@ request of the run and restarted on its port after it; lost = failed + cut short
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -73,8 +74,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "benchmarks"
 NAME = "router_side_by_side"
 FRONTS = ("vllm-router-rr", "vllm-router-ca", "kunserve")
+DIRECT = "direct"   # no front end: the client's streams split between the engines (the floor a front end adds to)
+RANDOM_FRONTS = (*FRONTS, DIRECT)
 PREFIX_FRONTS = ("vllm-router-ca", "kunserve", "kunserve-ca")
-ALL_FRONTS = ("vllm-router-rr", "vllm-router-ca", "kunserve", "kunserve-rr", "kunserve-ca")   # the pages' order
+ALL_FRONTS = ("vllm-router-rr", "vllm-router-ca", "kunserve", "kunserve-rr", "kunserve-ca", DIRECT)   # the pages' order
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms")
 LOOP_KEYS = ("ticks", "late", "late_s", "late_cpu_s", "late_runq_s")   # /kunserve/status loop totals
 EXTRA = ("front_cpu_us_per_token", "prefix_hit_rate", "engine_queue_ms", "engine_prefill_ms")   # measured since the runs that record them
@@ -191,6 +194,47 @@ def bench_argv(url: str, model: Path, conc: int, n: int, a: argparse.Namespace, 
             "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm"]
 
 
+def bench_direct(urls: list[str], model: Path, conc: int, n: int, a: argparse.Namespace, out: Path,
+                 seed: int) -> dict:
+    """Straight to the engines, no front end: the ``conc`` streams and ``n`` prompts split as evenly
+    as they go between the engines, one ``vllm bench serve`` per engine with a share, all started at
+    once; their per-request results (``--save-detailed``) pooled into the figures one client over all
+    the requests reports (throughput over the longer client's duration, TTFT and ITL percentiles over
+    every successful request, as ``vllm bench serve`` computes them)."""
+    shares = [(conc // len(urls) + (i < conc % len(urls)), n // len(urls) + (i < n % len(urls)))
+              for i in range(len(urls))]
+    procs = []
+    with contextlib.ExitStack() as logs:
+        for i, (u, (c, k)) in enumerate(zip(urls, shares)):
+            if c < 1 or k < 1:
+                continue
+            o = out.with_name(f"{out.stem}-e{i}.json")
+            log = logs.enter_context(open(o.with_suffix(".log"), "w"))
+            procs.append((o, subprocess.Popen([*bench_argv(u, model, c, k, a, o, seed + 7919 * i), "--save-detailed"],
+                                              stdout=log, stderr=subprocess.STDOUT,
+                                              env={**os.environ, "VLLM_HOST_IP": "127.0.0.1"})))
+        for _, p in procs:
+            if p.wait() != 0:
+                raise subprocess.CalledProcessError(p.returncode, p.args)
+    merged = pool_clients([json.loads(o.read_text()) for o, _ in procs])
+    out.write_text(json.dumps(merged, indent=1))
+    return merged
+
+
+def pool_clients(res: list[dict]) -> dict:
+    """Several ``vllm bench serve --save-detailed`` results, run at once, as one client's figures:
+    output tokens over the longest duration, TTFT and ITL percentiles over every successful request
+    (a failed one has no output tokens), as ``vllm bench serve`` computes them for its own requests."""
+    ok = [(t, itl) for r in res for t, itl, ln in zip(r["ttfts"], r["itls"], r["output_lens"]) if ln]
+    ttfts = [t for t, _ in ok]
+    itls = [x for _, itl in ok for x in itl]
+    return {"completed": sum(r.get("completed") or 0 for r in res), "failed": sum(r.get("failed") or 0 for r in res),
+            "output_throughput": sum(r["total_output_tokens"] for r in res) / max(r["duration"] for r in res),
+            "median_ttft_ms": float(np.median(ttfts or [0])) * 1e3,
+            "p99_ttft_ms": float(np.percentile(ttfts or [0], 99)) * 1e3,
+            "median_itl_ms": float(np.median(itls or [0])) * 1e3, "clients": len(res)}
+
+
 def bench(url: str, model: Path, conc: int, n: int, a: argparse.Namespace, out: Path, seed: int,
           dataset: Path | None = None) -> dict:
     with open(out.with_suffix(".log"), "w") as log:
@@ -283,6 +327,28 @@ def reading(an: dict, own: bool) -> str:
             + ("" if own else f" The same fronts with the front end on a core of its own: `{NAME}_own_core.md`."))
 
 
+def direct_sentence(an: dict) -> list[str]:
+    """What standing between the client and the engines costs, at each concurrency above 1 where the
+    fronts ran beside ``direct`` (no front end): each front's throughput and median / P99 TTFT as
+    multiples of direct's."""
+    rows = []
+    for c, fr in an.items():
+        d = fr.get(DIRECT)
+        if int(c) <= 1 or not d:
+            continue
+        rel = lambda f, m: fr[f][m]["mean"] / d[m]["mean"] if d[m]["mean"] else float("nan")  # noqa: E731
+        rows.append([c, *(" / ".join(f"{rel(f, m):.2f}" for m in ("output_throughput", "median_ttft_ms", "p99_ttft_ms"))
+                          for f in ALL_FRONTS if f in fr and f != DIRECT)])
+    if not rows:
+        return []
+    shown = [f for f in ALL_FRONTS if f != DIRECT and any(f in fr for fr in an.values())]
+    return ["## What a front end costs against none", "",
+            f"Each front's output throughput / median TTFT / P99 TTFT as multiples of `{DIRECT}`'s (the client straight "
+            "to the engines, the same streams split between them): above 1 for TTFT, below 1 for throughput, is what "
+            "standing in between costs on these shared cores, whichever front it is.", "",
+            *md_table(["streams", *shown], "r" + "l" * len(shown), rows), ""]
+
+
 def policy_sentence(an: dict) -> str:
     """Where kunserve-rr ran: its median TTFT beside kunserve's, both against round_robin's, at every
     concurrency above 1, and whether the policy or the data plane holds the difference."""
@@ -311,7 +377,11 @@ def render(meta: dict, an: dict) -> str:
          "in front of them vllm-router 0.1.17 (`--policy round_robin`: `vllm-router-rr`; `cache_aware`, its default: "
          "`vllm-router-ca`) and `kunserve serve --engine-url` over the same two engines (`kunserve`, least-work"
          + ("; `kunserve-rr`, `--dispatch round-robin`, the router's policy: the data plane compared with the policy "
-            "held equal" if any("kunserve-rr" in fr for fr in an.values()) else "") + "). "
+            "held equal" if any("kunserve-rr" in fr for fr in an.values()) else "") + ")"
+         + (f"; `{DIRECT}`: no front end at all, the client's streams and prompts split evenly between the two "
+            "engines (one `vllm bench serve` per engine, started together, their per-request results pooled as one "
+            "client's would be; at 1 stream engine 0 alone): the floor every front end adds to, with one client "
+            "process more on the cores" if any(DIRECT in fr for fr in an.values()) else "") + ". "
          f"Client: `vllm bench serve`, random dataset, {meta['input_len']}-token prompts, {meta['output_len']} output "
          f"tokens (`--ignore-eos`), {meta['repeat']} repetitions, the fronts in a shuffled order in each; the prompt "
          "counts per concurrency are in the JSON. Each cell: the mean over repetitions (95% bootstrap interval of the "
@@ -323,6 +393,7 @@ def render(meta: dict, an: dict) -> str:
                           ("output_throughput", 0), ("median_ttft_ms", 1), ("p99_ttft_ms", 1), ("median_itl_ms", 2))),
                           fr[f]["failed"]] for f in ALL_FRONTS if f in fr))
         L += [""]
+    L += direct_sentence(an)
     shown = [f for f in ALL_FRONTS if any(f in fr for fr in an.values())]
     if any("front_cpu_us_per_token" in fr[f] for fr in an.values() for f in fr):
         L += ["## What each front end costs, and where kunserve's waits", "",
@@ -662,7 +733,8 @@ def main() -> int:
                     help="random workload: everything on every core (shared), or the engines on core 1 and the "
                          "front end with the client on core 0 (own-core)")
     ap.add_argument("--fronts", default=None, help="random workload: the fronts, comma-separated (default "
-                    f"{','.join(FRONTS)}; kunserve-rr: kunserve with --dispatch round-robin)")
+                    f"{','.join(RANDOM_FRONTS)}; kunserve-rr: kunserve with --dispatch round-robin; {DIRECT}: no "
+                    "front end, the streams split between the engines)")
     ap.add_argument("--concurrency", default=None, help="default 1,32,128 (random), 16 (prefix, kill)")
     ap.add_argument("--prompts", default=None, help="requests per run at each concurrency (default 24,192,384 / 160)")
     ap.add_argument("--prefix-len", type=int, default=256)
@@ -687,11 +759,13 @@ def main() -> int:
     elif kill:
         name, fronts, draw = f"{NAME}_kill", FRONTS, render_kill
     else:
-        name, fronts, draw = NAME + ("_own_core" if a.layout == "own-core" else ""), FRONTS, render
+        name, fronts, draw = NAME + ("_own_core" if a.layout == "own-core" else ""), RANDOM_FRONTS, render
         if a.fronts:
             fronts = tuple(a.fronts.split(","))
-            if not set(fronts) <= {*FRONTS, "kunserve-rr"} or "kunserve" not in fronts or "vllm-router-rr" not in fronts:
-                ap.error(f"--fronts: kunserve, vllm-router-rr and any of vllm-router-ca, kunserve-rr; got {a.fronts!r}")
+            if (not set(fronts) <= {*RANDOM_FRONTS, "kunserve-rr"} or "kunserve" not in fronts
+                    or "vllm-router-rr" not in fronts):
+                ap.error(f"--fronts: kunserve, vllm-router-rr and any of vllm-router-ca, kunserve-rr, {DIRECT}; "
+                         f"got {a.fronts!r}")
     concs = [int(x) for x in (a.concurrency or ("16" if prefix or kill else "1,32,128")).split(",")]
     prompts = [int(x) for x in (a.prompts or ("160" if prefix or kill else "24,192,384")).split(",")]
     if len(prompts) != len(concs) or a.repeat < 1:
@@ -747,7 +821,32 @@ def main() -> int:
         fe = Fronts(urls, model, out)
         urls_of, pids = {}, {}
         for f in ([] if kill else fronts):   # kill: a fresh front per run
-            urls_of[f], pids[f] = fe.start(f)
+            if f != DIRECT:
+                urls_of[f], pids[f] = fe.start(f)
+
+        def through_front(f: str, conc: int, n: int, rep: int) -> dict:
+            """One ``vllm bench serve`` run through front ``f``, with its CPU, loop and engine views."""
+            cpu0 = sum(cpu_times(pids[f]).values())   # the front end's process tree
+            loop0 = loop_view(urls_of[f]) if f == "kunserve" else None
+            pc0 = engine_counters(urls) if prefix else None
+            # prefix: every run its own prefixes (a run must not find another's in the caches)
+            seed = 1000 * rep + 10 * concs.index(conc) + fronts.index(f) if prefix else rep
+            dataset = None
+            if a.workload == "mooncake":
+                dataset = out / f"mooncake-{seed}.jsonl"
+                mooncake_dataset(sessions[:n], tokenizer, a.block_tokens, seed, dataset)
+            res = bench(urls_of[f], model, conc, n, a, out / f"{f}-c{conc}-rep{rep}.json", seed=seed,
+                        dataset=dataset)
+            if pc0 is not None:
+                res.update(engine_view(pc0, engine_counters(urls)))
+            res["front_cpu_s"] = sum(cpu_times(pids[f]).values()) - cpu0
+            res["front_cpu_us_per_token"] = 1e6 * res["front_cpu_s"] / max(1, (res["completed"] or 0)
+                                                                             * a.output_len)
+            if loop0 is not None:
+                loop1 = loop_view(urls_of[f])
+                res["loop"] = {k: round(loop1[k] - loop0[k], 3) for k in LOOP_KEYS if k in loop1}
+            return res
+
         order_rng = random.Random(1)
         for rep in range(1, a.repeat + 1):
             for conc, n in zip(concs, prompts):
@@ -760,25 +859,10 @@ def main() -> int:
                         print(f"rep {rep} {f}: killed at {res['killed_at_s']} s ({res['victim_running_at_kill']} "
                               f"running), lost {res['lost']} (failed {res['failed']}, short {res['short']})", flush=True)
                         continue
-                    cpu0 = sum(cpu_times(pids[f]).values())   # the front end's process tree
-                    loop0 = loop_view(urls_of[f]) if f == "kunserve" else None
-                    pc0 = engine_counters(urls) if prefix else None
-                    # prefix: every run its own prefixes (a run must not find another's in the caches)
-                    seed = 1000 * rep + 10 * concs.index(conc) + fronts.index(f) if prefix else rep
-                    dataset = None
-                    if a.workload == "mooncake":
-                        dataset = out / f"mooncake-{seed}.jsonl"
-                        mooncake_dataset(sessions[:n], tokenizer, a.block_tokens, seed, dataset)
-                    res = bench(urls_of[f], model, conc, n, a, out / f"{f}-c{conc}-rep{rep}.json", seed=seed,
-                                dataset=dataset)
-                    if pc0 is not None:
-                        res.update(engine_view(pc0, engine_counters(urls)))
-                    res["front_cpu_s"] = sum(cpu_times(pids[f]).values()) - cpu0
-                    res["front_cpu_us_per_token"] = 1e6 * res["front_cpu_s"] / max(1, (res["completed"] or 0)
-                                                                                     * a.output_len)
-                    if loop0 is not None:
-                        loop1 = loop_view(urls_of[f])
-                        res["loop"] = {k: round(loop1[k] - loop0[k], 3) for k in LOOP_KEYS if k in loop1}
+                    if f == DIRECT:
+                        res = bench_direct(urls, model, conc, n, a, out / f"{f}-c{conc}-rep{rep}.json", seed=rep)
+                    else:
+                        res = through_front(f, conc, n, rep)
                     runs.append({"front": f, "concurrency": conc, "rep": rep, "prompts": n, **res})
                     print(f"rep {rep} c{conc} {f}: {res['output_throughput']:.0f} tok/s, median TTFT "
                           f"{res['median_ttft_ms']:.1f} ms, P99 {res['p99_ttft_ms']:.1f} ms, median ITL "

@@ -45,6 +45,9 @@ def test_write_json_cleans_or_keeps_non_finite_values(tmp_path):
     assert f.read_text() == '{\n "a": null,\n "1": [\n  1.5,\n  2\n ]\n}\n'
     report.write_json(f, {"a": math.nan}, indent=None, clean=False, newline=False)
     assert f.read_text() == '{"a": NaN}'
+    deep = tmp_path / "not" / "made" / "x.json"   # a benchmark's --out in a folder not made yet
+    report.write_json(deep, [1])
+    assert deep.read_text() == "[\n  1\n]\n"
 
 
 def test_command_and_rel(monkeypatch, tmp_path):

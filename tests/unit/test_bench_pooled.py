@@ -149,3 +149,25 @@ def test_a_doc_says_which_steps_its_command_did_not_measure(bv):
     assert n.startswith("The capacity and the sweep were not re-measured") and "`--steps compare`" in n
     assert bv.reused_note("python benchmarks/burst_value.py --steps sweep,compare").startswith(
         "The capacity was not re-measured")
+
+
+def test_joins_are_read_per_system_from_each_front_ends_log(bv, tmp_path):
+    """An ablation's variants group too: each system's joins come from its own front end's log (the
+    first successful join of a repetition, its deferral measured back from the join's start)."""
+    def log(system: str, rep: int, lines: list[str]) -> None:
+        p = tmp_path / system / f"rep{rep}" / "server.log"
+        p.parent.mkdir(parents=True)
+        p.write_text("\n".join(lines) + "\n")
+    join = ("2026-11-27 10:00:{s},{ms} kunserve.front INFO group_join {{'outcome': '{o}', 'ms': {d}, "
+            "'bytes': {b}, 'engine_ms': {{'0': 300.0, '1': 280.0}}, 'worker_ms': {{'0': [{{'kv_send': 150.0, "
+            "'ready_barrier': 40.0}}]}}}}")
+    log("kunserve", 1, ["2026-11-27 10:00:01,000 kunserve.front INFO drop_deferred {'waiting': 3}",
+                        join.format(s="04", ms="500", o="ok", d=500.0, b=445000000)])
+    log("abl-reprefill", 1, [join.format(s="02", ms="000", o="failed", d=90.0, b=0),
+                             join.format(s="03", ms="000", o="ok", d=120.0, b=None)])
+    (k,) = bv.join_events(tmp_path, 1)
+    assert (k["ms"], k["deferred_s"], k["kv_send_ms"], k["barrier_wait_ms"]) == (500.0, 3.0, 150.0, 40.0)
+    (v,) = bv.join_events(tmp_path, 1, "abl-reprefill")
+    assert (v["ms"], v["deferred_s"], v["bytes"]) == (120.0, 0.0, None)
+    assert "| 1 | 0.00 | 120 | 280 / 300 |" in "\n".join(bv.join_section([v]))
+    assert bv.join_events(tmp_path, 1, "abl-kv") == []

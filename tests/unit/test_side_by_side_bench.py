@@ -85,3 +85,21 @@ def test_engine_view_takes_the_runs_differences():
     v = sbs.engine_view(before, after)
     assert v == pytest.approx({"prefix_hit_rate": 0.5, "engine_queue_ms": 1000.0, "engine_prefill_ms": 200.0})
     assert sbs.engine_view(before, dict(before)) == {"prefix_hit_rate": 0.0}   # no request finished: no means
+
+
+def test_direct_clients_pool_as_one_client():
+    """The straight-to-the-engines baseline: two clients' per-request results pooled into the figures
+    one client over all their requests reports (a failed request, no output tokens, left out)."""
+    import numpy as np
+
+    sbs = load_benchmark("router_side_by_side")
+    a = {"completed": 2, "failed": 1, "total_output_tokens": 8, "duration": 2.0,
+         "ttfts": [0.01, 0.03, 0.0], "itls": [[0.002, 0.004], [0.006], []], "output_lens": [4, 4, 0]}
+    b = {"completed": 1, "failed": 0, "total_output_tokens": 4, "duration": 4.0,
+         "ttfts": [0.05], "itls": [[0.008, 0.010, 0.012]], "output_lens": [4]}
+    got = sbs.pool_clients([a, b])
+    assert (got["completed"], got["failed"], got["clients"]) == (3, 1, 2)
+    assert got["output_throughput"] == 12 / 4.0   # the longer client's duration
+    assert got["median_ttft_ms"] == pytest.approx(30.0)
+    assert got["p99_ttft_ms"] == pytest.approx(float(np.percentile([0.01, 0.03, 0.05], 99)) * 1e3)
+    assert got["median_itl_ms"] == pytest.approx(7.0)   # the median of 2, 4, 6, 8, 10, 12 ms

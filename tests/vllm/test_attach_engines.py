@@ -22,19 +22,24 @@ ARGS = ["--dtype", "float32", "--block-size", "32", "--kv-cache-memory-bytes", s
 PROMPTS = [f"attached {i}: the router fronts {i * 3} engines and" for i in range(4)]
 
 
+def attach_front(model, engines: list[VllmServer], tmp_path, *extra: str, kcfg: dict | None = None) -> KunserveCluster:
+    """A started ``kunserve serve --engine-url`` front end over ``engines``, polling every 0.25 s."""
+    front = KunserveCluster(str(model), [], kcfg, log_path=tmp_path / "front.log", instances=len(engines),
+                            startup_timeout_s=120,
+                            extra=[*(x for e in engines for x in ("--engine-url", e.url)), "--monitor-interval", "0.25",
+                                   *extra])
+    front.start()
+    return front
+
+
 def test_attached_real_engines_hung_and_killed(tiny_model, tmp_path):
     engines = [VllmServer(str(tiny_model), ARGS, log_path=tmp_path / f"engine{i}.log", startup_timeout_s=400)
                for i in range(2)]
     for e in engines:
         e.start()
-    front = KunserveCluster(str(tiny_model), [], None, log_path=tmp_path / "front.log", instances=2,
-                            startup_timeout_s=120,
-                            extra=["--engine-url", engines[0].url, "--engine-url", engines[1].url,
-                                   "--dispatch", "round-robin", "--first-byte-timeout", "3",
-                                   "--monitor-interval", "0.25"])
-    stopped = None
+    front = stopped = None
     try:
-        front.start()
+        front = attach_front(tiny_model, engines, tmp_path, "--dispatch", "round-robin", "--first-byte-timeout", "3")
 
         async def go():
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
@@ -58,7 +63,8 @@ def test_attached_real_engines_hung_and_killed(tiny_model, tmp_path):
     finally:
         if stopped is not None:
             os.kill(stopped, signal.SIGCONT)
-        front.stop()
+        if front is not None:
+            front.stop()
         for e in engines:
             e.stop()
     ref = [a.token_ids for a in direct]
@@ -73,6 +79,57 @@ def test_attached_real_engines_hung_and_killed(tiny_model, tmp_path):
     assert [a.token_ids for a in killed] == ref and all(a.status == 200 and a.error is None for a in killed)
     # attached: the front end never restarts what it did not start
     assert st["instances"][0]["restarts"] == 0
+
+
+def engine_core_pid(server: VllmServer) -> int:
+    """The pid of a `vllm serve`'s engine core process (its API server's child ``VLLM::EngineCore``)."""
+    import psutil
+
+    kids = psutil.Process(server._proc.proc.pid).children(recursive=True)
+    cores = [k.pid for k in kids if "EngineCore" in " ".join([k.name(), *k.cmdline()])]
+    assert len(cores) == 1, [(k.pid, k.name()) for k in kids]
+    return cores[0]
+
+
+def test_attached_engine_answering_500_is_retried_around(tiny_model, tmp_path):
+    """A real engine that answers 500: its engine core is killed while its API server stays up
+    (``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1``, vLLM's own switch), so vLLM itself answers every request
+    with 500 (``EngineDeadError``). Requests the front end sends there are retried on the other engine
+    before their first token, token-identical, and none reaches the client as an error."""
+    engines = [VllmServer(str(tiny_model), ARGS, env={"VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"},
+                          log_path=tmp_path / f"engine{i}.log", startup_timeout_s=400) for i in range(2)]
+    front = None
+    try:
+        for e in engines:
+            e.start()
+        front = attach_front(tiny_model, engines, tmp_path, "--dispatch", "round-robin")
+
+        async def go():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+                ref = [await complete(s, engines[0].url, p, max_tokens=24) for p in PROMPTS]
+                os.kill(engine_core_pid(engines[1]), signal.SIGKILL)
+                t0 = time.monotonic()
+                while True:   # vLLM notices its engine core died: from then on it answers 500
+                    broken = await complete(s, engines[1].url, PROMPTS[0], max_tokens=24)
+                    if broken.status != 200 or time.monotonic() - t0 > 60:
+                        break
+                    await asyncio.sleep(0.1)
+                via = await asyncio.gather(*(complete(s, front.url, p, max_tokens=24, stream=k % 2 == 0)
+                                             for k, p in enumerate(PROMPTS * 2)))
+                return ref, broken, via, await status(s, front.url)
+        ref, broken, via, st = asyncio.run(go())
+    finally:
+        if front is not None:
+            front.stop()
+        for e in engines:
+            e.stop()
+    assert broken.status == 500, (broken.status, broken.error)
+    assert all(a.status == 200 and a.error is None for a in via), [(a.status, a.error) for a in via]
+    assert [a.token_ids for a in via] == [a.token_ids for a in ref] * 2
+    # round-robin sent some to engine 1 while the front end still counted it ready: each came back
+    # from vLLM as a 500 and went to engine 0
+    retries = [e for e in st["events"] if e["event"] == "retry"]
+    assert retries and all(e["src"] == 1 and "answered 500" in e["reason"] for e in retries), retries
 
 
 def test_attached_kunserve_engines_are_found_and_grouped(burst_model, tmp_path):
@@ -93,11 +150,7 @@ def test_attached_kunserve_engines_are_found_and_grouped(burst_model, tmp_path):
     try:
         for e in engines:
             e.start()
-        front = KunserveCluster(str(burst_model), [], kcfg, log_path=tmp_path / "front.log", instances=2,
-                                startup_timeout_s=120,
-                                extra=["--engine-url", engines[0].url, "--engine-url", engines[1].url,
-                                       "--monitor-interval", "0.25"])
-        front.start()
+        front = attach_front(burst_model, engines, tmp_path, kcfg=kcfg)
 
         async def go():
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:

@@ -73,8 +73,10 @@ def json_safe(obj: Any) -> Any:
 def write_json(path: Path | str, obj: Any, *, indent: int = 2, clean: bool = True, default=None,
                newline: bool = True) -> None:
     """``obj`` as JSON at ``path``: ``clean`` writes NaN and infinities as null (else as JSON's
-    ``NaN`` / ``Infinity``, which Python reads back), ``default`` as ``json.dumps`` takes it."""
+    ``NaN`` / ``Infinity``, which Python reads back), ``default`` as ``json.dumps`` takes it; the
+    folder is made where it is missing."""
     text = json.dumps(json_safe(obj) if clean else obj, indent=indent, default=default)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)   # an --out in a folder not made yet
     Path(path).write_text(text + ("\n" if newline else ""))
 
 
