@@ -7,7 +7,10 @@ another is measured:
 - ``vllm-router-rr`` and ``vllm-router-ca``: vllm-router (PyPI, the vLLM project's Rust router)
   with ``--policy round_robin`` and ``cache_aware`` (its default), ``--worker-urls`` the engines;
 - ``kunserve``: ``kunserve serve --engine-url`` over the same engines (attach mode, its default
-  least-work dispatch).
+  least-work dispatch);
+- ``direct``: no front end, the client's streams and prompts split evenly between the engines (one
+  ``vllm bench serve`` per engine, started together, their per-request results pooled as one
+  client's): the floor every front end adds to.
 
 The client is vLLM's own, ``vllm bench serve`` (random dataset, ``--random-input-len`` prompt and
 ``--random-output-len`` output tokens, ``--ignore-eos``), at each ``--concurrency``, every front in
