@@ -339,12 +339,16 @@ def fmt_ci(c: dict | None, digits: int = 2) -> str:
     return f"{f(c['value'])} ({f(c['lo'])}..{f(c['hi'])})"
 
 
-def verdict(an: dict, totals: dict, groups: dict, window: tuple[float, float]) -> list[str]:
-    """The issue's R1 targets, each met or missed, with the measured figure."""
+def verdict(an: dict, totals: dict, groups: dict, window: tuple[float, float],
+            measured_only: bool = False) -> list[str]:
+    """The issue's R1 targets, each met or missed, with the measured figure (``measured_only``: leave
+    out the targets this run cannot measure, as those against an alternative where none ran)."""
     st, cmp, best = an["stats"], an["compare"].get("kunserve", {}), an["best"]
     out = []
 
     def line(target: str, measured: str, ok: bool | None):
+        if ok is None and measured_only:
+            return
         out.append(f"- {target}: {measured} -> **{'met' if ok else ('missed' if ok is not None else 'not measured')}**")
     eq = an.get("equal", "oracle-equal")
     b99 = an.get("best_p99_over_equal")
@@ -616,12 +620,10 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
           "configuration, not a bound: kunserve can beat it.", "",
           "## Verdict (issue 34's targets for R1" + (", applied to R0 for reference)" if a.regime == "r0" else ")"),
           ""]
-    v = verdict(an, totals, groups, meta["window"])
     if not an["best"]:   # no alternative ran (an ablation): the targets against it are not measured here
-        v = [x for x in v if not x.endswith("**not measured**")]
         L += ["No alternative ran here: only the targets this run measures. Those against the best alternative are "
               "in the page of the run with them.", ""]
-    L += v
+    L += verdict(an, totals, groups, meta["window"], measured_only=not an["best"])
     L += no_gap_note(meta, an)
     joins = {"kunserve": meta.get("joins") or [], **(meta.get("variant_joins") or {})}
     for sysname, sys_joins in joins.items():
@@ -761,7 +763,12 @@ def main() -> int:
     oracle_x = round(min(group_kv_factor(w), KV_CAP), 3)   # what a kunserve group reaches here
     command = cmd("burst_value.py")
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
-    variants = [v.partition("=")[0].strip() for v in a.variant]
+    from vllm_kunserve.bench.systems import parse_variant
+
+    try:   # refused before the capacity and sweep steps run, as kunserve compare would refuse it after them
+        variants = [parse_variant(v)[0] for v in a.variant]
+    except ValueError as e:
+        ap.error(str(e))
     if set(variants) - set(systems):
         ap.error(f"--variant {sorted(set(variants) - set(systems))}: name it in --systems too")
     meta: dict = {"cpu": scaling.get("cpu") or "this CPU", "preset": reg["preset"], "weight_bytes": spec.weight_bytes(),

@@ -110,6 +110,12 @@ def test_analysis_picks_the_best_alternative_and_judges_the_targets(bv):
     early = bv.verdict(an, totals, {"kunserve": {1: {"first_s": 12.0}}}, (40.0, 80.0))
     assert "first grouped at 12 s; warm phase ends at 40 s -> **missed**" in "\n".join(early)
 
+    # an ablation: no alternative ran, so the targets against one are left out rather than listed unmeasured
+    abl = bv.analyse({"kunserve": runs["kunserve"], "oracle-equal": runs["oracle-equal"]}, ttft_slo=2.0, tpot_slo=0.1)
+    assert "**not measured**" in "\n".join(bv.verdict(abl, totals, groups, (40.0, 80.0)))
+    only = "\n".join(bv.verdict(abl, totals, groups, (40.0, 80.0), measured_only=True))
+    assert "**not measured**" not in only and "P99 TTFT <= 1.2x oracle-equal's: 1.10" in only
+
 
 def test_verdict_says_which_missed_targets_the_equal_memory_oracle_misses_too(bv):
     rng = np.random.default_rng(2)

@@ -125,24 +125,32 @@ def variant_systems(items: list[str], kunserve_config: dict[str, Any] | None,
     base = taken["kunserve"]
     out: dict[str, SystemSpec] = {}
     for item in items:
-        name, sep, raw = item.partition("=")
-        name = name.strip()
-        if not sep or not name or not name.replace("-", "").replace("_", "").isalnum():
-            raise ValueError(f"--variant {item!r}: expected NAME=JSON with NAME of letters, digits, - or _")
+        name, over = parse_variant(item)
         if name in taken or name in out:
             raise ValueError(f"--variant {name!r}: that system name is taken")
-        try:
-            over = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--variant {name}: not valid JSON ({e})") from None
-        if not isinstance(over, dict) or not all(isinstance(v, dict) for v in over.values()):
-            raise ValueError(f"--variant {name}: expected an object of config sections, e.g. "
-                             '{"drop": {"transition": "reprefill"}}')
         out[name] = SystemSpec(name, launcher=base.launcher, engine_args=base.engine_args,
                                additional_config={CONFIG_KEY: merge_sections(kunserve_config, over)},
                                num_instances=base.num_instances,
                                description=f"kunserve with {json.dumps(over, sort_keys=True)}")
     return out
+
+
+def parse_variant(item: str) -> tuple[str, dict[str, dict]]:
+    """One ``--variant NAME=JSON``: its name and its config sections, or a ValueError saying what is wrong."""
+    import json
+
+    name, sep, raw = item.partition("=")
+    name = name.strip()
+    if not sep or not name or not name.replace("-", "").replace("_", "").isalnum():
+        raise ValueError(f"--variant {item!r}: expected NAME=JSON with NAME of letters, digits, - or _")
+    try:
+        over = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--variant {name}: not valid JSON ({e})") from None
+    if not isinstance(over, dict) or not all(isinstance(v, dict) for v in over.values()):
+        raise ValueError(f"--variant {name}: expected an object of config sections, e.g. "
+                         '{"drop": {"transition": "reprefill"}}')
+    return name, over
 
 
 def merge_sections(kunserve_config: dict[str, Any] | None, over: dict[str, dict]) -> dict[str, Any]:
