@@ -13,6 +13,14 @@ Then each system's lines are scaled by one factor until the simulator reproduces
 the fit run's repetitions (``sim.runfit.calibrate``): the clean seconds are a biased sample of a run's
 steps (warm phase and drain), and the uncalibrated lines give TPOTs 1.1-1.7x the measured.
 
+**Noise** (off with ``--no-noise``): the simulator is deterministic, the runs are not. The same
+request waits 0.9 s for its first token in one repetition and 1.7 s in another, where the simulator
+says 0.7 s every time (the OS and the front end sharing the engines' cores, a step's jitter). Per
+system, the fit run's residuals (measured minus simulated TTFT of its window requests, where
+neither is over 2 s, ``sim.runfit.ttft_residuals``) are added to each predicted request, 50 draws
+each from a fixed seed, and the percentiles are taken over the draws. A system that did not run in
+the fit run (or has fewer than 30 residuals) takes the residuals of the system its lines come from.
+
 **Predict** (``--predict``, another run: another burst rate): nothing measured in it is used but
 the requests it offered (arrival, prompt, output length asked for). Every repetition is simulated
 with its own requests; the burst window's TTFTs are pooled over the repetitions, and the pooled
@@ -39,8 +47,10 @@ Systems, simulated as the harness runs them:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import random
 import re
 import statistics
 import sys
@@ -56,6 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
 DOCS = ROOT / "docs" / "benchmarks"
 TOL = 0.25
 SLOW_S = 2.0   # burst_value.py's TTFT SLO (--ttft-slo): a request waiting longer missed it
+NOISE_DRAWS, NOISE_SEED, MIN_NOISE = 50, 0, 30   # --no-noise: draws per request, their seed, residuals needed
 SYSTEMS = ("vllm", "vllm-tuned", "vllm-router", "vllm-router-rr", "static", "kunserve", "oracle-equal")
 #: how each harness system is simulated: the simulator's policy, and where its step lines come from
 SIM_AS = {"vllm": "vllm", "vllm-tuned": "vllm", "vllm-router": "vllm", "vllm-router-rr": "vllm", "oracle-equal": "vllm",
@@ -144,6 +155,26 @@ def sim_window(st, st_g, settings: dict, system: str, rows: list[dict], rep: int
     return out
 
 
+def with_noise(pred: list[pooled.Request], residuals: list[float], draws: int = NOISE_DRAWS,
+               seed: int = NOISE_SEED) -> list[pooled.Request]:
+    """Each predicted request ``draws`` times, its TTFT plus a residual drawn from ``residuals`` (never
+    below zero); a lost request stays lost. Its repetition is kept, so the bootstrap still resamples
+    within repetitions."""
+    rng = random.Random(seed)
+    out = []
+    for r in pred:
+        if not r.ok:
+            out += [r] * draws
+            continue
+        out += [dataclasses.replace(r, ttft_s=max(0.0, r.ttft_s + rng.choice(residuals))) for _ in range(draws)]
+    return out
+
+
+def noise_summary(res: list[float], source: str) -> dict:
+    q = statistics.quantiles(res, n=100, method="inclusive")
+    return {"from": source, "n": len(res), "p50": q[49], "p90": q[89], "p99": q[98]}
+
+
 def fmt(x, nd=2) -> str:
     return "-" if x is None else ("inf" if x == math.inf else f"{x:.{nd}f}")
 
@@ -154,6 +185,8 @@ def main() -> int:
     ap.add_argument("--predict", required=True, help="the burst_value run predicted (its offered requests only)")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--no-calibrate", action="store_true", help="the lines as fitted (no TPOT calibration)")
+    ap.add_argument("--no-noise", action="store_true",
+                    help="predict with the deterministic simulator alone (no residuals of the fit run added)")
     ap.add_argument("--no-machine-speed", action="store_true",
                     help="do not scale the lines by the machine's speed on the predicted run's day (its warm phase)")
     ap.add_argument("--out-name", default="burst_value_sim", help="writes docs/benchmarks/<name>.{md,json}")
@@ -178,7 +211,7 @@ def main() -> int:
     fdata = load(fit_run, sources, fset["window"][0], fset["instances"])
     speed = None if a.no_machine_speed else machine_speed(fit_run, pred_run, fset, pset, systems)
 
-    rows = []
+    rows, residuals = [], {}
     for s in systems:
         src = lines_from[s]
         fits, pf = runfit.pooled_fits(fdata, src)
@@ -196,6 +229,17 @@ def main() -> int:
                 c2 = runfit.calibrate(fdata, s, ko, single, grouped, {**fset, "system_as": SIM_AS}, tps)
                 single, grouped = runfit.scaled(single, c2["scale"]), runfit.scaled(grouped, c2["scale"])
                 cal = {**cal, "scale": cal["scale"] * c2["scale"], "own": c2}
+        noise = None
+        if not a.no_noise:   # the fit run's residuals, on the lines of the fit run's day (before the speed)
+            fst, fst_g = runfit.step_times(single, grouped, 1.0, tps)
+            for who in (s, src):
+                ks = sorted(k for s2, k in fdata if s2 == who)
+                if ks and who not in residuals:
+                    residuals[who] = runfit.ttft_residuals(fst, fst_g, fdata, who, ks, {**fset, "system_as": SIM_AS},
+                                                           SLOW_S)
+                if len(residuals.get(who) or []) >= MIN_NOISE:
+                    noise = noise_summary(residuals[who], who)
+                    break
         if speed:   # the machine's speed on the predicted run's day, from its warm phase (below)
             single, grouped = runfit.scaled(single, speed["factor"]), runfit.scaled(grouped, speed["factor"])
         st, st_g = runfit.step_times(single, grouped, 1.0, tps)
@@ -204,10 +248,14 @@ def main() -> int:
             rws = read_csv(d / "requests.csv")
             meas += pooled.read_window(d / "requests.csv", k, *pset["window"])
             pred += sim_window(st, st_g, {**pset, "system_as": SIM_AS}, s, rws, k)
+        plain = pred
+        if noise:
+            pred = with_noise(pred, residuals[noise["from"]])
         mt, pt = pooled.tail(meas), pooled.tail(pred)
         row = {"system": s, "lines_from": src, "single": single, "grouped": grouped, "prefill_tps": tps,
-               "calibration": cal, "n_measured": len(meas), "n_predicted": len(pred),
-               "lost_predicted": sum(1 for r in pred if not r.ok), "measured": mt, "predicted": pt,
+               "calibration": cal, "n_measured": len(meas), "n_predicted": len(plain),
+               "lost_predicted": sum(1 for r in plain if not r.ok), "measured": mt, "predicted": pt,
+               "noise": noise, "predicted_plain": pooled.tail(plain) if noise else None,
                "tpot_p50": {"measured": pooled.tpot(meas)["p50"], "predicted": pooled.tpot(pred)["p50"]}}
         for q in ("p50", "p90", "p99"):
             m, p = mt[q]["value"], pt[q]["value"]
@@ -263,6 +311,18 @@ def machine_line(speed: dict | None) -> str:
             "burst window (nothing of the window is used; `--no-machine-speed` leaves it out).")
 
 
+def noise_line(rows: list[dict]) -> str:
+    ns = [(r["system"], r["noise"]) for r in rows if r.get("noise")]
+    if not ns:
+        return "- Noise: none added (`--no-noise`): the predictions are the deterministic simulator's."
+    by = "; ".join(f"{s} {n['p50']:+.2f} / {n['p90']:+.2f} / {n['p99']:+.2f} s (n {n['n']}"
+                   + ("" if n["from"] == s else f", {n['from']}'s") + ")" for s, n in ns)
+    return ("- Noise: each predicted request's TTFT plus a residual of the fit run, measured minus simulated TTFT "
+            f"of its window requests where neither is over {SLOW_S:g} s (`sim.runfit.ttft_residuals`), "
+            f"{NOISE_DRAWS} draws per request; the simulator alone in parentheses in the table. Residuals' P50 / "
+            f"P90 / P99: {by}.")
+
+
 def share_cell(row: dict) -> str:
     o = row.get("over_slo")
     if not o or o["measured"]["value"] is None:
@@ -313,15 +373,19 @@ def render(res: dict) -> str:
          f"inside the range of the repetitions' own shares: "
          f"{', '.join(r['system'] for r in rows if r.get('over_slo_in_reps')) or 'none'}" + knee_note(rows), "",
          "## Pooled burst-window TTFT, measured vs simulated (seconds)", ""]
-    L += md_table(["system", "requests", "P50 meas / sim", "P90 meas (95% CI) / sim", "P99 meas (95% CI) / sim",
+    L += md_table(["system", "requests", "P50 meas / sim (without noise)", "P90 meas (95% CI) / sim", "P99 meas (95% CI) / sim",
                    "sim / meas P50, P90, P99", f"TTFT > {SLOW_S:g} s meas (95% CI; reps' range) / sim", "P50 TPOT meas / sim (ms)",
                    "lines from", "scale", "lost (sim)"], "lrlllllllrr")
     for r in rows:
-        m, p = r["measured"], r["predicted"]
-        ci = lambda q: f"{fmt(m[q]['value'])} ({fmt(m[q]['lo'])}..{fmt(m[q]['hi'])})"  # noqa: E731
+        m, p, plain = r["measured"], r["predicted"], r.get("predicted_plain")
+        def ci(q, m=m):
+            return f"{fmt(m[q]['value'])} ({fmt(m[q]['lo'])}..{fmt(m[q]['hi'])})"
+
+        def sim(q, p=p, plain=plain):   # with the noise, and the simulator alone in parentheses
+            return fmt(p[q]["value"]) + (f" ({fmt(plain[q]['value'])})" if plain else "")
         tp = r["tpot_p50"]
-        L.append(md_row([r["system"], r["n_measured"], f"{fmt(m['p50']['value'])} / {fmt(p['p50']['value'])}",
-                         f"{ci('p90')} / {fmt(p['p90']['value'])}", f"{ci('p99')} / {fmt(p['p99']['value'])}",
+        L.append(md_row([r["system"], r["n_measured"], f"{fmt(m['p50']['value'])} / {sim('p50')}",
+                         f"{ci('p90')} / {sim('p90')}", f"{ci('p99')} / {sim('p99')}",
                          f"{fmt(r['ratio_p50'])}, {fmt(r['ratio_p90'])}, {fmt(r['ratio_p99'])}", share_cell(r),
                          f"{fmt(tp['measured'] and tp['measured'] * 1e3, 0)} / "
                          f"{fmt(tp['predicted'] and tp['predicted'] * 1e3, 0)}",
@@ -331,6 +395,7 @@ def render(res: dict) -> str:
           "(`vllm_kunserve/sim/runfit.py`, as `benchmarks/cluster_burst_sim.py` fits them), every repetition pooled; a group's cycle has its own line. "
           "Prefill rate: the fit run's warm requests that had an engine to themselves.",
           machine_line(res.get("machine_speed")),
+          noise_line(rows),
           "- Calibration: one factor on each system's lines, found where the simulated median TPOT of the fit run's "
           "repetitions equals the measured (`sim.runfit.calibrate`); a system whose lines come from another is "
           "scaled again to its own median TPOT in the fit run, where it ran there (the scale column is the product).",

@@ -60,3 +60,23 @@ def test_machine_speed_is_the_median_warm_tpot_ratio_over_systems(bvs, tmp_path)
     assert "every line x1.150" in bvs.machine_line(sp)
     assert bvs.machine_speed(fit, pred, w, w, ["static"]) is None
     assert "not applied" in bvs.machine_line(None)
+
+
+def test_noise_adds_a_drawn_residual_to_each_request_and_keeps_lost_ones_lost(bvs):
+    import math
+
+    from vllm_kunserve.bench import pooled
+
+    pred = [pooled.Request(1, 40.0, True, 0.5, 0.1, 100, 10.0), pooled.Request(2, 41.0, True, 0.05, 0.1, 100, 10.0),
+            pooled.Request(2, 42.0, False, math.inf, None, 0, None)]
+    res = [-0.2, 0.0, 0.3]
+    out = bvs.with_noise(pred, res, draws=40, seed=1)
+    assert len(out) == 120 and out == bvs.with_noise(pred, res, draws=40, seed=1)   # seeded: the page re-renders
+    first, second, lost = out[:40], out[40:80], out[80:]
+    assert {round(r.ttft_s - 0.5, 9) for r in first} == set(res) and all(r.rep == 1 for r in first)
+    assert min(r.ttft_s for r in second) == 0.0   # 0.05 - 0.2 is never a negative wait
+    assert all(not r.ok and r.ttft_s == math.inf for r in lost)
+    n = bvs.noise_summary([0.01 * i for i in range(101)], "vllm")
+    assert n["from"] == "vllm" and n["n"] == 101 and n["p50"] == pytest.approx(0.5) and n["p99"] == pytest.approx(0.99)
+    assert "vllm +0.50 / +0.90 / +0.99 s (n 101)" in bvs.noise_line([{"system": "vllm", "noise": n}])
+    assert "none added" in bvs.noise_line([{"system": "vllm", "noise": None}])

@@ -366,3 +366,35 @@ def test_what_if_group_reads_each_factor_against_the_same_repetitions_oracle_and
         monkeypatch.setattr(cb.sys, "argv", ["cluster_burst_sim.py", "--run", ".", "--what-if-group", bad])
         with pytest.raises(SystemExit, match="what-if-group"):
             cb.main()
+
+
+def test_ttft_residuals_are_what_the_simulator_misses_where_neither_side_queued():
+    """A run simulated on its own true line, then 'measured' with known delays added: the residuals
+    are exactly those delays, for window requests only, and a request measured (or simulated) over
+    the threshold is left out (its difference is a queue's, not noise)."""
+    from vllm_kunserve.sim import runfit
+    from vllm_kunserve.sim.steptime import MeasuredStepTime
+    from vllm_kunserve.sim.trace import TraceRequest
+
+    settings = {"block_size": 16, "kv_tokens": 4096, "kunserve_config": {}, "model": "small", "instances": 2,
+                "max_num_batched_tokens": 2048, "max_num_seqs": 128, "oracle_x": 10.0, "dispatch": "least-work",
+                "window": (10.0, 20.0)}
+    st = MeasuredStepTime.linear(0.04, 0.004, 400.0)
+    trace = [TraceRequest(i, 0.5 * i, 64, 40) for i in range(50)]
+    sim = runfit.make_sim(st, st, settings, "oracle", trace).run()
+    records = {r.id: r.record() for r in sim.reqs}
+    rows = _rows_from(sim.reqs, records)
+    window = [r for r in rows if 10.0 <= float(r["arrival_s"]) < 20.0]
+    assert len(window) == 20
+    expect = []
+    for i, r in enumerate(window):
+        delay = 0.05 * (i % 4)
+        if i == 3:
+            delay = 30.0   # measured far over the threshold: queued, not noise
+        else:
+            expect.append(delay)
+        r["ttft_s"] = str(float(r["ttft_s"]) + delay)
+    rows[0]["ttft_s"] = str(float(rows[0]["ttft_s"]) + 0.7)   # before the window: not counted
+    got = runfit.ttft_residuals(st, st, {("oracle", 1): {"rows": rows}}, "oracle", [1], settings, 2.0)
+    assert sorted(got) == pytest.approx(sorted(expect), abs=1e-9)
+    assert runfit.ttft_residuals(st, st, {("oracle", 1): {"rows": rows}}, "oracle", [1], settings, 0.0) == []

@@ -261,6 +261,27 @@ def predict(st, st_group, settings: dict, system: str, trace) -> dict:
             "preemptions": sum(r.preempts for r in sim.reqs), "first_drop_s": drops[0] if drops else None}
 
 
+def ttft_residuals(st, st_group, data: dict, system: str, src: list[int], settings: dict, below_s: float) -> list[float]:
+    """The run's per-request noise the simulator does not model (the OS and the front end on shared
+    cores, a step's jitter): measured minus simulated TTFT of the burst-window requests of
+    repetitions ``src`` of ``system`` in ``data``, each simulated with its own offered requests, kept
+    where both are under ``below_s`` (neither side queued: on the knee of the TTFT curve the
+    difference is the queue's, not noise)."""
+    lo, hi = settings["window"]
+    out = []
+    for k in src:
+        rows = data[(system, k)]["rows"]
+        sim = make_sim(st, st_group, settings, system, trace_of(rows)).run()
+        simulated = {r.id: r.record()["ttft_s"] for r in sim.reqs if r.finish_t is not None}
+        for r in rows:
+            p = simulated.get(int(r["idx"]))
+            if r["ok"] == "1" and p is not None and lo <= float(r["arrival_s"]) < hi:
+                m = float(r["ttft_s"])
+                if m < below_s and p < below_s:
+                    out.append(m - p)
+    return out
+
+
 #: --calibrate: the decode lines' scales tried (their TPOT curve is interpolated where it crosses 1)
 CAL_SCALES = tuple(round(0.6 + 0.05 * i, 2) for i in range(11))
 
