@@ -83,7 +83,8 @@ PREFIX_FRONTS = ("vllm-router-ca", "kunserve", "kunserve-ca")
 ALL_FRONTS = ("vllm-router-rr", "vllm-router-ca", "kunserve", "kunserve-rr", "kunserve-ca", DIRECT)   # the pages' order
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms")
 LOOP_KEYS = ("ticks", "late", "late_s", "late_cpu_s", "late_runq_s")   # /kunserve/status loop totals
-EXTRA = ("front_cpu_us_per_token", "prefix_hit_rate", "engine_queue_ms", "engine_prefill_ms")   # measured since the runs that record them
+EXTRA = ("front_cpu_us_per_token", "prefix_hit_rate", "engine_queue_ms", "engine_prefill_ms",
+         "mean_ttft_ms", "admit_ms", "engine_ms", "relay_ms", "unseen_ms")   # measured since the runs that record them
 
 
 def engine_args(kv_bytes: int, dtype: str = "float32", max_len: int = 512) -> list[str]:
@@ -244,8 +245,43 @@ def bench(url: str, model: Path, conc: int, n: int, a: argparse.Namespace, out: 
         subprocess.run(bench_argv(url, model, conc, n, a, out, seed, dataset), check=True, stdout=log,
                        stderr=subprocess.STDOUT, env={**os.environ, "VLLM_HOST_IP": "127.0.0.1"})
     res = json.loads(out.read_text())
-    return {"completed": res.get("completed"), "failed": res.get("failed", 0),
+    return {"completed": res.get("completed"), "failed": res.get("failed", 0), "mean_ttft_ms": res.get("mean_ttft_ms"),
             **{k: res.get(k) for k in METRICS}}
+
+
+STAGES = ("admit", "engine", "relay")   # kunserve:frontend_ttft_stage_seconds' stages, in order
+
+
+def stage_totals(url: str) -> dict[str, tuple[float, float]]:
+    """kunserve's front end: per stage of its streamed requests' time to first token, the histogram's
+    (sum in seconds, count) so far."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {st: [0.0, 0.0] for st in STAGES}
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "kunserve:frontend_ttft_stage_seconds":
+            for smp in fam.samples:
+                if smp.labels.get("stage") in out and smp.name.endswith(("_sum", "_count")):
+                    out[smp.labels["stage"]][smp.name.endswith("_count")] += smp.value
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def stage_view(before: dict, after: dict, client_mean_ttft_ms: float | None) -> dict[str, float]:
+    """A run's mean time per stage (ms) over its streamed requests, and what the client waited beyond
+    their sum (``unseen_ms``: before the front end's handler ran, or after its write)."""
+    view = {}
+    for st in STAGES:
+        n = after[st][1] - before[st][1]
+        if n <= 0:
+            return {}
+        view[f"{st}_ms"] = 1e3 * (after[st][0] - before[st][0]) / n
+    if client_mean_ttft_ms is not None:
+        view["unseen_ms"] = client_mean_ttft_ms - sum(view.values())
+    return view
 
 
 def loop_view(url: str) -> dict:
@@ -330,6 +366,29 @@ def reading(an: dict, own: bool) -> str:
             + ("" if own else f" The same fronts with the front end on a core of its own: `{NAME}_own_core.md`."))
 
 
+def stage_section(an: dict) -> list[str]:
+    """Where kunserve's streamed requests' time to first token went, by the front end's own clock
+    (``kunserve:frontend_ttft_stage_seconds``), beside the client's mean TTFT: what the client waited
+    beyond the stages' sum was spent before the front end's handler ran (the request's bytes read
+    and parsed by the server, a handler started late by a busy or core-less event loop)."""
+    rows = []
+    for c, fr in an.items():
+        k = fr.get("kunserve", {})
+        if all(m in k for m in ("mean_ttft_ms", "admit_ms", "engine_ms", "relay_ms", "unseen_ms")):
+            rows.append([c, *(fmt(k[m], 1) for m in ("mean_ttft_ms", "admit_ms", "engine_ms", "relay_ms", "unseen_ms"))])
+    if not rows:
+        return []
+    return ["## Where kunserve's time to first token goes", "",
+            "Means over each run's streamed requests (ms, 95% intervals over runs): the client's TTFT, and the front "
+            "end's own clock (`kunserve:frontend_ttft_stage_seconds`): admit (the body read, validated, its tokens "
+            "counted, an engine picked), engine (sent until the engine's first token was read back: the engine's "
+            "queue and prefill, the hop), relay (that token written to the client); not seen: the client's TTFT "
+            "less the three (the request waiting to be read and parsed before the front end's handler ran, a late "
+            "event loop).", "",
+            *md_table(["streams", "client TTFT", "admit", "engine", "relay", "not seen by the front end"], "rrrrrr",
+                      rows), ""]
+
+
 def direct_sentence(an: dict) -> list[str]:
     """What standing between the client and the engines costs, at each concurrency above 1 where the
     fronts ran beside ``direct`` (no front end): each front's throughput and median / P99 TTFT as
@@ -397,6 +456,7 @@ def render(meta: dict, an: dict) -> str:
                           fr[f]["failed"]] for f in ALL_FRONTS if f in fr))
         L += [""]
     L += direct_sentence(an)
+    L += stage_section(an)
     shown = [f for f in ALL_FRONTS if any(f in fr for fr in an.values())]
     if any("front_cpu_us_per_token" in fr[f] for fr in an.values() for f in fr):
         L += ["## What each front end costs, and where kunserve's waits", "",
@@ -831,6 +891,7 @@ def main() -> int:
             """One ``vllm bench serve`` run through front ``f``, with its CPU, loop and engine views."""
             cpu0 = sum(cpu_times(pids[f]).values())   # the front end's process tree
             loop0 = loop_view(urls_of[f]) if f == "kunserve" else None
+            st0 = stage_totals(urls_of[f]) if f == "kunserve" else None
             pc0 = engine_counters(urls) if prefix else None
             # prefix: every run its own prefixes (a run must not find another's in the caches)
             seed = 1000 * rep + 10 * concs.index(conc) + fronts.index(f) if prefix else rep
@@ -848,6 +909,8 @@ def main() -> int:
             if loop0 is not None:
                 loop1 = loop_view(urls_of[f])
                 res["loop"] = {k: round(loop1[k] - loop0[k], 3) for k in LOOP_KEYS if k in loop1}
+            if st0 is not None:
+                res.update(stage_view(st0, stage_totals(urls_of[f]), res.get("mean_ttft_ms")))
             return res
 
         order_rng = random.Random(1)

@@ -521,3 +521,35 @@ def test_chunk_codec_round_trips_what_the_json_module_reads():
     assert _decode(json.dumps(ev).encode()) == ev
     with pytest.raises(ValueError):
         _decode(b'{"id": ')
+
+
+def test_ttft_stages_split_a_streamed_requests_wait_where_it_went():
+    """An engine that takes 0.15 s before its response: two streamed requests put that time in the
+    histogram's engine stage, each stage counted once per streamed request, the front end's own
+    stages small; a non-streamed request adds nothing."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def go():
+        fakes, front, client, runners = await _stack()
+        try:
+            for f in fakes:
+                f.hang_s = 0.15
+            async with _served(front) as c:
+                for p in ([1, 2], [3, 4]):
+                    await _stream(c, {"prompt": p, "max_tokens": 4, "stream": True})
+                r = await c.post("/v1/completions", json={"prompt": [5], "max_tokens": 2})
+                assert r.status_code == 200
+                return (await c.get("/metrics")).text
+        finally:
+            await _teardown(front, client, runners)
+    text = asyncio.run(go())
+    stages = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "kunserve:frontend_ttft_stage_seconds":
+            for s in fam.samples:
+                if s.name.endswith(("_count", "_sum")):
+                    stages.setdefault(s.labels["stage"], {})[s.name.rsplit("_", 1)[1]] = s.value
+    assert set(stages) == {"admit", "engine", "relay"}
+    assert all(v["count"] == 2 for v in stages.values())
+    assert stages["engine"]["sum"] >= 0.3
+    assert stages["admit"]["sum"] < 0.15 and stages["relay"]["sum"] < 0.15

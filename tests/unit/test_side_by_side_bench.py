@@ -103,3 +103,21 @@ def test_direct_clients_pool_as_one_client():
     assert got["median_ttft_ms"] == pytest.approx(30.0)
     assert got["p99_ttft_ms"] == pytest.approx(float(np.percentile([0.01, 0.03, 0.05], 99)) * 1e3)
     assert got["median_itl_ms"] == pytest.approx(7.0)   # the median of 2, 4, 6, 8, 10, 12 ms
+
+
+def test_stage_view_splits_the_clients_ttft_by_the_front_ends_clock():
+    sbs = load_benchmark("router_side_by_side")
+    before = {"admit": (1.0, 10), "engine": (5.0, 10), "relay": (0.1, 10)}
+    after = {"admit": (1.2, 20), "engine": (7.0, 20), "relay": (0.15, 20)}
+    v = sbs.stage_view(before, after, 260.0)
+    assert v == pytest.approx({"admit_ms": 20.0, "engine_ms": 200.0, "relay_ms": 5.0, "unseen_ms": 35.0})
+    assert sbs.stage_view(before, before, 260.0) == {}   # no streamed request in the run: nothing to split
+    assert "unseen_ms" not in sbs.stage_view(before, after, None)
+    ci = lambda m: {"mean": m, "lo": m - 1, "hi": m + 1}  # noqa: E731
+    an = {"32": {"kunserve": {"mean_ttft_ms": ci(260.0), "admit_ms": ci(20.0), "engine_ms": ci(200.0),
+                              "relay_ms": ci(5.0), "unseen_ms": ci(35.0)}},
+          "1": {"kunserve": {"mean_ttft_ms": ci(12.0)}}}   # a run before the stages were recorded: no row
+    page = "\n".join(sbs.stage_section(an))
+    assert "| 32 | 260.0 (259.0..261.0) | 20.0 (19.0..21.0) | 200.0 (199.0..201.0) | 5.0 (4.0..6.0) |" in page
+    assert "| 1 |" not in page
+    assert sbs.stage_section({"1": {"kunserve": {}}}) == []

@@ -52,6 +52,8 @@ __all__ = ["FrontEnd", "build_app", "relabel_metrics"]
 
 #: the breaker's events (cluster/frontend/breaker.py) and the kunserve:circuit_state value each sets
 CIRCUIT_STATES = {"circuit_closed": 0, "circuit_open": 1, "circuit_half_open": 2}
+#: kunserve:frontend_ttft_stage_seconds: a millisecond to a minute
+STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 def relabel_metrics(texts: dict[int, str]) -> str:
@@ -148,7 +150,7 @@ class FrontEnd:
 
     # -- metrics ------------------------------------------------------------------------------------
     def _init_metrics(self) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = r = CollectorRegistry()
         self.m_requests = Counter("kunserve:frontend_requests", "Requests answered by the front end",
@@ -167,6 +169,13 @@ class FrontEnd:
         self.m_up = Gauge("kunserve:engine_up", "1 while the instance accepts work", ["instance"], registry=r)
         self.m_blocks = Gauge("kunserve:engine_kv_blocks", "KV block capacity per instance (last poll)",
                               ["instance"], registry=r)
+        self.m_stage = Histogram(
+            "kunserve:frontend_ttft_stage_seconds",
+            "A streamed request's time to first token inside the front end, by stage: admit (its body read, "
+            "validated, counted and dispatched), engine (sent until the engine's first token was read back), "
+            "relay (that token written to the client). What a client measures beyond their sum was spent before "
+            "the front end's handler ran (the network, the server's accept and parse, a late event loop)",
+            ["stage"], buckets=STAGE_BUCKETS, registry=r)
         for e in self.fleet.engines:
             self.m_up.labels(str(e.index)).set(1 if e.accepting else 0)
 
@@ -463,6 +472,7 @@ def build_app(front: FrontEnd):
         return hmac.compare_digest(got.encode(), f"Bearer {front.token}".encode())
 
     async def generate(kind: str, request: Request):
+        t_in = time.monotonic()
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         try:
             body = parse_json(await request.body())
@@ -513,6 +523,7 @@ def build_app(front: FrontEnd):
         front.account(flight)
         if checked.stream:
             relay = Relay(front, flight)
+            t_sent = time.monotonic()
             try:
                 resp = await relay.open_first()
             except Exception as e:
@@ -528,7 +539,13 @@ def build_app(front: FrontEnd):
                 relay.close(resp)
                 # a stream that ended in an error event reached its end, but the request was lost
                 release("failed" if relay.failed else outcome)
-            return EventStream(relay.stream(resp), rid, finish)
+
+            def first_sent() -> None:   # the first token is with the client: where its wait went
+                if relay.first_read is not None:
+                    front.m_stage.labels("admit").observe(t_sent - t_in)
+                    front.m_stage.labels("engine").observe(relay.first_read - t_sent)
+                    front.m_stage.labels("relay").observe(time.monotonic() - relay.first_read)
+            return EventStream(relay.stream(resp), rid, finish, first_sent)
 
         async def whole():
             tried: set[int] = set()
@@ -619,8 +636,9 @@ class EventStream:
     relay, which closes the engine's request (vLLM aborts it). ``finish`` is called once at the
     end with ``"ok"`` (every chunk sent) or ``"aborted"``."""
 
-    def __init__(self, chunks: AsyncIterator[bytes], rid: str, finish: Callable[[str], None] | None = None):
-        self.chunks, self.rid, self.finish = chunks, rid, finish
+    def __init__(self, chunks: AsyncIterator[bytes], rid: str, finish: Callable[[str], None] | None = None,
+                 first_sent: Callable[[], None] | None = None):
+        self.chunks, self.rid, self.finish, self.first_sent = chunks, rid, finish, first_sent
         self._closed = False
 
     async def __call__(self, scope, receive, send) -> None:
@@ -648,8 +666,12 @@ class EventStream:
     async def _pump(self, send) -> None:
         outcome = "aborted"
         try:
+            first = self.first_sent
             async for chunk in self.chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if first is not None:
+                    first()
+                    first = None
             outcome = "ok"
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:

@@ -181,6 +181,7 @@ class Relay:
         self.wants_ids = flight.wants_ids   # read once: every chunk asks, and the client's body does not change
         self.detok = None
         self.draining: aiohttp.ClientResponse | None = None   # a finished engine stream being read to its end
+        self.first_read: float | None = None   # when the engine's first event reached the front end (monotonic)
 
     def close(self, resp: aiohttp.ClientResponse) -> None:
         """Close an engine stream the relay is done with, unless it is being drained back to the pool."""
@@ -399,6 +400,8 @@ class Relay:
                 try:
                     stop = False
                     async for batch in sse_batches(resp):
+                        if self.first_read is None:
+                            self.first_read = time.monotonic()
                         out: list[bytes] = []
                         for payload in batch:
                             if payload == b"[DONE]":
