@@ -378,6 +378,14 @@ def stage_section(an: dict) -> list[str]:
             rows.append([c, *(fmt(k[m], 1) for m in ("mean_ttft_ms", "admit_ms", "engine_ms", "relay_ms", "unseen_ms"))])
     if not rows:
         return []
+    c = max((c for c, fr in an.items() if "unseen_ms" in fr.get("kunserve", {})), key=int)
+    k = an[c]["kunserve"]
+    before = k["admit_ms"]["mean"] + k["unseen_ms"]["mean"]
+    reading = (f"Reading ({c} streams): {before:.0f} ms of the client's mean {k['mean_ttft_ms']['mean']:.0f} ms "
+               f"({before / k['mean_ttft_ms']['mean']:.0%}) passed before the request left the front end for its engine "
+               f"(admit {k['admit_ms']['mean']:.0f} ms, not seen {k['unseen_ms']['mean']:.0f} ms), against "
+               f"{k['relay_ms']['mean']:.1f} ms to pass the first token on: where the front end adds to a first token's "
+               "wait is its one event loop taking requests in, not its relay.")
     return ["## Where kunserve's time to first token goes", "",
             "Means over each run's streamed requests (ms, 95% intervals over runs): the client's TTFT, and the front "
             "end's own clock (`kunserve:frontend_ttft_stage_seconds`): admit (the body read, validated, its tokens "
@@ -386,7 +394,7 @@ def stage_section(an: dict) -> list[str]:
             "less the three (the request waiting to be read and parsed before the front end's handler ran, a late "
             "event loop).", "",
             *md_table(["streams", "client TTFT", "admit", "engine", "relay", "not seen by the front end"], "rrrrrr",
-                      rows), ""]
+                      rows), "", reading, ""]
 
 
 def direct_sentence(an: dict) -> list[str]:
