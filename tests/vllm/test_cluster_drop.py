@@ -36,13 +36,21 @@ def forced(request, burst_model, tmp_path_factory):
         yield srv
 
 
+_REFS: dict[str, dict[str, list[int]]] = {}   # per fleet (its URL): the outputs every test compares with
+
+
 async def _refs(s, url) -> dict[str, list[int]]:
-    out = {}
-    for p in PROMPTS:
-        a = await complete(s, url, p, max_tokens=N)
-        assert a.status == 200 and len(a.token_ids) == N, a
-        out[p] = a.token_ids
-    return out
+    """The greedy outputs of PROMPTS, one request at a time, from the fleet ungrouped: computed by
+    the fleet's first test (every test calls this before its drop) and reused by the rest, which
+    saves each later test 8 x N tokens of decoding (about 20 s here)."""
+    if url not in _REFS:
+        out = {}
+        for p in PROMPTS:
+            a = await complete(s, url, p, max_tokens=N)
+            assert a.status == 200 and len(a.token_ids) == N, a
+            out[p] = a.token_ids
+        _REFS[url] = out
+    return _REFS[url]
 
 
 async def _refs_then_drop(s, url, n: int) -> dict[str, list[int]]:
@@ -98,6 +106,9 @@ async def _wait_split(s, url, timeout=120):
 @pytest.mark.parametrize("transition", ["kv", "reprefill"])
 def test_drop_mid_burst_is_token_identical_then_restores(forced, transition):
     url, n = forced.url, forced.n
+    if n != 2 and transition == "reprefill":
+        pytest.skip("re-prefill recomputes each request on the group whatever its size: the 2-engine fleet "
+                    "covers it, the 4-engine one the KV exchange among 4 members")
 
     async def go():
         timeout = aiohttp.ClientTimeout(total=900)
