@@ -60,6 +60,7 @@ from vllm_kunserve.bench import pooled
 from vllm_kunserve.bench.report import command, md_row, md_table, write_json
 from vllm_kunserve.sim import runfit   # the step estimators, calibration and the run simulator
 from vllm_kunserve.workload.records import read_csv
+from vllm_kunserve.workload.stats import percentiles
 from vllm_kunserve.workload.traces import parse_phases
 
 ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
@@ -171,8 +172,8 @@ def with_noise(pred: list[pooled.Request], residuals: list[float], draws: int = 
 
 
 def noise_summary(res: list[float], source: str) -> dict:
-    q = statistics.quantiles(res, n=100, method="inclusive")
-    return {"from": source, "n": len(res), "p50": q[49], "p90": q[89], "p99": q[98]}
+    q = percentiles(res, (50, 90, 99))
+    return {"from": source, "n": len(res), "p50": q["p50"], "p90": q["p90"], "p99": q["p99"]}
 
 
 def fmt(x, nd=2) -> str:

@@ -371,21 +371,21 @@ def stage_section(an: dict) -> list[str]:
     (``kunserve:frontend_ttft_stage_seconds``), beside the client's mean TTFT: what the client waited
     beyond the stages' sum was spent before the front end's handler ran (the request's bytes read
     and parsed by the server, a handler started late by a busy or core-less event loop)."""
-    rows = []
-    for c, fr in an.items():
-        k = fr.get("kunserve", {})
-        if all(m in k for m in ("mean_ttft_ms", "admit_ms", "engine_ms", "relay_ms", "unseen_ms")):
-            rows.append([c, *(fmt(k[m], 1) for m in ("mean_ttft_ms", "admit_ms", "engine_ms", "relay_ms", "unseen_ms"))])
-    if not rows:
+    cols = ("mean_ttft_ms", "admit_ms", "engine_ms", "relay_ms", "unseen_ms")
+    staged = [c for c, fr in an.items() if all(m in fr.get("kunserve", {}) for m in cols)]
+    if not staged:
         return []
-    c = max((c for c, fr in an.items() if "unseen_ms" in fr.get("kunserve", {})), key=int)
-    k = an[c]["kunserve"]
-    before = k["admit_ms"]["mean"] + k["unseen_ms"]["mean"]
-    reading = (f"Reading ({c} streams): {before:.0f} ms of the client's mean {k['mean_ttft_ms']['mean']:.0f} ms "
-               f"({before / k['mean_ttft_ms']['mean']:.0%}) passed before the request left the front end for its engine "
-               f"(admit {k['admit_ms']['mean']:.0f} ms, not seen {k['unseen_ms']['mean']:.0f} ms), against "
-               f"{k['relay_ms']['mean']:.1f} ms to pass the first token on: where the front end adds to a first token's "
-               "wait is its one event loop taking requests in, not its relay.")
+    rows = [[c, *(fmt(an[c]["kunserve"][m], 1) for m in cols)] for c in staged]
+    c = max(staged, key=int)
+    k = {m: an[c]["kunserve"][m]["mean"] for m in cols}
+    before = k["admit_ms"] + k["unseen_ms"]
+    where = ("its one event loop taking requests in, not its relay" if before > k["relay_ms"] else
+             "its relay of the first token, not taking requests in")
+    reading = (f"Reading ({c} streams): {before:.0f} ms of the client's mean {k['mean_ttft_ms']:.0f} ms "
+               f"({before / k['mean_ttft_ms']:.0%}) passed before the request left the front end for its engine "
+               f"(admit {k['admit_ms']:.0f} ms, not seen {k['unseen_ms']:.0f} ms), against "
+               f"{k['relay_ms']:.1f} ms to pass the first token on: where the front end adds to a first token's "
+               f"wait is {where}.")
     return ["## Where kunserve's time to first token goes", "",
             "Means over each run's streamed requests (ms, 95% intervals over runs): the client's TTFT, and the front "
             "end's own clock (`kunserve:frontend_ttft_stage_seconds`): admit (the body read, validated, its tokens "

@@ -122,3 +122,7 @@ def test_stage_view_splits_the_clients_ttft_by_the_front_ends_clock():
     assert "| 1 |" not in page
     assert "Reading (32 streams): 55 ms of the client's mean 260 ms (21%)" in page and "5.0 ms to pass" in page
     assert sbs.stage_section({"1": {"kunserve": {}}}) == []
+    assert "taking requests in, not its relay" in page
+    slow_relay = {"32": {"kunserve": {"mean_ttft_ms": ci(260.0), "admit_ms": ci(2.0), "engine_ms": ci(150.0),
+                                      "relay_ms": ci(100.0), "unseen_ms": ci(8.0)}}}
+    assert "wait is its relay of the first token" in "\n".join(sbs.stage_section(slow_relay))

@@ -32,31 +32,28 @@ def _cluster(model, tmp_path_factory, instances: int, config: dict):
 def forced(request, burst_model, tmp_path_factory):
     """Kunserve engines whose monitor never drops by itself (operators force it here)."""
     with _cluster(burst_model, tmp_path_factory, request.param, {"drop": {"enable": False}}) as srv:
-        srv.n = request.param
+        srv.n, srv.refs = request.param, None
         yield srv
 
 
-_REFS: dict[str, dict[str, list[int]]] = {}   # per fleet (its URL): the outputs every test compares with
-
-
-async def _refs(s, url) -> dict[str, list[int]]:
+async def _refs(s, fleet) -> dict[str, list[int]]:
     """The greedy outputs of PROMPTS, one request at a time, from the fleet ungrouped: computed by
-    the fleet's first test (every test calls this before its drop) and reused by the rest, which
-    saves each later test 8 x N tokens of decoding (about 20 s here)."""
-    if url not in _REFS:
+    the fleet's first test (every test calls this before its drop) and kept on the fleet for the
+    rest, which saves each later test 8 x N tokens of decoding (about 35 s here)."""
+    if fleet.refs is None:
         out = {}
         for p in PROMPTS:
-            a = await complete(s, url, p, max_tokens=N)
+            a = await complete(s, fleet.url, p, max_tokens=N)
             assert a.status == 200 and len(a.token_ids) == N, a
             out[p] = a.token_ids
-        _REFS[url] = out
-    return _REFS[url]
+        fleet.refs = out
+    return fleet.refs
 
 
-async def _refs_then_drop(s, url, n: int) -> dict[str, list[int]]:
+async def _refs_then_drop(s, fleet, n: int) -> dict[str, list[int]]:
     """The reference outputs, then one group of every engine (forced)."""
-    refs = await _refs(s, url)
-    code, ev = await op(s, url, "drop", {"instances": list(range(n))})
+    refs = await _refs(s, fleet)
+    code, ev = await op(s, fleet.url, "drop", {"instances": list(range(n))})
     assert code == 200, ev
     return refs
 
@@ -113,7 +110,7 @@ def test_drop_mid_burst_is_token_identical_then_restores(forced, transition):
     async def go():
         timeout = aiohttp.ClientTimeout(total=900)
         async with aiohttp.ClientSession(timeout=timeout) as s:
-            refs = await _refs(s, url)
+            refs = await _refs(s, forced)
             before = await status(s, url)
             answers, (code, ev) = await _burst_with(
                 s, url, lambda: op(s, url, "drop", {"instances": list(range(n)), "transition": transition}))
@@ -161,7 +158,7 @@ def test_member_killed_while_grouped_every_request_completes(forced):
     async def go():
         timeout = aiohttp.ClientTimeout(total=900)
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
-            refs = await _refs_then_drop(s, url, n)
+            refs = await _refs_then_drop(s, forced, n)
             answers, kill = await _burst_with(s, url, lambda: op(s, url, "kill", {"instance": n - 1}), k=10)
             after_kill = await status(s, url)
             t0 = time.monotonic()
@@ -254,7 +251,7 @@ def test_member_killed_mid_transition_every_request_completes(forced, during):
     async def go():
         timeout = aiohttp.ClientTimeout(total=900)
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
-            refs = await _refs(s, url)
+            refs = await _refs(s, forced)
             st0 = await status(s, url)
             restarts = st0["instances"][1]["restarts"]
             if during == "leave":
@@ -309,7 +306,7 @@ def test_restore_while_requests_stream_keeps_every_token(forced):
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
             await _wait_split(s, url)   # an earlier test's group (or its restart) settled
             t0 = time.time()
-            refs = await _refs_then_drop(s, url, n)
+            refs = await _refs_then_drop(s, forced, n)
             answers, (rcode, rres) = await _burst_with(s, url, lambda: op(s, url, "restore", {}))
             split = await _wait_split(s, url)
             return refs, answers, rcode, rres, split, t0

@@ -10,6 +10,7 @@ shutdown are :mod:`vllm_kunserve.cluster.fleet.launcher`'s.
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -120,8 +121,6 @@ def variant_systems(items: list[str], kunserve_config: dict[str, Any] | None,
                     taken: dict[str, SystemSpec]) -> dict[str, SystemSpec]:
     """``NAME=JSON`` items: kunserve systems whose config is ``kunserve_config`` with each JSON
     section's keys merged over it (ablations); validated before anything starts."""
-    import json
-
     base = taken["kunserve"]
     out: dict[str, SystemSpec] = {}
     for item in items:
@@ -137,8 +136,6 @@ def variant_systems(items: list[str], kunserve_config: dict[str, Any] | None,
 
 def parse_variant(item: str) -> tuple[str, dict[str, dict]]:
     """One ``--variant NAME=JSON``: its name and its config sections, or a ValueError saying what is wrong."""
-    import json
-
     name, sep, raw = item.partition("=")
     name = name.strip()
     if not sep or not name or not name.replace("-", "").replace("_", "").isalnum():
