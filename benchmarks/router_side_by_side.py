@@ -436,9 +436,14 @@ def policy_sentence(an: dict) -> str:
 
 def render(meta: dict, an: dict) -> str:
     name, own = meta.get("name", NAME), meta.get("layout") == "own-core"
+    nice = meta.get("engine_nice", 0)
     where = ("bound to core 1 with all their processes, the front end and the client on core 0: the front end has a "
-             "core of its own, shared only with the client" if own else "bound to cores 0 and 1")
+             "core of its own, shared only with the client" if own else "bound to cores 0 and 1"
+             + (f", every process of theirs at niceness {nice} (`KUNSERVE_ENGINE_NICE={nice}`) while the front ends "
+                "and the client run at 0: a front end that wakes gets a core at once instead of waiting behind an "
+                "engine's compute thread" if nice else ""))
     L = ["# kunserve serve side by side with vllm-router" + (", the front end on its own core" if own else "")
+         + (f", the engines at niceness {nice}" if nice else "")
          + " (written by benchmarks/router_side_by_side.py)", "",
          f"Command: `{meta['command']}`.", "", f"![side by side]({name}.png)", "",
          f"{meta['cpu']}, {meta.get('cores', os.cpu_count())} cores"
@@ -815,6 +820,10 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=None, help="default 64 (random, prefix), 256 (kill)")
     ap.add_argument("--kill-after", type=float, default=3.0,
                     help="kill: seconds from the victim engine's first running request of the run to its SIGKILL")
+    ap.add_argument("--engine-nice", type=int, default=0,
+                    help="random workload, shared layout: the engines at this niceness (KUNSERVE_ENGINE_NICE, as "
+                         "`kunserve serve` can start its own), the fronts and the client at 0; writes the page "
+                         f"{NAME}_nice")
     ap.add_argument("--kv-mib", type=int, default=64)
     ap.add_argument("--model", default="tiny", help="a make-model preset, built under models/ if missing "
                     "(decode-bf16: a 610 MB model whose prefill costs enough for cache hits to show in TTFT)")
@@ -822,15 +831,20 @@ def main() -> int:
     ap.add_argument("--render-only", action="store_true", help="re-write the doc from the JSON")
     a = ap.parse_args()
     prefix, kill = a.workload in ("prefix", "mooncake"), a.workload == "kill"
-    if a.workload != "random" and (a.layout == "own-core" or a.fronts):
-        ap.error(f"--layout own-core and --fronts are for the random workload (--workload {a.workload})")
+    if a.workload != "random" and (a.layout == "own-core" or a.fronts or a.engine_nice):
+        ap.error(f"--layout own-core, --fronts and --engine-nice are for the random workload (--workload {a.workload})")
+    if a.engine_nice and a.layout == "own-core":
+        ap.error("--engine-nice is for the shared layout (own-core gives the front end a core instead)")
+    if not 0 <= a.engine_nice <= 19:
+        ap.error(f"--engine-nice must be a niceness 0..19, got {a.engine_nice}")
     a.output_len = a.output_len or (256 if kill else 64)
     if prefix:
         name, fronts, draw = f"{NAME}_{a.workload}", PREFIX_FRONTS, render_prefix
     elif kill:
         name, fronts, draw = f"{NAME}_kill", FRONTS, render_kill
     else:
-        name, fronts, draw = NAME + ("_own_core" if a.layout == "own-core" else ""), RANDOM_FRONTS, render
+        name = NAME + ("_own_core" if a.layout == "own-core" else "_nice" if a.engine_nice else "")
+        fronts, draw = RANDOM_FRONTS, render
         if a.fronts:
             fronts = tuple(a.fronts.split(","))
             if (not set(fronts) <= {*RANDOM_FRONTS, "kunserve-rr"} or "kunserve" not in fronts
@@ -875,6 +889,8 @@ def main() -> int:
             ap.error(f"--trace {a.trace}: {e}")
         tokenizer = AutoTokenizer.from_pretrained(str(model))
     base = {**ENGINE_BASE, "KUNSERVE_ENGINE_CPUS": "1"} if own else ENGINE_BASE
+    if a.engine_nice:
+        base = {**base, "KUNSERVE_ENGINE_NICE": str(a.engine_nice)}
     engines = [VllmServer(str(model), engine_args(kv, dtype, 1024 if a.workload == "mooncake" else 512),
                           env=engine_environ(i, base), log_path=out / f"engine{i}.log",
                           startup_timeout_s=600) for i in range(2)]
@@ -951,7 +967,7 @@ def main() -> int:
     meta = {"command": command("router_side_by_side.py"), "cpu": cpu_model(), "kv_bytes": kv, "repeat": a.repeat,
             "input_len": a.input_len, "output_len": a.output_len, "prompts": dict(zip(map(str, concs), prompts)),
             "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "name": name, "workload": a.workload, "model": a.model,
-            "layout": a.layout, "cores": os.cpu_count()}
+            "layout": a.layout, "cores": os.cpu_count(), "engine_nice": a.engine_nice}
     if a.workload == "prefix":
         meta.update(prefix_len=a.prefix_len, suffix_len=a.suffix_len, num_prefixes=a.num_prefixes)
     if a.workload == "mooncake":

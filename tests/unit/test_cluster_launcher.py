@@ -67,6 +67,22 @@ def test_engine_nice_prefixes_the_engine_command_and_rejects_bad_values(monkeypa
             engine_nice({"KUNSERVE_ENGINE_NICE": bad})
 
 
+def test_a_vllm_server_runs_at_the_engine_niceness_but_kunserve_serve_passes_it_on(monkeypatch):
+    """A ``vllm serve`` started by the launcher (benchmarks, attach tests) is niced as ``kunserve
+    serve`` nices its own engines; ``kunserve serve`` itself (the front end) is not, and hands the
+    setting on to the fleet in its environment."""
+    from vllm_kunserve.cluster.fleet.launcher import KunserveCluster, VllmServer
+
+    monkeypatch.delenv("KUNSERVE_ENGINE_NICE", raising=False)
+    plain = VllmServer("m", port=8000).plan()
+    assert plain.argv[:3] != ["nice", "-n", "7"] and "KUNSERVE_ENGINE_NICE" not in plain.env
+    plan = VllmServer("m", port=8000, env={"KUNSERVE_ENGINE_NICE": "7"}).plan()
+    assert plan.argv[:3] == ["nice", "-n", "7"] and "vllm" in " ".join(plan.argv[3:])
+    assert "KUNSERVE_ENGINE_NICE" not in plan.env
+    front = KunserveCluster("m", port=8000, env={"KUNSERVE_ENGINE_NICE": "7"}).plan()
+    assert front.argv[0] != "nice" and front.env["KUNSERVE_ENGINE_NICE"] == "7"
+
+
 def test_free_port_never_hands_out_the_same_port_twice():
     from vllm_kunserve.cluster.fleet.launcher import free_port
 
@@ -225,3 +241,34 @@ def test_local_and_ray_backends_satisfy_the_backend_protocol():
     assert (LocalBackend.name, RayBackend.name) == BACKENDS
     with pytest.raises(ValueError, match="one of local, ray"):
         make_backend("k8s")
+
+
+def test_start_all_starts_servers_together_and_stops_them_all_on_a_failure():
+    """The servers' start-ups overlap (each waits at a barrier only the others' starts can open), and
+    one that fails stops every one and raises its error."""
+    import threading
+
+    from vllm_kunserve.cluster.fleet.launcher import StartupExited, start_all
+
+    class Fake:
+        def __init__(self, barrier, fail=False):
+            self.barrier, self.fail, self.started, self.stopped = barrier, fail, False, False
+
+        def start(self):
+            self.barrier.wait()          # serial starts would break the barrier after its timeout
+            if self.fail:
+                raise StartupExited("engine 1 exited", None)
+            self.started = True
+            return self
+
+        def stop(self):
+            self.stopped = True
+
+    b = threading.Barrier(3, timeout=10)
+    fleet = [Fake(b) for _ in range(3)]
+    assert start_all(fleet) == fleet and all(f.started and not f.stopped for f in fleet)
+    b = threading.Barrier(2, timeout=10)
+    fleet = [Fake(b), Fake(b, fail=True)]
+    with pytest.raises(StartupExited, match="engine 1 exited"):
+        start_all(fleet)
+    assert all(f.stopped for f in fleet)

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from tests.vllm.cluster_client import complete, status
-from vllm_kunserve.cluster.fleet.launcher import KunserveCluster, VllmServer
+from vllm_kunserve.cluster.fleet.launcher import KunserveCluster, VllmServer, start_all
 
 pytestmark = pytest.mark.vllm
 
@@ -35,8 +35,7 @@ def attach_front(model, engines: list[VllmServer], tmp_path, *extra: str, kcfg: 
 def test_attached_real_engines_hung_and_killed(tiny_model, tmp_path):
     engines = [VllmServer(str(tiny_model), ARGS, log_path=tmp_path / f"engine{i}.log", startup_timeout_s=400)
                for i in range(2)]
-    for e in engines:
-        e.start()
+    start_all(engines)
     front = stopped = None
     try:
         front = attach_front(tiny_model, engines, tmp_path, "--dispatch", "round-robin", "--first-byte-timeout", "3")
@@ -100,8 +99,7 @@ def test_attached_engine_answering_500_is_retried_around(tiny_model, tmp_path):
                           log_path=tmp_path / f"engine{i}.log", startup_timeout_s=400) for i in range(2)]
     front = None
     try:
-        for e in engines:
-            e.start()
+        start_all(engines)
         front = attach_front(tiny_model, engines, tmp_path, "--dispatch", "round-robin")
 
         async def go():
@@ -148,8 +146,7 @@ def test_attached_kunserve_engines_are_found_and_grouped(burst_model, tmp_path):
                for i in range(2)]
     front = None
     try:
-        for e in engines:
-            e.start()
+        start_all(engines)
         front = attach_front(burst_model, engines, tmp_path, kcfg=kcfg)
 
         async def go():

@@ -8,7 +8,6 @@ failure injected mid-copy (on the wire, and while writing into B's KV cache) rol
 block count is restored, nothing is registered, both engines keep serving with correct outputs.
 """
 
-import concurrent.futures
 import json
 import random
 import urllib.error
@@ -17,7 +16,7 @@ import warnings
 
 import pytest
 
-from vllm_kunserve.cluster.fleet.launcher import StartupExited, VllmServer, free_port
+from vllm_kunserve.cluster.fleet.launcher import StartupExited, VllmServer, free_port, start_all
 
 pytestmark = pytest.mark.vllm
 
@@ -72,14 +71,7 @@ def _start_pair(logs, model) -> list[VllmServer]:
         srv = VllmServer(str(model), ARGS, kc, log_path=logs / f"{name}.log")
         srv.control = f"http://127.0.0.1:{ctl}"
         servers.append(srv)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        started = [pool.submit(s.start) for s in servers]
-    errors = [f.exception() for f in started if f.exception() is not None]
-    if errors:
-        for s in servers:
-            s.stop()
-        raise errors[0]
-    return servers
+    return start_all(servers)
 
 
 @pytest.fixture(scope="module")

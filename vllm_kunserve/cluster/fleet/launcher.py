@@ -24,6 +24,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -60,6 +61,26 @@ def cpu_env() -> dict[str, str]:
         if ENV_SHM_SPIN not in os.environ:
             env[ENV_SHM_SPIN] = "1"
     return env
+
+
+#: ``KUNSERVE_ENGINE_NICE=N``: engines run at this scheduling niceness (``nice -n N``). On a machine
+#: whose every core runs an engine's model, the front end and a replay client at niceness 0 then get
+#: a core the moment they wake instead of waiting behind a compute thread.
+ENGINE_NICE = "KUNSERVE_ENGINE_NICE"
+
+
+def engine_nice(env: dict[str, str]) -> list[str]:
+    """The ``nice -n N`` prefix ``KUNSERVE_ENGINE_NICE`` asks for (popped from ``env``), or []."""
+    raw = (env.pop(ENGINE_NICE, "") or os.environ.get(ENGINE_NICE, "")).strip()
+    if not raw:
+        return []
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENGINE_NICE} must be an integer niceness 0..19, got {raw!r}") from None
+    if not 0 <= n <= 19:
+        raise ValueError(f"{ENGINE_NICE} must be an integer niceness 0..19, got {raw!r}")
+    return ["nice", "-n", str(n)] if n else []
 
 
 def serve_argv(model: str, host: str, port: int, args: Sequence[str] = (),
@@ -262,8 +283,11 @@ class VllmServer:
         return f"http://{self.host}:{self.port}"
 
     def plan(self) -> LaunchPlan:
-        return LaunchPlan(serve_argv(self.model, self.host, self.port, self.args, self.additional_config),
-                          {**cpu_env(), **self.env})
+        """``vllm serve``, at the niceness ``KUNSERVE_ENGINE_NICE`` asks for (as ``kunserve serve``
+        starts its engines)."""
+        env = {**cpu_env(), **self.env}
+        return LaunchPlan(engine_nice(env) + serve_argv(self.model, self.host, self.port, self.args,
+                                                        self.additional_config), env)
 
     def start(self) -> "VllmServer":
         self.port = self.port or free_port(self.host)
@@ -281,6 +305,20 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def start_all(servers: Sequence[VllmServer]) -> list[VllmServer]:
+    """Start ``servers`` at once and wait until every one is healthy: their start-ups (three Python
+    processes per engine, each importing vLLM and torch) overlap instead of queueing, as
+    ``kunserve serve`` starts its fleet. If one fails, every one is stopped and its error raised."""
+    with ThreadPoolExecutor(max(1, len(servers))) as pool:
+        started = [pool.submit(s.start) for s in servers]
+    errors = [f.exception() for f in started if f.exception() is not None]
+    if errors:
+        for s in servers:
+            s.stop()
+        raise errors[0]
+    return list(servers)
 
 
 @dataclass

@@ -13,7 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_kunserve.cluster.fleet.launcher import LaunchPlan, ServerProcess, cpu_env, free_port, serve_argv
+from vllm_kunserve.cluster.fleet.launcher import (
+    ENGINE_NICE,
+    LaunchPlan,
+    ServerProcess,
+    cpu_env,
+    engine_nice,
+    free_port,
+    serve_argv,
+)
 
 logger = logging.getLogger("kunserve.fleet")
 
@@ -52,26 +60,6 @@ ENGINE_CPUS = "KUNSERVE_ENGINE_CPUS"
 #: (``CUDA_VISIBLE_DEVICES``, e.g. ``0|1`` or ``0,1|2,3``), cycling (``kunserve serve`` sets one GPU per
 #: engine on a CUDA host unless told otherwise)
 ENGINE_GPUS = "KUNSERVE_ENGINE_GPUS"
-#: ``KUNSERVE_ENGINE_NICE=N``: engines run at this scheduling niceness (``nice -n N``). On a machine
-#: whose every core runs an engine's model, the front end and a replay client at niceness 0 then get
-#: a core the moment they wake instead of waiting behind a compute thread.
-ENGINE_NICE = "KUNSERVE_ENGINE_NICE"
-
-
-def engine_nice(env: dict[str, str]) -> list[str]:
-    """The ``nice -n N`` prefix ``KUNSERVE_ENGINE_NICE`` asks for (popped from ``env``), or []."""
-    raw = (env.pop(ENGINE_NICE, "") or os.environ.get(ENGINE_NICE, "")).strip()
-    if not raw:
-        return []
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"{ENGINE_NICE} must be an integer niceness 0..19, got {raw!r}") from None
-    if not 0 <= n <= 19:
-        raise ValueError(f"{ENGINE_NICE} must be an integer niceness 0..19, got {raw!r}")
-    return ["nice", "-n", str(n)] if n else []
-
-
 def engine_env(spec: EngineSpec, index: int = 0) -> dict[str, str]:
     """One engine's environment: vLLM's CPU settings, the spec's (with ``KUNSERVE_ENGINE_CPUS``
     turned into this engine's own ``VLLM_CPU_OMP_THREADS_BIND``, ``KUNSERVE_ENGINE_GPUS`` into its
