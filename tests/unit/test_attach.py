@@ -227,3 +227,26 @@ def test_a_kunserve_engine_is_asked_for_its_control_port():
         assert "2: control http://127.0.0.1:7 (--engine-control-url)" in line and "cluster drop: off" in line
     finally:
         loop.call_soon_threadsafe(loop.stop)
+
+
+def test_an_attached_engine_heard_from_recently_is_alive_without_a_probe(monkeypatch):
+    """Passive health checking: an engine that answered a request within ``heard_fresh_s`` is not
+    probed (under load the probes were a thread's HTTP round trips taking the front end's lock);
+    one silent longer is probed, and missing ``misses_to_dead`` probes in a row makes it dead."""
+    import time
+
+    from vllm_kunserve.cluster.fleet.backends import AttachBackend
+    from vllm_kunserve.cluster.fleet.spec import Engine, EngineSpec
+
+    b = AttachBackend(["http://127.0.0.1:9"], misses_to_dead=2, heard_fresh_s=1.0)
+    probes = []
+    monkeypatch.setattr(b, "healthy", lambda url, timeout_s=None: probes.append(url) or False)
+    e = Engine(0)
+    b.launch(EngineSpec("m"), 0, e)
+    e.heard_s = time.monotonic()
+    assert b.alive(e) and b.alive(e) and probes == []
+    e.heard_s = time.monotonic() - 5.0
+    assert b.alive(e) and probes == ["http://127.0.0.1:9"]      # one miss is not a death
+    assert not b.alive(e) and len(probes) == 2
+    e.heard_s = time.monotonic()                                   # it answered a request again
+    assert b.alive(e) and len(probes) == 2

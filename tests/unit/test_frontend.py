@@ -38,6 +38,7 @@ class FakeEngine:
         self.alive = True
         self.status: int | None = None   # answer every generate with this HTTP status (an engine error)
         self.hang_s = 0.0                # wait this long before answering (a hung engine)
+        self.vocab: int | None = None    # a streamed prompt id at or above it: vLLM's in-stream 400
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -89,6 +90,11 @@ class FakeEngine:
             return web.json_response({"id": rid, "choices": [ch], "usage": {"prompt_tokens": len(prompt)}})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if self.vocab is not None and max(prompt) >= self.vocab:   # vLLM checks ids after the stream began
+            err = {"message": f"Token id {max(prompt)} is out of vocabulary", "type": "BadRequestError",
+                   "param": None, "code": 400}
+            await resp.write(b"data: " + json.dumps({"error": err}).encode() + b"\n\ndata: [DONE]\n\n")
+            return resp
         for k in range(n):
             if self.die_after is not None and k >= self.die_after:
                 request.transport.close()   # the engine dies mid-stream
@@ -141,7 +147,7 @@ class StaticBackend:
         pass
 
 
-async def _stack(n=2, dispatch="round-robin", planner=None, blocks=None):
+async def _stack(n=2, dispatch="round-robin", planner=None, blocks=None, tokenizer=None):
     fakes = [FakeEngine(i) for i in range(n)]
     for f, b in zip(fakes, blocks or ()):
         f.blocks = b
@@ -158,7 +164,7 @@ async def _stack(n=2, dispatch="round-robin", planner=None, blocks=None):
     for e in fleet.engines:
         fleet.backend.launch(fleet.spec, e.index, e)
         e.state = "ready"
-    front = FrontEnd(fleet, dispatch=dispatch, monitor_interval_s=0.05, plan_migrations=planner)
+    front = FrontEnd(fleet, dispatch=dispatch, monitor_interval_s=0.05, plan_migrations=planner, tokenizer=tokenizer)
     await front.start()
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(front)), base_url="http://front")
     return fakes, front, client, runners
@@ -371,6 +377,70 @@ def test_bad_input_never_reaches_an_engine():
     out, reached = asyncio.run(go())
     assert reached == 0
     assert all(code == 400 and err["code"] == 400 and err["message"] for code, err in out), out
+
+
+class VocabTokenizer:
+    """A tokenizer of ``size`` ids with no model config beside it (what the front end reads of one)."""
+
+    name_or_path = "/nonexistent/model"
+
+    def __init__(self, size: int):
+        self.vocab_size = size
+
+    def get_vocab(self) -> dict[str, int]:
+        return {f"t{i}": i for i in range(self.vocab_size)}
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) % self.vocab_size for c in text]}
+
+
+def test_a_prompt_token_id_outside_the_vocabulary_is_a_400_that_reaches_no_engine():
+    """vLLM finds such an id only after a streamed answer began; the front end, knowing the
+    tokenizer, refuses it before dispatch, naming the id and the bound."""
+    async def go():
+        fakes, front, client, runners = await _stack(tokenizer=VocabTokenizer(1000))
+        try:
+            out = []
+            for prompt in ([1, 5000], [[1, 2], [3, 1000]]):
+                r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "stream": True})
+                out.append((r.status_code, r.json()["error"]))
+            reached = sum(len(f.requests) for f in fakes)
+            ok = await client.post("/v1/completions", json={"prompt": [1, 999], "max_tokens": 3})
+            return out, reached, ok.status_code
+        finally:
+            await _teardown(front, client, runners)
+    out, reached, ok = asyncio.run(go())
+    assert [c for c, _ in out] == [400, 400] and reached == 0
+    assert "5000" in out[0][1]["message"] and "0..999" in out[0][1]["message"] and out[0][1]["param"] == "prompt"
+    assert "1000" in out[1][1]["message"]
+    assert ok == 200
+
+
+def test_a_client_error_inside_an_engines_stream_is_passed_on_not_failed_over():
+    """An engine that refuses a streamed request inside its stream (vLLM's way for an id out of the
+    vocabulary, where the front end has no tokenizer to check it): the client gets the engine's own
+    400 error event; no other engine is tried, no breaker counts a failure, and the request is
+    counted an engine error, not a lost one."""
+    async def go():
+        fakes, front, client, runners = await _stack()
+        try:
+            for f in fakes:
+                f.vocab = 1000
+            answers = [await _stream(client, {"prompt": [1, 5000], "max_tokens": 5, "stream": True})
+                       for _ in range(4)]
+            good = await _stream(client, {"prompt": [1, 2], "max_tokens": 5, "stream": True, "return_token_ids": True})
+            counts = {o: front.m_requests.labels("completion", o)._value.get() for o in ("ok", "failed", "engine_error")}
+            return answers, good, [len(f.requests) for f in fakes], counts, list(front.events)
+        finally:
+            await _teardown(front, client, runners)
+    answers, good, reached, counts, events = asyncio.run(go())
+    for ids, _, evs in answers:
+        assert ids == [] and len(evs) == 1 and evs[0]["error"]["code"] == 400, evs
+        assert "out of vocabulary" in evs[0]["error"]["message"]
+    assert sum(reached) == 5 and reached == [3, 2]    # round-robin: each request went to one engine only
+    assert good[0] == _expected([1, 2], 5)
+    assert counts == {"ok": 1.0, "failed": 0.0, "engine_error": 4.0}
+    assert not [e for e in events if e["event"] in ("failover", "breaker_open", "retry")], events
 
 
 def test_ops_need_the_token_and_check_their_parameters():

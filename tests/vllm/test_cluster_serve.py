@@ -71,6 +71,8 @@ def test_bad_input_is_400_and_reaches_no_engine(cluster):
                 (b'{"prompt": "x", "temperature": "hot"}', "temperature"),
                 (b'{"prompt": "' + b"word " * 400 + b'"}', "maximum context length"),
                 (b'[1, 2]', "JSON object"),
+                # vLLM finds this only after a streamed answer began (an error event in a 200 stream)
+                (b'{"prompt": [1, 2, 99999999], "max_tokens": 4, "stream": true}', "out of the model's vocabulary"),
             ]
             for raw, needle in cases:
                 async with s.post(cluster.url + "/v1/completions", data=raw,

@@ -87,6 +87,7 @@ class Engine:
     started_s: float = 0.0
     ready_s: float = 0.0
     handle: Any = None                  # backend-specific
+    heard_s: float = 0.0                # when it last answered a request (monotonic; the front end sets it)
 
     @property
     def accepting(self) -> bool:

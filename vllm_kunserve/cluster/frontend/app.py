@@ -40,8 +40,8 @@ from vllm_kunserve.cluster.control.monitor import FlightBook, Monitor, instance_
 from vllm_kunserve.cluster.frontend.ops import run_op
 from vllm_kunserve.cluster.frontend.prefix import PrefixIndex, Sessions, prompt_key
 from vllm_kunserve.cluster.frontend.relay import Flight, Move, Relay, UpstreamLost
-from vllm_kunserve.cluster.frontend.validate import (BadRequest, encodes, error_body, parse_json, prompt_counter,
-                                                   validate)
+from vllm_kunserve.cluster.frontend.validate import (BadRequest, check_token_ids, encodes, error_body, max_token_id,
+                                                   parse_json, prompt_counter, validate)
 from vllm_kunserve.policy.dispatch import check_mode, choose_instance, get_policy
 from vllm_kunserve.runtime.gcpause import GcPauses, freeze_heap
 from vllm_kunserve.runtime.looplag import LoopLag
@@ -125,6 +125,7 @@ class FrontEnd:
         self.token = token
         self.tokenizer = tokenizer
         self._count = prompt_counter(tokenizer)
+        self.max_token_id = max_token_id(tokenizer)
         self.plan_migrations = plan_migrations
         self.migrating = plan_migrations is not None and get_policy(self.dispatch).periodic
         self.events: list[dict] = []
@@ -365,8 +366,10 @@ class FrontEnd:
             self.fleet.mark_dead(e, why)
 
     def engine_ok(self, instance: int) -> None:
-        """An engine answered a request (its first chunk): its breaker closes."""
+        """An engine answered a request (its first chunk): its breaker closes, and it was heard
+        from (an attached engine's supervisor then spares it a health probe)."""
         self.breakers.success(instance)
+        self.fleet.engines[instance].heard_s = time.monotonic()
 
     def find(self, key: Any) -> Flight | None:
         """The flight a client's id names: the id it sees in answers, its own ``request_id``, or
@@ -409,6 +412,7 @@ class FrontEnd:
         if isinstance(p, str):
             p = [p]
         if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
+            check_token_ids(p, self.max_token_id)
             return [len(p)]
         out = []
         for x in p or []:
@@ -417,6 +421,7 @@ class FrontEnd:
                     raise BadRequest("prompt: not valid Unicode text (a lone UTF-16 surrogate)", param="prompt")
                 out.append(self._count(x, bool(special)) if self._count is not None else 0)
             else:
+                check_token_ids(x, self.max_token_id)
                 out.append(len(x))
         return out or [0]
 
@@ -538,7 +543,7 @@ def build_app(front: FrontEnd):
             def finish(outcome: str) -> None:
                 relay.close(resp)
                 # a stream that ended in an error event reached its end, but the request was lost
-                release("failed" if relay.failed else outcome)
+                release("failed" if relay.failed else "engine_error" if relay.refused else outcome)
 
             def first_sent() -> None:   # the first token is with the client: where its wait went
                 if relay.first_read is not None:

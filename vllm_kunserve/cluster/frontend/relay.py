@@ -36,6 +36,23 @@ class UpstreamLost(RuntimeError):
     """The engine's stream ended without finishing the request (engine died or cut the stream)."""
 
 
+class EngineRefused(RuntimeError):
+    """The engine's stream carried a client error (a 4xx code: e.g. a prompt token id out of the
+    model's vocabulary, which vLLM finds after the stream began). The request's fault, not the
+    engine's: passed on to the client as the engine wrote it, never retried elsewhere and never
+    counted against the engine (a client sending such requests must not open every breaker)."""
+
+    def __init__(self, error: Any):
+        super().__init__(f"engine refused the request: {error}")
+        self.error = error
+
+
+def _client_error(err: Any) -> bool:
+    """Whether an engine's in-stream ``error`` object is a client error (OpenAI error body, 4xx code)."""
+    code = err.get("code") if isinstance(err, dict) else None
+    return type(code) is int and 400 <= code < 500
+
+
 @dataclass(frozen=True)
 class Move:
     dst: int
@@ -177,6 +194,7 @@ class Relay:
         self.continuing = False      # chunks now come from a continuation completion
         self.finished = False
         self.failed = False          # the stream ended in an error event: the request was lost
+        self.refused = False         # the engine refused it as the client's error (EngineRefused)
         self.usage_wanted = bool((flight.checked.body.get("stream_options") or {}).get("include_usage"))
         self.wants_ids = flight.wants_ids   # read once: every chunk asks, and the client's body does not change
         self.detok = None
@@ -208,6 +226,8 @@ class Relay:
                     return b"data: " + body + b"\n\n"
         ev = _decode(payload)   # a msgspec.DecodeError is a ValueError: a broken stream
         if isinstance(ev, dict) and "error" in ev and not ev.get("choices"):
+            if _client_error(ev["error"]) and not self.continuing and not self.f.generated:
+                raise EngineRefused(ev["error"])
             raise UpstreamLost(f"engine error in stream: {ev['error']}")
         chunk = self._absorb(ev)
         return None if chunk is None else _sse(chunk)
@@ -432,6 +452,12 @@ class Relay:
                         task = asyncio.get_running_loop().create_task(_drain(resp))
                         _draining.add(task)
                         task.add_done_callback(_draining.discard)
+                except EngineRefused as e:   # the client's error: it gets the engine's own words
+                    self.h.engine_ok(f.instance)
+                    self.refused = True
+                    yield _sse({"error": e.error})
+                    yield b"data: [DONE]\n\n"
+                    return
                 except (aiohttp.ClientError, asyncio.TimeoutError, UpstreamLost, ValueError) as e:
                     if self.finished:
                         done = True

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -259,6 +260,43 @@ def prompt_counter(tok: Any) -> Callable[[str, bool], int] | None:
     except Exception:
         same = False
     return fast if same else wrapped
+
+
+def max_token_id(tok: Any) -> int | None:
+    """The largest prompt token id the engine takes, as vLLM bounds it (``renderers/base.py``
+    ``validate_token_ids``): the larger of the tokenizer's largest id and the model's vocabulary
+    size less one (a model may have ids its tokenizer lacks, and the reverse). None where it
+    cannot be known (no tokenizer): the engines check."""
+    if tok is None:
+        return None
+    try:
+        bound = max(tok.get_vocab().values())
+        size = getattr(tok, "vocab_size", None)
+        if isinstance(size, int):
+            bound = max(bound, size - 1)
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary to read: the engines check
+        return None
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(tok.name_or_path, local_files_only=True)   # where the tokenizer came from
+        size = getattr(cfg.get_text_config(), "vocab_size", None)
+        if isinstance(size, int):
+            bound = max(bound, size - 1)
+    except Exception as e:  # noqa: BLE001 - no model config beside the tokenizer: the tokenizer's bound
+        logging.getLogger(__name__).debug("no model config for %s (%r): token ids bounded by the tokenizer",
+                                          getattr(tok, "name_or_path", "?"), e)
+    return bound
+
+
+def check_token_ids(ids: Sequence[Any], bound: int | None) -> None:
+    """A prompt of token ids: every one an id of the model's vocabulary, or BadRequest (400). vLLM
+    finds an id out of it only after a streamed answer began, as an error event inside the stream."""
+    bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0
+                or (bound is not None and t > bound)), None)
+    if bad is not None:
+        raise BadRequest(f"prompt: token id {bad!r} is out of the model's vocabulary (ids 0.."
+                         f"{bound if bound is not None else '?'})", param="prompt")
 
 
 def continuation_body(body: dict, model: str, token_ids: Sequence[int], remaining: int, generated: int) -> dict:
