@@ -39,6 +39,7 @@ class FakeEngine:
         self.status: int | None = None   # answer every generate with this HTTP status (an engine error)
         self.hang_s = 0.0                # wait this long before answering (a hung engine)
         self.vocab: int | None = None    # a streamed prompt id at or above it: vLLM's in-stream 400
+        self.one_write = False           # a streamed answer's events all in one write (read late)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -90,6 +91,7 @@ class FakeEngine:
             return web.json_response({"id": rid, "choices": [ch], "usage": {"prompt_tokens": len(prompt)}})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        held: list[bytes] = []
         if self.vocab is not None and max(prompt) >= self.vocab:   # vLLM checks ids after the stream began
             err = {"message": f"Token id {max(prompt)} is out of vocabulary", "type": "BadRequestError",
                    "param": None, "code": 400}
@@ -111,9 +113,12 @@ class FakeEngine:
             ev = {"id": rid, "object": "x", "created": 1, "model": "m", "choices": [ch]}
             if chat and k == 0:
                 ev["prompt_token_ids"] = prompt
+            if self.one_write:
+                held.append(b"data: " + json.dumps(ev).encode() + b"\n\n")
+                continue
             await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
             await asyncio.sleep(self.delay_s)
-        await resp.write(b"data: [DONE]\n\n")
+        await resp.write(b"".join(held) + b"data: [DONE]\n\n")
         await asyncio.sleep(self.delay_s)   # the body's end reaches the front end after [DONE], as from vLLM
         return resp
 
@@ -441,6 +446,30 @@ def test_a_client_error_inside_an_engines_stream_is_passed_on_not_failed_over():
     assert good[0] == _expected([1, 2], 5)
     assert counts == {"ok": 1.0, "failed": 0.0, "engine_error": 4.0}
     assert not [e for e in events if e["event"] in ("failover", "breaker_open", "retry")], events
+
+
+def test_status_counts_the_engine_stream_reads_and_the_events_they_held():
+    """``relay_reads``: every read of an engine's stream and its events. A fake engine that writes
+    its tokens 20 ms apart is read one event at a time (the front end keeps up); one that writes a
+    whole answer in one write is read in one or two reads."""
+    async def go():
+        fakes, front, client, runners = await _stack()
+        try:
+            out = []
+            for late in (False, True):
+                for f in fakes:
+                    f.delay_s, f.one_write = 0.02, late
+                before = (await client.get("/kunserve/status")).json()["relay_reads"]
+                ids, _, _ = await _stream(client, {"prompt": [1, 2], "max_tokens": 12, "stream": True,
+                                                   "return_token_ids": True})
+                after = (await client.get("/kunserve/status")).json()["relay_reads"]
+                out.append((len(ids), after["reads"] - before["reads"], after["events"] - before["events"]))
+            return out
+        finally:
+            await _teardown(front, client, runners)
+    (n1, reads1, events1), (n2, reads2, events2) = asyncio.run(go())
+    assert n1 == n2 == 12 and events1 == events2 == 13      # one event per token, and [DONE]
+    assert reads1 >= 10 and reads2 <= 2, (reads1, reads2)
 
 
 def test_ops_need_the_token_and_check_their_parameters():

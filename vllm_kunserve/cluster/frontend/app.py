@@ -39,7 +39,7 @@ from vllm_kunserve.cluster.control.client import ControlClient
 from vllm_kunserve.cluster.control.monitor import FlightBook, Monitor, instance_loads
 from vllm_kunserve.cluster.frontend.ops import run_op
 from vllm_kunserve.cluster.frontend.prefix import PrefixIndex, Sessions, prompt_key
-from vllm_kunserve.cluster.frontend.relay import Flight, Move, Relay, UpstreamLost
+from vllm_kunserve.cluster.frontend.relay import READS, Flight, Move, Relay, UpstreamLost
 from vllm_kunserve.cluster.frontend.validate import (BadRequest, check_token_ids, encodes, error_body, max_token_id,
                                                    parse_json, prompt_counter, validate)
 from vllm_kunserve.policy.dispatch import check_mode, choose_instance, get_policy
@@ -450,6 +450,7 @@ class FrontEnd:
                 "monitor": {"interval_s": self.monitor.interval_s, "polls": self.monitor.polls},
                 "gc": {"frozen_objects": self.gc_frozen, **self.gc.view()},
                 "loop": self.loop_lag.view(),
+                "relay_reads": READS.view(),
                 "events": (self.fleet.events[-30:] + self.events[-30:])}
 
 

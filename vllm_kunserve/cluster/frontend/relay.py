@@ -111,6 +111,24 @@ class RelayHost(Protocol):
     def record(self, kind: str, **info: Any) -> None: ...
 
 
+class ReadCounts:
+    """Reads of the engines' streams and the events they held, over this process's relays
+    (``/kunserve/status`` ``relay_reads``). An engine writes each token's event as it makes it, so
+    more than one event per read is a front end that read its engines late: the tokens made
+    meanwhile waited in the socket and leave for the client together (``benchmarks/relay_reads.py``)."""
+
+    __slots__ = ("reads", "events")
+
+    def __init__(self) -> None:
+        self.reads = self.events = 0
+
+    def view(self) -> dict[str, int]:
+        return {"reads": self.reads, "events": self.events}
+
+
+READS = ReadCounts()
+
+
 async def sse_batches(resp: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
     """The ``data:`` payloads of a server-sent event stream, undecoded (``b"[DONE]"`` included), one
     list per network read: under load a read holds many events, and the relay forwards them to the
@@ -420,6 +438,8 @@ class Relay:
                 try:
                     stop = False
                     async for batch in sse_batches(resp):
+                        READS.reads += 1
+                        READS.events += len(batch)
                         if self.first_read is None:
                             self.first_read = time.monotonic()
                         out: list[bytes] = []
