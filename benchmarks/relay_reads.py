@@ -27,13 +27,12 @@ import random
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from router_side_by_side import ENGINE_BASE, Fronts, engine_args
+from router_side_by_side import ENGINE_BASE, Fronts, engine_args, front_status
 
 from vllm_kunserve.bench.report import command, cpu_model, md_table
 from vllm_kunserve.bench.router_fleet import engine_environ
@@ -84,11 +83,6 @@ async def drive(urls: list[str], streams: int, n: int, seed: int, out_len: int) 
             "client_reads": sum(len(r["reads"]) for r in ok), "events": sum(sum(r["reads"]) for r in ok),
             "tokens_per_s": sum(len(r["times"]) for r in ok) / wall, "errors": len(errors),
             "first_errors": errors[:2]}
-
-
-def relay_reads(url: str) -> dict:
-    with urllib.request.urlopen(url + "/kunserve/status", timeout=10) as r:
-        return json.loads(r.read())["relay_reads"]
 
 
 def analyse(runs: list[dict], levels: list[int]) -> dict:
@@ -199,10 +193,10 @@ def main() -> int:
                 order = list(FRONTS)
                 order_rng.shuffle(order)
                 for f in order:
-                    before = relay_reads(urls[f][0]) if f == "kunserve" else None
+                    before = front_status(urls[f][0], "relay_reads") if f == "kunserve" else None
                     res = asyncio.run(drive(urls[f], c, c * a.requests, rep, a.output_len))
                     if before is not None:
-                        after = relay_reads(urls[f][0])
+                        after = front_status(urls[f][0], "relay_reads")
                         res["front_reads"] = {k: after[k] - before[k] for k in ("reads", "events")}
                     runs.append({"front": f, "streams": c, "rep": rep, **res})
                     g = res["gaps_ms"]

@@ -71,7 +71,7 @@ from vllm_kunserve.bench.compare import cpu_times
 from vllm_kunserve.bench.report import command, cpu_model, md_table, pyplot, save_figure, write_json
 from vllm_kunserve.bench.scrape import engine_metrics
 from vllm_kunserve.bench.router_fleet import engine_environ, router_argv, router_binary, wait_healthy
-from vllm_kunserve.cluster.fleet.launcher import KunserveCluster, VllmServer, free_port
+from vllm_kunserve.cluster.fleet.launcher import KunserveCluster, VllmServer, free_port, start_all
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "benchmarks"
@@ -284,12 +284,13 @@ def stage_view(before: dict, after: dict, client_mean_ttft_ms: float | None) -> 
     return view
 
 
-def loop_view(url: str) -> dict:
-    """kunserve's front end: its event loop's late wake-ups so far (``/kunserve/status``)."""
+def front_status(url: str, part: str) -> dict:
+    """One part of kunserve's front end's ``/kunserve/status`` now (``loop``: its event loop's late
+    wake-ups so far; ``relay_reads``: its reads of the engines' streams so far)."""
     import urllib.request
 
     with urllib.request.urlopen(url + "/kunserve/status", timeout=10) as r:
-        return json.loads(r.read())["loop"]
+        return json.loads(r.read())[part]
 
 
 def mean_ci(xs: list[float], rng: np.random.Generator) -> dict:
@@ -900,8 +901,7 @@ def main() -> int:
     try:
         if own:   # the engines' every process on core 1; what starts after them (fronts, client) on core 0
             os.sched_setaffinity(0, {1})
-        for e in engines:
-            e.start()
+        start_all(engines)   # the start threads and the engines they spawn inherit this thread's cores
         if own:
             os.sched_setaffinity(0, {0})
         urls = [e.url for e in engines]
@@ -914,7 +914,7 @@ def main() -> int:
         def through_front(f: str, conc: int, n: int, rep: int) -> dict:
             """One ``vllm bench serve`` run through front ``f``, with its CPU, loop and engine views."""
             cpu0 = sum(cpu_times(pids[f]).values())   # the front end's process tree
-            loop0 = loop_view(urls_of[f]) if f == "kunserve" else None
+            loop0 = front_status(urls_of[f], "loop") if f == "kunserve" else None
             st0 = stage_totals(urls_of[f]) if f == "kunserve" else None
             pc0 = engine_counters(urls) if prefix else None
             # prefix: every run its own prefixes (a run must not find another's in the caches)
@@ -931,7 +931,7 @@ def main() -> int:
             res["front_cpu_us_per_token"] = 1e6 * res["front_cpu_s"] / max(1, (res["completed"] or 0)
                                                                              * a.output_len)
             if loop0 is not None:
-                loop1 = loop_view(urls_of[f])
+                loop1 = front_status(urls_of[f], "loop")
                 res["loop"] = {k: round(loop1[k] - loop0[k], 3) for k in LOOP_KEYS if k in loop1}
             if st0 is not None:
                 res.update(stage_view(st0, stage_totals(urls_of[f]), res.get("mean_ttft_ms")))
