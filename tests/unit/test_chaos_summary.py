@@ -41,6 +41,12 @@ def test_summary_counts_identity_and_the_requests_a_kill_hit():
     assert s["ttft_near_kill"]["n"] == 2 and s["ttft_calm"]["n"] == 1
     assert s["fleet"]["failovers"] == 3 and s["fleet"]["group_ops"] == {"{op=join}{outcome=ok}": 3}
     assert s["restarts"] == {"0": 1}
+    # on a fleet that served before the chaos pass (the tests share one), only the pass's own count
+    before = ChaosRun(run.spec, ref, got, actions=run.actions, status=run.status,
+                      before={"metrics": {"kunserve:failovers": 1.0}, "instances": [{"instance": 0, "restarts": 1}]})
+    s = summarise(before)
+    assert s["fleet"]["failovers"] == 2 and s["fleet"]["group_ops"] == {"{op=join}{outcome=ok}": 3}
+    assert s["restarts"] == {"0": 0}
 
 
 def test_the_burst_is_seeded_and_spread_over_its_duration():

@@ -354,3 +354,26 @@ def test_ray_engines_group_on_their_host_token_identical(burst_model, tmp_path_f
     assert g["state"] == "grouped" and g["members"] == [0, 1]
     assert [o.token_ids for o in outs] == [refs[p] for p in PROMPTS[:3]] and all(len(o.token_ids) == 64 for o in outs)
     assert rcode == 200 and not split["groups"]
+
+
+def test_chaos_every_request_completes_token_identical_while_engines_die(forced):
+    """Chaos under a burst (vllm_kunserve/bench/chaos.py; the longer run and its doc: benchmarks/chaos.py):
+    the four engines serve streamed requests while a driver hard-kills a random engine every few
+    seconds and forces drops and restores; every request completes with the tokens of a run without
+    faults. On the 4-engine fleet, after its other tests (the same engines and flags a fleet of its own
+    would start): the counts are the chaos pass's own."""
+    if forced.n != 4:
+        pytest.skip("the chaos drill runs on the 4-engine fleet")
+    from vllm_kunserve.bench.chaos import ChaosSpec, run_chaos, summarise
+
+    async def settled():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            await _wait_split(s, forced.url, timeout=300)   # an earlier test's restart back, no group
+    asyncio.run(settled())
+    spec = ChaosSpec(requests=48, duration_s=24.0, output_len=48, kill_every_s=7.0, ops_every_s=4.0, seed=3)
+    s = summarise(asyncio.run(run_chaos(forced.url, spec)))
+    assert s["reference_ok"] == spec.requests, s
+    assert s["completed"] == spec.requests and s["failed"] == [], s
+    assert s["token_identical"] == spec.requests and s["differ"] == [], s
+    assert s["kills"] >= 2 and s["fleet"]["failovers"] >= 1, s   # engines died with requests on them
+    assert s["drops_ok"] + s["drops_refused"] >= 1 and s["restores"] >= 1, s

@@ -1,20 +1,43 @@
-"""`kunserve serve MODEL --instances 2` with no memory flag serves on a CPU host (issue 36): the front
-end divides the host's memory among the engines and says so; without that, each stock engine asks
-vLLM-CPU's default 92% of the host and the second cannot start."""
+"""`kunserve serve MODEL --instances 2` as a new user runs it (issue 36): with no memory flag it serves
+on a CPU host (the front end divides the host's memory among the engines and says so; without that,
+each stock engine asks vLLM-CPU's default 92% of the host and the second cannot start); and killed
+with SIGKILL (no shutdown of its own) it leaves no engine behind: each engine server sees its
+launcher gone and stops its process group (vllm_kunserve/runtime/parentwatch.py). One fleet for
+both: its start-up (two engines zeroing their KV caches of the host's memory) is most of the time."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 import urllib.request
 
 import pytest
 
 from vllm_kunserve.cluster.fleet.launcher import KunserveCluster
+from vllm_kunserve.runtime.parentwatch import ENV_PARENT, running
 
 pytestmark = pytest.mark.vllm
 
 
-def test_two_engines_start_with_no_memory_flag_and_serve(tiny_model, tmp_path):
+def _launched_by(pid: int) -> list[int]:
+    """Processes whose environment names ``pid`` as their kunserve launcher."""
+    want = f"{ENV_PARENT}={pid}".encode()
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
+            except OSError:
+                continue
+            if want in env:
+                out.append(int(name))
+    return out
+
+
+def test_two_engines_start_with_no_memory_flag_serve_and_stop_when_the_front_end_is_killed(tiny_model, tmp_path):
     log = tmp_path / "serve.log"
     srv = KunserveCluster(str(tiny_model), ["--served-model-name", "m", "--max-model-len", "256", "--enforce-eager"],
                           None, log_path=log, instances=2, startup_timeout_s=400,
@@ -24,7 +47,21 @@ def test_two_engines_start_with_no_memory_flag_and_serve(tiny_model, tmp_path):
         req = urllib.request.Request(f"{srv.url}/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             out = json.loads(r.read())
+        text = log.read_text()
+        front = srv._proc.proc.pid
+        engines = _launched_by(front)
+        # each engine's API server and its engine core (which inherits the variable)
+        assert len(engines) >= 4, (engines, text[-2000:])
+        os.kill(front, signal.SIGKILL)  # not the group: the front end alone, as a crash would
+        t0 = time.monotonic()
+        while [p for p in engines if running(p)] and time.monotonic() - t0 < 120:
+            time.sleep(0.5)
+        left = [p for p in engines if running(p)]
+        for p in left:  # a failure leaves no orphans to the next test
+            os.kill(p, signal.SIGKILL)
     assert out["usage"]["completion_tokens"] == 4
-    text = log.read_text()
     assert "[kunserve] memory: 2 engines share" in text and "--gpu-memory-utilization" in text
     assert "Traceback" not in text
+    assert not left, f"engine processes {left} outlived their front end by {time.monotonic() - t0:.0f} s"
+    logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("*.log"))
+    assert "launcher pid" in logs and "is gone" in logs

@@ -7,7 +7,7 @@ once, no faults), then the same requests at their arrival times with the driver 
 returns the requests' results, the driver's actions and the front end's events, and
 :func:`summarise` counts what happened (kills, transitions, failovers, re-prefills) and the tail
 TTFT of the requests that were in flight when an engine died. ``benchmarks/chaos.py`` writes the
-doc; ``tests/vllm/test_chaos.py`` runs a short one.
+doc; ``tests/vllm/test_cluster_drop.py`` runs a short one on its 4-engine fleet.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class ChaosRun:
     events: list[dict] = field(default_factory=list)
     status: dict = field(default_factory=dict)
     t0: float = 0.0
+    before: dict = field(default_factory=dict)   # the counters and restarts when the chaos pass began
 
 
 def _specs(spec: ChaosSpec) -> list[RequestSpec]:
@@ -119,6 +120,8 @@ async def run_chaos(url: str, spec: ChaosSpec, token: str = "") -> ChaosRun:
     extra = {"return_token_ids": True}
     reference = await replay(url, spec.model, [RequestSpec(s.idx, 0.0, s.prompt, s.prompt_len, s.output_len)
                                                for s in specs], progress=False, extra_body=extra)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        before = await _fleet_counts(s, url)   # a fleet that served before (tests share one) counted then too
     stop, actions = asyncio.Event(), []
     started: list[float] = []
     driver: asyncio.Task | None = None
@@ -135,10 +138,17 @@ async def run_chaos(url: str, spec: ChaosSpec, token: str = "") -> ChaosRun:
         if driver is not None:
             await driver
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
-        st = await _get(s, f"{url}/kunserve/status")
-        async with s.get(f"{url}/metrics") as r:
-            st["metrics"] = _counters(await r.text())
-    return ChaosRun(spec, reference, results, actions, st.get("events", []), st, started[0] if started else 0.0)
+        st = await _fleet_counts(s, url)
+    return ChaosRun(spec, reference, results, actions, st.get("events", []), st, started[0] if started else 0.0,
+                    before)
+
+
+async def _fleet_counts(s: aiohttp.ClientSession, url: str) -> dict:
+    """The front end's status with its ``kunserve:`` counters under ``metrics``."""
+    st = await _get(s, f"{url}/kunserve/status")
+    async with s.get(f"{url}/metrics") as r:
+        st["metrics"] = _counters(await r.text())
+    return st
 
 
 def _counters(text: str) -> dict[str, float]:
@@ -171,7 +181,9 @@ def summarise(run: ChaosRun, fault_window_s: float = 10.0) -> dict:
         return any(r.send_s <= k + fault_window_s and end >= k for k in kills)
     during = [r.ttft_s for r in ok if near_kill(r)]
     calm = [r.ttft_s for r in ok if not near_kill(r)]
-    m = run.status.get("metrics", {})
+    m0 = run.before.get("metrics", {})
+    m = {k: v - m0.get(k, 0.0) for k, v in run.status.get("metrics", {}).items()}   # the chaos pass's own
+    r0 = {i["instance"]: i.get("restarts", 0) for i in run.before.get("instances", [])}
     ttft = lambda xs: ({"n": len(xs), "p50": percentile(xs, 50), "p99": percentile(xs, 99),  # noqa: E731
                         "max": max(xs)} if xs else {"n": 0})
     return {
@@ -187,6 +199,7 @@ def summarise(run: ChaosRun, fault_window_s: float = 10.0) -> dict:
                   "failovers": int(sum(v for k, v in m.items() if k.startswith("kunserve:failovers"))),
                   "migrations": int(sum(v for k, v in m.items() if k.startswith("kunserve:migrations"))),
                   "engine_restarts": int(sum(v for k, v in m.items() if k.startswith("kunserve:engine_restarts")))},
-        "restarts": {str(i["instance"]): i.get("restarts", 0) for i in run.status.get("instances", [])},
+        "restarts": {str(i["instance"]): i.get("restarts", 0) - r0.get(i["instance"], 0)
+                     for i in run.status.get("instances", [])},
         "ttft_near_kill": ttft(during), "ttft_calm": ttft(calm),
     }
