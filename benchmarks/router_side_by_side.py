@@ -46,6 +46,11 @@ on core 1, the front ends and the client on core 0; ``--fronts`` adds ``kunserve
 with ``--dispatch round-robin``, the router's policy: the data plane compared with the policy held
 equal). Writes ``router_side_by_side_own_core.{md,json,png}``.
 
+``--fronts vllm-router-rr,kunserve,kunserve-x2`` adds ``kunserve-x2``: two ``kunserve serve
+--engine-url --reuse-port`` front ends over the same engines on one port, the kernel spreading the
+client's connections over them (as replicas of a router are run): does a second event loop catch up
+with the engines' streams on cores they keep busy? Writes ``router_side_by_side_replicas.{md,json,png}``.
+
 ``--workload kill`` asks what a front end loses when an engine dies: per run a fresh front, 16
 streams of 256-token answers, engine 1 SIGKILLed ``--kill-after`` seconds after it first runs a
 request of the run and restarted on its port after it; lost = failed + cut short
@@ -80,7 +85,7 @@ FRONTS = ("vllm-router-rr", "vllm-router-ca", "kunserve")
 DIRECT = "direct"   # no front end: the client's streams split between the engines (the floor a front end adds to)
 RANDOM_FRONTS = (*FRONTS, DIRECT)
 PREFIX_FRONTS = ("vllm-router-ca", "kunserve", "kunserve-ca")
-ALL_FRONTS = ("vllm-router-rr", "vllm-router-ca", "kunserve", "kunserve-rr", "kunserve-ca", DIRECT)   # the pages' order
+ALL_FRONTS = ("vllm-router-rr", "vllm-router-ca", "kunserve", "kunserve-x2", "kunserve-rr", "kunserve-ca", DIRECT)   # the pages' order
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms")
 LOOP_KEYS = ("ticks", "late", "late_s", "late_cpu_s", "late_runq_s")   # /kunserve/status loop totals
 EXTRA = ("front_cpu_us_per_token", "prefix_hit_rate", "engine_queue_ms", "engine_prefill_ms",
@@ -363,7 +368,7 @@ def reading(an: dict, own: bool) -> str:
             f"token of {r} ({kc:.0f} vs {rc:.0f} us){late}. The client's median gap between tokens was {itl:.2f} ms "
             f"through kunserve and {itl_r:.2f} ms through round_robin (a gap near 0 is tokens that reached the "
             f"client together, read late and passed on at once), at {tp:.2f}x round_robin's throughput."
-            + policy_sentence(an)
+            + policy_sentence(an) + replica_sentence(an)
             + ("" if own else f" The same fronts with the front end on a core of its own: `{NAME}_own_core.md`."))
 
 
@@ -420,6 +425,28 @@ def direct_sentence(an: dict) -> list[str]:
             *md_table(["streams", *shown], "r" + "l" * len(shown), rows), ""]
 
 
+def replica_sentence(an: dict) -> str:
+    """Where ``kunserve-x2`` ran: at every concurrency above 1, what a second front end on the port did
+    to the bunching (the client's median ITL against round_robin's), the median TTFT and the CPU per
+    token, each beside one front end's."""
+    rows = [(c, fr) for c, fr in an.items() if int(c) > 1 and {"kunserve-x2", "kunserve", "vllm-router-rr"} <= set(fr)]
+    if not rows:
+        return ""
+    rel = lambda fr, f, m: fr[f][m]["mean"] / fr["vllm-router-rr"][m]["mean"]  # noqa: E731
+    cpu = lambda fr, f: fr[f].get("front_cpu_us_per_token", {}).get("mean", float("nan"))  # noqa: E731
+    told = "; ".join(f"at {c} streams median ITL {rel(fr, 'kunserve-x2', 'median_itl_ms'):.2f}x round_robin's (one "
+                     f"front end {rel(fr, 'kunserve', 'median_itl_ms'):.2f}x), median TTFT "
+                     f"{rel(fr, 'kunserve-x2', 'median_ttft_ms'):.2f}x ({rel(fr, 'kunserve', 'median_ttft_ms'):.2f}x), "
+                     f"CPU {cpu(fr, 'kunserve-x2'):.0f} us per token ({cpu(fr, 'kunserve'):.0f})" for c, fr in rows)
+    unbunched = all(rel(fr, "kunserve-x2", "median_itl_ms") > rel(fr, "kunserve", "median_itl_ms") for _, fr in rows)
+    faster = all(rel(fr, "kunserve-x2", "median_ttft_ms") < 0.9 * rel(fr, "kunserve", "median_ttft_ms") for _, fr in rows)
+    return (f" Two front ends on the port (`kunserve-x2`): {told}. "
+            + ("A second event loop reads the engines' streams sooner (the tokens bunch less)" if unbunched else
+               "A second event loop does not un-bunch the tokens at every concurrency")
+            + (" and the first tokens come sooner." if faster else
+               ", but the first tokens do not come sooner: it costs more CPU per token, on cores the engines keep busy."))
+
+
 def policy_sentence(an: dict) -> str:
     """Where kunserve-rr ran: its median TTFT beside kunserve's, both against round_robin's, at every
     concurrency above 1, and whether the policy or the data plane holds the difference."""
@@ -445,6 +472,7 @@ def render(meta: dict, an: dict) -> str:
                 "engine's compute thread" if nice else ""))
     L = ["# kunserve serve side by side with vllm-router" + (", the front end on its own core" if own else "")
          + (f", the engines at niceness {nice}" if nice else "")
+         + (", and two kunserve front ends on one port" if name.endswith("_replicas") else "")
          + " (written by benchmarks/router_side_by_side.py)", "",
          f"Command: `{meta['command']}`.", "", f"![side by side]({name}.png)", "",
          f"{meta['cpu']}, {meta.get('cores', os.cpu_count())} cores"
@@ -453,7 +481,10 @@ def render(meta: dict, an: dict) -> str:
          "in front of them vllm-router 0.1.17 (`--policy round_robin`: `vllm-router-rr`; `cache_aware`, its default: "
          "`vllm-router-ca`) and `kunserve serve --engine-url` over the same two engines (`kunserve`, least-work"
          + ("; `kunserve-rr`, `--dispatch round-robin`, the router's policy: the data plane compared with the policy "
-            "held equal" if any("kunserve-rr" in fr for fr in an.values()) else "") + ")"
+            "held equal" if any("kunserve-rr" in fr for fr in an.values()) else "")
+         + ("; `kunserve-x2`, two such front ends started with `--reuse-port` on one port, the kernel spreading the "
+            "client's connections over them (as replicas of a router are run): two event loops to read the engines' "
+            "streams" if any("kunserve-x2" in fr for fr in an.values()) else "") + ")"
          + (f"; `{DIRECT}`: no front end at all, the client's streams and prompts split evenly between the two "
             "engines (one `vllm bench serve` per engine, started together, their per-request results pooled as one "
             "client's would be; at 1 stream engine 0 alone): the floor every front end adds to, with one client "
@@ -493,8 +524,8 @@ def render(meta: dict, an: dict) -> str:
         L += [""]
     L += ["## Targets (issue 37, shared cores, against vllm-router)" if not own else
           "## Issue 37's checks, here with a core for the front end (its targets are set for shared cores)", ""]
-    for c, fr in an.items():
-        k, rr = fr.get("kunserve"), fr.get("vllm-router-rr")
+    for c, fr, front in [(c, fr, f) for f in ("kunserve", "kunserve-x2") for c, fr in an.items()]:
+        k, rr = fr.get(front), fr.get("vllm-router-rr")
         if not (k and rr):
             continue
         routers = [fr[f] for f in ("vllm-router-rr", "vllm-router-ca") if f in fr]
@@ -506,7 +537,8 @@ def render(meta: dict, an: dict) -> str:
                   ("median TTFT <= 1.1x the router's better", k["median_ttft_ms"], best_ttft, 1.1, False),
                   ("P99 TTFT <= 1.1x the router's better", k["p99_ttft_ms"], best_p99, 1.1, False),
                   ("median ITL within 10% of round_robin's", k["median_itl_ms"], itl, None, None)]
-        L += [target_line(c, what, mine, ref, bound, above) for what, mine, ref, bound, above in checks]
+        L += [target_line(c, what if front == "kunserve" else f"{front}, {what}", mine, ref, bound, above)
+              for what, mine, ref, bound, above in checks]
     L += ["", f"Raw data: `{name}.json` (every run's `vllm bench serve` result, the order).", ""]
     return "\n".join(L)
 
@@ -695,15 +727,17 @@ class Fronts:
 
     ROUTER_POLICY = {"vllm-router-rr": "round_robin", "vllm-router-ca": "cache_aware"}
     KUNSERVE_DISPATCH = {"kunserve": [], "kunserve-ca": ["--dispatch", "cache-aware"],
-                         "kunserve-rr": ["--dispatch", "round-robin"]}
+                         "kunserve-rr": ["--dispatch", "round-robin"], "kunserve-x2": ["--reuse-port"]}
+    REPLICAS = {"kunserve-x2": 2}   # front ends on one port (--reuse-port): the kernel spreads the connections
 
     def __init__(self, urls: list[str], model: Path, out: Path):
         self.urls, self.model, self.out = urls, model, out
         self.routers: dict[str, subprocess.Popen] = {}
-        self.kunserve: dict[str, KunserveCluster] = {}
+        self.kunserve: dict[str, list[KunserveCluster]] = {}
 
-    def start(self, fname: str, tag: str = "") -> tuple[str, int]:
-        """Start front ``fname`` (log ``<fname><tag>.log``); return its URL and pid once healthy."""
+    def start(self, fname: str, tag: str = "") -> tuple[str, list[int]]:
+        """Start front ``fname`` (log ``<fname><tag>.log``); return its URL and its processes' pids once
+        healthy (a replicated kunserve: every replica has said it serves)."""
         log_path = self.out / f"{fname}{tag}.log"
         if fname in self.ROUTER_POLICY:
             port = free_port()
@@ -714,17 +748,25 @@ class Fronts:
             self.routers[fname] = proc
             url = f"http://127.0.0.1:{port}"
             wait_healthy(url, proc, 60)
-            return url, proc.pid
-        k = KunserveCluster(str(self.model), [], None, log_path=log_path, instances=len(self.urls),
-                            startup_timeout_s=120, extra=[*self.KUNSERVE_DISPATCH[fname],
-                                                          *[x for u in self.urls for x in ("--engine-url", u)]])
-        self.kunserve[fname] = k
-        k.start()
-        return k.url, k._proc.proc.pid
+            return url, [proc.pid]
+        port, ks = free_port(), []
+        self.kunserve[fname] = ks
+        for r in range(self.REPLICAS.get(fname, 1)):
+            ks.append(KunserveCluster(str(self.model), [], None, log_path=log_path.with_name(
+                f"{log_path.stem}{f'-r{r}' if r else ''}.log"), instances=len(self.urls), port=port,
+                startup_timeout_s=120, extra=[*self.KUNSERVE_DISPATCH[fname],
+                                              *[x for u in self.urls for x in ("--engine-url", u)]]))
+            ks[-1].start()   # healthy: the first replica, or any one after it; each says when it serves
+        t0 = time.monotonic()
+        while not all("[kunserve] serving" in Path(k.log_path).read_text(errors="replace") for k in ks):
+            if time.monotonic() - t0 > 120:
+                raise RuntimeError(f"{fname}: a replica did not start serving; logs {[str(k.log_path) for k in ks]}")
+            time.sleep(0.5)
+        return ks[0].url, [k._proc.proc.pid for k in ks]
 
     def stop(self, fname: str) -> None:
-        if fname in self.kunserve:
-            self.kunserve.pop(fname).stop()
+        for k in self.kunserve.pop(fname, []):
+            k.stop()
         p = self.routers.pop(fname, None)
         if p is not None and p.poll() is None:
             os.killpg(p.pid, signal.SIGINT)
@@ -810,8 +852,9 @@ def main() -> int:
                     help="random workload: everything on every core (shared), or the engines on core 1 and the "
                          "front end with the client on core 0 (own-core)")
     ap.add_argument("--fronts", default=None, help="random workload: the fronts, comma-separated (default "
-                    f"{','.join(RANDOM_FRONTS)}; kunserve-rr: kunserve with --dispatch round-robin; {DIRECT}: no "
-                    "front end, the streams split between the engines)")
+                    f"{','.join(RANDOM_FRONTS)}; kunserve-rr: kunserve with --dispatch round-robin; kunserve-x2: "
+                    f"two kunserve front ends on one port (--reuse-port); {DIRECT}: no front end, the streams split "
+                    "between the engines)")
     ap.add_argument("--concurrency", default=None, help="default 1,32,128 (random), 16 (prefix, kill)")
     ap.add_argument("--prompts", default=None, help="requests per run at each concurrency (default 24,192,384 / 160)")
     ap.add_argument("--prefix-len", type=int, default=256)
@@ -848,10 +891,12 @@ def main() -> int:
         fronts, draw = RANDOM_FRONTS, render
         if a.fronts:
             fronts = tuple(a.fronts.split(","))
-            if (not set(fronts) <= {*RANDOM_FRONTS, "kunserve-rr"} or "kunserve" not in fronts
+            if (not set(fronts) <= {*RANDOM_FRONTS, "kunserve-rr", "kunserve-x2"} or "kunserve" not in fronts
                     or "vllm-router-rr" not in fronts):
-                ap.error(f"--fronts: kunserve, vllm-router-rr and any of vllm-router-ca, kunserve-rr, {DIRECT}; "
-                         f"got {a.fronts!r}")
+                ap.error(f"--fronts: kunserve, vllm-router-rr and any of vllm-router-ca, kunserve-rr, kunserve-x2, "
+                         f"{DIRECT}; got {a.fronts!r}")
+            if "kunserve-x2" in fronts:
+                name += "_replicas"
     concs = [int(x) for x in (a.concurrency or ("16" if prefix or kill else "1,32,128")).split(",")]
     prompts = [int(x) for x in (a.prompts or ("160" if prefix or kill else "24,192,384")).split(",")]
     if len(prompts) != len(concs) or a.repeat < 1:
@@ -913,7 +958,7 @@ def main() -> int:
 
         def through_front(f: str, conc: int, n: int, rep: int) -> dict:
             """One ``vllm bench serve`` run through front ``f``, with its CPU, loop and engine views."""
-            cpu0 = sum(cpu_times(pids[f]).values())   # the front end's process tree
+            cpu0 = sum(sum(cpu_times(p).values()) for p in pids[f])   # the front end's process trees
             loop0 = front_status(urls_of[f], "loop") if f == "kunserve" else None
             st0 = stage_totals(urls_of[f]) if f == "kunserve" else None
             pc0 = engine_counters(urls) if prefix else None
@@ -927,7 +972,7 @@ def main() -> int:
                         dataset=dataset)
             if pc0 is not None:
                 res.update(engine_view(pc0, engine_counters(urls)))
-            res["front_cpu_s"] = sum(cpu_times(pids[f]).values()) - cpu0
+            res["front_cpu_s"] = sum(sum(cpu_times(p).values()) for p in pids[f]) - cpu0
             res["front_cpu_us_per_token"] = 1e6 * res["front_cpu_s"] / max(1, (res["completed"] or 0)
                                                                              * a.output_len)
             if loop0 is not None:

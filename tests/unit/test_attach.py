@@ -103,6 +103,8 @@ def test_engine_url_flags_are_checked():
                                "--engine-control-url", "http://a:9000")
     assert opts.instances == 2 and opts.backend == "attach" and engine_args == []
     assert _parse("--engine-url", "http://a:8000", "--backend", "local")[0].backend == "attach"  # the default
+    assert _parse("--engine-url", "http://a:8000", "--reuse-port")[0].reuse_port
+    assert not _parse("--engine-url", "http://a:8000")[0].reuse_port
     for bad, why in [(("--engine-url", "a:8000"), "http:// or https://"),
                      (("--engine-url", "http://"), "no host"),
                      (("--engine-url", "http://a:abc"), "port must be a number"),
@@ -114,7 +116,10 @@ def test_engine_url_flags_are_checked():
                      (("--engine-control-url", "http://a:9000"), "needs --engine-url"),
                      (("--engine-url", "http://a", "--instances", "3"), "counted by their URLs"),
                      (("--engine-url", "http://a", "--engine-control-url", "http://a:1", "--engine-control-url",
-                       "http://a:2"), "2 --engine-control-url for 1")]:
+                       "http://a:2"), "2 --engine-control-url for 1"),
+                     (("--reuse-port",), "--reuse-port needs --engine-url"),
+                     (("--engine-url", "http://a:1", "--reuse-port", "--kunserve-config", "{}"),
+                      "--reuse-port with --kunserve-config")]:
         with pytest.raises(ValueError, match=why):
             _parse(*bad)
 

@@ -104,6 +104,22 @@ def test_serve_listen_socket_is_bound_and_not_inherited():
         listen_socket("no.such.host.invalid", 8000)
 
 
+def test_serve_reuse_port_lets_front_ends_share_a_port_and_only_then():
+    from vllm_kunserve.cli.serve import listen_socket
+
+    a = listen_socket("127.0.0.1", 0, reuse_port=True)
+    port = a.getsockname()[1]
+    a.listen()   # as uvicorn does once the front end serves
+    try:
+        b = listen_socket("127.0.0.1", port, reuse_port=True)   # a second front end's, on the same port
+        assert b.getsockname()[1] == port
+        b.close()
+        with pytest.raises(ValueError, match=f"--port {port}: cannot listen there"):
+            listen_socket("127.0.0.1", port)   # one without --reuse-port is refused as before
+    finally:
+        a.close()
+
+
 def test_serve_help_lists_every_option_with_its_default(capsys):
     from vllm_kunserve.cli.serve import _options
 

@@ -126,3 +126,28 @@ def test_stage_view_splits_the_clients_ttft_by_the_front_ends_clock():
     slow_relay = {"32": {"kunserve": {"mean_ttft_ms": ci(260.0), "admit_ms": ci(2.0), "engine_ms": ci(150.0),
                                       "relay_ms": ci(100.0), "unseen_ms": ci(8.0)}}}
     assert "wait is its relay of the first token" in "\n".join(sbs.stage_section(slow_relay))
+
+
+def test_replicated_kunserve_is_described_and_checked_against_the_targets_too():
+    """``kunserve-x2`` (two front ends on one port, --reuse-port): the page names it and gives it the
+    targets' lines of its own beside kunserve's, each from its own means."""
+    sbs = load_benchmark("router_side_by_side")
+    ci = lambda m: {"mean": m, "lo": m * 0.95, "hi": m * 1.05}  # noqa: E731
+    row = lambda tp, ttft, p99, itl: {"output_throughput": ci(tp), "median_ttft_ms": ci(ttft),  # noqa: E731
+                                      "p99_ttft_ms": ci(p99), "median_itl_ms": ci(itl), "failed": 0}
+    an = {"32": {"vllm-router-rr": row(100.0, 10.0, 20.0, 5.0), "kunserve": row(80.0, 15.0, 30.0, 1.0),
+                 "kunserve-x2": row(99.0, 10.5, 21.0, 5.2)}}
+    meta = {"command": "x", "cpu": "cpu", "kv_bytes": 64 << 20, "repeat": 5, "input_len": 64, "output_len": 64,
+            "name": "router_side_by_side_replicas", "layout": "shared"}
+    page = sbs.render(meta, an)
+    assert "`kunserve-x2`, two such front ends started with `--reuse-port`" in page
+    assert "- 32 streams, throughput >= 0.97x the router's better: 0.80x -> **missed**" in page
+    assert "- 32 streams, kunserve-x2, throughput >= 0.97x the router's better: 0.99x -> **met**" in page
+    assert "- 32 streams, kunserve-x2, median ITL within 10% of round_robin's: 1.04x -> **met**" in page
+    assert "| kunserve-x2 | 99 (94..104) [0.99x] |" in page
+    assert page.startswith("# kunserve serve side by side with vllm-router, and two kunserve front ends on one port")
+    for f, us in (("vllm-router-rr", 30.0), ("kunserve", 90.0), ("kunserve-x2", 60.0)):
+        an["32"][f]["front_cpu_us_per_token"] = ci(us)   # the reading needs the fronts' CPU
+    assert "(`kunserve-x2`): at 32 streams median ITL 1.04x round_robin's (one front end 0.20x), median TTFT " \
+           "1.05x (1.50x), CPU 60 us per token (90)" in sbs.render(meta, an)
+    assert "the tokens bunch less) and the first tokens come sooner." in sbs.render(meta, an)

@@ -1,6 +1,7 @@
 """`kunserve serve --engine-url` over two real `vllm serve` engines started elsewhere (issue 37):
-answers token-identical to the engines' own, a hung engine (SIGSTOP) is retried around after
---first-byte-timeout and tripped, a killed one is failed over and never restarted by the front end."""
+answers token-identical to the engines' own, two front ends on one port (--reuse-port) both relay,
+a hung engine (SIGSTOP) is retried around after --first-byte-timeout and tripped, a killed one is
+failed over and never restarted by the front end."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ ARGS = ["--dtype", "float32", "--block-size", "32", "--kv-cache-memory-bytes", s
 PROMPTS = [f"attached {i}: the router fronts {i * 3} engines and" for i in range(4)]
 
 
-def attach_front(model, engines: list[VllmServer], tmp_path, *extra: str, kcfg: dict | None = None) -> KunserveCluster:
+def attach_front(model, engines: list[VllmServer], tmp_path, *extra: str, kcfg: dict | None = None,
+                 port: int = 0, log: str = "front.log") -> KunserveCluster:
     """A started ``kunserve serve --engine-url`` front end over ``engines``, polling every 0.25 s."""
-    front = KunserveCluster(str(model), [], kcfg, log_path=tmp_path / "front.log", instances=len(engines),
-                            startup_timeout_s=120,
+    front = KunserveCluster(str(model), [], kcfg, log_path=tmp_path / log, instances=len(engines),
+                            startup_timeout_s=120, port=port,
                             extra=[*(x for e in engines for x in ("--engine-url", e.url)), "--monitor-interval", "0.25",
                                    *extra])
     front.start()
@@ -36,9 +38,30 @@ def test_attached_real_engines_hung_and_killed(tiny_model, tmp_path):
     engines = [VllmServer(str(tiny_model), ARGS, log_path=tmp_path / f"engine{i}.log", startup_timeout_s=400)
                for i in range(2)]
     start_all(engines)
-    front = stopped = None
+    front = replica = stopped = None
     try:
-        front = attach_front(tiny_model, engines, tmp_path, "--dispatch", "round-robin", "--first-byte-timeout", "3")
+        flags = ("--dispatch", "round-robin", "--first-byte-timeout", "3", "--reuse-port")
+        front = attach_front(tiny_model, engines, tmp_path, *flags)
+        replica = attach_front(tiny_model, engines, tmp_path, *flags, port=front.port, log="replica.log")
+        t0 = time.monotonic()
+        while "[kunserve] serving" not in replica.log_path.read_text():   # /health: either one may answer
+            assert time.monotonic() - t0 < 120, replica.log_path.read_text()[-2000:]
+            time.sleep(0.2)
+
+        async def shared() -> tuple[list, list[int]]:
+            """Each request on a connection of its own, kept open: the kernel spreads the connections over
+            the two front ends, and each answers the requests of those it accepted (16 whole answers,
+            whose connections stay open, then 8 streams, which a client may close at [DONE])."""
+            sessions = [aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) for _ in range(24)]
+            try:
+                out = [await complete(s, front.url, PROMPTS[k % len(PROMPTS)], max_tokens=24, stream=k >= 16)
+                       for k, s in enumerate(sessions)]
+                return out, [accepted(f) for f in (front, replica)]
+            finally:
+                for s in sessions:
+                    await s.close()
+        both, held = asyncio.run(shared())
+        replica.stop()   # from here one front end on the port
 
         async def go():
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
@@ -62,13 +85,16 @@ def test_attached_real_engines_hung_and_killed(tiny_model, tmp_path):
     finally:
         if stopped is not None:
             os.kill(stopped, signal.SIGCONT)
-        if front is not None:
-            front.stop()
+        for f in (replica, front):
+            if f is not None:
+                f.stop()
         for e in engines:
             e.stop()
     ref = [a.token_ids for a in direct]
     assert all(len(r) == 24 for r in ref)
     assert [a.token_ids for a in via] == ref
+    assert [a.token_ids for a in both] == [ref[k % len(PROMPTS)] for k in range(24)]
+    assert sum(held) >= 16 and all(held), held   # both front ends on the port answered some of them
     # every streamed request while engine 1 hung was answered by engine 0; the ones sent to engine 1
     # first waited one --first-byte-timeout, and engine 1's breaker opened after three
     assert [a.token_ids for a in hung] == ref and all(a.error is None for a in hung)
@@ -78,6 +104,14 @@ def test_attached_real_engines_hung_and_killed(tiny_model, tmp_path):
     assert [a.token_ids for a in killed] == ref and all(a.status == 200 and a.error is None for a in killed)
     # attached: the front end never restarts what it did not start
     assert st["instances"][0]["restarts"] == 0
+
+
+def accepted(front: KunserveCluster) -> int:
+    """The client connections a front end's process holds open on its port."""
+    import psutil
+
+    return sum(1 for c in psutil.Process(front._proc.proc.pid).net_connections("tcp")
+               if c.status == psutil.CONN_ESTABLISHED and c.laddr and c.laddr.port == front.port)
 
 
 def engine_core_pid(server: VllmServer) -> int:

@@ -3,11 +3,14 @@
     kunserve serve MODEL [--instances N] [--backend local|ray] [--host 127.0.0.1] [--port 8000]
                          [--dispatch least-work|least-load|round-robin|mell|cache-aware]
                          [--kunserve-config JSON|FILE] [any vLLM engine argument ...]
-    kunserve serve MODEL --engine-url URL [--engine-url URL ...] [--engine-control-url URL ...]
+    kunserve serve MODEL --engine-url URL [--engine-url URL ...] [--engine-control-url URL ...] [--reuse-port]
 
 With ``--engine-url`` kunserve starts no engine: it fronts engines started elsewhere (a
 deployment's pods), watches their ``/health``, and a dead one rejoins when it answers again; it
-cannot kill or restart them. MODEL is what they serve (the front end's tokenizer).
+cannot kill or restart them. MODEL is what they serve (the front end's tokenizer). With
+``--reuse-port`` several such front ends over the same engines listen on one port, and the kernel
+spreads the connections over them, as replicas of a router are run: on cores the engines keep busy
+one front end's single event loop reads its streams late (``docs/benchmarks/cluster.md``).
 
 Everything this command does not know is a vLLM engine argument, checked by vLLM's own ``vllm
 serve`` parser before any engine starts and passed to every engine. With ``--kunserve-config``
@@ -59,6 +62,11 @@ def _options() -> argparse.ArgumentParser:
                         "kunserve starts none, --instances is their count, the engine arguments are not used")
     p.add_argument("--engine-control-url", action="append", default=[], metavar="URL",
                    help="with --engine-url, in the same order: a kunserve engine's control port (stock engines: omit)")
+    p.add_argument("--reuse-port", action="store_true",
+                   help="with --engine-url: other kunserve serve front ends over the same engines may listen on this "
+                        "port too (SO_REUSEPORT: the kernel spreads new connections over them; same user only); each "
+                        "keeps its own dispatch view, breakers and /metrics. Not with --kunserve-config: one front "
+                        "end forms the groups")
     p.add_argument("--ray-address", default=None, help="Ray cluster address; unset: start a local Ray")
     p.add_argument("--ray-num-cpus", type=float, default=1.0, help="CPUs each engine's actor reserves")
     p.add_argument("--host", default="127.0.0.1", help="front end address")
@@ -124,6 +132,12 @@ def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
     opts, engine_args = _options().parse_known_args(args.rest)
     if opts.engine_control_url and not opts.engine_url:
         raise ValueError("--engine-control-url needs --engine-url (the engines it belongs to)")
+    if opts.reuse_port and not opts.engine_url:
+        raise ValueError("--reuse-port needs --engine-url: front ends sharing a port front the same engines, "
+                         "started elsewhere (each kunserve serve without it starts engines of its own)")
+    if opts.reuse_port and opts.kunserve_config is not None:
+        raise ValueError("--reuse-port with --kunserve-config: cluster drop needs one front end that sees every "
+                         "request to form groups; run one front end (drop --reuse-port) or stock engines")
     if opts.engine_url:
         from vllm_kunserve.cluster.fleet.backends import ATTACH
 
@@ -298,10 +312,11 @@ def attach_line(fleet, drop_on: bool) -> str:
     return f"[kunserve] attached engines: {'; '.join(parts)}.{tail}"
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
+def listen_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """The front end's listening socket, bound now: before any engine starts, so that a port in
     use fails at once with a clear error, and no engine's own ports (vLLM picks free ones while
-    it starts, which takes tens of seconds) can take it meanwhile. uvicorn serves on it."""
+    it starts, which takes tens of seconds) can take it meanwhile. uvicorn serves on it.
+    ``reuse_port``: other sockets of this user bound with it share the port (``SO_REUSEPORT``)."""
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                           flags=socket.AI_PASSIVE)[0]
@@ -309,6 +324,8 @@ def listen_socket(host: str, port: int) -> socket.socket:
         raise ValueError(f"--host {host}: {exc}") from exc
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds its own
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind(addr)
     except OSError as exc:
@@ -326,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
     from vllm_kunserve.cluster.fleet.launcher import StartupExited
 
     opts, engine_args = parse(args)
-    sock = listen_socket(opts.host, opts.port)
+    sock = listen_socket(opts.host, opts.port, opts.reuse_port)
     try:
         engine_ns = check_engine_args(args.model, engine_args)
         import psutil
