@@ -272,3 +272,42 @@ def test_start_all_starts_servers_together_and_stops_them_all_on_a_failure():
     with pytest.raises(StartupExited, match="engine 1 exited"):
         start_all(fleet)
     assert all(f.stopped for f in fleet)
+
+
+def test_a_server_sharing_its_port_is_ready_by_its_own_log_not_anothers_health(tmp_path):
+    """``kunserve serve --reuse-port``: another front end on the port answers /health at once, so a
+    starting one counts as ready only when its own log says it serves (``KunserveCluster.ready_line``)."""
+    import http.server
+    import threading
+
+    from vllm_kunserve.cluster.fleet.launcher import SERVING_LINE, KunserveCluster, LaunchPlan, ServerProcess
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)   # the front end already on the port
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    port = other.server_address[1]
+    # the line comes from the environment: the log's first line is the command, which must not hold it
+    script = "import os, time; time.sleep(1.5); print(os.environ['LINE'], '2 instance(s)', flush=True); time.sleep(60)"
+    try:
+        for says in (None, SERVING_LINE):
+            log = tmp_path / f"{says is None}.log"
+            p = ServerProcess(LaunchPlan([sys.executable, "-c", script], {"LINE": SERVING_LINE}), "127.0.0.1", port,
+                              log).start()
+            try:
+                p.wait_ready(30, says)
+                assert (SERVING_LINE in log.read_text()) == (says is not None)
+            finally:
+                p.stop(grace_s=2)
+        quiet = ServerProcess(LaunchPlan([sys.executable, "-c", "import sys; sys.exit(3)"], {}), "127.0.0.1", port,
+                              tmp_path / "quiet.log").start()
+        with pytest.raises(RuntimeError, match="exited with code 3"):   # it never said it serves
+            quiet.wait_ready(30, SERVING_LINE)
+    finally:
+        other.shutdown()
+    assert KunserveCluster("m").ready_line == SERVING_LINE and VllmServer("m").ready_line is None

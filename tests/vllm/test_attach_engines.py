@@ -43,10 +43,6 @@ def test_attached_real_engines_hung_and_killed(tiny_model, tmp_path):
         flags = ("--dispatch", "round-robin", "--first-byte-timeout", "3", "--reuse-port")
         front = attach_front(tiny_model, engines, tmp_path, *flags)
         replica = attach_front(tiny_model, engines, tmp_path, *flags, port=front.port, log="replica.log")
-        t0 = time.monotonic()
-        while "[kunserve] serving" not in replica.log_path.read_text():   # /health: either one may answer
-            assert time.monotonic() - t0 < 120, replica.log_path.read_text()[-2000:]
-            time.sleep(0.2)
 
         async def shared() -> tuple[list, list[int]]:
             """Each request on a connection of its own, kept open: the kernel spreads the connections over

@@ -340,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from vllm_kunserve.cluster.frontend.app import build_app
-    from vllm_kunserve.cluster.fleet.launcher import StartupExited
+    from vllm_kunserve.cluster.fleet.launcher import SERVING_LINE, StartupExited
 
     opts, engine_args = parse(args)
     sock = listen_socket(opts.host, opts.port, opts.reuse_port)
@@ -386,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
             app = build_app(front)
             config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning", timeout_keep_alive=30)
             server = uvicorn.Server(config)
-            print(f"[kunserve] serving {opts.instances} instance(s) at http://{opts.host}:{opts.port} "
+            print(f"{SERVING_LINE} {opts.instances} instance(s) at http://{opts.host}:{opts.port} "
                   f"(dispatch {opts.dispatch}; status: kunserve status --url http://{opts.host}:{opts.port})",
                   flush=True)
             server.run(sockets=[sock])

@@ -179,6 +179,10 @@ class StartupExited(RuntimeError):
         return f"{who} failed to start: {err} (log: {self.log_path})"
 
 
+#: what ``kunserve serve`` prints once its front end is about to serve (its port bound, its engines up)
+SERVING_LINE = "[kunserve] serving"
+
+
 class ServerProcess:
     def __init__(self, plan: LaunchPlan, host: str, port: int, log_path: Path):
         self.plan, self.host, self.port, self.log_path = plan, host, port, log_path
@@ -203,9 +207,11 @@ class ServerProcess:
                                      start_new_session=True)
         return self
 
-    def wait_ready(self, timeout_s: float = 600.0) -> float:
-        """Block until /health answers 200; return the seconds it took. Raises RuntimeError if the
-        process exits or the timeout passes (with the log's tail)."""
+    def wait_ready(self, timeout_s: float = 600.0, says: str | None = None) -> float:
+        """Block until /health answers 200 (and, with ``says``, this process's log holds that line:
+        another server on the port, ``kunserve serve --reuse-port``, may answer the health check);
+        return the seconds it took. Raises RuntimeError if the process exits or the timeout passes
+        (with the log's tail)."""
         assert self.proc is not None
         t0 = time.monotonic()
         url = f"{self.endpoint}/health"
@@ -216,7 +222,7 @@ class ServerProcess:
                                    f"log {self.log_path}:\n{log_excerpt(self.log_path)}", self.log_path)
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
+                    if r.status == 200 and (says is None or says in self.log_path.read_text(errors="replace")):
                         return time.monotonic() - t0
             except (urllib.error.URLError, OSError):
                 pass
@@ -282,6 +288,8 @@ class VllmServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    ready_line = None   # a line the server's own log must hold before it counts as ready
+
     def plan(self) -> LaunchPlan:
         """``vllm serve``, at the niceness ``KUNSERVE_ENGINE_NICE`` asks for (as ``kunserve serve``
         starts its engines)."""
@@ -294,7 +302,7 @@ class VllmServer:
         if self.log_path is None:
             self.log_path = Path(tempfile.gettempdir()) / f"vllm-serve-{self.port}-{os.getpid()}.log"
         self._proc = ServerProcess(self.plan(), self.host, self.port, Path(self.log_path)).start()
-        self._proc.wait_ready(self.startup_timeout_s)
+        self._proc.wait_ready(self.startup_timeout_s, self.ready_line)
         return self
 
     def stop(self) -> int | None:
@@ -330,6 +338,7 @@ class KunserveCluster(VllmServer):
     dispatch: str | None = None
     backend: str = "local"
     extra: list[str] = field(default_factory=list)   # front-end options (e.g. --monitor-interval)
+    ready_line = SERVING_LINE   # its own, not another front end's on the port (--reuse-port)
 
     def plan(self) -> LaunchPlan:
         return LaunchPlan(cluster_argv(self.model, self.host, self.port, self.instances, self.args,
