@@ -64,6 +64,12 @@ class DropConfig:
         lo=0.0, hi=60.0)
     max_group_size: int = _opt(
         8, "Largest pipeline group the planner may form (instances per group).", lo=1, hi=4096)
+    regroup: bool = _opt(
+        False, "Let a drop merge live groups into a larger one (two groups of 2 into a group of 4) when merging lone "
+        "instances cannot free enough. The merged groups' members take their dropped layers back from their host "
+        "copies and recompute their requests (the KV of a request is spread over its group's members, and moves "
+        "between groups only by recomputation), then the larger group forms as from lone instances; a failure "
+        "leaves the members serving alone, no request lost. Off: a live group stays as it is until restored.")
     check_interval_s: float = _opt(0.5, "Monitor period in seconds.", lo=0.01, hi=60.0, lo_open=False)
     transition: str = _opt(
         "kv", "How ongoing requests cross into a group: kv (their KV of the layers changing hands moves to the "

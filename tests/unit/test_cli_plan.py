@@ -36,6 +36,19 @@ def test_plan_drop(tmp_path, capsys):
     assert len(plan["merges"]) == 3
 
 
+def test_plan_drop_merges_a_live_group_further_only_with_drop_regroup(tmp_path, capsys):
+    insts = [{"instance_id": i, "kv_blocks_total": 1000, "kv_blocks_used": 1000, "queued_blocks": 900,
+              **({"layer_start": 4 * i, "layer_end": 4 * i + 4} if i < 2 else {})} for i in range(4)]
+    inp = {"cluster": {"model": MODEL, "instances": insts, "groups": [[0, 1], [2], [3]]},
+           "config": {"drop": {"headroom_ratio": 0.0, "forecast_horizon_s": 0.0}}}
+    plan = run_json(capsys, ["plan", "drop", write(tmp_path, "d.json", inp)])["plan"]
+    assert plan["merges"] == [[[2], [3]]] and plan["unchanged_groups"] == [[0, 1]] and not plan["satisfied"]
+    inp["config"]["drop"]["regroup"] = True
+    plan = run_json(capsys, ["plan", "drop", write(tmp_path, "d.json", inp)])["plan"]
+    assert plan["merges"] == [[[2], [3]], [[0, 1], [2, 3]]] and plan["unchanged_groups"] == []
+    assert [sorted(g["instances"]) for g in plan["groups"]] == [[0, 1, 2, 3]]
+
+
 def test_plan_drop_from_stdin(monkeypatch, capsys):
     inp = {"cluster": {"model": MODEL, "instances": [{"instance_id": 0, "kv_blocks_total": 10, "kv_blocks_used": 1}]}}
     monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps(inp)))

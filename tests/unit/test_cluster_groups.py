@@ -263,3 +263,65 @@ def test_an_engine_that_dies_mid_operation_is_a_group_error_not_a_crash():
     gc2.front.session = None
     with pytest.raises(GroupOpError, match="instance 0 group_join: no answer .*Connection refused"):
         asyncio.run(gc2._op(0, "group_join", {}, 1.0))
+
+
+def test_a_regroup_dissolves_whole_live_groups_then_forms_the_larger_one():
+    """Two live groups merged into one of four: every member of both abandons its group first (its
+    layers back from the host copies, its requests recomputed), then all four join with quarter
+    stages; a group taken in only in part is refused before anything is asked of an engine."""
+    front, gc, calls = _controller(4)
+    asyncio.run(gc.form([0, 1]))
+    asyncio.run(gc.form([2, 3]))
+    calls.clear()
+    with pytest.raises(GroupOpError, match="only whole"):
+        asyncio.run(gc.form([1, 2]))
+    assert calls == []
+    ev = asyncio.run(gc.form([0, 1, 2, 3]))
+    steps = [(name, b.get("step")) for i, name, b in calls]
+    assert steps[:4] == [("group_leave", "abandon")] * 4 and steps[4:] == [("group_join", None)] * 4
+    assert all(b["reason"] == "regroup into [0, 1, 2, 3]" for i, name, b in calls[:4])
+    assert ev["stages"] == {"0": [0, 2], "1": [2, 4], "2": [4, 6], "3": [6, 8]}
+    (regroup,) = [e for e in front.events if e["event"] == "group_regroup"]
+    assert regroup["outcome"] == "ok" and regroup["members"] == [[0, 1], [2, 3]] and regroup["groups"] == [1, 2]
+    assert [(g["members"], g["state"]) for g in gc.view()] == [([0, 1, 2, 3], "grouped")]
+    assert gc.m_ops.labels("regroup", "ok")._value.get() == 1
+
+
+def test_a_regroup_whose_abandon_fails_stops_there_and_is_not_retried():
+    """A member that cannot abandon its group is not at its base: the larger group is not formed
+    (nor retried by re-prefill); the old groups are gone from the controller, the members that did
+    abandon serve alone and the one that failed is left to the orphan rule."""
+    front, gc, calls = _controller(4, fail=lambda i, name, b: name == "group_leave" and i == 2)
+    asyncio.run(gc.form([0, 1]))
+    asyncio.run(gc.form([2, 3]))
+    calls.clear()
+    with pytest.raises(GroupOpError, match="regroup into"):
+        asyncio.run(gc.form([0, 1, 2, 3]))
+    assert [name for i, name, b in calls] == ["group_leave"] * 4   # no join, no re-prefill retry
+    assert gc.view() == [] and not gc.busy
+    (regroup,) = [e for e in front.events if e["event"] == "group_regroup"]
+    assert regroup["outcome"] == "failed" and list(regroup["errors"]) == [2]
+    front.states[2]["phase"] = "grouped"   # what the engine that failed still says: told to abandon next period
+    calls.clear()
+    asyncio.run(gc.on_poll({}))
+    assert [(i, b["step"]) for i, name, b in calls if name == "group_leave"] == [(2, "abandon")]
+
+
+def test_the_monitor_regroups_live_groups_only_with_drop_regroup():
+    """Demand beyond what two pairs hold: with ``drop.regroup`` the monitor's plan merges them into one
+    group of four, which the controller forms by dissolving both; without it nothing is asked."""
+    for regroup in (False, True):
+        cfg = {"drop": {"trigger_ratio": 0.9, "forecast_horizon_s": 0.0, "regroup": regroup}}
+        front, gc, calls = _controller(4, cfg)
+        asyncio.run(gc.form([0, 1]))
+        asyncio.run(gc.form([2, 3]))
+        calls.clear()
+        for s in front.states.values():
+            s["capacity"]["blocks_total"] = 130
+            s["blocks"].update(used=130, queued=60)
+        asyncio.run(gc.on_poll({}))
+        if not regroup:
+            assert calls == [] and not gc.last["plan"]["groups"]
+            continue
+        assert [name for i, name, b in calls] == ["group_leave"] * 4 + ["group_join"] * 4
+        assert [(g["members"], g["state"], g["reason"]) for g in gc.view()] == [([0, 1, 2, 3], "grouped", "overload")]

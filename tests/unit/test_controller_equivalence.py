@@ -57,15 +57,20 @@ STEPS = [
 ]
 
 
-def snapshot(now, load, groups, sick, awaiting=()) -> ClusterSnapshot:
+def snapshot(now, load, groups, sick, awaiting=(), cap=MAX) -> ClusterSnapshot:
+    """The recorded snapshot; ``groups`` in pipeline order (stage 0 first; the snapshot lists each
+    group's members sorted, as the fleet does); a member of a G-group holds its base plus its share
+    of the freed copies (the copy spread over G members: 48 blocks a layer), up to ``cap``."""
     held = {i: r for g in groups for i, r in zip(g, balanced_stages(L, len(g)))}
+    size = {i: len(g) for g in groups for i in g}
     insts = tuple(InstanceSnapshot(
-        i, MAX if i in held else BASE, used, queued, *(held.get(i) or (0, 0)), healthy=i not in sick,
-        kv_blocks_base=BASE, prompt_tokens=10 * used, output_tokens=30 * used, kv_blocks_max=MAX,
+        i, min(cap, BASE + 48 * L * (size[i] - 1) // size[i]) if i in held else BASE, used, queued,
+        *(held.get(i) or (0, 0)), healthy=i not in sick,
+        kv_blocks_base=BASE, prompt_tokens=10 * used, output_tokens=30 * used, kv_blocks_max=cap,
         awaiting_first_token=(awaiting or (0,) * N)[i])
         for i, (used, queued) in enumerate(load))
     alone = [(i,) for i in range(N) if i not in held]
-    return ClusterSnapshot(MODEL, insts, tuple(groups) + tuple(alone), now_s=now)
+    return ClusterSnapshot(MODEL, insts, tuple(tuple(sorted(g)) for g in groups) + tuple(alone), now_s=now)
 
 
 class FakePorts:
@@ -120,7 +125,7 @@ def recorded(monkeypatch, module) -> list:
     return ticks
 
 
-def drive(monkeypatch, steps, cfg: dict = CFG):
+def drive(monkeypatch, steps, cfg: dict = CFG, cap: int = MAX):
     """Feed ``steps`` ((now, load, groups, sick, expected action[, awaiting first token per
     instance])) to the fleet's controller and the simulator's policy; assert, step by step, that
     they decide the same and that the fleet's operations are that decision's. Returns (the fleet's
@@ -140,7 +145,7 @@ def drive(monkeypatch, steps, cfg: dict = CFG):
     actions, finishes = [], {}
     for now, load, groups, sick, expected, *rest in steps:
         awaiting = rest[0] if rest else ()
-        snap = snapshot(now, load, groups, sick, awaiting)
+        snap = snapshot(now, load, groups, sick, awaiting, cap)
         # the fleet: what it relays to each engine, in its own book (no first token: not started)
         front.book = FlightBook()
         for i, n in enumerate(awaiting):
@@ -250,3 +255,33 @@ def test_a_drop_never_waits_while_the_kv_is_short(monkeypatch):
     rep = fleet_ticks[-1][1].overload
     assert rep.demand_blocks < rep.capacity_blocks and rep.instances[0].ratio > 1.0
     assert not fleet_ticks[-1][1].deferred
+
+
+# with drop.regroup a drop may merge the live group (0, 1) further: its members abandon it (their
+# requests recomputed) and one group of four forms; each engine's KV can reach 400 blocks here
+REGROUP_CFG = {**CFG, "drop": {**CFG["drop"], "regroup": True}}
+REGROUP_STEPS = [
+    (0.0, [(40, 0)] * 4, [], (), "none"),
+    (0.5, [(90, 0), (90, 0), (40, 0), (40, 0)], [], (), "drop"),                        # forms (0, 1)
+    (1.0, [(290, 100), (290, 100), (100, 200), (100, 200)], [(0, 1)], (), "drop"),     # (2, 3) is not enough
+    (1.5, [(150, 0)] * 4, [(0, 2, 3, 1)], (), "none"),   # the plan's order: each keeps what it held where it can
+]
+
+
+@pytest.mark.parametrize("regroup", [False, True])
+def test_a_live_group_is_merged_further_only_with_regroup_alike_in_the_fleet_and_the_simulator(monkeypatch, regroup):
+    # without regroup the cluster stays overloaded with nothing left to merge: a drop decision that forms nothing
+    steps = REGROUP_STEPS if regroup else [*REGROUP_STEPS[:3], (1.5, [(290, 0)] * 4, [(0, 1), (2, 3)], (), "drop")]
+    fleet_ticks, front, gc, _ = drive(monkeypatch, steps, REGROUP_CFG if regroup else CFG, cap=400)
+    dec = fleet_ticks[2][1]
+    if not regroup:   # only the lone instances merge; the plan falls short
+        assert [g.instances for g in dec.drop.groups] == [(2, 3)] and dec.drop.unchanged == ((0, 1),)
+        assert not dec.drop.satisfied and not fleet_ticks[3][1].drop.groups
+        assert [(g["members"], g["state"]) for g in gc.view()] == [([0, 1], "grouped"), ([2, 3], "grouped")]
+        return
+    assert [sorted(g.instances) for g in dec.drop.groups] == [[0, 1, 2, 3]]
+    assert dec.drop.merges == (((2,), (3,)), ((0, 1), (2, 3)))
+    # the fleet dissolved (0, 1) first (each member abandons: host copies, requests recomputed), then joined
+    regroup_ev = next(info for kind, info in front.events if kind == "group_regroup")
+    assert regroup_ev["outcome"] == "ok" and regroup_ev["members"] == [[0, 1]] and regroup_ev["into"] == [0, 1, 2, 3]
+    assert [(g["members"], g["state"]) for g in gc.view()] == [([0, 1, 2, 3], "grouped")]

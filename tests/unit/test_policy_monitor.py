@@ -1,5 +1,7 @@
 """The overload monitor (``policy.monitor``): demand history, drop, restore after the hold."""
 
+from dataclasses import replace
+
 import pytest
 
 from vllm_kunserve.config import DropConfig, RestoreConfig
@@ -86,8 +88,8 @@ def test_the_decode_share_spans_the_monitors_recent_readings():
 
 
 def test_a_drop_merges_lone_instances_only_unless_regroup():
-    """The fleet cannot re-form a live group: by default the plan leaves it as it is and merges lone
-    instances; ``regroup=True`` (the paper's Fig. 6) merges it further."""
+    """By default the plan leaves a live group as it is and merges lone instances; ``drop.regroup``
+    (or ``regroup=True``) merges it further."""
     insts = (InstanceSnapshot(0, 1200, 1200, 300, 0, 2), InstanceSnapshot(1, 1200, 1200, 300, 2, 4),
              InstanceSnapshot(2, 1000, 1000, 300), InstanceSnapshot(3, 1000, 1000, 300))
     snap = ClusterSnapshot(MODEL, insts, ((0, 1), (2,), (3,)), now_s=1.0)
@@ -96,3 +98,5 @@ def test_a_drop_merges_lone_instances_only_unless_regroup():
     assert dec.drop.unchanged == ((0, 1),) and not dec.drop.satisfied
     dec, _ = monitor_tick(snap, MonitorState(), DROP, RESTORE, regroup=True)
     assert [sorted(g.instances) for g in dec.drop.groups] == [[0, 1, 2, 3]]
+    dec2, _ = monitor_tick(snap, MonitorState(), replace(DROP, regroup=True), RESTORE)
+    assert dec2.drop == dec.drop

@@ -326,6 +326,54 @@ def test_restore_while_requests_stream_keeps_every_token(forced):
     assert ("group_leave", "ok") in events and ("group_abandon", "ok") not in events, events
 
 
+def test_two_live_pairs_regroup_into_four_while_requests_stream(forced):
+    """Regrouping (``drop.regroup``'s mechanism, forced here): two live pairs are merged into one
+    group of four while requests stream. Each pair's members abandon it (layers back from the host
+    copies, their requests recomputed), then the four join; every stream completes token-identical,
+    the four run quarter stages, and the group restores to four lone engines."""
+    url, n = forced.url, forced.n
+    if n != 4:
+        pytest.skip("a regroup needs two live groups: the 4-engine fleet")
+
+    async def go():
+        timeout = aiohttp.ClientTimeout(total=900)
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
+            base = await _wait_split(s, url, timeout=300)   # an earlier test's group (or its restart) settled
+            refs = await _refs(s, forced)
+            for pair in ([0, 1], [2, 3]):
+                code, ev = await op(s, url, "drop", {"instances": pair})
+                assert code == 200, ev
+            pairs = await status(s, url)
+            answers, (code, ev) = await _burst_with(s, url, lambda: op(s, url, "drop", {"instances": [0, 1, 2, 3]}))
+            grouped = await status(s, url)
+            rcode, _ = await op(s, url, "restore", {})
+            split = await _wait_split(s, url)
+            return base, refs, pairs, answers, code, ev, grouped, rcode, split
+    base, refs, pairs, answers, code, ev, grouped, rcode, split = asyncio.run(go())
+    assert sorted(g["members"] for g in pairs["groups"]) == [[0, 1], [2, 3]]
+    assert code == 200, ev
+    assert ev["members"] == [0, 1, 2, 3] and ev["regrouped"] == [[0, 1], [2, 3]], ev
+    assert all(a.status == 200 and a.error is None for a in answers), [(a.status, a.error) for a in answers]
+    for i, a in enumerate(answers):
+        assert a.token_ids == refs[PROMPTS[i % len(PROMPTS)]], f"request {i} differs across the regroup"
+    regroup = next(e for e in grouped["events"] if e["event"] == "group_regroup")
+    assert regroup["outcome"] == "ok" and regroup["members"] == [[0, 1], [2, 3]], regroup
+    assert sum(regroup["recomputed"].values()) > 0, regroup   # the pairs' requests were running, recomputed
+    (g,) = grouped["groups"]
+    assert g["state"] == "grouped" and g["members"] == [0, 1, 2, 3]
+    pair_blocks = {i["instance"]: i["kv"]["capacity_blocks"] for i in pairs["instances"]}
+    for inst in grouped["instances"]:
+        eng = inst["kv"]["engine"]
+        lo, hi = g["stages"][str(inst["instance"])]
+        assert eng["phase"] == "grouped" and hi - lo == len(eng["layers"]) // 4
+        assert [x["state"] for x in eng["layers"]] == ["resident" if lo <= k < hi else "dropped"
+                                                        for k in range(len(eng["layers"]))]
+        assert inst["kv"]["capacity_blocks"] >= pair_blocks[inst["instance"]]
+    assert rcode == 200
+    assert ({i["instance"]: i["kv"]["capacity_blocks"] for i in split["instances"]}
+            == {i["instance"]: i["kv"]["capacity_blocks"] for i in base["instances"]})
+
+
 @pytest.mark.ray
 def test_ray_engines_group_on_their_host_token_identical(burst_model, tmp_path_factory):
     """`--backend ray` (local Ray) runs kunserve engines as actors: each reports its node's host, the

@@ -64,7 +64,8 @@ def plan_drop(d: dict) -> dict:
     report = assess_overload(cluster, cfg)
     need = get(d, "need_bytes", float, "", report.need_bytes, lo=0.0)
     out = {"overload": report.to_dict()}
-    out["plan"] = _plan(cluster, need, cfg.max_group_size).to_dict() if need > 0 else None
+    # live groups merge further only with drop.regroup, as in the fleet
+    out["plan"] = _plan(cluster, need, cfg.max_group_size, regroup=cfg.regroup).to_dict() if need > 0 else None
     return out
 
 

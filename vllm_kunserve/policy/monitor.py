@@ -24,10 +24,12 @@ Where the fleet and the simulator used to decide differently (issue 35), what wa
 * A drop restarts the restore hold: demand that was over the trigger has not stayed below the
   restore threshold, and a group just formed must wait ``restore.hold_s`` before it may split (the
   fleet kept the clock of before the drop).
-* Live groups are not merged further unless ``regroup=True``: the fleet cannot re-form a live group,
-  and it used to plan with them and skip the plan's groups that touched one, so a plan counted bytes
-  it never freed and merged no lone instances instead. The simulator follows the fleet by default
-  (the paper's Fig. 6 regrouping stays available to it as ``regroup=True``).
+* Live groups are merged further only with ``drop.regroup`` (or ``regroup=True``): the fleet re-forms
+  a live group by recomputing its members' requests (``cluster.control.groups``), a cost the paper's
+  Fig. 6 regrouping does not have, so it is the operator's choice. (Before, the fleet planned with
+  live groups and skipped the plan's groups that touched one, so a plan counted bytes it never freed
+  and merged no lone instances instead.) The simulator follows the same setting and times a
+  regroup as the fleet carries it out.
 * The history is a time window (``history_s``, 20 s; the request-mix readings keep at least
   ``drop.decode_share_window_s``), not a sample count (the fleet kept 256 samples): the forecast
   reads 10 s of it, so any window of at least that decides the same at every monitor period.
@@ -72,11 +74,11 @@ def record_demand(history: tuple[tuple[float, float], ...], now_s: float, demand
 
 def monitor_tick(cluster: ClusterSnapshot, state: MonitorState = MonitorState(), drop: DropConfig = DropConfig(),
                  restore: RestoreConfig = RestoreConfig(), *, history_s: float = 20.0,
-                 allow_restore: bool = True, regroup: bool = False) -> tuple[MonitorDecision, MonitorState]:
+                 allow_restore: bool = True, regroup: bool | None = None) -> tuple[MonitorDecision, MonitorState]:
     """One monitor period over ``cluster`` (its demand and work histories are replaced by the state's).
 
     ``allow_restore=False`` never splits a group (the simulator's no-restore ablation);
-    ``regroup=True`` lets a drop merge live groups further (see the module docstring)."""
+    ``regroup`` (default ``drop.regroup``) lets a drop merge live groups further (see the module docstring)."""
     demand = float(sum(i.kv_blocks_used + i.queued_blocks for i in cluster.instances if i.healthy))
     history = record_demand(state.history, cluster.now_s, demand, history_s)
     past = tuple(w for w in state.work if w[0] >= cluster.now_s - max(history_s, drop.decode_share_window_s))
@@ -84,7 +86,8 @@ def monitor_tick(cluster: ClusterSnapshot, state: MonitorState = MonitorState(),
     work = (*past, snap.work_now())
     rep = assess_overload(snap, drop)
     if rep.overloaded and drop.enable:
-        plan = plan_drop(snap, rep.need_bytes, drop.max_group_size, regroup=regroup)
+        plan = plan_drop(snap, rep.need_bytes, drop.max_group_size,
+                         regroup=drop.regroup if regroup is None else regroup)
         why = deferral(snap, plan, rep, drop, state.deferred_since)
         if why:
             since = cluster.now_s if state.deferred_since is None else state.deferred_since

@@ -243,30 +243,37 @@ class Simulator:
 
     def transition(self, old: list[Server], new_groups: list[tuple[int, ...]],
                    layers: dict[int, tuple[int, int]],
-                   stall_s: float | Callable[[], float], kind: str) -> None:
+                   stall_s: float | Callable[[], float], kind: str, recompute: tuple = ()) -> None:
         """Replace ``old`` servers by servers over ``new_groups`` once every old one ends its step.
         ``stall_s`` (seconds the new servers wait before their first step) may be a callable,
-        evaluated at that moment (so transfers it starts begin when the transition happens)."""
+        evaluated at that moment (so transfers it starts begin when the transition happens).
+        The running requests of the old servers in ``recompute`` lose their KV (a regroup, as the
+        fleet carries it out) and queue to be computed again."""
         if self._pending is not None:
             return
         if any(s.frozen or not s.alive for s in old):
             return
         for s in old:
             s.frozen = True
-        self._pending = [old, new_groups, layers, stall_s, kind]
+        self._pending = [old, new_groups, layers, stall_s, kind, {id(s) for s in recompute}]
         self._maybe_transition()
 
     def _maybe_transition(self) -> None:
         if self._pending is None:
             return
-        old, groups, layers, stall, kind = self._pending
+        old, groups, layers, stall, kind, recompute = self._pending
         if any(s.inflight for s in old):
             return  # a step is still running; the last _step_done calls back here
         self._pending = None
         if callable(stall):
             stall = stall()
-        running = sorted((r for s in old for r in s.running), key=lambda r: r.arrival)
+        running = sorted((r for s in old if id(s) not in recompute for r in s.running), key=lambda r: r.arrival)
         waiting = [r for s in old for r in s.waiting]
+        recomputed = [r for s in old if id(s) in recompute for r in s.running]
+        for r in recomputed:
+            r.computed, r.blocks = 0, 0   # recomputed: queued with the waiting ones
+            r.preempts += 1
+            waiting.append(r)
         # the instance each request was on (a member's requests stay on it: member_queues)
         was_on = {id(r): s.instances[r.member if s.members else 0] for s in old for r in (*s.running, *s.waiting)}
         swapped = [r for r in waiting if r.swapped]
@@ -308,7 +315,7 @@ class Simulator:
             dst.waiting.append(r)
             r.server = dst
         self.log(kind, groups=[list(g) for g in groups], stall_s=round(stall, 6),
-                 moved_running=len(running), moved_waiting=len(waiting))
+                 moved_running=len(running), moved_waiting=len(waiting), recomputed=len(recomputed))
         for s in new:
             s.busy = False
             self.kick(s)

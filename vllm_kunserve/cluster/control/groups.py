@@ -9,7 +9,11 @@ out: every new group is formed by calling ``group_join`` on all its members at o
 barriers over their stage links, exchange the KV of the layers changing hands and resume as one
 pipeline); a split is ``group_leave`` ``begin``, which retires the blocks above each member's base
 (live ones drain as their requests finish), then ``finish``, which gives the layers back from the
-host copies and returns each peer's KV. Every step is an event with its inputs, decision, duration
+host copies and returns each peer's KV. With ``drop.regroup`` a plan may merge live groups into a
+larger one (and an operator's drop may name whole live groups with more instances): each merged
+group's members abandon it (layers back from the host copies, their requests recomputed: a request's
+KV is spread over its group and does not cross into another), then the larger group forms as from
+lone instances; where that fails the members serve alone, every request kept. Every step is an event with its inputs, decision, duration
 and bytes (``/kunserve/status``, logs, ``kunserve:`` metrics). When no plan frees enough, the engines keep
 vLLM's own KV-centric handling (queueing, preemption) for the rest and the shortfall is a metric.
 Operators can force both directions (``/kunserve/ops/drop``, ``/kunserve/ops/restore``).
@@ -36,6 +40,10 @@ logger = logging.getLogger("kunserve.groups")
 
 class GroupOpError(RuntimeError):
     pass
+
+
+class RegroupError(GroupOpError):
+    """A regroup's first step failed: not retried by re-prefill (a member is not at its base)."""
 
 
 @dataclass
@@ -167,13 +175,14 @@ class GroupController:
             if waiting_since is None:   # an event when a deferral starts
                 self.front.record("drop_deferred", reason=dec.deferred, ratio=round(report.ratio, 3),
                                   max_s=self.cfg.drop.defer_for_first_token_s)
-        if dec.action == "drop":  # live groups are not in the plan (no regroup): only lone instances merge
+        if dec.action == "drop":  # live groups are in the plan only with drop.regroup (form re-forms them)
             plan = dec.drop
             self.m_shortfall.set(max(0.0, plan.shortfall_bytes / snap.model.block_bytes))
             self.last["plan"] = plan.to_dict()
             for gp in plan.groups:
                 await self.form(list(gp.instances), reason="overload", inputs=report.to_dict(),
-                                decision=plan.to_dict())
+                                decision=plan.to_dict(),
+                                stages={st.instance_id: (st.layer_start, st.layer_end) for st in gp.stages})
             return
         self.m_shortfall.set(0)
         if dec.restore is None:
@@ -253,35 +262,49 @@ class GroupController:
         return dict(zip(members, await asyncio.gather(*(one(i) for i in members))))
 
     async def form(self, members: list[int], reason: str = "forced", inputs: dict | None = None,
-                   decision: dict | None = None, transition: str | None = None) -> dict:
-        """Form one group of ``members``. ``transition``: how ongoing requests cross over, ``kv``
+                   decision: dict | None = None, transition: str | None = None,
+                   stages: dict[int, tuple[int, int]] | None = None) -> dict:
+        """Form one group of ``members``, each holding its range of ``stages`` (the drop plan's;
+        default: balanced ranges in the members' order). ``transition``: how ongoing requests cross over, ``kv``
         (their KV of the layers changing hands moves, the default) or ``reprefill`` (they are
-        recomputed); a failed KV exchange is retried once by re-prefill."""
+        recomputed); a failed KV exchange is retried once by re-prefill. Members already in live
+        groups regroup: each such group must lie wholly inside ``members`` and is dissolved first
+        (:meth:`_dissolve`)."""
         transition = transition or self.cfg.drop.transition
         try:
-            return await self._form(members, reason, inputs, decision, transition)
-        except GroupOpError:
-            if transition != "kv":
+            return await self._form(members, reason, inputs, decision, transition, stages)
+        except GroupOpError as exc:
+            if transition != "kv" or isinstance(exc, RegroupError):
                 raise
             logger.warning("group of %s: KV exchange failed; forming by re-prefill instead", members)
-            return await self._form(members, reason + "+fallback", inputs, decision, "reprefill")
+            return await self._form(members, reason + "+fallback", inputs, decision, "reprefill", stages)
 
     async def _form(self, members: list[int], reason: str, inputs: dict | None, decision: dict | None,
-                    transition: str) -> dict:
+                    transition: str, stages: dict[int, tuple[int, int]] | None = None) -> dict:
         members = sorted(set(members))
         if len(members) < 2:
             raise GroupOpError("a group needs at least two instances")
+        old = []
         for i in members:
-            if self.group_of(i):
-                raise GroupOpError(f"instance {i} is already in group {self.group_of(i).gid}")
+            g = self.group_of(i)
+            if g is None or g in old:
+                continue
+            if g.state != "grouped" or not set(g.members) <= set(members):
+                raise GroupOpError(f"instance {i} is already in group {g.gid} ({g.state}, members {g.members}); "
+                                   f"a larger group may take in a grouped group only whole")
+            old.append(g)
         self.busy = True
         t0 = time.perf_counter()
         try:
+            if old:
+                await self._dissolve(old, members)
             states = await self._fresh_states(members)
             L = len(states[members[0]].layers)
             if len(members) > L:
                 raise GroupOpError(f"{len(members)} instances cannot share {L} layers")
-            ranges = dict(zip(members, balanced_stages(L, len(members))))
+            ranges = dict(stages) if stages else dict(zip(members, balanced_stages(L, len(members))))
+            if sorted(ranges) != members or sorted(x for lo, hi in ranges.values() for x in range(lo, hi)) != list(range(L)):
+                raise GroupOpError(f"stages {ranges} do not give each of {members} a share of the {L} layers")
             self._ids += 1
             g = Group(self._ids, members, ranges, reason=reason)
             self.groups.append(g)
@@ -313,7 +336,7 @@ class GroupController:
             g.state = "grouped"
             self.m_ops.labels("join", "ok").inc()
             ev = {"group": g.gid, "members": members, "stages": {str(i): list(r) for i, r in ranges.items()},
-                  "reason": reason, "transition": transition,
+                  "reason": reason, "transition": transition, "regrouped": [o.members for o in old] or None,
                   "recomputed": {str(i): o.get("recomputed", 0) for i, o in zip(members, outs)}, "ms": round((time.perf_counter() - t0) * 1e3, 1),
                   "bytes": sum(o.get("bytes", 0) for o in outs),
                   "blocks": {str(i): [o.get("blocks_before"), o.get("blocks_after")] for i, o in zip(members, outs)},
@@ -326,6 +349,30 @@ class GroupController:
             return ev
         finally:
             self.busy = False
+
+    async def _dissolve(self, old: list[Group], members: list[int]) -> None:
+        """The first step of a regroup: every member of the ``old`` groups abandons its group at
+        once (its dropped layers come back from the host copies, its requests are recomputed, its KV
+        shrinks to its base). Their requests stay where they are; the larger group then forms from
+        lone instances. A member whose abandon fails is left to the orphan rule of a later period
+        (it is grouped with no live group) and the regroup stops here: every member that abandoned
+        serves alone."""
+        t0 = time.perf_counter()
+        ids = [i for g in old for i in g.members]
+        why = f"regroup into {members}"
+        outs = await asyncio.gather(*(self._op(i, "group_leave", {"step": "abandon", "reason": why}, self.timeout_s)
+                                      for i in ids), return_exceptions=True)
+        for g in old:
+            g.state, g.reason = "split", why
+        failed = {i: repr(o) for i, o in zip(ids, outs) if isinstance(o, BaseException)}
+        outcome = "failed" if failed else "ok"
+        self.m_ops.labels("regroup", outcome).inc()
+        self.front.record("group_regroup", outcome=outcome, groups=[g.gid for g in old],
+                          members=[g.members for g in old], into=members,
+                          recomputed={str(i): o.get("recomputed", 0) for i, o in zip(ids, outs) if isinstance(o, dict)},
+                          ms=round((time.perf_counter() - t0) * 1e3, 1), errors=failed or None)
+        if failed:
+            raise RegroupError(f"regroup into {members}: {failed}")
 
     async def begin_leave(self, g: Group, reason: str = "forced", decision: dict | None = None) -> dict:
         outs = await asyncio.gather(*(self._op(i, "group_leave", {"step": "begin"}, self.timeout_s)

@@ -4,13 +4,17 @@ exchange KV instead of recomputing it, restore weights when demand falls.
 Every decision is the policy package's: ``policy.monitor.monitor_tick`` (demand history, then
 ``assess_overload`` and ``plan_drop`` or ``decide_restore``: hysteresis, hold time, no re-trigger),
 the controller the fleet runs (``cluster.control.groups``), and the lookahead microbatcher. Like the fleet, a
-drop merges lone instances only; ``regroup=True`` lets it merge live groups further (the paper's
-Fig. 6, which the fleet cannot carry out). The simulator only times the mechanisms:
+drop merges lone instances only unless ``drop.regroup`` (or ``regroup=True``) lets it merge live groups
+further. The simulator only times the mechanisms:
 
 * drop: weights are unmapped at once; every running request's KV for the layers an instance gives up
   moves to the new owner over the instance link. With coordinated exchange the group keeps running
   while KV streams in chunks sized to about one pipeline stage, so only the first chunk stalls it;
   without it the group waits for the whole exchange.
+* regroup (a live group merged into a larger one), as the fleet carries it out: the live group's
+  members load their dropped layers back from the host copies (PCIe) and its running requests lose
+  their KV and are computed again on the new group; lone instances in the merge exchange as above.
+  (The paper's Fig. 6 regroup keeps the KV; the fleet cannot, so the simulator does not either.)
 * restore: the group's capacity shrinks back at once (the decision guarantees its KV fits), the
   dropped layers load from a peer (link) or the host copy (PCIe) while the group keeps serving, and
   then the group splits; each request's KV gathers on one instance (again chunked, or a full stall).
@@ -30,7 +34,7 @@ class KunServePolicy(Policy):
 
     def __init__(self, config: KunServeConfig | None = None, dispatch: str = DEFAULT_DISPATCH,
                  lookahead: bool = True, exchange: bool = True, restore: bool = True,
-                 cost_model=None, history_s: float = 20.0, regroup: bool = False):
+                 cost_model=None, history_s: float = 20.0, regroup: bool | None = None):
         super().__init__(dispatch)
         self.cfg = config or KunServeConfig()
         self.tick_s = self.cfg.drop.check_interval_s
@@ -41,7 +45,7 @@ class KunServePolicy(Policy):
         self.cost_model = cost_model  # policy CostModel the microbatcher balances (None: from step time)
         self._cm_fitted = None
         self.history_s = history_s
-        self.regroup = regroup
+        self.regroup = self.cfg.drop.regroup if regroup is None else regroup
         self.mstate = MonitorState()
         self.microbatch = self._microbatch
 
@@ -77,25 +81,28 @@ class KunServePolicy(Policy):
         # KV exchange: each instance sends its requests' KV of the layers it gives up; it unmaps
         # the weights of the layers it drops (those it held before and does not keep)
         L = sim.cfg.model.layers
-        sends, unmapped = {}, {}
+        lb = sim.cfg.model.layer_bytes
+        regrouped = [s for s in old if s.k > 1]   # live groups merged further: dissolved, requests recomputed
+        sends, unmapped, reload = {}, {}, {}
         for s in old:
-            per_inst = s.used * sim.cfg.block_bytes / s.k
+            per_inst = s.used * sim.cfg.block_bytes / s.k if s.k == 1 else 0.0
             for i in s.instances:
                 lo, hi = layers[i]
                 sends[i] = per_inst * (1 - (hi - lo) / L)
-                plo, phi = sim.layer_range[i]
+                plo, phi = (0, L) if s.k > 1 else sim.layer_range[i]
+                reload[i] = (L - (sim.layer_range[i][1] - sim.layer_range[i][0])) * lb if s.k > 1 else 0.0
                 kept = max(0, min(hi, phi) - max(lo, plo))
-                unmapped[i] = (phi - plo - kept) * sim.cfg.model.layer_bytes
+                unmapped[i] = (phi - plo - kept) * lb
         send = max(sends.values(), default=0.0)
         k = max(len(g.instances) for g in changed)
 
         def stall() -> float:  # evaluated when the old servers have ended their steps
-            return (max(map(sim.unmap_time, unmapped.values()), default=0.0)
+            return (max(sim.cfg.pcie.time_s(reload[i]) + sim.unmap_time(unmapped[i]) for i in unmapped)
                     + self._exchange_stall(sim, sends, k))
 
-        sim.transition(old, [tuple(g.instances) for g in changed], layers, stall, "drop")
+        sim.transition(old, [tuple(g.instances) for g in changed], layers, stall, "drop", recompute=regrouped)
         sim.log("drop_plan", need_bytes=need_bytes, freed_bytes=plan.freed_bytes,
-                satisfied=plan.satisfied, exchange_bytes=send,
+                satisfied=plan.satisfied, exchange_bytes=send, regrouped=[list(s.instances) for s in regrouped],
                 unmap_bytes=max(unmapped.values(), default=0.0))
 
     def _exchange_stall(self, sim, sends: dict[int, float], k: int) -> float:
