@@ -69,7 +69,10 @@ class DropConfig:
         "instances cannot free enough. The merged groups' members take their dropped layers back from their host "
         "copies and recompute their requests (the KV of a request is spread over its group's members, and moves "
         "between groups only by recomputation), then the larger group forms as from lone instances; a failure "
-        "leaves the members serving alone, no request lost. Off: a live group stays as it is until restored.")
+        "leaves the members serving alone, no request lost. Off (the default): a live group stays as it is until "
+        "restored. Measured at paper scale in the simulator (docs/benchmarks/sim_regroup.md), the recomputation "
+        "costs far more than the larger group buys: regrouping happens under load, when the groups hold hundreds of "
+        "requests; turn it on only where groups hold few requests when demand grows further.")
     check_interval_s: float = _opt(0.5, "Monitor period in seconds.", lo=0.01, hi=60.0, lo_open=False)
     transition: str = _opt(
         "kv", "How ongoing requests cross into a group: kv (their KV of the layers changing hands moves to the "

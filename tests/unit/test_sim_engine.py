@@ -327,3 +327,10 @@ def test_kunserve_regroups_a_live_pair_only_with_drop_regroup_and_recomputes_its
     assert regroup["recomputed"] > 0 and all(e["recomputed"] == 0 for e in drops[True] if e is not regroup)
     plan = [e for e in out[True].events if e["kind"] == "drop_plan" and e["regrouped"]]
     assert [e["regrouped"] for e in plan] == [[[0, 1]]]
+    # the paper's regroup (no fleet counterpart): the pair's requests keep their KV
+    from vllm_kunserve.sim.policies.kunserve import KunServePolicy
+    keep = Simulator(make_cfg(kv_blocks=600), KunServePolicy(regroup=True, regroup_keeps_kv=True), trace).run()
+    assert all(r.finishes == 1 for r in keep.reqs) and max(p["max_group"] for p in keep.timeline) == 4
+    assert all(e["recomputed"] == 0 for e in keep.events if e["kind"] == "drop")
+    plans = [e for e in keep.events if e["kind"] == "drop_plan" and e["live_merged"]]
+    assert [e["live_merged"] for e in plans] == [[[0, 1]]] and all(not e["regrouped"] for e in plans)

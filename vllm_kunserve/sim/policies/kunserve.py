@@ -14,7 +14,9 @@ further. The simulator only times the mechanisms:
 * regroup (a live group merged into a larger one), as the fleet carries it out: the live group's
   members load their dropped layers back from the host copies (PCIe) and its running requests lose
   their KV and are computed again on the new group; lone instances in the merge exchange as above.
-  (The paper's Fig. 6 regroup keeps the KV; the fleet cannot, so the simulator does not either.)
+  The paper's Fig. 6 regroup keeps the KV (it moves to the members that hold its layers in the
+  larger group); the fleet cannot, so the simulator does not either, unless ``regroup_keeps_kv=True``
+  (what building that mechanism would buy; no fleet counterpart).
 * restore: the group's capacity shrinks back at once (the decision guarantees its KV fits), the
   dropped layers load from a peer (link) or the host copy (PCIe) while the group keeps serving, and
   then the group splits; each request's KV gathers on one instance (again chunked, or a full stall).
@@ -34,7 +36,8 @@ class KunServePolicy(Policy):
 
     def __init__(self, config: KunServeConfig | None = None, dispatch: str = DEFAULT_DISPATCH,
                  lookahead: bool = True, exchange: bool = True, restore: bool = True,
-                 cost_model=None, history_s: float = 20.0, regroup: bool | None = None):
+                 cost_model=None, history_s: float = 20.0, regroup: bool | None = None,
+                 regroup_keeps_kv: bool = False):
         super().__init__(dispatch)
         self.cfg = config or KunServeConfig()
         self.tick_s = self.cfg.drop.check_interval_s
@@ -46,6 +49,7 @@ class KunServePolicy(Policy):
         self._cm_fitted = None
         self.history_s = history_s
         self.regroup = self.cfg.drop.regroup if regroup is None else regroup
+        self.regroup_keeps_kv = regroup_keeps_kv
         self.mstate = MonitorState()
         self.microbatch = self._microbatch
 
@@ -82,15 +86,17 @@ class KunServePolicy(Policy):
         # the weights of the layers it drops (those it held before and does not keep)
         L = sim.cfg.model.layers
         lb = sim.cfg.model.layer_bytes
-        regrouped = [s for s in old if s.k > 1]   # live groups merged further: dissolved, requests recomputed
+        # live groups merged further: dissolved, requests recomputed (as the fleet does it)
+        regrouped = [s for s in old if s.k > 1 and not self.regroup_keeps_kv]
         sends, unmapped, reload = {}, {}, {}
         for s in old:
-            per_inst = s.used * sim.cfg.block_bytes / s.k if s.k == 1 else 0.0
+            dissolved = s in regrouped
+            per_inst = 0.0 if dissolved else s.used * sim.cfg.block_bytes / s.k
             for i in s.instances:
                 lo, hi = layers[i]
                 sends[i] = per_inst * (1 - (hi - lo) / L)
-                plo, phi = (0, L) if s.k > 1 else sim.layer_range[i]
-                reload[i] = (L - (sim.layer_range[i][1] - sim.layer_range[i][0])) * lb if s.k > 1 else 0.0
+                plo, phi = (0, L) if dissolved else sim.layer_range[i]
+                reload[i] = (L - (sim.layer_range[i][1] - sim.layer_range[i][0])) * lb if dissolved else 0.0
                 kept = max(0, min(hi, phi) - max(lo, plo))
                 unmapped[i] = (phi - plo - kept) * lb
         send = max(sends.values(), default=0.0)
@@ -102,7 +108,9 @@ class KunServePolicy(Policy):
 
         sim.transition(old, [tuple(g.instances) for g in changed], layers, stall, "drop", recompute=regrouped)
         sim.log("drop_plan", need_bytes=need_bytes, freed_bytes=plan.freed_bytes,
-                satisfied=plan.satisfied, exchange_bytes=send, regrouped=[list(s.instances) for s in regrouped],
+                satisfied=plan.satisfied, exchange_bytes=send,
+                live_merged=[list(s.instances) for s in old if s.k > 1],   # live groups merged further
+                regrouped=[list(s.instances) for s in regrouped],          # of those, dissolved (KV recomputed)
                 unmap_bytes=max(unmapped.values(), default=0.0))
 
     def _exchange_stall(self, sim, sends: dict[int, float], k: int) -> float:
@@ -159,4 +167,5 @@ class KunServePolicy(Policy):
         return {**super().describe(), "lookahead": self.lookahead,
                 "microbatcher": "policy.microbatch." + ("lookahead" if self.lookahead else "token_count"),
                 "exchange": self.exchange, "restore": self.restore_on, "regroup": self.regroup,
+                "regroup_keeps_kv": self.regroup_keeps_kv,
                 "admission": self.cfg.lookahead.admission}
