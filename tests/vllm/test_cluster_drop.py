@@ -326,11 +326,14 @@ def test_restore_while_requests_stream_keeps_every_token(forced):
     assert ("group_leave", "ok") in events and ("group_abandon", "ok") not in events, events
 
 
-def test_two_live_pairs_regroup_into_four_while_requests_stream(forced):
+@pytest.mark.parametrize("fault", [None, "barrier"])
+def test_two_live_pairs_regroup_into_four_while_requests_stream(forced, fault):
     """Regrouping (``drop.regroup``'s mechanism, forced here): two live pairs are merged into one
     group of four while requests stream. Each pair's members abandon it (layers back from the host
     copies, their requests recomputed), then the four join; every stream completes token-identical,
-    the four run quarter stages, and the group restores to four lone engines."""
+    the four run quarter stages, and the group restores to four lone engines. With ``fault``, one
+    member's join fails at its first barrier after the pairs were dissolved: every member rolls the
+    join back (serving alone) and the controller forms the four again by re-prefill."""
     url, n = forced.url, forced.n
     if n != 4:
         pytest.skip("a regroup needs two live groups: the 4-engine fleet")
@@ -344,6 +347,10 @@ def test_two_live_pairs_regroup_into_four_while_requests_stream(forced):
                 code, ev = await op(s, url, "drop", {"instances": pair})
                 assert code == 200, ev
             pairs = await status(s, url)
+            if fault:   # one-shot: the retry by re-prefill passes it
+                async with s.post(pairs["instances"][3]["control_url"] + "/ops/inject_fault",
+                                  json={"step": fault}) as resp:
+                    assert resp.status == 200, await resp.text()
             answers, (code, ev) = await _burst_with(s, url, lambda: op(s, url, "drop", {"instances": [0, 1, 2, 3]}))
             grouped = await status(s, url)
             rcode, _ = await op(s, url, "restore", {})
@@ -352,11 +359,17 @@ def test_two_live_pairs_regroup_into_four_while_requests_stream(forced):
     base, refs, pairs, answers, code, ev, grouped, rcode, split = asyncio.run(go())
     assert sorted(g["members"] for g in pairs["groups"]) == [[0, 1], [2, 3]]
     assert code == 200, ev
-    assert ev["members"] == [0, 1, 2, 3] and ev["regrouped"] == [[0, 1], [2, 3]], ev
+    assert ev["members"] == [0, 1, 2, 3], ev
+    if fault is None:
+        assert ev["regrouped"] == [[0, 1], [2, 3]] and ev["transition"] == "kv", ev
+    else:   # the pairs were dissolved by the first attempt; its join failed everywhere, the retry formed the four
+        assert ev["regrouped"] is None and ev["transition"] == "reprefill" and ev["reason"] == "forced+fallback", ev
+        failed = [e for e in grouped["events"] if e["event"] == "group_join" and e.get("outcome") == "failed"]
+        assert failed and failed[-1]["members"] == [0, 1, 2, 3] and not failed[-1]["joined"], failed
     assert all(a.status == 200 and a.error is None for a in answers), [(a.status, a.error) for a in answers]
     for i, a in enumerate(answers):
         assert a.token_ids == refs[PROMPTS[i % len(PROMPTS)]], f"request {i} differs across the regroup"
-    regroup = next(e for e in grouped["events"] if e["event"] == "group_regroup")
+    regroup = [e for e in grouped["events"] if e["event"] == "group_regroup"][-1]
     assert regroup["outcome"] == "ok" and regroup["members"] == [[0, 1], [2, 3]], regroup
     assert sum(regroup["recomputed"].values()) > 0, regroup   # the pairs' requests were running, recomputed
     (g,) = grouped["groups"]

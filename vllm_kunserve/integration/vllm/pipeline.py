@@ -306,6 +306,9 @@ class GroupMember:
             COMPUTE.release()
             TURN.wait()
             COMPUTE.acquire()
+        if not self.views:   # this member abandoned its group (under COMPUTE): its peers' KV regions are gone
+            COMPUTE.release()
+            raise GroupError(f"{self.name or 'this member'} is not in a group: no span of {origin} runs here")
         try:
             t0 = time.perf_counter()
             self._local_metadata(meta["attn"])
@@ -640,7 +643,15 @@ class GroupMember:
             self._leaves += 1
             self._begin(str(p.get("leave_id") or f"{self._epoch.split('/')[0]}/leave{self._leaves}"))
         try:
-            mapped = self.res.leave(blocks, (lambda: None) if abandon else exchange, images=images)
+            if abandon:
+                # a live peer may be running a span here (a regroup, a partial join): it ends before the
+                # regions go (spans hold COMPUTE), and the views go with them, so later spans are refused
+                # (the peer's step finds its peer lost and abandons too) instead of writing into freed KV
+                with COMPUTE:
+                    self.views = {}
+                    mapped = self.res.leave(blocks, lambda: None, images=images)
+            else:
+                mapped = self.res.leave(blocks, exchange, images=images)
         except Exception as exc:  # rolled back: still grouped; the peers hear it and roll back too
             if not abandon:
                 self._abort(exc)
