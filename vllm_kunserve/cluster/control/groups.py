@@ -13,8 +13,8 @@ host copies and returns each peer's KV. With ``drop.regroup`` a plan may merge l
 larger one (and an operator's drop may name whole live groups with more instances): each merged
 group's members abandon it (layers back from the host copies, their requests recomputed: a request's
 KV is spread over its group and does not cross into another), then the larger group forms as from
-lone instances; where that fails the members serve alone, every request kept. Every step is an event with its inputs, decision, duration
-and bytes (``/kunserve/status``, logs, ``kunserve:`` metrics). When no plan frees enough, the engines keep
+lone instances; where that fails the members serve alone, every request kept. Every step is an
+event with its inputs, decision, duration and bytes (``/kunserve/status``, logs, ``kunserve:`` metrics). When no plan frees enough, the engines keep
 vLLM's own KV-centric handling (queueing, preemption) for the rest and the shortfall is a metric.
 Operators can force both directions (``/kunserve/ops/drop``, ``/kunserve/ops/restore``).
 """
@@ -265,9 +265,9 @@ class GroupController:
                    decision: dict | None = None, transition: str | None = None,
                    stages: dict[int, tuple[int, int]] | None = None) -> dict:
         """Form one group of ``members``, each holding its range of ``stages`` (the drop plan's;
-        default: balanced ranges in the members' order). ``transition``: how ongoing requests cross over, ``kv``
-        (their KV of the layers changing hands moves, the default) or ``reprefill`` (they are
-        recomputed); a failed KV exchange is retried once by re-prefill. Members already in live
+        default: balanced ranges in the members' order). ``transition``: how ongoing requests cross
+        over, ``kv`` (their KV of the layers changing hands moves, the default) or ``reprefill`` (they
+        are recomputed); a failed KV exchange is retried once by re-prefill. Members already in live
         groups regroup: each such group must lie wholly inside ``members`` and is dissolved first
         (:meth:`_dissolve`)."""
         transition = transition or self.cfg.drop.transition
@@ -303,7 +303,8 @@ class GroupController:
             if len(members) > L:
                 raise GroupOpError(f"{len(members)} instances cannot share {L} layers")
             ranges = dict(stages) if stages else dict(zip(members, balanced_stages(L, len(members))))
-            if sorted(ranges) != members or sorted(x for lo, hi in ranges.values() for x in range(lo, hi)) != list(range(L)):
+            held = sorted(x for lo, hi in ranges.values() for x in range(lo, hi))
+            if sorted(ranges) != members or held != list(range(L)):
                 raise GroupOpError(f"stages {ranges} do not give each of {members} a share of the {L} layers")
             self._ids += 1
             g = Group(self._ids, members, ranges, reason=reason)
