@@ -294,8 +294,6 @@ class GroupMember:
         raise GroupError(f"unknown stage call {kind!r}")
 
     def _run_span(self, meta: dict, tensors: dict) -> tuple[dict, dict]:
-        from vllm.forward_context import create_forward_context, override_forward_context
-
         origin, lo, hi = meta["origin"], meta["lo"], meta["hi"]
         positions, hidden = tensors["positions"], tensors["hidden"]
         residual = tensors.get("residual")
@@ -310,6 +308,8 @@ class GroupMember:
             COMPUTE.release()
             raise GroupError(f"{self.name or 'this member'} is not in a group: no span of {origin} runs here")
         try:
+            from vllm.forward_context import create_forward_context, override_forward_context
+
             t0 = time.perf_counter()
             self._local_metadata(meta["attn"])
             ctx = create_forward_context(meta["attn"], self.worker.vllm_config, slot_mapping=meta["slots"])
