@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -143,7 +142,8 @@ def sweep(a) -> list[dict]:
 
 
 def ratio(x, y):
-    return x / y if x is not None and y and math.isfinite(x) and math.isfinite(y) else None
+    """``sim_burstiness``'s ratio, with a missing P99 (no request measured) read as no ratio."""
+    return None if x is None or y is None else SB._ratio(x, y)
 
 
 def summary(cells: list[dict]) -> dict:

@@ -14,8 +14,9 @@ larger one (and an operator's drop may name whole live groups with more instance
 group's members abandon it (layers back from the host copies, their requests recomputed: a request's
 KV is spread over its group and does not cross into another), then the larger group forms as from
 lone instances; where that fails the members serve alone, every request kept. Every step is an
-event with its inputs, decision, duration and bytes (``/kunserve/status``, logs, ``kunserve:`` metrics). When no plan frees enough, the engines keep
-vLLM's own KV-centric handling (queueing, preemption) for the rest and the shortfall is a metric.
+event with its inputs, decision, duration and bytes (``/kunserve/status``, logs, ``kunserve:``
+metrics). When no plan frees enough, the engines keep vLLM's own KV-centric handling (queueing,
+preemption) for the rest and the shortfall is a metric.
 Operators can force both directions (``/kunserve/ops/drop``, ``/kunserve/ops/restore``).
 """
 
