@@ -1,6 +1,6 @@
-"""Regrouping at paper scale (simulated): what merging live groups further buys KunServe, with the
-KV recomputed (as the fleet does it, ``drop.regroup``) and kept (the paper's Fig. 6, which the fleet
-does not build), on the cells of ``sim_burstiness``.
+"""Regrouping at paper scale (simulated): what merging live groups further (``drop.regroup``) buys
+KunServe, with the KV kept (the fleet's restage, the paper's Fig. 6) and recomputed (the fleet's
+fallback), on the cells of ``sim_burstiness``.
 
 At paper scale (Qwen-2.5-14B on 8 x H100) KunServe's default plan merges lone instances only, so
 its groups stop at pairs, while the equal-memory oracle with all 8 pooled (``oracle-equal-g8``) is
@@ -10,11 +10,12 @@ variants:
 
 * ``kunserve``: the default (no regroup); its P99 TTFT is checked against the stored cell's (the
   same trace and code path: they must agree, or the stored cells are stale);
-* ``regroup``: ``drop.regroup`` on: live groups merge further, their members' running requests
-  recomputed and their layers loaded back over PCIe (what the fleet carries out);
-* ``regroup-kv``: the same plans with the KV kept (moved to the members that hold its layers in
-  the larger group): ``KunServePolicy(regroup_keeps_kv=True)``, a simulator-only mechanism, the
-  upper side of what building a KV-keeping regroup would add.
+* ``regroup``: ``drop.regroup`` on, by recomputation: live groups merge further, their members'
+  running requests recomputed and their layers loaded back over PCIe (``KunServePolicy(
+  regroup_keeps_kv=False)``: the fleet's fallback when a restage fails, and ``drop.transition:
+  reprefill``);
+* ``regroup-kv``: the same plans with the KV kept (each (request owner, layer) range moved to the
+  member that holds the layer in the larger group): what the fleet carries out (``group_restage``).
 
 The stored cell's ``vllm-tuned`` and ``oracle-equal-g2`` / ``-g8`` P99s are quoted beside them.
 
@@ -94,8 +95,8 @@ def run_variants(cfg, trace, warm: float) -> dict:
     from vllm_kunserve.sim.runner import simulate
 
     pols = {"kunserve": KunServePolicy(KunServeConfig()),
-            "regroup": KunServePolicy(parse_config({"drop": {"regroup": True}})),
-            "regroup-kv": KunServePolicy(parse_config({"drop": {"regroup": True}}), regroup_keeps_kv=True)}
+            "regroup": KunServePolicy(parse_config({"drop": {"regroup": True}}), regroup_keeps_kv=False),
+            "regroup-kv": KunServePolicy(parse_config({"drop": {"regroup": True}}))}
     out = {}
     for name, pol in pols.items():
         res = simulate(cfg, pol, trace, keep_requests=False, warmup_s=warm)
@@ -189,9 +190,9 @@ def render(a, cells: list[dict], summ: dict, png: Path, raw: Path, wall: float) 
              f"[{rel(a.cells)}]({link}) (`{a.source['command']}`): Qwen-2.5-14B on 8 x H100, Vidur "
              "step times, each cell's trace compressed by its fitted factor, the same warm-up.", "",
              "Variants: `kunserve` (default, no regroup: groups stop at pairs once no lone instance is left), "
-             "`regroup` (`drop.regroup`: live groups merge further, their running requests recomputed, as the "
-             "fleet does it), `regroup-kv` (the same with the KV kept: simulator only, what a KV-keeping regroup "
-             "would add). `vllm-tuned` and `oracle-equal-g8` (all 8 instances' memory pooled, the bound on what "
+             "`regroup` (`drop.regroup` by recomputation: live groups merge further, their running requests "
+             "recomputed: the fleet's fallback), `regroup-kv` (the same plans with the KV kept: what the fleet's "
+             "restage does). `vllm-tuned` and `oracle-equal-g8` (all 8 instances' memory pooled, the bound on what "
              "dropping buys) are the stored cell's.", "",
              f"![P99 TTFT by demand]({png.name})", "",
              "| row | demand | vllm-tuned | kunserve | regroup | regroup-kv | oracle-equal-g8 | regroup max group "

@@ -52,6 +52,8 @@ def _controller(n, cfg=None, fail=None):
             raise GroupOpError(f"instance {i} {name} failed")
         if name == "group_join":
             return {"bytes": 10, "blocks_before": 88, "blocks_after": 130, "recomputed": 3 if body["transition"] == "reprefill" else 0}
+        if name == "group_restage":
+            return {"bytes": 20, "blocks_before": 130, "blocks_after": 170, "moved_regions": 2}
         return {"draining": 0}
 
     async def fresh(members):
@@ -265,10 +267,11 @@ def test_an_engine_that_dies_mid_operation_is_a_group_error_not_a_crash():
         asyncio.run(gc2._op(0, "group_join", {}, 1.0))
 
 
-def test_a_regroup_dissolves_whole_live_groups_then_forms_the_larger_one():
-    """Two live groups merged into one of four: every member of both abandons its group first (its
-    layers back from the host copies, its requests recomputed), then all four join with quarter
-    stages; a group taken in only in part is refused before anything is asked of an engine."""
+def test_a_regroup_keeps_the_kv_each_member_restaging_to_a_sub_range_of_what_it_holds():
+    """Two live pairs merged into one group of four (the KV exchange, the default transition): every
+    member is asked at once to restage, each to a quarter inside the half it holds (pipeline order
+    e0, e2, e1, e3: nothing reloads), with the same holder of every (member, layer) on all; nothing is
+    recomputed. A group taken in only in part is refused before anything is asked of an engine."""
     front, gc, calls = _controller(4)
     asyncio.run(gc.form([0, 1]))
     asyncio.run(gc.form([2, 3]))
@@ -277,10 +280,67 @@ def test_a_regroup_dissolves_whole_live_groups_then_forms_the_larger_one():
         asyncio.run(gc.form([1, 2]))
     assert calls == []
     ev = asyncio.run(gc.form([0, 1, 2, 3]))
+    assert [name for i, name, b in calls] == ["group_restage"] * 4
+    assert ev["stages"] == {"0": [0, 2], "1": [4, 6], "2": [2, 4], "3": [6, 8]}
+    assert ev["regrouped"] == [[0, 1], [2, 3]] and ev["kept_kv"] and sum(ev["recomputed"].values()) == 0
+    bodies = {i: b for i, name, b in calls}
+    order = [[0, 2, "e0"], [2, 4, "e2"], [4, 6, "e1"], [6, 8, "e3"]]
+    assert all(b["holders"] == {f"e{o}": order for o in range(4)} for b in bodies.values())
+    assert bodies[1]["spans"] == [s for s in order if s[2] != "e1"] and sorted(bodies[1]["peers"]) == ["e0", "e2", "e3"]
+    assert bodies[1]["members"] == {f"e{j}": f"unix:///tmp/s{j}" for j in range(4)}
+    assert len({b["restage_id"] for b in bodies.values()}) == 1
+    (regroup,) = [e for e in front.events if e["event"] == "group_regroup"]
+    assert regroup["outcome"] == "ok" and regroup["kept_kv"] and regroup["members"] == [[0, 1], [2, 3]]
+    assert [(g["members"], g["state"]) for g in gc.view()] == [([0, 1, 2, 3], "grouped")]
+    assert gc.m_ops.labels("regroup", "ok")._value.get() == 1
+
+
+def test_a_live_pair_and_two_lone_instances_restage_into_four_together():
+    front, gc, calls = _controller(4)
+    asyncio.run(gc.form([0, 1]))
+    calls.clear()
+    ev = asyncio.run(gc.form([0, 1, 2, 3]))
+    assert [name for i, name, b in calls] == ["group_restage"] * 4
+    assert ev["stages"] == {"0": [0, 2], "2": [2, 4], "3": [4, 6], "1": [6, 8]}   # 0 and 1 keep sub-ranges
+    assert {i: b["name"] for i, name, b in calls} == {i: f"e{i}" for i in range(4)}
+    assert {i: b["grouped"] for i, name, b in calls} == {0: True, 1: True, 2: False, 3: False}
+    (regroup,) = [e for e in front.events if e["event"] == "group_regroup"]
+    assert regroup["lone"] == [2, 3] and regroup["members"] == [[0, 1]] and regroup["outcome"] == "ok"
+
+
+def test_a_regroup_keeping_the_kv_that_fails_on_one_member_forms_the_group_from_lone_engines():
+    """One member's restage fails (it abandoned its group itself): the others are told to abandon
+    theirs (their requests recomputed), then the four form by the usual join from lone engines."""
+    front, gc, calls = _controller(4, fail=lambda i, name, b: name == "group_restage" and i == 2)
+    asyncio.run(gc.form([0, 1]))
+    asyncio.run(gc.form([2, 3]))
+    calls.clear()
+    ev = asyncio.run(gc.form([0, 1, 2, 3]))
+    steps = [(i, name, b.get("step")) for i, name, b in calls]
+    assert steps[:4] == [(i, "group_restage", None) for i in range(4)]
+    assert steps[4:7] == [(i, "group_leave", "abandon") for i in (0, 1, 3)]
+    assert steps[7:] == [(i, "group_join", None) for i in range(4)]
+    (regroup,) = [e for e in front.events if e["event"] == "group_regroup"]
+    assert regroup["outcome"] == "failed" and list(regroup["errors"]) == [2] and regroup["kept_kv"]
+    assert ev["regrouped"] == [[0, 1], [2, 3]] and ev["transition"] == "kv" and "kept_kv" not in ev
+    assert [(g["members"], g["state"]) for g in gc.view()] == [([0, 1, 2, 3], "grouped")]
+    assert gc.m_ops.labels("regroup", "failed")._value.get() == 1
+
+
+def test_a_regroup_by_reprefill_dissolves_whole_live_groups_then_forms_the_larger_one():
+    """Two live groups merged into one of four by re-prefill: every member of both abandons its
+    group first (its layers back from the host copies, its requests recomputed), then all four join
+    with quarter stages."""
+    front, gc, calls = _controller(4)
+    asyncio.run(gc.form([0, 1]))
+    asyncio.run(gc.form([2, 3]))
+    calls.clear()
+    ev = asyncio.run(gc.form([0, 1, 2, 3], transition="reprefill"))
     steps = [(name, b.get("step")) for i, name, b in calls]
     assert steps[:4] == [("group_leave", "abandon")] * 4 and steps[4:] == [("group_join", None)] * 4
     assert all(b["reason"] == "regroup into [0, 1, 2, 3]" for i, name, b in calls[:4])
     assert ev["stages"] == {"0": [0, 2], "1": [2, 4], "2": [4, 6], "3": [6, 8]}
+    assert ev["regrouped"] == [[0, 1], [2, 3]] and sum(ev["recomputed"].values()) > 0
     (regroup,) = [e for e in front.events if e["event"] == "group_regroup"]
     assert regroup["outcome"] == "ok" and regroup["members"] == [[0, 1], [2, 3]] and regroup["groups"] == [1, 2]
     assert [(g["members"], g["state"]) for g in gc.view()] == [([0, 1, 2, 3], "grouped")]
@@ -296,7 +356,7 @@ def test_a_regroup_whose_abandon_fails_stops_there_and_is_not_retried():
     asyncio.run(gc.form([2, 3]))
     calls.clear()
     with pytest.raises(GroupOpError, match="regroup into"):
-        asyncio.run(gc.form([0, 1, 2, 3]))
+        asyncio.run(gc.form([0, 1, 2, 3], transition="reprefill"))
     assert [name for i, name, b in calls] == ["group_leave"] * 4   # no join, no re-prefill retry
     assert gc.view() == [] and not gc.busy
     (regroup,) = [e for e in front.events if e["event"] == "group_regroup"]
@@ -309,7 +369,7 @@ def test_a_regroup_whose_abandon_fails_stops_there_and_is_not_retried():
 
 def test_the_monitor_regroups_live_groups_only_with_drop_regroup():
     """Demand beyond what two pairs hold: with ``drop.regroup`` the monitor's plan merges them into one
-    group of four, which the controller forms by dissolving both; without it nothing is asked."""
+    group of four, which the controller forms by restaging both; without it nothing is asked."""
     for regroup in (False, True):
         cfg = {"drop": {"trigger_ratio": 0.9, "forecast_horizon_s": 0.0, "regroup": regroup}}
         front, gc, calls = _controller(4, cfg)
@@ -323,5 +383,5 @@ def test_the_monitor_regroups_live_groups_only_with_drop_regroup():
         if not regroup:
             assert calls == [] and not gc.last["plan"]["groups"]
             continue
-        assert [name for i, name, b in calls] == ["group_leave"] * 4 + ["group_join"] * 4
+        assert [name for i, name, b in calls] == ["group_restage"] * 4
         assert [(g["members"], g["state"], g["reason"]) for g in gc.view()] == [([0, 1, 2, 3], "grouped", "overload")]

@@ -95,7 +95,7 @@ class FakePorts:
         self.ops.append((i, name, body))
         if not self.healthy[i]:
             raise GroupOpError(f"instance {i} is dead")
-        if name == "group_join":
+        if name in ("group_join", "group_restage"):
             self.phase[i] = "grouped"
             return {"bytes": 0, "blocks_before": BASE, "blocks_after": MAX}
         self.phase[i] = "group_draining" if body["step"] == "begin" else "base"
@@ -179,13 +179,15 @@ def drive(monkeypatch, steps, cfg: dict = CFG, cap: int = MAX):
         assert pol.mstate == gc.mstate, now               # the same history and restore hold after each step
         # the operations the fleet issued are the decision's
         step_ops = ports.ops[n_ops:]
-        joins = {i: b for i, name, b in step_ops if name == "group_join"}
+        # a join names the layers it drops; a restage (a regroup keeping the KV) the spans its peers run
+        joins = {i: b.get("drop") or sorted(k for lo, hi, _ in b["spans"] for k in range(lo, hi))
+                 for i, name, b in step_ops if name in ("group_join", "group_restage")}
         begins = [i for i, name, b in step_ops if name == "group_leave" and b["step"] == "begin"]
         finishes.update({now: [i for i, name, b in step_ops if name == "group_leave" and b["step"] == "finish"]})
         if fdec.action == "drop":
             for gp in fdec.drop.groups:
                 for st in gp.stages:
-                    assert joins.pop(st.instance_id)["drop"] == [k for k in range(L)
+                    assert joins.pop(st.instance_id) == [k for k in range(L)
                                                                  if not st.layer_start <= k < st.layer_end]
         assert not joins, now
         want = [i for r in (fdec.restore.restore if fdec.action == "restore" else ()) for i in r.instances]
@@ -257,9 +259,11 @@ def test_a_drop_never_waits_while_the_kv_is_short(monkeypatch):
     assert not fleet_ticks[-1][1].deferred
 
 
-# with drop.regroup a drop may merge the live group (0, 1) further: its members abandon it (their
-# requests recomputed) and one group of four forms; each engine's KV can reach 400 blocks here
+# with drop.regroup a drop may merge the live group (0, 1) further: every member,
+# the lone 2 and 3 too, restages into one group of four keeping the KV; each engine's KV can reach
+# 400 blocks here
 REGROUP_CFG = {**CFG, "drop": {**CFG["drop"], "regroup": True}}
+NO_REGROUP_CFG = {**CFG, "drop": {**CFG["drop"], "regroup": False}}
 REGROUP_STEPS = [
     (0.0, [(40, 0)] * 4, [], (), "none"),
     (0.5, [(90, 0), (90, 0), (40, 0), (40, 0)], [], (), "drop"),                        # forms (0, 1)
@@ -272,7 +276,7 @@ REGROUP_STEPS = [
 def test_a_live_group_is_merged_further_only_with_regroup_alike_in_the_fleet_and_the_simulator(monkeypatch, regroup):
     # without regroup the cluster stays overloaded with nothing left to merge: a drop decision that forms nothing
     steps = REGROUP_STEPS if regroup else [*REGROUP_STEPS[:3], (1.5, [(290, 0)] * 4, [(0, 1), (2, 3)], (), "drop")]
-    fleet_ticks, front, gc, _ = drive(monkeypatch, steps, REGROUP_CFG if regroup else CFG, cap=400)
+    fleet_ticks, front, gc, _ = drive(monkeypatch, steps, REGROUP_CFG if regroup else NO_REGROUP_CFG, cap=400)
     dec = fleet_ticks[2][1]
     if not regroup:   # only the lone instances merge; the plan falls short
         assert [g.instances for g in dec.drop.groups] == [(2, 3)] and dec.drop.unchanged == ((0, 1),)
@@ -281,7 +285,8 @@ def test_a_live_group_is_merged_further_only_with_regroup_alike_in_the_fleet_and
         return
     assert [sorted(g.instances) for g in dec.drop.groups] == [[0, 1, 2, 3]]
     assert dec.drop.merges == (((2,), (3,)), ((0, 1), (2, 3)))
-    # the fleet dissolved (0, 1) first (each member abandons: host copies, requests recomputed), then joined
+    # the fleet restaged (0, 1) with the lone 2 and 3 (nothing recomputed)
     regroup_ev = next(info for kind, info in front.events if kind == "group_regroup")
     assert regroup_ev["outcome"] == "ok" and regroup_ev["members"] == [[0, 1]] and regroup_ev["into"] == [0, 1, 2, 3]
+    assert regroup_ev["kept_kv"] and regroup_ev["lone"] == [2, 3]
     assert [(g["members"], g["state"]) for g in gc.view()] == [([0, 1, 2, 3], "grouped")]

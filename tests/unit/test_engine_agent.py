@@ -156,3 +156,103 @@ def test_the_step_that_finishes_the_last_request_publishes_the_state():
     live["running"] = 0  # the step that finishes the last one
     agent.run_step(lambda: ({}, True))
     assert agent.control_state()["requests"]["running"] == 0
+
+
+def _grouped_agent(restage):
+    """An agent whose engine is in a pair (e0 runs layers 0..2, e1 the rest); its workers answer a
+    restage with ``restage(params)`` and an abandon by recording it."""
+    agent, workers, _ = _agent()
+    asked = {"restage": [], "leave": []}
+    for w in workers:
+        w.kunserve_group_restage = lambda p: (asked["restage"].append(p), restage(p))[1]
+        w.kunserve_group_leave = lambda p: (asked["leave"].append(p), {"hops": None})[1]
+        w.kunserve_check = lambda: {"mapped_blocks": 10 ** 6, "remapped_layers": [], "problems": []}
+    agent.sched.held_blocks = lambda below=None: [1, 2, 3]
+    agent.sched.recompute_all = lambda: 5
+    agent.cfg = parse_config({"drop": {"group_member": True}})
+    agent.sched.grow(4)
+    agent.phase = "grouped"
+    agent.group = {"name": "e0", "drop": [3, 4, 5], "spans": [[3, 6, "e1"]], "peers": {"e1": "s1"},
+                   "since": 0.0, "blocks": agent.sched.visible}
+    return agent, asked
+
+
+def _restage_params():
+    order = [[0, 2, "e0"], [2, 3, "e2"], [3, 5, "e1"], [5, 6, "e3"]]
+    return {"spans": [s for s in order if s[2] != "e0"],
+            "peers": {p: {"stage": f"s{p[1]}", "blocks": 20} for p in ("e1", "e2", "e3")},
+            "members": {f"e{j}": f"s{j}" for j in range(4)}, "holders": {f"e{j}": order for j in range(4)},
+            "restage_id": "g3"}
+
+
+def test_a_restage_moves_the_member_into_the_larger_group_and_grows_its_blocks():
+    agent, asked = _grouped_agent(lambda p: {"mapped_blocks": 30, "peer_foreign": {"e1": 28, "e2": 26, "e3": 27},
+                                             "seconds": 0.1, "bytes_sent": 100, "moved_regions": 3})
+    before = agent.sched.visible
+    ev = agent.call("group_restage", _restage_params())
+    assert ev["outcome"] == "ok" and agent.phase == "grouped" and agent.sched.visible == 26 > before
+    assert agent.group["drop"] == [2, 3, 4, 5] and sorted(agent.group["peers"]) == ["e1", "e2", "e3"]
+    assert ev["old_peers"] == ["e1"] and ev["moved_regions"] == 3 * 2   # (two workers)
+
+    sent = asked["restage"][0]
+    assert sent["held"] == [1, 2, 3] and "e0" not in sent["members"] and sent["restage_id"] == "g3"
+    assert asked["leave"] == []
+
+
+def test_a_lone_engine_merged_with_live_groups_restages_as_it_would_join():
+    agent, asked = _grouped_agent(lambda p: {"mapped_blocks": 30, "peer_foreign": {"e1": 28, "e2": 26, "e3": 27},
+                                             "seconds": 0.1, "bytes_sent": 100, "moved_regions": 3})
+    agent.phase, agent.group = "base", None
+    with pytest.raises(ControlRequestError, match="name"):
+        agent.call("group_restage", _restage_params())
+    ev = agent.call("group_restage", {**_restage_params(), "name": "e0"})
+    assert ev["outcome"] == "ok" and ev["joined"] and ev["old_peers"] == []
+    assert agent.phase == "grouped" and agent.group["name"] == "e0" and agent.group["drop"] == [2, 3, 4, 5]
+    assert asked["restage"][0]["name"] == "e0" and asked["leave"] == []
+
+    def fail(p):
+        raise RuntimeError("kv_chunk")
+    agent, asked = _grouped_agent(fail)
+    agent.phase, agent.group = "base", None
+    with pytest.raises(Exception, match="recomputed its requests"):
+        agent.call("group_restage", {**_restage_params(), "name": "e0"})
+    assert agent.phase == "base" and agent.group is None and asked["leave"] == []   # nothing to abandon
+    assert agent.events[-1]["outcome"] == "recomputed" and agent.events[-1]["recomputed"] == 5
+    # the controller saw it grouped: it abandoned meanwhile (recomputing then), so its workers refuse
+    # (telling the members) and nothing is recomputed again
+    n = len(agent.events)
+    with pytest.raises(Exception, match="had left its group already"):
+        agent.call("group_restage", {**_restage_params(), "name": "e0", "grouped": True})
+    assert asked["restage"][-1]["grouped"] is True and [e["outcome"] for e in agent.events[n:]] == ["failed"]
+
+
+def test_a_failed_restage_abandons_the_group_and_recomputes_every_request():
+    """Whether the workers rolled back (before the KV moved) or could not (after), the member then
+    runs alone: its peers may already run the new layout, so it must not step with the old one."""
+    def fail(p):
+        raise RuntimeError("peer e2 failed at the restage barrier")
+    agent, asked = _grouped_agent(fail)
+    with pytest.raises(Exception, match="abandoned its group"):
+        agent.call("group_restage", _restage_params())
+    assert agent.phase == "base" and agent.group is None
+    assert asked["leave"] and all(p["abandon"] for p in asked["leave"])
+    assert [e["event"] for e in agent.events[-2:]] == ["group_restage", "group_abandon"]
+    assert agent.events[-1]["recomputed"] == 5
+
+
+def test_a_bad_restage_is_refused_and_changes_nothing():
+    agent, asked = _grouped_agent(lambda p: pytest.fail("a refused restage reached the workers"))
+    group = dict(agent.group)
+    good = _restage_params()
+    bad = [{**good, "spans": []}, {**good, "spans": [[0, 6, "e1"]]}, {**good, "spans": [[2, 4, "e2"], [3, 6, "e1"]]},
+           {**good, "peers": {"e1": {"stage": "s1", "blocks": 20}}},
+           {**good, "members": {"e2": "s2", "e3": "s3"}},
+           {**good, "holders": {f"e{j}": [[0, 6, "e0"], [3, 6, "e1"]] for j in range(4)}},
+           {**good, "holders": {"e0": good["holders"]["e0"]}}]
+    for params in bad:
+        with pytest.raises(ControlRequestError):
+            agent.call("group_restage", params)
+    assert agent.group == group and agent.phase == "grouped" and asked == {"restage": [], "leave": []}
+    agent.phase = "draining"
+    with pytest.raises(Exception, match="only a grouped engine"):
+        agent.call("group_restage", good)

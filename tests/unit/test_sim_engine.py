@@ -306,31 +306,32 @@ def test_a_group_of_member_queues_finishes_every_request_and_keeps_them_on_their
         Simulator(make_cfg(member_queues=True), build_policy("infercept"), []).new_server((0, 1))
 
 
-def test_kunserve_regroups_a_live_pair_only_with_drop_regroup_and_recomputes_its_requests():
+def test_kunserve_regroups_a_live_pair_only_with_drop_regroup_keeping_or_recomputing_its_kv():
     """A burst that two pairs cannot hold after one pair formed: with ``drop.regroup`` the live
-    pair is merged into a group of four, its running requests recomputed (as the fleet does it),
-    the lone instances' KV exchanged; without it the pairs stay. Every request finishes once."""
+    pair is merged into a group of four, the lone instances' KV exchanged; the pair's running
+    requests keep their KV (the fleet's restage) or, with ``regroup_keeps_kv=False`` (its fallback),
+    are recomputed; without it the pairs stay. Every request finishes once."""
     from vllm_kunserve.config import parse_config
+    from vllm_kunserve.sim.policies.kunserve import KunServePolicy
     trace = [TraceRequest(i, i * 0.02, 200 + (i * 37) % 150, 300) for i in range(200)]
     trace += [TraceRequest(200 + i, 4.0 + i * 0.005, 200 + (i * 37) % 150, 300) for i in range(400)]
     out = {}
-    for regroup in (False, True):
-        sim = Simulator(make_cfg(kv_blocks=600), build_policy("kunserve", config=parse_config(
-            {"drop": {"regroup": regroup}})), trace).run()
+    for name, pol in (("off", build_policy("kunserve", config=parse_config({"drop": {"regroup": False}}))),
+                      ("recompute", KunServePolicy(parse_config({"drop": {"regroup": True}}), regroup_keeps_kv=False)),
+                      ("keep", build_policy("kunserve", config=parse_config({"drop": {"regroup": True}})))):
+        sim = Simulator(make_cfg(kv_blocks=600), pol, trace).run()
         assert all(r.finishes == 1 and r.generated == r.output for r in sim.reqs)
-        out[regroup] = sim
-    drops = {rg: [e for e in sim.events if e["kind"] == "drop"] for rg, sim in out.items()}
-    assert max(p["max_group"] for p in out[False].timeline) == 2
-    assert all(e["recomputed"] == 0 for e in drops[False])
-    assert max(p["max_group"] for p in out[True].timeline) == 4
-    (regroup,) = [e for e in drops[True] if [sorted(g) for g in e["groups"]] == [[0, 1, 2, 3]]]
-    assert regroup["recomputed"] > 0 and all(e["recomputed"] == 0 for e in drops[True] if e is not regroup)
-    plan = [e for e in out[True].events if e["kind"] == "drop_plan" and e["regrouped"]]
+        out[name] = sim
+    drops = {k: [e for e in sim.events if e["kind"] == "drop"] for k, sim in out.items()}
+    assert max(p["max_group"] for p in out["off"].timeline) == 2
+    assert all(e["recomputed"] == 0 for e in drops["off"])
+    assert max(p["max_group"] for p in out["recompute"].timeline) == 4
+    (regroup,) = [e for e in drops["recompute"] if [sorted(g) for g in e["groups"]] == [[0, 1, 2, 3]]]
+    assert regroup["recomputed"] > 0 and all(e["recomputed"] == 0 for e in drops["recompute"] if e is not regroup)
+    plan = [e for e in out["recompute"].events if e["kind"] == "drop_plan" and e["regrouped"]]
     assert [e["regrouped"] for e in plan] == [[[0, 1]]]
-    # the paper's regroup (no fleet counterpart): the pair's requests keep their KV
-    from vllm_kunserve.sim.policies.kunserve import KunServePolicy
-    keep = Simulator(make_cfg(kv_blocks=600), KunServePolicy(regroup=True, regroup_keeps_kv=True), trace).run()
-    assert all(r.finishes == 1 for r in keep.reqs) and max(p["max_group"] for p in keep.timeline) == 4
-    assert all(e["recomputed"] == 0 for e in keep.events if e["kind"] == "drop")
+    keep = out["keep"]
+    assert max(p["max_group"] for p in keep.timeline) == 4
+    assert all(e["recomputed"] == 0 for e in drops["keep"])
     plans = [e for e in keep.events if e["kind"] == "drop_plan" and e["live_merged"]]
     assert [e["live_merged"] for e in plans] == [[[0, 1]]] and all(not e["regrouped"] for e in plans)

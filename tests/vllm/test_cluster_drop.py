@@ -326,14 +326,15 @@ def test_restore_while_requests_stream_keeps_every_token(forced):
     assert ("group_leave", "ok") in events and ("group_abandon", "ok") not in events, events
 
 
-@pytest.mark.parametrize("fault", [None, "barrier"])
+@pytest.mark.parametrize("fault", [None, "restage_barrier"])
 def test_two_live_pairs_regroup_into_four_while_requests_stream(forced, fault):
     """Regrouping (``drop.regroup``'s mechanism, forced here): two live pairs are merged into one
-    group of four while requests stream. Each pair's members abandon it (layers back from the host
-    copies, their requests recomputed), then the four join; every stream completes token-identical,
-    the four run quarter stages, and the group restores to four lone engines. With ``fault``, one
-    member's join fails at its first barrier after the pairs were dissolved: every member rolls the
-    join back (serving alone) and the controller forms the four again by re-prefill."""
+    group of four while requests stream, keeping the KV: every member restages at once to a quarter
+    inside the half it holds and each (request owner, layer) KV moves to its new holder, so nothing
+    is recomputed; every stream completes token-identical, the four run quarter stages, and the
+    group restores to four lone engines. With ``fault``, one member fails at the restage's first
+    barrier: every member ends alone (the pairs abandoned, their requests recomputed) and the
+    controller forms the four from lone engines by the usual join."""
     url, n = forced.url, forced.n
     if n != 4:
         pytest.skip("a regroup needs two live groups: the 4-engine fleet")
@@ -360,18 +361,18 @@ def test_two_live_pairs_regroup_into_four_while_requests_stream(forced, fault):
     assert sorted(g["members"] for g in pairs["groups"]) == [[0, 1], [2, 3]]
     assert code == 200, ev
     assert ev["members"] == [0, 1, 2, 3], ev
-    if fault is None:
-        assert ev["regrouped"] == [[0, 1], [2, 3]] and ev["transition"] == "kv", ev
-    else:   # the pairs were dissolved by the first attempt; its join failed everywhere, the retry formed the four
-        assert ev["regrouped"] is None and ev["transition"] == "reprefill" and ev["reason"] == "forced+fallback", ev
-        failed = [e for e in grouped["events"] if e["event"] == "group_join" and e.get("outcome") == "failed"]
-        assert failed and failed[-1]["members"] == [0, 1, 2, 3] and not failed[-1]["joined"], failed
+    assert ev["regrouped"] == [[0, 1], [2, 3]] and ev["transition"] == "kv" and ev["reason"] == "forced", ev
     assert all(a.status == 200 and a.error is None for a in answers), [(a.status, a.error) for a in answers]
     for i, a in enumerate(answers):
         assert a.token_ids == refs[PROMPTS[i % len(PROMPTS)]], f"request {i} differs across the regroup"
     regroup = [e for e in grouped["events"] if e["event"] == "group_regroup"][-1]
-    assert regroup["outcome"] == "ok" and regroup["members"] == [[0, 1], [2, 3]], regroup
-    assert sum(regroup["recomputed"].values()) > 0, regroup   # the pairs' requests were running, recomputed
+    assert regroup["members"] == [[0, 1], [2, 3]] and regroup["kept_kv"], regroup
+    if fault is None:   # nothing recomputed, and KV moved between the pairs
+        assert regroup["outcome"] == "ok" and ev["kept_kv"] and sum(ev["recomputed"].values()) == 0, ev
+        assert sum(regroup["moved_regions"].values()) > 0, regroup
+    else:   # every member ended alone (the failed one by itself), then the four joined as lone engines
+        assert regroup["outcome"] == "failed" and "3" in regroup["errors"], regroup   # (its peers then fail too)
+        assert "kept_kv" not in ev, ev
     (g,) = grouped["groups"]
     assert g["state"] == "grouped" and g["members"] == [0, 1, 2, 3]
     pair_blocks = {i["instance"]: i["kv"]["capacity_blocks"] for i in pairs["instances"]}

@@ -49,7 +49,7 @@ logger = logging.getLogger("vllm.kunserve")
 #: methods the engine core answers itself when called through ``collective_rpc``
 ENGINE_METHODS = ("kunserve_state", "kunserve_remap", "kunserve_revert", "kunserve_inject_fault",
                   "kunserve_auto", "kunserve_check", "kunserve_group_join", "kunserve_group_leave",
-                  "kunserve_group_ping", *(f"kunserve_{op}" for op in MIGRATION_OPERATIONS))
+                  "kunserve_group_restage", "kunserve_group_ping", *(f"kunserve_{op}" for op in MIGRATION_OPERATIONS))
 
 #: operations of the control port: name -> parameters
 OPERATIONS = {
@@ -66,6 +66,13 @@ OPERATIONS = {
                    "member drained: take the layers back and return the peers' KV | 'abandon': take the layers "
                    "back from the host copies now and recompute every request, no peer needed), timeout_s, source, "
                    "leave_id (str, the same on every member of one attempt)",
+    "group_restage": "spans ([[lo, hi, peer]]: who of the new group runs each layer this member will not), peers "
+                     "({name: {stage, blocks}}: the new group), members ({name: stage}: every engine of the "
+                     "regroup), holders ({origin: [[lo, hi, holder]]}: who holds each member's KV of each layer "
+                     "after), timeout_s, restage_id (str, the same on every member): a grouped member moves into "
+                     "a larger group keeping every request's KV (a lone engine merged with live groups too: name, "
+                     "its member name; grouped: whether the controller saw it grouped); on failure it abandons "
+                     "(requests recomputed)",
     "group_ping": "stage (a peer's stage address), bytes (payload, default 16384): stage-link round trip",
     **MIGRATION_OPERATIONS,  # KV migration between engines (engine/migration.py)
 }
@@ -407,11 +414,7 @@ class EngineAgent:
             self._event("group_join", "failed", time.perf_counter() - t0, 0, error=repr(exc), name=name)
             raise AgentError(f"group_join failed and was rolled back: {exc}") from exc
         self.operation = None
-        own = min(o["mapped_blocks"] for o in outs)
-        peer_cap = min(min(o["peer_foreign"].values()) for o in outs)
-        target = min(own, peer_cap, st.max_blocks)
-        if target > st.visible:
-            self.sched.grow(target - st.visible)
+        own, peer_cap = self._grow_into_group(outs, st)
         self.group = {"name": name, "drop": sorted(set(drop)), "spans": spans,
                       "peers": {p: v["stage"] for p, v in peers.items()}, "since": time.time(),
                       "blocks": self.sched.state().visible}
@@ -424,6 +427,95 @@ class EngineAgent:
                            blocks_after=self.sched.state().visible, own_blocks=own, peer_blocks=peer_cap,
                            worker_s=round(max(o["seconds"] for o in outs), 4),
                            worker_ms=[o.get("ms") for o in outs])
+
+    def group_restage(self, params: dict) -> dict:
+        """Move into a larger group keeping every request's KV (a regroup; the engine is paused:
+        the caller holds the lock). Every member of the regroup is called at the same time; the
+        workers meet at barriers over their stage links. A failure before the KV moved rolls back on
+        every member, one after it cannot: either way this member then abandons its group (its
+        layers back from the host copies, every request recomputed), so no member runs a step with a
+        layout its peers no longer have; the controller forms the group from lone engines instead.
+        A lone engine merged with live groups (at its base) restages too, as it would join; on a
+        failure its workers roll back and it recomputes its requests (what it sent may be freed)."""
+        if not self.cfg.drop.group_member:
+            raise ControlRequestError("group_restage: this engine was not started as a group member "
+                                      "(kunserve drop.group_member)")
+        if self.phase not in ("grouped", "base"):
+            raise ControlConflict(f"group_restage: the engine is {self.phase}; only a grouped engine, or one at "
+                                  f"its base merged with live groups, can restage")
+        spans, peers, members, holders = (params.get(k) for k in ("spans", "peers", "members", "holders"))
+        lone = self.phase == "base"
+        L, name = self.num_layers, (params.get("name") if lone else self.group["name"])
+        if not isinstance(name, str) or not name:
+            raise ControlRequestError("group_restage: 'name' must be a non-empty string (this engine is not grouped)")
+        old_peers = sorted(self.group["peers"]) if self.group else []
+        if not (isinstance(spans, list) and spans and all(isinstance(s, list) and len(s) == 3 and isinstance(s[0], int)
+                                                          and isinstance(s[1], int) and isinstance(s[2], str)
+                                                          and 0 <= s[0] < s[1] <= L for s in spans)):
+            raise ControlRequestError("group_restage: 'spans' must be [[lo, hi, peer], ...] within the layers")
+        drop = sorted(i for lo, hi, _ in spans for i in range(lo, hi))
+        if len(drop) != len(set(drop)) or not 0 < len(drop) < L:
+            raise ControlRequestError(f"group_restage: 'spans' must not overlap and must leave 1..{L - 1} layers here")
+        if not (isinstance(peers, dict) and peers and all(isinstance(v, dict) and isinstance(v.get("stage"), str)
+                                                         and isinstance(v.get("blocks"), int) for v in peers.values())
+                and {p for _, _, p in spans} <= set(peers) and name not in peers):
+            raise ControlRequestError("group_restage: 'peers' must map each peer named in spans to {stage, blocks}")
+        if not (isinstance(members, dict) and all(isinstance(v, str) for v in members.values())
+                and set(peers) | set(old_peers) <= set(members) | {name}):
+            raise ControlRequestError("group_restage: 'members' must map every engine of the regroup (the old "
+                                      "peers and the new) to its stage address")
+        if not (isinstance(holders, dict) and all(
+                isinstance(v, list) and sorted(i for lo, hi, _ in v for i in range(lo, hi)) == list(range(L))
+                for v in holders.values()) and set(holders) >= set(members) | {name}):
+            raise ControlRequestError("group_restage: 'holders' must give, for every member's requests, the "
+                                      "holder of each layer (exactly once)")
+        timeout = _number(params, "timeout_s", 120.0, 1.0, 3600.0, "group_restage")
+        t0 = time.perf_counter()
+        st = self.sched.state()
+        held = self.sched.held_blocks()
+        self.operation = {"op": "group_restage", "started": time.time(), "params": {"drop": drop}}
+        try:
+            self.faults.check("bookkeeping")
+            outs = self._workers("kunserve_group_restage", {
+                "name": name, "grouped": bool(params.get("grouped", not lone)), "spans": spans, "peers": peers, "members": {m: a for m, a in members.items() if m != name},
+                "holders": holders, "held": held, "timeout_s": timeout, "stage_bytes": self._stage_bytes(),
+                "restage_id": str(params.get("restage_id", ""))})
+        except Exception as exc:
+            self.operation = None
+            self._event("group_restage", "failed", time.perf_counter() - t0, 0, error=repr(exc))
+            if lone and params.get("grouped"):   # it abandoned its group before the call: recomputed then
+                what = "had left its group already"
+            elif lone:   # the workers rolled back; what they sent may already be freed there: recompute
+                self._event("group_restage", "recomputed", 0.0, 0, recomputed=self.sched.recompute_all())
+                what = "recomputed its requests"
+            else:
+                self.group_abandon(f"restage failed: {exc!r}"[:500])
+                what = "abandoned its group (requests recomputed)"
+            raise AgentError(f"group_restage failed; this member {what}: {exc}") from exc
+        self.operation = None
+        own, peer_cap = self._grow_into_group(outs, st)
+        self.group = {**(self.group or {}), "name": name, "drop": drop, "spans": spans,
+                      "peers": {p: v["stage"] for p, v in peers.items()}, "since": time.time(),
+                      "blocks": self.sched.state().visible}
+        self.phase = "grouped"
+        self._pipeline, self._pipeline_read_at = None, 0.0
+        self._after_transition()
+        return self._event("group_restage", "ok", time.perf_counter() - t0, sum(o["bytes_sent"] for o in outs),
+                           drop=drop, old_peers=old_peers, joined=lone or None, peers=sorted(peers), held_blocks=len(held),
+                           blocks_before=st.visible, blocks_after=self.sched.state().visible, own_blocks=own,
+                           peer_blocks=peer_cap, moved_regions=sum(o.get("moved_regions", 0) for o in outs),
+                           worker_s=round(max(o["seconds"] for o in outs), 4),
+                           worker_ms=[o.get("ms") for o in outs])
+
+    def _grow_into_group(self, outs: list[dict], st: Any) -> tuple[int, int]:
+        """After a join or restage: the scheduler grows to what every worker maps for this engine's
+        requests and every peer can hold of them. Returns (own blocks, the peers' least)."""
+        own = min(o["mapped_blocks"] for o in outs)
+        peer_cap = min(min(o["peer_foreign"].values()) for o in outs)
+        target = min(own, peer_cap, st.max_blocks)
+        if target > st.visible:
+            self.sched.grow(target - st.visible)
+        return own, peer_cap
 
     def _stage_bytes(self) -> int:
         """Shared-memory buffer for one step's hidden states, residual and positions."""
@@ -643,6 +735,8 @@ class EngineAgent:
                 why = params.get("reason", "abandoned by the controller")
                 return self.group_abandon(why if isinstance(why, str) else repr(why))
             raise ControlRequestError(f"group_leave: step must be 'begin', 'finish' or 'abandon', got {step!r}")
+        if op == "group_restage":
+            return self.group_restage(params)
         if op == "group_ping":
             if not isinstance(params.get("stage"), str):
                 raise ControlRequestError("group_ping: 'stage' must be a stage address string")

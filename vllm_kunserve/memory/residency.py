@@ -400,12 +400,6 @@ class LayerResidency:
         own_dropped = [k for k in self.kv if not k.origin and k.layer in D]
         foreign = [k for k in self.kv if k.origin]
 
-        def regrow() -> None:
-            need = sum(-(-kv_blocks * k.page_bytes // self.pool.chunk_bytes) for k in own_dropped) \
-                - self.pool.num_free_chunks
-            if need > 0:
-                self.pool.add_chunks(need)
-            self._resize({k.region: kv_blocks * k.page_bytes for k in own_dropped})
 
         def destroy() -> None:
             for k in foreign:
@@ -419,11 +413,104 @@ class LayerResidency:
             tx.step("kv_shrink", lambda: (self._drain(), self._resize(targets)), lambda: self._resize(prev))
             for i in D:
                 self._t_reload(tx, i, lambda i=i: image_of(i))
-            tx.step("kv_regrow", regrow, lambda: self._resize({k.region: 0 for k in own_dropped}))
+            tx.step("kv_regrow", lambda: self._map(own_dropped, kv_blocks),
+                    lambda: self._resize({k.region: 0 for k in own_dropped}))
             tx.step("exchange", exchange)
             tx.step("foreign_destroy", destroy)
         return self._run("leave", body, commit, layers=list(D), peers=list(self.peers),
                          nbytes=sum(self.weights[i].max_bytes for i in D), source=source)
+
+    def restage(self, keep: Sequence[int], peers: dict[str, int], exchange: Callable[[], None],
+                kv_blocks: int | None = None,
+                images: dict[int, torch.Tensor] | Callable[[int], torch.Tensor | None] | None = None,
+                commit: bool = True) -> int:
+        """Move to another stage of a regrouped pipeline group without leaving it: afterwards this
+        engine runs exactly the layers ``keep`` and hosts, for each peer in ``peers`` (name -> the
+        peer's block count), that peer's KV for ``keep``; peers not named are let go. Two pairs
+        merging into a four keep a sub-range of the layers they run; a four shrinking into two
+        pairs keeps a super-range, with ``kv_blocks`` the smaller group's block count (the blocks
+        above it drained on every member first). A lone engine merged with live groups restages
+        from every layer (a join whose KV may go to, and come from, any member).
+
+        Steps: every KV region shrinks to ``kv_blocks`` (when given); the layers no longer kept are
+        released and the newly kept ones reloaded (from ``images`` as in :meth:`leave`, or their
+        host copies); this engine's own KV regions of the newly kept layers map its block count
+        again and a region is created for each (peer, kept layer) not hosted yet; ``exchange()``
+        (the caller sends each (origin, layer) KV held here whose new holder is another engine and
+        waits for what comes here); then the own KV of the layers no longer kept is freed, the
+        regions of peers' KV no longer held go, and the kept regions grow into the free chunks.
+        All or nothing up to the exchange; after it the KV has moved, so a failed grow keeps the
+        current size (an event), as in :meth:`join`. Returns the mapped block count."""
+        K = self._check_layers(keep, "restage keep")
+        if self.streamed:
+            raise ValueError(f"restage: layers {list(self.streamed)} are streamed (revert them first)")
+        if not K or len(K) >= len(self.layers):
+            raise ValueError(f"restage keep {list(K)}: must keep 1..{len(self.layers) - 1} layers")
+        if not peers or any(not o for o in peers):
+            raise ValueError(f"restage: peers {sorted(peers)} must be non-empty names")
+        if kv_blocks is not None and kv_blocks < self.base_blocks:
+            raise ValueError(f"restage: KV cannot shrink below the base ({kv_blocks} < {self.base_blocks})")
+        old = {i for i, s in enumerate(self.states) if s is LayerState.RESIDENT}
+        release = [i for i in sorted(old) if i not in K]
+        reload = [i for i in K if i not in old]
+        own_blocks = self.mapped_blocks if kv_blocks is None else int(kv_blocks)
+        image_of = images if callable(images) else (images or {}).get
+        own_new = [k for k in self.kv if not k.origin and k.layer in reload]
+        own_gone = [k for k in self.kv if not k.origin and k.layer in release]
+        kept_own = [k for k in self.kv if not k.origin and k.layer in K]
+        have = {(k.origin, k.name) for k in self.kv if k.origin}
+        created: list[KVPlace] = []
+
+        def create() -> None:
+            for origin, blocks in peers.items():
+                for k in kept_own:
+                    if (origin, k.name) in have:
+                        continue
+                    region = self.pool.create_kv_region(f"kv@{origin}:{k.name}", self.max_blocks * k.page_bytes, 0)
+                    place = KVPlace(k.name, region, k.page_bytes, k.layer, origin)
+                    self.kv.append(place)
+                    created.append(place)
+                    need = -(-blocks * k.page_bytes // self.pool.chunk_bytes) - self.pool.num_free_chunks
+                    if need > 0:
+                        self.pool.add_chunks(need)
+                    self.pool.resize_kv({region: blocks * k.page_bytes})
+                    region.view(torch.uint8).zero_()
+
+        def uncreate() -> None:
+            while created:
+                k = created.pop()
+                self.pool.destroy_region(k.region)
+                self.kv.remove(k)
+
+        def destroy() -> None:
+            for k in [k for k in self.kv if k.origin and (k.origin not in peers or k.layer not in K)]:
+                self.pool.destroy_region(k.region)
+                self.kv.remove(k)
+
+        prev_gone = {k.region: k.region.mapped_bytes for k in own_gone}
+
+        def body(tx: Transaction) -> None:
+            if kv_blocks is not None:
+                places = self._active(None)
+                prev = {k.region: k.region.mapped_bytes for k in places}
+                targets = self._kv_targets(places, own_blocks, "kv_shrink")
+                tx.step("kv_shrink", lambda: (self._drain(), self._resize(targets)), lambda: self._resize(prev))
+            for i in release:
+                self._t_release(tx, i, LayerState.DROPPED)
+            for i in reload:
+                self._t_reload(tx, i, lambda i=i: image_of(i))
+            tx.step("kv_regrow", lambda: self._map(own_new, own_blocks),
+                    lambda: self._resize({k.region: 0 for k in own_new}))
+            tx.step("foreign_create", create, uncreate)
+            tx.step("exchange", exchange)
+            tx.step("kv_free", lambda: self._resize({k.region: 0 for k in own_gone}),
+                    lambda: self._resize(prev_gone))
+            tx.step("foreign_destroy", destroy)
+            t = time.perf_counter()
+            self._grow_best_effort()  # the KV moved: a failure here must not roll back
+            tx.step_ms["kv_grow_after"] = (time.perf_counter() - t) * 1e3
+        return self._run("restage", body, commit, keep=list(K), released=release, reloaded=reload,
+                         peers=dict(peers), nbytes=sum(self.weights[i].max_bytes for i in release + reload))
 
     def place(self, name: str, origin: str = "") -> KVPlace:
         """The KV place of attention layer ``name`` for ``origin``'s requests."""
@@ -562,6 +649,14 @@ class LayerResidency:
         for i in range(len(self.layers)):
             if self.states[i] is not LayerState.DROPPED:
                 self.adapter.point(i, self.streamer.slot_of(i) if i in on else None)
+
+    def _map(self, places: Sequence[KVPlace], blocks: int) -> None:
+        """Map ``blocks`` in each of ``places`` (own regions of layers coming back), the pool grown
+        by what its free chunks do not cover."""
+        need = sum(-(-blocks * k.page_bytes // self.pool.chunk_bytes) for k in places) - self.pool.num_free_chunks
+        if need > 0:
+            self.pool.add_chunks(need)
+        self._resize({k.region: blocks * k.page_bytes for k in places})
 
     def _resize(self, targets: dict[KVRegion, int]) -> None:
         if targets:

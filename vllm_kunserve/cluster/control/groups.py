@@ -10,10 +10,13 @@ barriers over their stage links, exchange the KV of the layers changing hands an
 pipeline); a split is ``group_leave`` ``begin``, which retires the blocks above each member's base
 (live ones drain as their requests finish), then ``finish``, which gives the layers back from the
 host copies and returns each peer's KV. With ``drop.regroup`` a plan may merge live groups into a
-larger one (and an operator's drop may name whole live groups with more instances): each merged
-group's members abandon it (layers back from the host copies, their requests recomputed: a request's
-KV is spread over its group and does not cross into another), then the larger group forms as from
-lone instances; where that fails the members serve alone, every request kept. Every step is an
+larger one (and an operator's drop may name whole live groups with more instances): every member,
+the lone instances in the merge too, restages at once (``group_restage``: each moves to its new
+stage, for a grouped member a sub-range of the layers it holds, and each request owner's KV of each
+layer moves to its new holder, nothing recomputed); where that fails, or the transition is
+re-prefill, each merged group's members abandon it (layers back from the host copies, their
+requests recomputed) and the larger group forms as from lone instances; where that fails too the
+members serve alone, every request kept. Every step is an
 event with its inputs, decision, duration and bytes (``/kunserve/status``, logs, ``kunserve:``
 metrics). When no plan frees enough, the engines keep vLLM's own KV-centric handling (queueing,
 preemption) for the rest and the shortfall is a metric.
@@ -45,6 +48,10 @@ class GroupOpError(RuntimeError):
 
 class RegroupError(GroupOpError):
     """A regroup's first step failed: not retried by re-prefill (a member is not at its base)."""
+
+
+class RestageError(GroupOpError):
+    """A regroup keeping the KV failed: every member has abandoned its group (requests recomputed)."""
 
 
 @dataclass
@@ -296,17 +303,20 @@ class GroupController:
             old.append(g)
         self.busy = True
         t0 = time.perf_counter()
+        merged = [g.members for g in old] or None
         try:
+            if old and transition == "kv":
+                try:
+                    return await self._restage(old, members, reason, inputs, decision, stages, t0)
+                except RestageError as exc:   # every member abandoned: the group forms from lone engines
+                    logger.warning("regroup into %s keeping the KV failed (%s); forming it from lone engines",
+                                   members, exc)
+                    old = []
             if old:
                 await self._dissolve(old, members)
             states = await self._fresh_states(members)
             L = len(states[members[0]].layers)
-            if len(members) > L:
-                raise GroupOpError(f"{len(members)} instances cannot share {L} layers")
-            ranges = dict(stages) if stages else dict(zip(members, balanced_stages(L, len(members))))
-            held = sorted(x for lo, hi in ranges.values() for x in range(lo, hi))
-            if sorted(ranges) != members or held != list(range(L)):
-                raise GroupOpError(f"stages {ranges} do not give each of {members} a share of the {L} layers")
+            ranges = self._ranges(members, L, stages)
             self._ids += 1
             g = Group(self._ids, members, ranges, reason=reason)
             self.groups.append(g)
@@ -337,20 +347,95 @@ class GroupController:
                 raise GroupOpError(f"group {g.gid} did not form: {failed}")
             g.state = "grouped"
             self.m_ops.labels("join", "ok").inc()
-            ev = {"group": g.gid, "members": members, "stages": {str(i): list(r) for i, r in ranges.items()},
-                  "reason": reason, "transition": transition, "regrouped": [o.members for o in old] or None,
-                  "recomputed": {str(i): o.get("recomputed", 0) for i, o in zip(members, outs)}, "ms": round((time.perf_counter() - t0) * 1e3, 1),
-                  "bytes": sum(o.get("bytes", 0) for o in outs),
-                  "blocks": {str(i): [o.get("blocks_before"), o.get("blocks_after")] for i, o in zip(members, outs)},
-                  # each engine's own time in the transition (the rest of "ms" is the front end's reads and the
-                  # engines' waits for a step to end) and its workers' steps
-                  "engine_ms": {str(i): o.get("ms") for i, o in zip(members, outs)},
-                  "worker_ms": {str(i): o.get("worker_ms") for i, o in zip(members, outs)},
-                  "inputs": inputs, "decision": decision}
-            self.front.record("group_join", outcome="ok", **ev)
-            return ev
+            return self._joined(g, ranges, reason, transition, merged, outs, t0, inputs, decision)
         finally:
             self.busy = False
+
+    def _ranges(self, members: list[int], L: int, stages: dict[int, tuple[int, int]] | None) -> dict:
+        """Each member's layer range: the plan's ``stages``, else balanced ranges in pipeline order,
+        members of live groups by the first layer they hold now (two pairs merging then keep
+        sub-ranges of what they hold: nothing is reloaded)."""
+        if len(members) > L:
+            raise GroupOpError(f"{len(members)} instances cannot share {L} layers")
+        if stages:
+            ranges = dict(stages)
+        else:
+            def held_lo(i: int) -> int:
+                g = self.group_of(i)
+                return g.stages[i][0] if g is not None and i in g.stages else 0
+            order = sorted(members, key=lambda i: (held_lo(i), i))
+            ranges = dict(zip(order, balanced_stages(L, len(members))))
+        held = sorted(x for lo, hi in ranges.values() for x in range(lo, hi))
+        if sorted(ranges) != members or held != list(range(L)):
+            raise GroupOpError(f"stages {ranges} do not give each of {members} a share of the {L} layers")
+        return ranges
+
+    async def _restage(self, old: list[Group], members: list[int], reason: str, inputs: dict | None,
+                       decision: dict | None, stages: dict[int, tuple[int, int]] | None, t0: float) -> dict:
+        """A regroup keeping every request's KV: the ``old`` groups, and any lone instances among
+        ``members``, become one group, every member called at once (``group_restage``); each moves
+        to its new stage and the KV of each (request owner, layer) moves to its new holder, so
+        nothing is recomputed. Where any member fails, every member ends alone: the failed ones by
+        themselves (a grouped one abandons, a lone one rolls back), the others are told to abandon
+        (their requests recomputed), and :class:`RestageError` says so."""
+        states = await self._fresh_states(members)
+        ranges = self._ranges(members, len(states[members[0]].layers), stages)
+        self._ids += 1
+        g = Group(self._ids, members, ranges, reason=reason)
+        self.groups.append(g)
+        name = {i: member_name(i) for i in members}
+        stage = {i: states[i].engine.stage[0] for i in members}
+        order = sorted(members, key=lambda i: ranges[i])
+        holders = {name[o]: [[ranges[j][0], ranges[j][1], name[j]] for j in order] for o in members}
+        grouped = {i for o in old for i in o.members}
+        bodies = {i: {"name": name[i], "grouped": i in grouped,
+                      "spans": [[ranges[j][0], ranges[j][1], name[j]] for j in order if j != i],
+                      "peers": {name[j]: {"stage": stage[j], "blocks": states[j].capacity.blocks_total}
+                                for j in members if j != i},
+                      "members": {name[j]: stage[j] for j in members}, "holders": holders,
+                      "timeout_s": self.timeout_s, "restage_id": f"g{g.gid}"} for i in members}
+        outs = await asyncio.gather(*(self._op(i, "group_restage", bodies[i], self.timeout_s) for i in members),
+                                    return_exceptions=True)
+        for o in old:
+            o.state, o.reason = "split", f"regrouped into group {g.gid}"
+        failed = {i: repr(o) for i, o in zip(members, outs) if isinstance(o, BaseException)}
+        ms = round((time.perf_counter() - t0) * 1e3, 1)
+        common = {"groups": [o.gid for o in old], "members": [o.members for o in old], "into": members,
+                  "lone": [i for i in members if all(i not in o.members for o in old)] or None,
+                  "kept_kv": True, "ms": ms}
+        if failed:
+            g.state = "failed"
+            self.groups.remove(g)
+            for i in members:
+                if i not in failed:
+                    await self._abandon(i, f"the regroup failed on {sorted(failed)}")
+            self.m_ops.labels("regroup", "failed").inc()
+            self.front.record("group_regroup", outcome="failed", errors=failed, **common)
+            raise RestageError(f"regroup into {members}: {failed}")
+        g.state = "grouped"
+        self.m_ops.labels("regroup", "ok").inc()
+        self.m_ops.labels("join", "ok").inc()
+        self.front.record("group_regroup", outcome="ok", recomputed={str(i): 0 for i in members},
+                          moved_regions={str(i): o.get("moved_regions", 0) for i, o in zip(members, outs)}, **common)
+        return self._joined(g, ranges, reason, "kv", [o.members for o in old], outs, t0, inputs, decision,
+                            kept_kv=True)
+
+    def _joined(self, g: Group, ranges: dict, reason: str, transition: str, regrouped: list | None,
+                outs: list[dict], t0: float, inputs: dict | None, decision: dict | None, **extra) -> dict:
+        """The ``group_join`` event of a group formed (by a join or a restage), recorded and returned."""
+        members = g.members
+        ev = {"group": g.gid, "members": members, "stages": {str(i): list(r) for i, r in ranges.items()},
+              "reason": reason, "transition": transition, "regrouped": regrouped, **extra,
+              "recomputed": {str(i): o.get("recomputed", 0) for i, o in zip(members, outs)},
+              "ms": round((time.perf_counter() - t0) * 1e3, 1), "bytes": sum(o.get("bytes", 0) for o in outs),
+              "blocks": {str(i): [o.get("blocks_before"), o.get("blocks_after")] for i, o in zip(members, outs)},
+              # each engine's own time in the transition (the rest of "ms" is the front end's reads and the
+              # engines' waits for a step to end) and its workers' steps
+              "engine_ms": {str(i): o.get("ms") for i, o in zip(members, outs)},
+              "worker_ms": {str(i): o.get("worker_ms") for i, o in zip(members, outs)},
+              "inputs": inputs, "decision": decision}
+        self.front.record("group_join", outcome="ok", **ev)
+        return ev
 
     async def _dissolve(self, old: list[Group], members: list[int]) -> None:
         """The first step of a regroup: every member of the ``old`` groups abandons its group at

@@ -121,8 +121,9 @@ TURN = Turn(turn_s(os.environ.get("KUNSERVE_STAGE_TURN_MS", "8")))
 #: ``kv_regrow``, ``exchange``, ``foreign_destroy`` on leave): the stage links opened (``connect``),
 #: a member at the join's first barrier (``barrier``), each KV chunk sent (``kv_chunk``), the
 #: committed join's last word (``grown``: the join completes with the peers' base), a member at the
-#: leave's first barrier (``leave_barrier``)
-GROUP_STEPS = ("connect", "barrier", "kv_chunk", "grown", "leave_barrier")
+#: leave's first barrier (``leave_barrier``), a member at a restage's first barrier (``restage_barrier``,
+#: before any layer or region changed; the residency's steps follow)
+GROUP_STEPS = ("connect", "barrier", "kv_chunk", "grown", "leave_barrier", "restage_barrier")
 
 
 class GroupError(RuntimeError):
@@ -483,8 +484,11 @@ class GroupMember:
             with self._rx:
                 self._accepting = False
 
-    def _send_kv(self, peer: str, names: list[str], origin: str, blocks: list[int], to: str) -> int:
-        """Copy ``blocks`` of ``origin``'s KV for attention layers ``names`` to ``peer`` (bulk)."""
+    def _send_kv(self, peer: str, names: list[str], origin: str, blocks: list[int], to: str,
+                 owner: str | None = None) -> int:
+        """Copy ``blocks`` of ``origin``'s KV for attention layers ``names`` to ``peer`` (bulk), where
+        it lands in its ``to`` ("own" or "foreign") place for ``owner``'s requests (default: this
+        member's; a restage moves another member's)."""
         sent, stage = 0, None
         for n in names:
             place = self.res.place(n, origin)
@@ -501,7 +505,7 @@ class GroupMember:
                 data = stage[:len(ids) * page].view(len(ids), page)
                 torch.index_select(_pages(src, page), 0, torch.tensor(ids, dtype=torch.long, device=src.device),
                                    out=data)
-                self.bulk[peer].call("kv_put", {"name": n, "origin": self.name, "to": to, "blocks": ids},
+                self.bulk[peer].call("kv_put", {"name": n, "origin": owner or self.name, "to": to, "blocks": ids},
                                      {"data": data})
                 sent += data.numel()
         return sent
@@ -571,6 +575,131 @@ class GroupMember:
         stats["ms"]["grown_barrier"] = (time.perf_counter() - t1) * 1e3
         return {"mapped_blocks": mapped, "peer_foreign": peer_foreign, "seconds": time.perf_counter() - t0,
                 "bytes_sent": stats["bytes_sent"], "ms": {k: round(v, 1) for k, v in stats["ms"].items()}}
+
+    def restage(self, p: dict) -> dict:
+        """Move to another stage of a regrouped group keeping every request's KV (live groups, and
+        lone engines with them, merging into a larger one): afterwards this worker runs every layer no span of
+        ``p["spans"]`` ([lo, hi, peer]: who of its new group runs the rest) names, and hosts the KV
+        of ``p["peers"]`` (its new group: name -> {stage, blocks}) for those layers.
+
+        ``p["members"]``: every engine of the transition (the old groups' members, which are the
+        new groups' too) -> its stage address; ``p["holders"]``: origin -> [[lo, hi, holder]], who
+        holds each member's requests' KV of each layer afterwards (the same on every member);
+        ``p["held"]``: this engine's block ids with contents; ``p["kv_blocks"]``: the block count to
+        shrink to first (None: none). The members first meet at a barrier, each with its engine
+        paused, so no step of any of them runs a span anywhere after it; then the residency
+        restages (:meth:`LayerResidency.restage`), its exchange sending each (origin, layer) KV held
+        here whose holder changes to that holder, and waiting for every member's. A failure up to
+        the exchange rolls back on every member (they hear it at the next barrier); after the
+        exchange the KV has moved, and the caller abandons (every request recomputed). A lone
+        engine merged with live groups restages too (``p["name"]``: its member name), from every
+        layer: a join whose KV goes to, and comes from, whichever member holds it."""
+        lone = not self.res.dropped
+        if lone:
+            self.name = str(p["name"])
+            self._leaves = 0
+            _trace_group(self.name)
+        elif p.get("name", self.name) != self.name:
+            raise GroupError(f"restage: this member is {self.name}, not {p['name']}")
+        # the controller's view (``p["grouped"]``): a member it saw grouped that is alone now has
+        # abandoned its group meanwhile (a peer's restage failed first) and must not take part; it
+        # tells the others at once (below), whose words its abandon may have cleared
+        gone = bool(p.get("grouped", not lone)) and lone
+        timeout = float(p.get("timeout_s", 120.0))
+        t_in = time.perf_counter()
+        L = len(self.layers)
+        spans = [(int(lo), int(hi), str(peer)) for lo, hi, peer in p["spans"]]
+        keep = [i for i in range(L) if not any(lo <= i < hi for lo, hi, _ in spans)]
+        holders = {str(o): [(int(lo), int(hi), str(h)) for lo, hi, h in v] for o, v in p["holders"].items()}
+        peers, held = p["peers"], [int(b) for b in p["held"]]
+        kv_blocks = p.get("kv_blocks")
+        nbytes = max(1 << 20, int(p.get("stage_bytes", 1 << 20)))
+        self._begin(str(p.get("restage_id", "")))
+
+        def holder(origin: str, layer: int) -> str:
+            for lo, hi, h in holders.get(origin, ()):
+                if lo <= layer < hi:
+                    return h
+            raise GroupError(f"restage: no holder of layer {layer} for {origin}'s requests")
+
+        opened: list[str] = []
+        stats = {"bytes_sent": 0, "moved": 0, "ms": {}}
+        try:
+            for m, addr in p["members"].items():
+                if m != self.name and m not in self.act:
+                    self.act[m] = StageClient(addr, nbytes=nbytes, timeout_s=min(timeout, SPAN_TIMEOUT_S))
+                    self.bulk[m] = StageClient(addr, nbytes=_BULK_BYTES + (1 << 16), bulk=True, timeout_s=timeout)
+                    opened.append(m)
+            self.res.faults.check("connect")
+            if gone:
+                raise GroupError(f"restage: {self.name} left its group before the regroup reached it")
+            stats["ms"]["connect"] = (time.perf_counter() - t_in) * 1e3
+            t = time.perf_counter()
+            with self._exchange_open():
+                self._signal("restage_paused", {"held": held})
+                self.res.faults.check("restage_barrier")
+                held_of = {o: list(v["held"]) for o, v in self._wait("restage_paused", timeout).items()}
+                held_of[self.name] = held
+                stats["ms"]["paused_barrier"] = (time.perf_counter() - t) * 1e3
+                keep_before = {i for i in range(L) if i not in self.res.dropped}   # own KV lives only there
+
+                def exchange() -> None:
+                    t = time.perf_counter()
+                    self._signal("restage_ready")
+                    self._wait("restage_ready", timeout)   # every member's new regions exist
+                    t, stats["ms"]["ready_barrier"] = time.perf_counter(), (time.perf_counter() - t) * 1e3
+                    moves: dict[tuple[str, str, str], list[str]] = {}
+                    for k in self.res.kv:
+                        if k.layer < 0 or (not k.origin and k.layer not in keep_before):
+                            continue   # this engine's own KV of a layer it did not run: nothing there
+                        owner = k.origin or self.name
+                        h = holder(owner, k.layer)
+                        if h != self.name:
+                            moves.setdefault((h, k.origin, owner), []).append(k.name)
+                    for (h, origin, owner), names in moves.items():
+                        stats["bytes_sent"] += self._send_kv(h, names, origin, held_of[owner],
+                                                             "own" if h == owner else "foreign", owner=owner)
+                        stats["moved"] += len(names)
+                    t, stats["ms"]["kv_send"] = time.perf_counter(), (time.perf_counter() - t) * 1e3
+                    self._signal("restage_sent")
+                    self._wait("restage_sent", timeout)
+                    stats["ms"]["sent_barrier"] = (time.perf_counter() - t) * 1e3
+
+                t0 = time.perf_counter()
+                mapped = self.res.restage(keep, {o: int(i["blocks"]) for o, i in peers.items()}, exchange,
+                                          kv_blocks=None if kv_blocks is None else int(kv_blocks))
+        except Exception as exc:  # the residency rolled itself back; the members hear it and roll back too
+            self._abort(exc)
+            for m in opened:
+                self.act.pop(m).close()
+                self.bulk.pop(m).close()
+            if lone:
+                self.spans = []
+            raise
+        t1 = time.perf_counter()
+        stats["ms"]["residency"] = (t1 - t0) * 1e3
+        for m in [m for m in self.act if m not in peers]:   # members of the old groups this one leaves
+            self.act.pop(m).close()
+            self.bulk.pop(m).close()
+        for m, info in peers.items():   # (a new peer's links were opened above with every member's)
+            if m not in self.act:
+                self.act[m] = StageClient(info["stage"], nbytes=nbytes, timeout_s=min(timeout, SPAN_TIMEOUT_S))
+                self.bulk[m] = StageClient(info["stage"], nbytes=_BULK_BYTES + (1 << 16), bulk=True,
+                                           timeout_s=timeout)
+        self._uninstall()
+        self.spans = spans
+        self._make_views()
+        self._install()
+        try:   # as a join: each peer hears how many of its blocks this worker can hold now
+            self._signal("grown", {"for": {o: self.res.foreign_blocks(o) for o in peers}})
+            heard = self._wait("grown", timeout)
+            peer_foreign = {o: int(v["for"][self.name]) for o, v in heard.items()}
+        except Exception as exc:  # the restage has committed: go on with what each peer held before
+            logger.warning("kunserve: group %s: no word of the peers' grown KV (%r)", self.name, exc)
+            peer_foreign = {o: int(i["blocks"]) for o, i in peers.items()}
+        return {"mapped_blocks": mapped, "peer_foreign": peer_foreign, "seconds": time.perf_counter() - t0,
+                "bytes_sent": stats["bytes_sent"], "moved_regions": stats["moved"],
+                "ms": {k: round(v, 1) for k, v in stats["ms"].items()}}
 
     def _make_views(self) -> None:
         self.views = {(k.origin, k.name): self.make_view(k.name, k.region) for k in self.res.kv if k.origin}

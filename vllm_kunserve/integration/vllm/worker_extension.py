@@ -161,6 +161,11 @@ class KunServeWorkerExtension:
 
         return member(self).leave(params)
 
+    def kunserve_group_restage(self, params: dict) -> dict:
+        from vllm_kunserve.integration.vllm.pipeline import member
+
+        return member(self).restage(params)
+
     def kunserve_group_state(self) -> dict:
         from vllm_kunserve.integration.vllm.pipeline import member
 

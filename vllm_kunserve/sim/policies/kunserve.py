@@ -11,12 +11,13 @@ further. The simulator only times the mechanisms:
   moves to the new owner over the instance link. With coordinated exchange the group keeps running
   while KV streams in chunks sized to about one pipeline stage, so only the first chunk stalls it;
   without it the group waits for the whole exchange.
-* regroup (a live group merged into a larger one), as the fleet carries it out: the live group's
-  members load their dropped layers back from the host copies (PCIe) and its running requests lose
-  their KV and are computed again on the new group; lone instances in the merge exchange as above.
-  The paper's Fig. 6 regroup keeps the KV (it moves to the members that hold its layers in the
-  larger group); the fleet cannot, so the simulator does not either, unless ``regroup_keeps_kv=True``
-  (what building that mechanism would buy; no fleet counterpart).
+* regroup (a live group merged into a larger one), as the fleet carries it out (``group_restage``,
+  the paper's Fig. 6): the KV stays, each (request owner, layer) range moving to the member that
+  holds the layer in the larger group, timed as a drop's exchange; the plan keeps every member on a
+  sub-range of the layers it holds, so nothing reloads. With ``regroup_keeps_kv=False`` the fleet's
+  fallback instead (a restage that failed, or ``drop.transition: reprefill``): the live group's
+  members load their dropped layers back from the host copies (PCIe) and its running requests are
+  computed again on the new group; lone instances in the merge exchange as above.
 * restore: the group's capacity shrinks back at once (the decision guarantees its KV fits), the
   dropped layers load from a peer (link) or the host copy (PCIe) while the group keeps serving, and
   then the group splits; each request's KV gathers on one instance (again chunked, or a full stall).
@@ -37,7 +38,7 @@ class KunServePolicy(Policy):
     def __init__(self, config: KunServeConfig | None = None, dispatch: str = DEFAULT_DISPATCH,
                  lookahead: bool = True, exchange: bool = True, restore: bool = True,
                  cost_model=None, history_s: float = 20.0, regroup: bool | None = None,
-                 regroup_keeps_kv: bool = False):
+                 regroup_keeps_kv: bool = True):
         super().__init__(dispatch)
         self.cfg = config or KunServeConfig()
         self.tick_s = self.cfg.drop.check_interval_s
@@ -86,7 +87,7 @@ class KunServePolicy(Policy):
         # the weights of the layers it drops (those it held before and does not keep)
         L = sim.cfg.model.layers
         lb = sim.cfg.model.layer_bytes
-        # live groups merged further: dissolved, requests recomputed (as the fleet does it)
+        # live groups merged further: restaged keeping the KV (the fleet's), or dissolved and recomputed
         regrouped = [s for s in old if s.k > 1 and not self.regroup_keeps_kv]
         sends, unmapped, reload = {}, {}, {}
         for s in old:
