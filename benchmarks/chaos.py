@@ -4,9 +4,11 @@ Four engines (the tests' 8-layer burst model, 29 MB fp32, KV 0.75x the weights) 
 serve` on this machine's cores; a burst of streamed requests (Poisson arrivals, random prompts,
 ``--output-len`` tokens each, greedy); a driver hard-kills a random ready engine every
 ``--kill-every`` seconds while more than ``--min-ready`` are ready (a killed engine restarts, which
-takes tens of seconds on these cores) and forces a drop of two random ready engines, then a
-restore, every ``--ops-every`` seconds. Reference: the same requests on the same fleet before the
-driver starts. See ``vllm_kunserve/bench/chaos.py``.
+takes minutes on two cores while the others serve: a restart may not finish within the run) and,
+in turn every ``--ops-every`` seconds, forces a drop of two random ready engines, a drop of every
+ready engine (a regroup keeping the KV where a live group lies whole inside it) and a restore.
+Reference: the same requests on the same fleet before the driver starts. See
+``vllm_kunserve/bench/chaos.py``.
 
     python benchmarks/chaos.py [--requests 400] [--duration 240]
 
@@ -72,9 +74,11 @@ def main() -> int:
              f"{s['requests']}**" + (f"; failed: {s['failed']}" if s["failed"] else "")
              + (f"; differing: {s['differ']}" if s["differ"] else ""), "",
              "## What happened", ""]
-    lines += md_table(["kills", "drops formed", "drops refused", "restores ordered", "group ops (op, outcome: n)",
-                       "failovers (re-prefills)", "migrations", "engine restarts"], "rrrrlrrr",
-                      [[s["kills"], s["drops_ok"], s["drops_refused"], s["restores"],
+    lines += md_table(["kills", "drops formed", "of them regroups keeping the KV", "drops refused",
+                       "restores ordered", "group ops (op, outcome: n)", "failovers (re-prefills)", "migrations",
+                       "engine restarts"],
+                      "rrrrrlrrr",
+                      [[s["kills"], s["drops_ok"], s["regroups_kept_kv"], s["drops_refused"], s["restores"],
                         ", ".join(f"{k}: {v}" for k, v in sorted(f["group_ops"].items())) or "-",
                         f["failovers"], f["migrations"], f["engine_restarts"]]])
     lines += ["", "## TTFT (s)", "",
@@ -85,6 +89,7 @@ def main() -> int:
                       [["near a kill", *fmt(s["ttft_near_kill"])], ["calm", *fmt(s["ttft_calm"])]])
     lines += ["", "Driver actions, in order: " + "; ".join(
         f"{x['t']:.0f} s {x['action']}" + (f" {x.get('instance', x.get('instances', ''))}" if x["action"] != "restore" else "")
+        + (" (a regroup, KV kept)" if x.get("kept_kv") else "")
         + ("" if x["status"] == 200 else f" ({x['status']})") for x in run.actions), ""]
     (OUT / "chaos.md").write_text("\n".join(lines))
     print("\n".join(lines))

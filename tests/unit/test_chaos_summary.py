@@ -32,12 +32,15 @@ def test_summary_counts_identity_and_the_requests_a_kill_hit():
     run = ChaosRun(ChaosSpec(requests=4), ref, got,
                    actions=[{"t": 4.0, "action": "kill", "instance": 1, "status": 200},
                             {"t": 5.0, "action": "drop", "instances": [0, 2], "status": 409},
+                            {"t": 6.0, "action": "drop", "kind": "all", "instances": [0, 2, 3], "status": 200,
+                             "regrouped": [[0, 2]], "kept_kv": True},
                             {"t": 9.0, "action": "restore", "status": 200}],
                    status={"metrics": metrics, "instances": [{"instance": 0, "restarts": 1}]})
     s = summarise(run)
     assert (s["requests"], s["completed"], s["token_identical"]) == (4, 3, 2)
     assert s["differ"] == [2] and s["failed"] == [{"idx": 3, "error": "HTTP 503"}]
     assert s["kills"] == 1 and s["drops_refused"] == 1 and s["restores"] == 1
+    assert s["drops_ok"] == 1 and s["regroups_kept_kv"] == 1
     assert s["ttft_near_kill"]["n"] == 2 and s["ttft_calm"]["n"] == 1
     assert s["fleet"]["failovers"] == 3 and s["fleet"]["group_ops"] == {"{op=join}{outcome=ok}": 3}
     assert s["restarts"] == {"0": 1}

@@ -278,6 +278,8 @@ def test_a_regroup_keeps_the_kv_each_member_restaging_to_a_sub_range_of_what_it_
     calls.clear()
     with pytest.raises(GroupOpError, match="only whole"):
         asyncio.run(gc.form([1, 2]))
+    with pytest.raises(GroupOpError, match="already form group 2"):   # a drop that would change nothing
+        asyncio.run(gc.form([3, 2]))
     assert calls == []
     ev = asyncio.run(gc.form([0, 1, 2, 3]))
     assert [name for i, name, b in calls] == ["group_restage"] * 4

@@ -388,36 +388,6 @@ def test_two_live_pairs_regroup_into_four_while_requests_stream(forced, fault):
             == {i["instance"]: i["kv"]["capacity_blocks"] for i in base["instances"]})
 
 
-@pytest.mark.ray
-def test_ray_engines_group_on_their_host_token_identical(burst_model, tmp_path_factory):
-    """`--backend ray` (local Ray) runs kunserve engines as actors: each reports its node's host, the
-    planner groups them (one host), the group's outputs equal the ungrouped ones, and restore splits it."""
-    log = tmp_path_factory.mktemp("drop-ray") / "serve.log"
-    with KunserveCluster(str(burst_model), ARGS, {"drop": {"enable": False}}, log_path=log, instances=2,
-                         startup_timeout_s=600, backend="ray",
-                         extra=["--monitor-interval", "0.25", "--log-dir", str(log.parent)]) as srv:
-        url = srv.url
-
-        async def go():
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
-                refs = {p: (await complete(s, url, p, max_tokens=64)).token_ids for p in PROMPTS[:3]}
-                before = await status(s, url)
-                code, ev = await op(s, url, "drop", {"instances": [0, 1]})
-                grouped = await status(s, url)
-                outs = [await complete(s, url, p, max_tokens=64, stream=True) for p in PROMPTS[:3]]
-                rcode, _ = await op(s, url, "restore", {})
-                split = await _wait_split(s, url)
-                return refs, before, code, ev, grouped, outs, rcode, split
-        refs, before, code, ev, grouped, outs, rcode, split = asyncio.run(go())
-    hosts = {i["kv"]["engine"].get("host", "") for i in before["instances"]}
-    assert len(hosts) == 1 and "" not in hosts, before["instances"]
-    assert code == 200 and ev["members"] == [0, 1], ev
-    (g,) = grouped["groups"]
-    assert g["state"] == "grouped" and g["members"] == [0, 1]
-    assert [o.token_ids for o in outs] == [refs[p] for p in PROMPTS[:3]] and all(len(o.token_ids) == 64 for o in outs)
-    assert rcode == 200 and not split["groups"]
-
-
 def test_chaos_every_request_completes_token_identical_while_engines_die(forced):
     """Chaos under a burst (vllm_kunserve/bench/chaos.py; the longer run and its doc: benchmarks/chaos.py):
     the four engines serve streamed requests while a driver hard-kills a random engine every few

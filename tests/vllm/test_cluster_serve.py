@@ -1,5 +1,6 @@
 """`kunserve serve` with 2 real vLLM-CPU engines behind the front end: concurrency, bad input,
-migration (re-prefill) token-identical to an unmigrated run, and an engine killed mid-run."""
+migration (re-prefill) token-identical to an unmigrated run, an engine killed mid-run, and on Ray a
+pipeline group of the two."""
 
 from __future__ import annotations
 
@@ -22,11 +23,15 @@ PROMPTS = [f"request {i}: the cache holds {i * 7} blocks and" for i in range(8)]
 
 @pytest.fixture(scope="module", params=["local", pytest.param("ray", marks=pytest.mark.ray)])
 def cluster(request, tiny_model, tmp_path_factory):
-    """Two stock engines behind the front end, as local processes and as Ray actors."""
+    """Two engines behind the front end: stock vLLM as local processes, and kunserve engines (their
+    monitor never drops by itself) as Ray actors: one Ray fleet serves this module's tests and the
+    cluster drop's on Ray."""
     log = tmp_path_factory.mktemp(f"cluster-{request.param}") / "serve.log"
-    srv = KunserveCluster(str(tiny_model), ARGS, None, log_path=log, instances=2, startup_timeout_s=400,
+    config = {"drop": {"enable": False}} if request.param == "ray" else None
+    srv = KunserveCluster(str(tiny_model), ARGS, config, log_path=log, instances=2, startup_timeout_s=600,
                           backend=request.param, extra=["--monitor-interval", "0.25", "--log-dir", str(log.parent)])
     with srv:
+        srv.backend = request.param
         yield srv
 
 
@@ -187,6 +192,39 @@ def _wait_restarted(url: str, instance: int, restarts: int) -> dict:
             return st
         assert time.monotonic() < deadline, st["instances"]
         time.sleep(1)
+
+
+def test_ray_engines_group_on_their_host_token_identical(cluster):
+    """`--backend ray` (local Ray) runs kunserve engines as actors: each reports its node's host, the
+    planner groups them (one host), the group's outputs equal the ungrouped ones, and restore splits it."""
+    if cluster.backend != "ray":
+        pytest.skip("cluster drop with local engines: tests/vllm/test_cluster_drop.py")
+    url = cluster.url
+
+    async def go():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+            refs = {p: (await complete(s, url, p, max_tokens=48)).token_ids for p in PROMPTS[:3]}
+            before = await status(s, url)
+            code, ev = await op(s, url, "drop", {"instances": [0, 1]})
+            grouped = await status(s, url)
+            outs = [await complete(s, url, p, max_tokens=48, stream=True) for p in PROMPTS[:3]]
+            rcode, _ = await op(s, url, "restore", {})
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 120:
+                split = await status(s, url)
+                if not split["groups"] and all(i["kv"].get("engine", {}).get("phase") == "base"
+                                               for i in split["instances"]):
+                    break
+                await asyncio.sleep(0.25)
+            return refs, before, code, ev, grouped, outs, rcode, split
+    refs, before, code, ev, grouped, outs, rcode, split = asyncio.run(go())
+    hosts = {i["kv"]["engine"].get("host", "") for i in before["instances"]}
+    assert len(hosts) == 1 and "" not in hosts, before["instances"]
+    assert code == 200 and ev["members"] == [0, 1], ev
+    (g,) = grouped["groups"]
+    assert g["state"] == "grouped" and g["members"] == [0, 1]
+    assert [o.token_ids for o in outs] == [refs[p] for p in PROMPTS[:3]] and all(len(o.token_ids) == 48 for o in outs)
+    assert rcode == 200 and not split["groups"], split["groups"]
 
 
 def test_engine_killed_mid_run_every_request_completes_and_restarts(cluster):

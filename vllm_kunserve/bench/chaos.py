@@ -34,7 +34,9 @@ class ChaosSpec:
     output_len: int = 64
     kill_every_s: float = 8.0      # one kill per period, while more than ``min_ready`` engines are ready
     min_ready: int = 1             # never kill below this many ready engines (restarts take a while)
-    ops_every_s: float = 5.0       # a forced drop (two random ready engines), then a restore, in turn
+    # in turn, one per period: a forced drop of two random ready engines, a drop of every ready engine
+    # (a regroup where live groups lie whole inside it: their KV moves, nothing recomputed), a restore
+    ops_every_s: float = 5.0
     seed: int = 0
     model: str = "m"
 
@@ -78,7 +80,7 @@ async def _op(s: aiohttp.ClientSession, url: str, name: str, body: dict, token: 
 
 async def _driver(url: str, spec: ChaosSpec, t0: float, stop: asyncio.Event, actions: list[dict], token: str) -> None:
     rnd = random.Random(spec.seed + 1)
-    next_kill, next_op, drop_next = spec.kill_every_s, spec.ops_every_s / 2, True
+    next_kill, next_op, op_n = spec.kill_every_s, spec.ops_every_s / 2, 0
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
         while not stop.is_set():
             now = time.perf_counter() - t0
@@ -98,16 +100,19 @@ async def _driver(url: str, spec: ChaosSpec, t0: float, stop: asyncio.Event, act
                     ready.remove(victim)
             if now >= next_op:
                 next_op += spec.ops_every_s
-                if drop_next and len(ready) >= 2:
-                    members = sorted(rnd.sample(ready, 2))
+                kind = ("pair", "all", "restore")[op_n % 3]
+                op_n += 1
+                if kind != "restore" and len(ready) >= 2:
+                    members = sorted(rnd.sample(ready, 2)) if kind == "pair" else sorted(ready)
                     code, res = await _op(s, url, "drop", {"instances": members}, token)
-                    actions.append({"t": round(now, 3), "action": "drop", "instances": members, "status": code,
-                                    "error": None if code == 200 else str(res)[:200]})
-                elif not drop_next:
+                    actions.append({"t": round(now, 3), "action": "drop", "kind": kind, "instances": members,
+                                    "status": code, "error": None if code == 200 else str(res)[:200],
+                                    "regrouped": res.get("regrouped") if isinstance(res, dict) else None,
+                                    "kept_kv": bool(res.get("kept_kv")) if isinstance(res, dict) else False})
+                elif kind == "restore":
                     code, res = await _op(s, url, "restore", {}, token)
                     actions.append({"t": round(now, 3), "action": "restore", "status": code,
                                     "error": None if code == 200 else str(res)[:200]})
-                drop_next = not drop_next
             try:
                 await asyncio.wait_for(stop.wait(), 0.25)
             except asyncio.TimeoutError:
@@ -194,6 +199,8 @@ def summarise(run: ChaosRun, fault_window_s: float = 10.0) -> dict:
         "kills": len(kills), "drops_ok": sum(1 for a in run.actions if a["action"] == "drop" and a["status"] == 200),
         "drops_refused": sum(1 for a in run.actions if a["action"] == "drop" and a["status"] != 200),
         "restores": sum(1 for a in run.actions if a["action"] == "restore"),
+        "regroups_kept_kv": sum(1 for a in run.actions if a["action"] == "drop" and a["status"] == 200
+                                and a.get("kept_kv")),
         "fleet": {"group_ops": {k.split("kunserve:group_ops", 1)[1]: int(v) for k, v in m.items()
                                 if k.startswith("kunserve:group_ops")},
                   "failovers": int(sum(v for k, v in m.items() if k.startswith("kunserve:failovers"))),

@@ -477,7 +477,8 @@ class EngineAgent:
         try:
             self.faults.check("bookkeeping")
             outs = self._workers("kunserve_group_restage", {
-                "name": name, "grouped": bool(params.get("grouped", not lone)), "spans": spans, "peers": peers, "members": {m: a for m, a in members.items() if m != name},
+                "name": name, "grouped": bool(params.get("grouped", not lone)), "spans": spans, "peers": peers,
+                "members": {m: a for m, a in members.items() if m != name},
                 "holders": holders, "held": held, "timeout_s": timeout, "stage_bytes": self._stage_bytes(),
                 "restage_id": str(params.get("restage_id", ""))})
         except Exception as exc:
@@ -501,7 +502,8 @@ class EngineAgent:
         self._pipeline, self._pipeline_read_at = None, 0.0
         self._after_transition()
         return self._event("group_restage", "ok", time.perf_counter() - t0, sum(o["bytes_sent"] for o in outs),
-                           drop=drop, old_peers=old_peers, joined=lone or None, peers=sorted(peers), held_blocks=len(held),
+                           drop=drop, old_peers=old_peers, joined=lone or None, peers=sorted(peers),
+                           held_blocks=len(held),
                            blocks_before=st.visible, blocks_after=self.sched.state().visible, own_blocks=own,
                            peer_blocks=peer_cap, moved_regions=sum(o.get("moved_regions", 0) for o in outs),
                            worker_s=round(max(o["seconds"] for o in outs), 4),

@@ -273,11 +273,12 @@ class GroupController:
                    decision: dict | None = None, transition: str | None = None,
                    stages: dict[int, tuple[int, int]] | None = None) -> dict:
         """Form one group of ``members``, each holding its range of ``stages`` (the drop plan's;
-        default: balanced ranges in the members' order). ``transition``: how ongoing requests cross
-        over, ``kv`` (their KV of the layers changing hands moves, the default) or ``reprefill`` (they
-        are recomputed); a failed KV exchange is retried once by re-prefill. Members already in live
-        groups regroup: each such group must lie wholly inside ``members`` and is dissolved first
-        (:meth:`_dissolve`)."""
+        default: balanced ranges in pipeline order, :meth:`_ranges`). ``transition``: how ongoing
+        requests cross over, ``kv`` (their KV of the layers changing hands moves, the default) or
+        ``reprefill`` (they are recomputed); a failed KV exchange is retried once by re-prefill.
+        Members already in live groups regroup: each such group must lie wholly inside ``members``;
+        with ``kv`` every member restages keeping the KV (:meth:`_restage`), else, or where that
+        fails, the groups are dissolved first (:meth:`_dissolve`)."""
         transition = transition or self.cfg.drop.transition
         try:
             return await self._form(members, reason, inputs, decision, transition, stages)
@@ -301,6 +302,8 @@ class GroupController:
                 raise GroupOpError(f"instance {i} is already in group {g.gid} ({g.state}, members {g.members}); "
                                    f"a larger group may take in a grouped group only whole")
             old.append(g)
+        if len(old) == 1 and set(old[0].members) == set(members):
+            raise GroupOpError(f"instances {members} already form group {old[0].gid}")
         self.busy = True
         t0 = time.perf_counter()
         merged = [g.members for g in old] or None

@@ -124,7 +124,8 @@ def _groups(front: Any):
 
 async def drop(front: Any, body: dict) -> dict:
     """Form one pipeline group of ``instances`` now (their ongoing requests cross over by ``transition``);
-    live groups named whole among them are dissolved first (a regroup), one named in part is a 409."""
+    live groups named whole among them regroup (their KV kept; dissolved where that fails), one named in
+    part is a 409."""
     groups = _groups(front)
     n = len(front.fleet.engines)
     members = body.get("instances")
