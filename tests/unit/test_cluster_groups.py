@@ -297,6 +297,22 @@ def test_a_regroup_keeps_the_kv_each_member_restaging_to_a_sub_range_of_what_it_
     assert gc.m_ops.labels("regroup", "ok")._value.get() == 1
 
 
+def test_a_regroup_with_a_member_gone_asks_nothing_and_keeps_the_groups():
+    """A member is not live when the regroup starts: nothing is asked of any engine, the live pairs
+    stay as they are, and there is no re-prefill retry (it would dissolve them first, for nothing)."""
+    front, gc, calls = _controller(4)
+    asyncio.run(gc.form([0, 1]))
+    asyncio.run(gc.form([2, 3]))
+    calls.clear()
+    async def fresh(members):   # the real read's refusal (the stand-in reads every state)
+        raise GroupOpError("instance 3 is not a live group member")
+    gc._fresh_states = fresh
+    with pytest.raises(GroupOpError, match="regroup into .*instance 3 is not a live group member"):
+        asyncio.run(gc.form([0, 1, 2, 3]))
+    assert calls == [] and not gc.busy
+    assert [(g["members"], g["state"]) for g in gc.view()] == [([0, 1], "grouped"), ([2, 3], "grouped")]
+
+
 def test_a_live_pair_and_two_lone_instances_restage_into_four_together():
     front, gc, calls = _controller(4)
     asyncio.run(gc.form([0, 1]))

@@ -381,8 +381,11 @@ class GroupController:
         nothing is recomputed. Where any member fails, every member ends alone: the failed ones by
         themselves (a grouped one abandons, a lone one rolls back), the others are told to abandon
         (their requests recomputed), and :class:`RestageError` says so."""
-        states = await self._fresh_states(members)
-        ranges = self._ranges(members, len(states[members[0]].layers), stages)
+        try:
+            states = await self._fresh_states(members)
+            ranges = self._ranges(members, len(states[members[0]].layers), stages)
+        except GroupOpError as exc:   # nothing asked of an engine: the groups stay, and no re-prefill retry
+            raise RegroupError(f"regroup into {members}: {exc}") from None   # (it would dissolve them first)
         self._ids += 1
         g = Group(self._ids, members, ranges, reason=reason)
         self.groups.append(g)
