@@ -386,13 +386,9 @@ class EngineAgent:
         if not (isinstance(drop, list) and drop and all(isinstance(i, int) and 0 <= i < L for i in drop)
                 and len(set(drop)) < L):
             raise ControlRequestError(f"group_join: 'drop' must list 1..{L - 1} layer indices in 0..{L - 1}")
-        if not (isinstance(spans, list) and all(isinstance(s, list) and len(s) == 3 and isinstance(s[0], int)
-                                                and isinstance(s[1], int) and isinstance(s[2], str) for s in spans)
-                and sorted(i for lo, hi, _ in spans for i in range(lo, hi)) == sorted(set(drop))):
+        if not (_spans_ok(spans, L) and sorted(i for lo, hi, _ in spans for i in range(lo, hi)) == sorted(set(drop))):
             raise ControlRequestError("group_join: 'spans' must be [[lo, hi, peer], ...] covering exactly the dropped layers")
-        if not (isinstance(peers, dict) and peers and all(isinstance(v, dict) and isinstance(v.get("stage"), str)
-                                                         and isinstance(v.get("blocks"), int) for v in peers.values())
-                and {p for _, _, p in spans} <= set(peers) and name not in peers):
+        if not _peers_ok(peers, spans, name):
             raise ControlRequestError("group_join: 'peers' must map each peer named in spans to {stage, blocks}")
         timeout = _number(params, "timeout_s", 120.0, 1.0, 3600.0, "group_join")
         transition = params.get("transition", "kv")
@@ -449,16 +445,12 @@ class EngineAgent:
         if not isinstance(name, str) or not name:
             raise ControlRequestError("group_restage: 'name' must be a non-empty string (this engine is not grouped)")
         old_peers = sorted(self.group["peers"]) if self.group else []
-        if not (isinstance(spans, list) and spans and all(isinstance(s, list) and len(s) == 3 and isinstance(s[0], int)
-                                                          and isinstance(s[1], int) and isinstance(s[2], str)
-                                                          and 0 <= s[0] < s[1] <= L for s in spans)):
+        if not (spans and _spans_ok(spans, L)):
             raise ControlRequestError("group_restage: 'spans' must be [[lo, hi, peer], ...] within the layers")
         drop = sorted(i for lo, hi, _ in spans for i in range(lo, hi))
         if len(drop) != len(set(drop)) or not 0 < len(drop) < L:
             raise ControlRequestError(f"group_restage: 'spans' must not overlap and must leave 1..{L - 1} layers here")
-        if not (isinstance(peers, dict) and peers and all(isinstance(v, dict) and isinstance(v.get("stage"), str)
-                                                         and isinstance(v.get("blocks"), int) for v in peers.values())
-                and {p for _, _, p in spans} <= set(peers) and name not in peers):
+        if not _peers_ok(peers, spans, name):
             raise ControlRequestError("group_restage: 'peers' must map each peer named in spans to {stage, blocks}")
         if not (isinstance(members, dict) and all(isinstance(v, str) for v in members.values())
                 and set(peers) | set(old_peers) <= set(members) | {name}):
@@ -802,6 +794,21 @@ class EngineAgent:
             with self._ops_done:
                 self._waiting_ops -= 1
                 self._ops_done.notify_all()
+
+
+def _spans_ok(spans: Any, num_layers: int) -> bool:
+    """``spans`` is ``[[lo, hi, peer], ...]`` with ``0 <= lo < hi <= num_layers``."""
+    return isinstance(spans, list) and all(
+        isinstance(s, list) and len(s) == 3 and isinstance(s[0], int) and isinstance(s[1], int)
+        and isinstance(s[2], str) and 0 <= s[0] < s[1] <= num_layers for s in spans)
+
+
+def _peers_ok(peers: Any, spans: list, name: str) -> bool:
+    """``peers`` maps every peer the spans name (never this member, ``name``) to {stage, blocks}."""
+    return (isinstance(peers, dict) and bool(peers)
+            and all(isinstance(v, dict) and isinstance(v.get("stage"), str) and isinstance(v.get("blocks"), int)
+                    for v in peers.values())
+            and {p for _, _, p in spans} <= set(peers) and name not in peers)
 
 
 def _int(params: dict, key: str, default: int, lo: int, hi: int) -> int:

@@ -339,30 +339,15 @@ class LayerResidency:
         if any(o in self.peers for o in peers) or any(not o for o in peers):
             raise ValueError(f"join: peers {sorted(peers)} must be new, non-empty names (have {list(self.peers)})")
         kept = [k for k in self.kv if not k.origin and k.layer >= 0 and k.layer not in D]
-
-        def create() -> None:
-            for origin, blocks in peers.items():
-                for k in kept:
-                    region = self.pool.create_kv_region(f"kv@{origin}:{k.name}", self.max_blocks * k.page_bytes, 0)
-                    self.kv.append(KVPlace(k.name, region, k.page_bytes, k.layer, origin))
-                    need = -(-blocks * k.page_bytes // self.pool.chunk_bytes) - self.pool.num_free_chunks
-                    if need > 0:  # the freed weights did not cover it (KV larger than the weights)
-                        self.pool.add_chunks(need)
-                    self.pool.resize_kv({region: blocks * k.page_bytes})
-                    region.view(torch.uint8).zero_()
-
-        def destroy() -> None:
-            for k in [k for k in self.kv if k.origin in peers]:
-                self.pool.destroy_region(k.region)
-                self.kv.remove(k)
-
+        created: list[KVPlace] = []
         own_dropped = [k for k in self.kv if not k.origin and k.layer in D]
         prev = {k.region: k.region.mapped_bytes for k in own_dropped}
 
         def body(tx: Transaction) -> None:
             for i in D:
                 self._t_release(tx, i, LayerState.DROPPED)
-            tx.step("foreign_create", create, destroy)
+            tx.step("foreign_create", lambda: self._host_peers(peers, kept, created),
+                    lambda: self._drop_regions(created))
             tx.step("exchange", exchange)
             tx.step("kv_free", lambda: self._resize({k.region: 0 for k in own_dropped}),
                     lambda: self._resize(prev))
@@ -400,23 +385,14 @@ class LayerResidency:
         own_dropped = [k for k in self.kv if not k.origin and k.layer in D]
         foreign = [k for k in self.kv if k.origin]
 
-
-        def destroy() -> None:
-            for k in foreign:
-                self.pool.destroy_region(k.region)
-                self.kv.remove(k)
-
         def body(tx: Transaction) -> None:
-            places = self._active(None)
-            prev = {k.region: k.region.mapped_bytes for k in places}
-            targets = self._kv_targets(places, kv_blocks, "kv_shrink")
-            tx.step("kv_shrink", lambda: (self._drain(), self._resize(targets)), lambda: self._resize(prev))
+            self._t_kv(tx, "kv_shrink", kv_blocks)
             for i in D:
                 self._t_reload(tx, i, lambda i=i: image_of(i))
             tx.step("kv_regrow", lambda: self._map(own_dropped, kv_blocks),
                     lambda: self._resize({k.region: 0 for k in own_dropped}))
             tx.step("exchange", exchange)
-            tx.step("foreign_destroy", destroy)
+            tx.step("foreign_destroy", lambda: self._drop_regions(foreign))
         return self._run("leave", body, commit, layers=list(D), peers=list(self.peers),
                          nbytes=sum(self.weights[i].max_bytes for i in D), source=source)
 
@@ -458,54 +434,25 @@ class LayerResidency:
         own_new = [k for k in self.kv if not k.origin and k.layer in reload]
         own_gone = [k for k in self.kv if not k.origin and k.layer in release]
         kept_own = [k for k in self.kv if not k.origin and k.layer in K]
-        have = {(k.origin, k.name) for k in self.kv if k.origin}
         created: list[KVPlace] = []
-
-        def create() -> None:
-            for origin, blocks in peers.items():
-                for k in kept_own:
-                    if (origin, k.name) in have:
-                        continue
-                    region = self.pool.create_kv_region(f"kv@{origin}:{k.name}", self.max_blocks * k.page_bytes, 0)
-                    place = KVPlace(k.name, region, k.page_bytes, k.layer, origin)
-                    self.kv.append(place)
-                    created.append(place)
-                    need = -(-blocks * k.page_bytes // self.pool.chunk_bytes) - self.pool.num_free_chunks
-                    if need > 0:
-                        self.pool.add_chunks(need)
-                    self.pool.resize_kv({region: blocks * k.page_bytes})
-                    region.view(torch.uint8).zero_()
-
-        def uncreate() -> None:
-            while created:
-                k = created.pop()
-                self.pool.destroy_region(k.region)
-                self.kv.remove(k)
-
-        def destroy() -> None:
-            for k in [k for k in self.kv if k.origin and (k.origin not in peers or k.layer not in K)]:
-                self.pool.destroy_region(k.region)
-                self.kv.remove(k)
-
         prev_gone = {k.region: k.region.mapped_bytes for k in own_gone}
 
         def body(tx: Transaction) -> None:
             if kv_blocks is not None:
-                places = self._active(None)
-                prev = {k.region: k.region.mapped_bytes for k in places}
-                targets = self._kv_targets(places, own_blocks, "kv_shrink")
-                tx.step("kv_shrink", lambda: (self._drain(), self._resize(targets)), lambda: self._resize(prev))
+                self._t_kv(tx, "kv_shrink", own_blocks)
             for i in release:
                 self._t_release(tx, i, LayerState.DROPPED)
             for i in reload:
                 self._t_reload(tx, i, lambda i=i: image_of(i))
             tx.step("kv_regrow", lambda: self._map(own_new, own_blocks),
                     lambda: self._resize({k.region: 0 for k in own_new}))
-            tx.step("foreign_create", create, uncreate)
+            tx.step("foreign_create", lambda: self._host_peers(peers, kept_own, created),
+                    lambda: self._drop_regions(created))
             tx.step("exchange", exchange)
             tx.step("kv_free", lambda: self._resize({k.region: 0 for k in own_gone}),
                     lambda: self._resize(prev_gone))
-            tx.step("foreign_destroy", destroy)
+            tx.step("foreign_destroy", lambda: self._drop_regions(
+                [k for k in self.kv if k.origin and (k.origin not in peers or k.layer not in K)]))
             t = time.perf_counter()
             self._grow_best_effort()  # the KV moved: a failure here must not roll back
             tx.step_ms["kv_grow_after"] = (time.perf_counter() - t) * 1e3
@@ -649,6 +596,32 @@ class LayerResidency:
         for i in range(len(self.layers)):
             if self.states[i] is not LayerState.DROPPED:
                 self.adapter.point(i, self.streamer.slot_of(i) if i in on else None)
+
+    def _host_peers(self, peers: dict[str, int], kept: Sequence[KVPlace], created: list[KVPlace]) -> None:
+        """A KV region for each peer in ``peers`` (name -> its block count) and each of this engine's
+        own places ``kept`` that it does not host yet, mapped for the peer's block count (the pool
+        grown by what the freed weights did not cover: KV larger than the weights) and zeroed; each
+        new place is appended to ``created`` (what the undo drops)."""
+        have = {(k.origin, k.name) for k in self.kv if k.origin}
+        for origin, blocks in peers.items():
+            for k in kept:
+                if (origin, k.name) in have:
+                    continue
+                region = self.pool.create_kv_region(f"kv@{origin}:{k.name}", self.max_blocks * k.page_bytes, 0)
+                place = KVPlace(k.name, region, k.page_bytes, k.layer, origin)
+                self.kv.append(place)
+                created.append(place)
+                need = -(-blocks * k.page_bytes // self.pool.chunk_bytes) - self.pool.num_free_chunks
+                if need > 0:
+                    self.pool.add_chunks(need)
+                self.pool.resize_kv({region: blocks * k.page_bytes})
+                region.view(torch.uint8).zero_()
+
+    def _drop_regions(self, places: Sequence[KVPlace]) -> None:
+        """Destroy the regions of ``places`` (peers' KV) and forget them."""
+        for k in places:
+            self.pool.destroy_region(k.region)
+            self.kv.remove(k)
 
     def _map(self, places: Sequence[KVPlace], blocks: int) -> None:
         """Map ``blocks`` in each of ``places`` (own regions of layers coming back), the pool grown

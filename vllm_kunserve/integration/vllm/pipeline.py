@@ -527,9 +527,7 @@ class GroupMember:
         nbytes = max(1 << 20, int(p.get("stage_bytes", 1 << 20)))
         try:
             for peer, info in peers.items():
-                self.act[peer] = StageClient(info["stage"], nbytes=nbytes, timeout_s=min(timeout, SPAN_TIMEOUT_S))
-                self.bulk[peer] = StageClient(info["stage"], nbytes=_BULK_BYTES + (1 << 16), bulk=True,
-                                              timeout_s=timeout)
+                self._connect(peer, info["stage"], nbytes, timeout)
             self.res.faults.check("connect")
             self.spans = [(int(lo), int(hi), str(peer)) for lo, hi, peer in p["spans"]]
             held = [int(b) for b in p["held"]]
@@ -625,10 +623,9 @@ class GroupMember:
         opened: list[str] = []
         stats = {"bytes_sent": 0, "moved": 0, "ms": {}}
         try:
-            for m, addr in p["members"].items():
+            for m, addr in p["members"].items():   # the new peers among them (the agent checks)
                 if m != self.name and m not in self.act:
-                    self.act[m] = StageClient(addr, nbytes=nbytes, timeout_s=min(timeout, SPAN_TIMEOUT_S))
-                    self.bulk[m] = StageClient(addr, nbytes=_BULK_BYTES + (1 << 16), bulk=True, timeout_s=timeout)
+                    self._connect(m, addr, nbytes, timeout)
                     opened.append(m)
             self.res.faults.check("connect")
             if gone:
@@ -670,22 +667,11 @@ class GroupMember:
                                           kv_blocks=None if kv_blocks is None else int(kv_blocks))
         except Exception as exc:  # the residency rolled itself back; the members hear it and roll back too
             self._abort(exc)
-            for m in opened:
-                self.act.pop(m).close()
-                self.bulk.pop(m).close()
-            if lone:
-                self.spans = []
+            self._disconnect(opened)
             raise
         t1 = time.perf_counter()
         stats["ms"]["residency"] = (t1 - t0) * 1e3
-        for m in [m for m in self.act if m not in peers]:   # members of the old groups this one leaves
-            self.act.pop(m).close()
-            self.bulk.pop(m).close()
-        for m, info in peers.items():   # (a new peer's links were opened above with every member's)
-            if m not in self.act:
-                self.act[m] = StageClient(info["stage"], nbytes=nbytes, timeout_s=min(timeout, SPAN_TIMEOUT_S))
-                self.bulk[m] = StageClient(info["stage"], nbytes=_BULK_BYTES + (1 << 16), bulk=True,
-                                           timeout_s=timeout)
+        self._disconnect([m for m in self.act if m not in peers])   # members of the old groups it leaves
         self._uninstall()
         self.spans = spans
         self._make_views()
@@ -793,6 +779,16 @@ class GroupMember:
         self.hops = HopTimes()
         return {"mapped_blocks": mapped, "seconds": time.perf_counter() - t0, "bytes_sent": stats["bytes_sent"],
                 "restore": restore, "hops": hops}
+
+    def _connect(self, peer: str, address: str, nbytes: int, timeout: float) -> None:
+        """Open the activation link (``nbytes`` of shared memory) and the bulk link to ``peer``."""
+        self.act[peer] = StageClient(address, nbytes=nbytes, timeout_s=min(timeout, SPAN_TIMEOUT_S))
+        self.bulk[peer] = StageClient(address, nbytes=_BULK_BYTES + (1 << 16), bulk=True, timeout_s=timeout)
+
+    def _disconnect(self, peers: list[str]) -> None:
+        for m in peers:
+            self.act.pop(m).close()
+            self.bulk.pop(m).close()
 
     def _close(self) -> None:
         for c in list(self.act.values()) + list(self.bulk.values()):
