@@ -2,7 +2,7 @@
 
 Two engines, each pinned to its own core (one compute thread), on the Azure LLM conversation trace's
 (2023, CC BY 4.0) arrival times re-timed into a warm phase and a burst, decode-heavy lengths
-(``--lengths decode``, 64 prompt and 256-384 output tokens) or the trace's own lengths scaled to fit
+(``--lengths decode``, 64 prompt and 256-384 output tokens, ``--outputs``) or the trace's own lengths scaled to fit
 (``--lengths azure``: each request's prompt and output times ``--length-scale``, its total clipped to
 ``--max-total-len``). The
 systems, every one on the same engines, trace, client and cores, run interleaved with the order
@@ -23,6 +23,9 @@ Regimes (``--regime``):
 - ``r1``, paper-like: preset ``decode-bf16-mha`` (full multi-head attention, 72 KiB of KV per token)
   with KV for ``--kv-tokens`` (6080) tokens per engine: weights are 60% of an engine's weights + KV,
   so a group holds 1.75x the KV of its members apart.
+- ``r1-fp32``: R1 on CPUs without avx512_bf16 or AMX (there a bf16 matmul is compute-bound, a bigger
+  batch is not nearly free): preset ``decode-fp32-mha``, the same shape in fp32 (1.41 GB of weights,
+  144 KiB of KV per token), the same 6080 tokens per engine and so the same weight share.
 - ``r0``, extreme: the ``decode-bf16`` preset at 1280 tokens (weights 97%, a group would hold 20x);
   kunserve's KV growth is capped at ``KV_CAP`` (10x, ``memory.max_kv_ratio``), so ``oracle-equal``
   gets the same 10x. Same steps as R1.
@@ -75,6 +78,8 @@ DOCS = ROOT / "docs" / "benchmarks"
 TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure_llm_2023_conv.csv"
 REGIMES = {
     "r1": {"preset": "decode-bf16-mha", "kv_tokens": 6080, "scaling": "batch_scaling_mha"},
+    # R1 where bf16 is compute-bound (no avx512_bf16: Zen 3, Cascade Lake): the same shape in fp32
+    "r1-fp32": {"preset": "decode-fp32-mha", "kv_tokens": 6080, "scaling": "batch_scaling_zen3_fp32_mha"},
     "r0": {"preset": "decode-bf16", "kv_tokens": 1280, "scaling": "batch_scaling"},
 }
 MIX = {"prompt_len": 64, "output_len": 256, "output_len_max": 384}
@@ -557,12 +562,13 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
          + ("(paper-like: w in 0.35..0.65)." if 0.35 <= w <= 0.65 else "(**extreme**: outside the paper-like 0.35..0.65)."),
          "", "Decode step by batch, one thread (`" + meta.get("scaling_doc", "") + "`):", ""]
     L += scaling_table(meta.get("scaling_rows", []))
-    cap = meta.get("capacity")
+    cap, mix = meta.get("capacity"), meta.get("mix", MIX)
     L += [""]
     if cap and cap.get("rows"):
         L += ["Capacity, measured: a closed-loop saturation run of two stock engines behind `kunserve serve`, driven by "
-              "`vllm bench serve` (" + (meta.get("capacity_data") or "random dataset, ~64-token prompts, outputs 256..384 "
-                                        "tokens") + ", `--ignore-eos`):", ""]
+              "`vllm bench serve` (" + (meta.get("capacity_data") or f"random dataset, ~{mix['prompt_len']}-token "
+                                        f"prompts, outputs {mix['output_len']}..{mix['output_len_max']} tokens")
+              + ", `--ignore-eos`):", ""]
         L += md_table(["concurrency", "requests", "req/s", "output tokens/s", "median TPOT (ms)"], "rrrrr",
                       ([r["concurrency"], r["completed"], f"{r['req_per_s']:.3f}", f"{r['output_tokens_per_s']:.1f}",
                         f"{r['median_tpot_ms']:.1f}"] for r in cap["rows"]))
@@ -571,7 +577,8 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
         L += [f"Capacity: {cap.get('note')}", ""]
     L += [f"Workload: the Azure LLM conversation trace's (2023, CC BY 4.0) arrival times re-timed into phases "
           f"`{meta['phases']}`" + (f" ({meta['load_note']})" if meta.get("load_note") else "")
-          + "; " + meta.get("lengths_note", "64-token prompts, outputs uniform in 256..384 tokens") + ". Burst window: arrivals in "
+          + "; " + meta.get("lengths_note", f"{mix['prompt_len']}-token prompts, outputs uniform in "
+                            f"{mix['output_len']}..{mix['output_len_max']} tokens") + ". Burst window: arrivals in "
           f"[{meta['window'][0]:g}, {meta['window'][1]:g}) s.", ""]
     sw = meta.get("sweep")
     if sw:
@@ -728,7 +735,10 @@ def main() -> int:
                          "rescaled to the same phases (a held-out run)")
     ap.add_argument("--trace", default=str(TRACE))
     ap.add_argument("--lengths", choices=("decode", "azure"), default="decode",
-                    help="decode: 64 prompt and 256-384 output tokens; azure: the trace's own lengths, scaled")
+                    help="decode: 64 prompt and --outputs output tokens; azure: the trace's own lengths, scaled")
+    ap.add_argument("--outputs", default="256,384",
+                    help="--lengths decode: the output lengths, LO,HI (uniform); shorter ones bring more requests "
+                         "into a burst window of the same length where an engine decodes slowly")
     ap.add_argument("--length-scale", type=float, default=0.25, help="--lengths azure: prompt and output multiplier")
     ap.add_argument("--max-total-len", type=int, default=1000,
                     help="--lengths azure: a request's prompt + output is clipped to this (max model len 1024)")
@@ -741,6 +751,12 @@ def main() -> int:
         ap.error("--repeat must be >= 1")
     if not 0 < a.warm_share < a.burst_x:
         ap.error("--warm-share must be > 0 and below --burst-x")
+    try:
+        lo, hi = (int(x) for x in a.outputs.split(","))
+        assert 1 <= lo <= hi
+    except (ValueError, AssertionError):
+        ap.error(f"--outputs {a.outputs!r}: LO,HI with 1 <= LO <= HI")
+    MIX.update(output_len=lo, output_len_max=hi)
     reg = REGIMES[a.regime]
     a.kv_tokens = a.kv_tokens or reg["kv_tokens"]
     a.concurrency = [int(x) for x in a.concurrency.split(",") if x.strip()]
@@ -774,7 +790,8 @@ def main() -> int:
     meta: dict = {"cpu": scaling.get("cpu") or "this CPU", "preset": reg["preset"], "weight_bytes": spec.weight_bytes(),
                   "kv_bytes_per_token": kv_b, "weight_share": w, "group_kv_factor": group_kv_factor(w),
                   "oracle_equal_x": oracle_x, "scaling_rows": scaling.get("rows", []),
-                  "scaling_doc": f"docs/benchmarks/{reg['scaling']}.md", "repeat": a.repeat, "command": command}
+                  "scaling_doc": f"docs/benchmarks/{reg['scaling']}.md", "repeat": a.repeat, "command": command,
+                  "mix": dict(MIX)}
     out = Path(a.out or ROOT / "runs" / f"burst_{a.regime}")
     out.mkdir(parents=True, exist_ok=True)
     cap_file = out / "capacity.json"

@@ -70,11 +70,15 @@ class DropConfig:
         "each request's KV of each layer moves to the member that runs the layer in the larger group, nothing is "
         "recomputed; lone instances in the merge join the same way. Where that fails (or with drop.transition "
         "reprefill) the merged groups' members take their layers back from the host copies and recompute their "
-        "requests, then the larger group forms as from lone instances; no request is lost either way. Measured at "
+        "requests, then the larger group forms as from lone instances; no request is lost either way. The same "
+        "switch lets a restore step down: a group of four or more whose requests would not fit back in its "
+        "members alone, but would in two halves, splits into the halves first (each member drains to its count "
+        "in its half, then all restage at once keeping the KV). Measured at "
         "paper scale in the simulator (docs/benchmarks/sim_regroup.md): keeping the KV lowered P99 TTFT by 5% or "
         "more in 20 of the 25 cells with room for a larger group (median 0.82x) and raised it in one (1.21x). Off "
         "by default (a live group stays as it is until restored) until it is measured under a burst in real "
-        "engines: so far one test forms a group of 4 from two live pairs, token-identical.")
+        "engines: so far one test forms a group of 4 from two live pairs, and one steps a group of 4 down into "
+        "pairs, each token-identical.")
     check_interval_s: float = _opt(0.5, "Monitor period in seconds.", lo=0.01, hi=60.0, lo_open=False)
     transition: str = _opt(
         "kv", "How ongoing requests cross into a group: kv (their KV of the layers changing hands moves to the "

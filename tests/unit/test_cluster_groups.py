@@ -403,3 +403,74 @@ def test_the_monitor_regroups_live_groups_only_with_drop_regroup():
             continue
         assert [name for i, name, b in calls] == ["group_restage"] * 4
         assert [(g["members"], g["state"], g["reason"]) for g in gc.view()] == [([0, 1, 2, 3], "grouped", "overload")]
+
+
+@pytest.mark.parametrize("fail_on", [None, 2])
+def test_the_monitor_steps_a_group_of_four_down_into_pairs_keeping_the_kv(fail_on):
+    """Demand falls to where the four's requests would not fit back in its members alone but would
+    in two pairs: with ``drop.regroup`` the restore steps down. Each member drains to its count in
+    its pair (its count now less the two layers it takes back), then all four restage at once into
+    the pairs, alternating by stage so each keeps the layers it holds. Where one member fails, every
+    member ends alone (the others told to abandon), the group split, no pair formed."""
+    cfg = {"drop": {"trigger_ratio": 0.9, "forecast_horizon_s": 0.0, "regroup": True}, "restore": {"hold_s": 0.0}}
+    front, gc, calls = _controller(6, cfg, fail=lambda i, name, b: name == "group_restage" and i == fail_on)
+    asyncio.run(gc.form([0, 1, 2, 3]))
+    calls.clear()
+    for i, s in front.states.items():   # a layer is 48 blocks: in the four each has 88 + 6 x 48 = 376
+        if i < 4:
+            s.update(phase="grouped")
+            s["capacity"]["blocks_total"] = 376
+            s["blocks"].update(used=80)   # 320 of the four's 352 base blocks: over the trigger alone
+        else:
+            s["capacity"].update(blocks_total=1000, blocks_base=1000)   # idle: the cluster is far below
+    asyncio.run(gc.on_poll({}))
+    begins = {i: b for i, name, b in calls if name == "group_leave"}
+    assert [name for i, name, b in calls] == ["group_leave"] * 4
+    assert begins == {i: {"step": "begin", "blocks": 376 - 2 * 48} for i in range(4)}
+    (four,) = [g for g in gc.groups if g.state == "leaving"]
+    assert four.step["into"] == [[0, 2], [1, 3]] and gc.view()[0]["into"] == [[0, 2], [1, 3]]
+    assert gc.last["restore"]["restore"][0]["reason"] == "low_demand_step"
+    calls.clear()
+    for i in range(4):
+        front.states[i].update(phase="group_draining")
+        front.monitor.reports[i].engine_state = None
+    asyncio.run(gc.on_poll({}))
+    restages = {i: b for i, name, b in calls if name == "group_restage"}
+    assert sorted(restages) == [0, 1, 2, 3] and len({b["restage_id"] for b in restages.values()}) == 1
+    assert restages[0]["spans"] == [[4, 8, "e2"]] and restages[3]["spans"] == [[0, 4, "e1"]]
+    assert restages[0]["peers"] == {"e2": {"stage": "unix:///tmp/s2", "blocks": 280}}
+    assert restages[1]["members"] == {f"e{j}": f"unix:///tmp/s{j}" for j in range(4)}
+    pair = {"e0": [[0, 4, "e0"], [4, 8, "e2"]], "e1": [[0, 4, "e1"], [4, 8, "e3"]]}
+    assert all(b["holders"] == {**pair, "e2": pair["e0"], "e3": pair["e1"]} for b in restages.values())
+    (ev,) = [e for e in front.events if e["event"] == "group_step_down"]
+    assert four.state == "split" and ev["kept_kv"] and ev["into"] == [[0, 2], [1, 3]]
+    abandons = sorted(i for i, name, b in calls if name == "group_leave" and b["step"] == "abandon")
+    if fail_on is None:
+        assert ev["outcome"] == "ok" and abandons == []
+        assert sorted((g["members"], g["state"], g["stages"]) for g in gc.view()) == [
+            ([0, 2], "grouped", {"0": [0, 4], "2": [4, 8]}), ([1, 3], "grouped", {"1": [0, 4], "3": [4, 8]})]
+    else:
+        assert ev["outcome"] == "failed" and list(ev["errors"]) == [2] and abandons == [0, 1, 3]
+        assert gc.view() == [] and gc.m_ops.labels("step_down", "failed")._value.get() == 1
+
+
+def test_an_operators_step_down_names_a_group_of_four_or_more_and_drains_to_the_halves_counts():
+    front, gc, calls = _controller(4)
+    asyncio.run(gc.form([0, 1]))
+    with pytest.raises(GroupOpError, match="four or more"):
+        asyncio.run(gc.restore(1, step=True))
+    with pytest.raises(GroupOpError, match="four or more"):
+        asyncio.run(gc.restore(None, step=True))
+    asyncio.run(gc.form([0, 1, 2, 3]))
+    for i, s in front.states.items():
+        s["capacity"]["blocks_total"] = 376
+    calls.clear()
+    asyncio.run(gc.restore(2, step=True))
+    assert {i: b for i, name, b in calls} == {i: {"step": "begin", "blocks": 280} for i in range(4)}
+    (g,) = [g for g in gc.groups if g.state == "leaving"]
+    # stage order 0, 2, 3, 1 (the lone 2 and 3 took quarters beside 0): halves alternate, (0, 3) and (2, 1)
+    assert g.reason == "forced step" and g.step["into"] == [[0, 3], [1, 2]]
+    calls.clear()
+    g.state = "grouped"
+    asyncio.run(gc.restore(2))        # a plain restore afterwards: every member alone
+    assert {i: b for i, name, b in calls} == {i: {"step": "begin"} for i in range(4)} and g.step is None

@@ -256,3 +256,36 @@ def test_a_bad_restage_is_refused_and_changes_nothing():
     agent.phase = "draining"
     with pytest.raises(Exception, match="only a grouped engine"):
         agent.call("group_restage", good)
+
+
+def test_a_step_down_drains_to_the_smaller_groups_count_then_restages_into_it_with_that_kv():
+    """A four splitting into pairs: ``group_leave begin`` with ``blocks`` drains to the pair's count
+    (not the base), a restage before the drain ends is refused, the restage then cuts the workers'
+    KV to the drained count, and a plain leave finish is refused there (that step is the restage)."""
+    agent, asked = _grouped_agent(lambda p: {"mapped_blocks": p["kv_blocks"] + 1, "peer_foreign": {"e1": 40},
+                                             "seconds": 0.1, "bytes_sent": 10, "moved_regions": 2})
+    agent.sched.grow(6)   # the four's count: base + 10
+    st = agent.sched.state()
+    for bad in (st.base - 1, st.visible + 1, "3", True):
+        with pytest.raises(ControlRequestError, match="blocks"):
+            agent.call("group_leave", {"step": "begin", "blocks": bad})
+    assert agent.phase == "grouped" and agent.sched.visible == st.visible
+    target = st.base + 4
+    ev = agent.call("group_leave", {"step": "begin", "blocks": target})
+    assert ev["outcome"] == "draining" and ev["blocks_target"] == target and ev["step"]
+    assert agent.phase == "group_draining" and agent.sched.visible == target
+    with pytest.raises(Exception, match="smaller group"):
+        agent.call("group_leave", {"step": "finish"})
+    agent.sched.draining = 3
+    with pytest.raises(Exception, match="still in use"):
+        agent.call("group_restage", _restage_params())
+    agent.sched.draining = 0
+    pair = {"spans": [[3, 6, "e1"]], "peers": {"e1": {"stage": "s1", "blocks": target}},
+            "members": {f"e{j}": f"s{j}" for j in range(4)},
+            "holders": {"e0": [[0, 3, "e0"], [3, 6, "e1"]], "e1": [[0, 3, "e0"], [3, 6, "e1"]],
+                        "e2": [[0, 3, "e2"], [3, 6, "e3"]], "e3": [[0, 3, "e2"], [3, 6, "e3"]]}}
+    ev = agent.call("group_restage", pair)
+    assert ev["outcome"] == "ok" and ev["step"] and agent.phase == "grouped"
+    assert all(p["kv_blocks"] == target for p in asked["restage"])
+    assert agent.sched.visible == target + 1 and agent.group["peers"] == {"e1": "s1"}
+    assert asked["leave"] == []

@@ -31,8 +31,8 @@ class FakeGroups:
             raise GroupOpError("instance 1 group_join: 500")
         return {"group": 1, "members": members}
 
-    async def restore(self, gid=None):
-        self.calls.append(("restore", gid))
+    async def restore(self, gid=None, step=False):
+        self.calls.append(("restore", gid) + (("step",) if step else ()))
         if self.fail:
             raise GroupOpError(f"no grouped group {gid}")
         return [{"group": 1, "state": "leaving"}]
@@ -163,4 +163,8 @@ def test_drop_and_restore_call_the_group_controller():
     for bad in ("1", True, 1.0):
         code, e = _run(front, "restore", {"group": bad})
         assert code == 400 and e.param == "group"
-    assert groups.calls == [("form", [2, 0], "reprefill"), ("restore", None)]
+    for bad, param in (({"group": 1, "step": "yes"}, "step"), ({"step": True}, "group")):
+        code, e = _run(front, "restore", bad)
+        assert code == 400 and e.param == param
+    assert _run(front, "restore", {"group": 1, "step": True})[0] == 200
+    assert groups.calls == [("form", [2, 0], "reprefill"), ("restore", None), ("restore", 1, "step")]

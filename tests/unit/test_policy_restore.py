@@ -1,5 +1,7 @@
 """Restore policy: hysteresis, hold time, no re-trigger, failed peers."""
 
+from dataclasses import replace
+
 import pytest
 
 from vllm_kunserve.config import DropConfig, RestoreConfig
@@ -75,3 +77,55 @@ def test_restore_uses_the_base_the_engine_reports_when_growth_was_capped():
     assert d.demand_ratio == pytest.approx(900 / 1800) and d.reason == "demand_above_threshold"
     assert InstanceSnapshot.from_dict({"instance_id": 0, "kv_blocks_total": 5, "kv_blocks_used": 0,
                                        "kv_blocks_base": 3}).kv_blocks_base == 3
+
+
+# step by step (drop.regroup): eight layers, a group of four holding two each; each member's base is
+# 1000 blocks, so in the four it has 1000 + 3/4 of a weight copy (800 blocks) = 1600, in a pair 1400
+MODEL8 = ModelSpec(num_layers=8, layer_bytes=100, block_bytes=1)
+STEP = DropConfig(forecast_horizon_s=0.0, trigger_ratio=0.9, regroup=True)
+
+
+def four(used, now=10.0):
+    """The group of four (instance i on layers [2i, 2i + 2), ``used[i]`` blocks) and three idle lone
+    instances, so the cluster is far below the restore threshold."""
+    insts = tuple(InstanceSnapshot(i, 1600, used[i], 0, 2 * i, 2 * i + 2, kv_blocks_base=1000) for i in range(4))
+    insts += tuple(InstanceSnapshot(i, 4000, 0, kv_blocks_base=4000) for i in (4, 5, 6))
+    return ClusterSnapshot(MODEL8, insts, ((0, 1, 2, 3), (4,), (5,), (6,)), now_s=now)
+
+
+def test_a_group_of_four_whose_requests_do_not_fit_back_alone_splits_into_pairs_first():
+    used = (950, 950, 950, 950)   # 3800 of the four's 4000 base blocks: over the trigger alone
+    d, _ = decide_restore(four(used), RestoreState(below_since=0.0), CFG, replace(STEP, regroup=False))
+    assert d.restore == () and d.reason == "would_retrigger"   # without drop.regroup: all or nothing
+    d, s = decide_restore(four(used), RestoreState(below_since=0.0), CFG, STEP)
+    (g,) = d.restore
+    assert g.reason == "low_demand_step" and g.instances == (0, 1, 2, 3)
+    # members alternate by stage, so each half's stages contain what its members hold now
+    assert g.into == ((0, 2), (1, 3))
+    assert dict((i, (lo, hi)) for i, lo, hi in g.stages) == {0: (0, 4), 2: (4, 8), 1: (0, 4), 3: (4, 8)}
+    assert dict(g.blocks) == {i: 1400 for i in range(4)}          # 1600 less the two layers each takes back
+    assert g.restored_bytes == 4 * 2 * 100
+    assert d.predicted_ratio == pytest.approx(3800 / (4 * 1400 + 3 * 4000))
+    assert s.below_since is None                                  # the next step waits the hold time again
+    assert d.to_dict()["restore"][0]["into"] == [[0, 2], [1, 3]]
+    # the pairs then split once their requests fit their members alone
+    pairs = (InstanceSnapshot(0, 1400, 400, 0, 0, 4, kv_blocks_base=1000),
+             InstanceSnapshot(2, 1400, 400, 0, 4, 8, kv_blocks_base=1000),
+             InstanceSnapshot(1, 1400, 1300, 0, 0, 4, kv_blocks_base=1000),
+             InstanceSnapshot(3, 1400, 1300, 0, 4, 8, kv_blocks_base=1000))
+    c = ClusterSnapshot(MODEL8, pairs + four(used).instances[4:], ((0, 2), (1, 3), (4,), (5,), (6,)), now_s=20.0)
+    d, _ = decide_restore(c, RestoreState(below_since=10.0), CFG, STEP)
+    assert [(g.instances, g.reason, g.into) for g in d.restore] == [((0, 2), "low_demand", ())]
+
+
+def test_no_step_where_a_half_would_not_hold_its_requests():
+    # the same 3800 blocks, but 0 and 2 (one half) hold 2600 of them: 2600 / 2800 is over the trigger
+    d, _ = decide_restore(four((1300, 600, 1300, 600)), RestoreState(below_since=0.0), CFG, STEP)
+    assert d.restore == () and d.reason == "would_retrigger"
+    # and a group of two or three never steps: there is no smaller group to step to
+    trio = tuple(InstanceSnapshot(i, 1600, 1000, 0, lo, hi, kv_blocks_base=1000)
+                 for i, (lo, hi) in enumerate(((0, 3), (3, 6), (6, 8))))
+    c = ClusterSnapshot(MODEL8, trio + (InstanceSnapshot(3, 9000, 0, kv_blocks_base=9000),), ((0, 1, 2), (3,)),
+                        now_s=10.0)
+    d, _ = decide_restore(c, RestoreState(below_since=0.0), CFG, STEP)
+    assert d.restore == ()

@@ -335,3 +335,41 @@ def test_kunserve_regroups_a_live_pair_only_with_drop_regroup_keeping_or_recompu
     assert all(e["recomputed"] == 0 for e in drops["keep"])
     plans = [e for e in keep.events if e["kind"] == "drop_plan" and e["live_merged"]]
     assert [e["live_merged"] for e in plans] == [[[0, 1]]] and all(not e["regrouped"] for e in plans)
+
+
+def test_kunserve_steps_a_group_of_four_down_into_pairs_keeping_every_request():
+    """The restore's step down (``GroupRestore.into``, drop.regroup) as the simulator times it: the
+    four's capacity shrinks to the two pairs' at once, the layers each member takes back load, then
+    the four becomes the two pairs on the decision's stages, every running request kept (none
+    recomputed, every one finishes once)."""
+    from types import SimpleNamespace
+
+    from vllm_kunserve.config import parse_config
+    from vllm_kunserve.policy.restore import GroupRestore
+    from vllm_kunserve.sim.policies.kunserve import KunServePolicy
+
+    L = BUILTIN["small"].layers
+    half, quarter = L // 2, L // 4
+    stages = ((0, 0, half), (2, half, L), (1, 0, half), (3, half, L))
+
+    class Scripted(KunServePolicy):
+        def on_tick(self, sim):
+            if sim._pending is not None:
+                return
+            if len(sim.servers) == 4 and sim.now < 1.0:     # the four forms at once
+                sim.transition(list(sim.servers), [(0, 2, 1, 3)], {i: (k * quarter, (k + 1) * quarter)
+                                                                   for k, i in enumerate((0, 2, 1, 3))}, 0.0, "drop")
+            elif len(sim.servers) == 1 and sim.now >= 1.0:  # then steps down
+                g = GroupRestore((0, 1, 2, 3), "peer", "low_demand_step", 4 * quarter * BUILTIN["small"].layer_bytes,
+                                 into=((0, 2), (1, 3)), stages=stages)
+                self._restore(sim, SimpleNamespace(restore=(g,)))
+
+    trace = [TraceRequest(i, 0.2 + i * 0.01, 100, 400) for i in range(24)]
+    sim = Simulator(make_cfg(kv_blocks=600), Scripted(parse_config({"drop": {"regroup": True}})), trace).run()
+    (start,) = [e for e in sim.events if e["kind"] == "restore_start"]
+    assert start["into"] == [[0, 2], [1, 3]] and start["load_s"] > 0
+    assert sorted(tuple(s.instances) for s in sim.servers) == [(0, 2), (1, 3)]
+    assert {i: sim.layer_range[i] for i in range(4)} == {i: (lo, hi) for i, lo, hi in stages}
+    assert all(s.capacity == sim.capacity_blocks(tuple(s.instances)) for s in sim.servers)
+    assert all(r.finishes == 1 and r.generated == r.output and r.preempts == 0 for r in sim.reqs)
+    assert min(r.finish_t for r in sim.reqs) > start["t"]   # requests were running across the step

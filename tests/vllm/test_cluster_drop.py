@@ -388,6 +388,69 @@ def test_two_live_pairs_regroup_into_four_while_requests_stream(forced, fault):
             == {i["instance"]: i["kv"]["capacity_blocks"] for i in base["instances"]})
 
 
+def test_a_four_steps_down_into_pairs_while_requests_stream(forced):
+    """A step down (the restore's halves with ``drop.regroup``; an operator's ``restore`` with
+    ``step`` here): a group of four splits into two pairs while requests stream, keeping the KV.
+    Every member first drains to its count in its pair, then all restage at once, each taking back
+    the layers its pair needs (from its host copy) and each (request owner, layer) KV moving to the
+    member of the owner's pair that runs the layer: nothing is recomputed, every stream completes
+    token-identical, each pair runs half stages, and the pairs restore to four lone engines."""
+    url, n = forced.url, forced.n
+    if n != 4:
+        pytest.skip("a step down needs a group of four: the 4-engine fleet")
+
+    async def go():
+        timeout = aiohttp.ClientTimeout(total=900)
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
+            base = await _wait_split(s, url, timeout=300)
+            t0 = time.time()
+            refs = await _refs_then_drop(s, forced, 4)
+            four = await status(s, url)
+            (g,) = four["groups"]
+
+            async def step_down():
+                code, body = await op(s, url, "restore", {"group": g["id"], "step": True})
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < 300:
+                    st = await status(s, url)
+                    if any(e["event"] == "group_step_down" for e in st["events"]):
+                        return code, body, st
+                    await asyncio.sleep(0.25)
+                raise AssertionError(f"no step down: {st['groups']}")
+            answers, (code, body, stepped) = await _burst_with(s, url, step_down)
+            pairs = await status(s, url)
+            rcode, _ = await op(s, url, "restore", {})
+            split = await _wait_split(s, url)
+            return base, refs, four, answers, code, body, stepped, pairs, rcode, split, t0
+    base, refs, four, answers, code, body, stepped, pairs, rcode, split, t0 = asyncio.run(go())
+    assert code == 200, body
+    assert all(a.status == 200 and a.error is None for a in answers), [(a.status, a.error) for a in answers]
+    for i, a in enumerate(answers):
+        assert a.token_ids == refs[PROMPTS[i % len(PROMPTS)]], f"request {i} differs across the step down"
+    (ev,) = [e for e in stepped["events"] if e["event"] == "group_step_down"]
+    assert ev["outcome"] == "ok" and ev["kept_kv"], ev
+    into = sorted(sorted(p) for p in ev["into"])
+    assert sorted(sorted(g["members"]) for g in pairs["groups"]) == into and len(into) == 2, pairs["groups"]
+    four_blocks = {i["instance"]: i["kv"]["capacity_blocks"] for i in four["instances"]}
+    base_blocks = {i["instance"]: i["kv"]["capacity_blocks"] for i in base["instances"]}
+    for g in pairs["groups"]:
+        assert g["state"] == "grouped", g
+    stages = {int(i): r for g in pairs["groups"] for i, r in g["stages"].items()}
+    for inst in pairs["instances"]:
+        eng = inst["kv"]["engine"]
+        lo, hi = stages[inst["instance"]]
+        assert eng["phase"] == "grouped" and hi - lo == len(eng["layers"]) // 2
+        assert [x["state"] for x in eng["layers"]] == ["resident" if lo <= k < hi else "dropped"
+                                                        for k in range(len(eng["layers"]))]
+        # its pair's count: at least its base (it still holds half the layers' weights fewer)
+        assert inst["kv"]["capacity_blocks"] >= base_blocks[inst["instance"]], (inst["kv"], four_blocks)
+        evs = [(e["event"], e.get("outcome"), e.get("step")) for e in eng["events"] if e.get("time", 0) >= t0]
+        assert ("group_restage", "ok", True) in evs and not [e for e in evs if e[0] == "group_abandon"], evs
+    assert rcode == 200
+    assert ({i["instance"]: i["kv"]["capacity_blocks"] for i in split["instances"]}
+            == {i["instance"]: i["kv"]["capacity_blocks"] for i in base["instances"]})
+
+
 def test_chaos_every_request_completes_token_identical_while_engines_die(forced):
     """Chaos under a burst (vllm_kunserve/bench/chaos.py; the longer run and its doc: benchmarks/chaos.py):
     the four engines serve streamed requests while a driver hard-kills a random engine every few

@@ -62,7 +62,8 @@ OPERATIONS = {
     "group_join": "name (str), drop (layer indices), spans ([[lo, hi, peer]]: who runs each dropped span), "
                   "peers ({name: {stage, blocks}}), timeout_s, transition ('kv' | 'reprefill'), join_id (str, "
                   "the same on every member of one attempt): join a pipeline group (KV exchange included)",
-    "group_leave": "step ('begin': retire the blocks above the base, draining live ones | 'finish': every "
+    "group_leave": "step ('begin': retire the blocks above the base, or above blocks (int: a step down into a "
+                   "smaller group, then group_restage), draining live ones | 'finish': every "
                    "member drained: take the layers back and return the peers' KV | 'abandon': take the layers "
                    "back from the host copies now and recompute every request, no peer needed), timeout_s, source, "
                    "leave_id (str, the same on every member of one attempt)",
@@ -71,7 +72,8 @@ OPERATIONS = {
                      "regroup), holders ({origin: [[lo, hi, holder]]}: who holds each member's KV of each layer "
                      "after), timeout_s, restage_id (str, the same on every member): a grouped member moves into "
                      "a larger group keeping every request's KV (a lone engine merged with live groups too: name, "
-                     "its member name; grouped: whether the controller saw it grouped); on failure it abandons "
+                     "its member name; grouped: whether the controller saw it grouped), or, drained by "
+                     "group_leave begin with blocks, into a smaller one; on failure it abandons "
                      "(requests recomputed)",
     "group_ping": "stage (a peer's stage address), bytes (payload, default 16384): stage-link round trip",
     **MIGRATION_OPERATIONS,  # KV migration between engines (engine/migration.py)
@@ -432,13 +434,19 @@ class EngineAgent:
         layers back from the host copies, every request recomputed), so no member runs a step with a
         layout its peers no longer have; the controller forms the group from lone engines instead.
         A lone engine merged with live groups (at its base) restages too, as it would join; on a
-        failure its workers roll back and it recomputes its requests (what it sent may be freed)."""
+        failure its workers roll back and it recomputes its requests (what it sent may be freed).
+        A member that drained for a step down (``group_leave`` ``begin`` with ``blocks``) restages
+        into its smaller group the same way, its KV cut to the drained count first."""
         if not self.cfg.drop.group_member:
             raise ControlRequestError("group_restage: this engine was not started as a group member "
                                       "(kunserve drop.group_member)")
-        if self.phase not in ("grouped", "base"):
+        if self.phase not in ("grouped", "base", "group_draining"):
             raise ControlConflict(f"group_restage: the engine is {self.phase}; only a grouped engine, or one at "
                                   f"its base merged with live groups, can restage")
+        step = self.phase == "group_draining"   # a step down into a smaller group, drained to its block count
+        if step and self.sched.state().draining:
+            raise ControlConflict(f"group_restage: {self.sched.state().draining} blocks above the smaller group's "
+                                  f"count are still in use")
         spans, peers, members, holders = (params.get(k) for k in ("spans", "peers", "members", "holders"))
         lone = self.phase == "base"
         L, name = self.num_layers, (params.get("name") if lone else self.group["name"])
@@ -472,7 +480,7 @@ class EngineAgent:
                 "name": name, "grouped": bool(params.get("grouped", not lone)), "spans": spans, "peers": peers,
                 "members": {m: a for m, a in members.items() if m != name},
                 "holders": holders, "held": held, "timeout_s": timeout, "stage_bytes": self._stage_bytes(),
-                "restage_id": str(params.get("restage_id", ""))})
+                "restage_id": str(params.get("restage_id", "")), **({"kv_blocks": st.visible} if step else {})})
         except Exception as exc:
             self.operation = None
             self._event("group_restage", "failed", time.perf_counter() - t0, 0, error=repr(exc))
@@ -494,7 +502,8 @@ class EngineAgent:
         self._pipeline, self._pipeline_read_at = None, 0.0
         self._after_transition()
         return self._event("group_restage", "ok", time.perf_counter() - t0, sum(o["bytes_sent"] for o in outs),
-                           drop=drop, old_peers=old_peers, joined=lone or None, peers=sorted(peers),
+                           drop=drop, old_peers=old_peers, joined=lone or None, step=step or None,
+                           peers=sorted(peers),
                            held_blocks=len(held),
                            blocks_before=st.visible, blocks_after=self.sched.state().visible, own_blocks=own,
                            peer_blocks=peer_cap, moved_regions=sum(o.get("moved_regions", 0) for o in outs),
@@ -554,14 +563,19 @@ class EngineAgent:
             logger.debug("group pace unavailable: %r", exc)
             return None
 
-    def group_leave_begin(self) -> dict:
+    def group_leave_begin(self, params: dict | None = None) -> dict:
+        """Retire the blocks above the base (a leave), or above ``blocks`` (a step down into a
+        smaller group: its block count there, which ``group_restage`` then keeps), draining live ones."""
         if self.phase != "grouped":
             return {"event": "group_leave", "outcome": "noop", "phase": self.phase}
         st = self.sched.state()
-        self.sched.begin_shrink(st.visible - st.base)
+        target = st.base
+        if (params or {}).get("blocks") is not None:
+            target = _int(params, "blocks", st.base, st.base, st.visible)
+        self.sched.begin_shrink(st.visible - target)
         self.phase = "group_draining"
-        return self._event("group_leave", "draining", 0.0, 0, blocks_target=st.base,
-                           draining=self.sched.state().draining)
+        return self._event("group_leave", "draining", 0.0, 0, blocks_target=target,
+                           step=target != st.base or None, draining=self.sched.state().draining)
 
     def group_leave_finish(self, params: dict) -> dict:
         if self.phase != "group_draining":
@@ -569,6 +583,9 @@ class EngineAgent:
         st = self.sched.state()
         if st.draining:
             raise ControlConflict(f"group_leave finish: {st.draining} blocks above the base are still in use")
+        if st.visible != st.base:
+            raise ControlConflict(f"group_leave finish: drained to {st.visible} blocks for a smaller group, not to "
+                                  f"the base {st.base} (that step is group_restage)")
         t0 = time.perf_counter()
         held = self.sched.held_blocks(st.visible)
         timeout = _number(params, "timeout_s", 120.0, 1.0, 3600.0, "group_leave")
@@ -720,7 +737,7 @@ class EngineAgent:
         if op == "group_leave":
             step = params.get("step")
             if step == "begin":
-                return self.group_leave_begin()
+                return self.group_leave_begin(params)
             if step == "finish":
                 return self.group_leave_finish(params)
             if step == "abandon":  # the group did not form everywhere (or a peer is gone): alone again now

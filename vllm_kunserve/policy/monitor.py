@@ -24,12 +24,14 @@ Where the fleet and the simulator used to decide differently (issue 35), what wa
 * A drop restarts the restore hold: demand that was over the trigger has not stayed below the
   restore threshold, and a group just formed must wait ``restore.hold_s`` before it may split (the
   fleet kept the clock of before the drop).
-* Live groups are merged further only with ``drop.regroup`` (or ``regroup=True``): the fleet re-forms
-  a live group by recomputing its members' requests (``cluster.control.groups``), a cost the paper's
-  Fig. 6 regrouping does not have, so it is the operator's choice. (Before, the fleet planned with
-  live groups and skipped the plan's groups that touched one, so a plan counted bytes it never freed
-  and merged no lone instances instead.) The simulator follows the same setting and times a
-  regroup as the fleet carries it out.
+* Live groups change shape only with ``drop.regroup`` (or ``regroup=True``): a drop may merge them
+  further, and a restore may split a group of four or more into halves where its requests would not
+  fit back in its members alone (``policy.restore.halves``). The fleet carries both out keeping
+  every request's KV (``cluster.control.groups``: ``group_restage``), and falls back to recomputing
+  where that fails, so it stays the operator's choice until measured under a real burst. (Before,
+  the fleet planned with live groups and skipped the plan's groups that touched one, so a plan
+  counted bytes it never freed and merged no lone instances instead.) The simulator follows the
+  same setting and times both as the fleet carries them out.
 * The history is a time window (``history_s``, 20 s; the request-mix readings keep at least
   ``drop.decode_share_window_s``), not a sample count (the fleet kept 256 samples): the forecast
   reads 10 s of it, so any window of at least that decides the same at every monitor period.
@@ -78,7 +80,8 @@ def monitor_tick(cluster: ClusterSnapshot, state: MonitorState = MonitorState(),
     """One monitor period over ``cluster`` (its demand and work histories are replaced by the state's).
 
     ``allow_restore=False`` never splits a group (the simulator's no-restore ablation);
-    ``regroup`` (default ``drop.regroup``) lets a drop merge live groups further (see the module docstring)."""
+    ``regroup`` (default ``drop.regroup``) lets a drop merge live groups further and a restore split a group
+    step by step (see the module docstring)."""
     demand = float(sum(i.kv_blocks_used + i.queued_blocks for i in cluster.instances if i.healthy))
     history = record_demand(state.history, cluster.now_s, demand, history_s)
     past = tuple(w for w in state.work if w[0] >= cluster.now_s - max(history_s, drop.decode_share_window_s))
@@ -98,7 +101,7 @@ def monitor_tick(cluster: ClusterSnapshot, state: MonitorState = MonitorState(),
     grouped = [g for g in snap.groups if len(g) > 1]
     sick = {i.instance_id for i in snap.instances if not i.healthy}
     if allow_restore and grouped and (restore.enable or any(sick.intersection(g) for g in grouped)):
-        dec, rstate = decide_restore(snap, rstate, restore, drop)
+        dec, rstate = decide_restore(snap, rstate, restore, drop, regroup=regroup)
         if dec.restore:
             return MonitorDecision("restore", snap, rep, restore=dec), MonitorState(history, rstate, work)
     return MonitorDecision("none", snap, rep, restore=dec), MonitorState(history, rstate, work)

@@ -11,6 +11,11 @@ Rules (all thresholds from :class:`~vllm_kunserve.config.RestoreConfig` / ``Drop
   and cluster-wide (capacity shrinks by the restored weights). Groups are tried largest first.
 * A group with an unhealthy instance is split at once from the host copy (a failed peer triggers
   restore, never lost requests), without waiting for the hold time.
+* Step by step (with ``drop.regroup``, the switch for live groups changing shape): a group of four or
+  more whose requests would not fit back in its members alone, but would in two smaller groups,
+  splits into those halves (:func:`halves`): members alternate by pipeline stage, so each keeps the
+  layers it holds and takes back the ones its half needs. Each member first drains to its block
+  count in its half; the halves may split further once the hold time has passed again.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from vllm_kunserve.config import DropConfig, RestoreConfig
+from vllm_kunserve.policy.drop import balanced_stages
 from vllm_kunserve.policy.overload import forecast_blocks
-from vllm_kunserve.policy.snapshot import ClusterSnapshot
+from vllm_kunserve.policy.snapshot import ClusterSnapshot, InstanceSnapshot, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -31,8 +37,13 @@ class RestoreState:
 class GroupRestore:
     instances: tuple[int, ...]
     source: str  # "peer" or "host"
-    reason: str  # "low_demand" or "failed_instance"
+    reason: str  # "low_demand", "low_demand_step" (into halves) or "failed_instance"
     restored_bytes: int
+    # a step (``drop.regroup``): the smaller groups it splits into, each member's (lo, hi) layers in
+    # its half and its own block count there (what it drains to first); () where every member goes alone
+    into: tuple[tuple[int, ...], ...] = ()
+    stages: tuple[tuple[int, int, int], ...] = ()   # (instance, lo, hi)
+    blocks: tuple[tuple[int, int], ...] = ()        # (instance, blocks)
 
 
 @dataclass(frozen=True)
@@ -44,7 +55,9 @@ class RestoreDecision:
 
     def to_dict(self) -> dict:
         return {"restore": [{"instances": list(g.instances), "source": g.source, "reason": g.reason,
-                             "restored_bytes": g.restored_bytes} for g in self.restore],
+                             "restored_bytes": g.restored_bytes,
+                             **({"into": [list(p) for p in g.into], "stages": [list(x) for x in g.stages],
+                                 "blocks": dict(g.blocks)} if g.into else {})} for g in self.restore],
                 "reason": self.reason, "demand_ratio": self.demand_ratio,
                 "predicted_ratio": self.predicted_ratio}
 
@@ -55,10 +68,34 @@ def check_thresholds(restore: RestoreConfig, drop: DropConfig) -> None:
                          f"{drop.trigger_ratio} (hysteresis)")
 
 
+def halves(group: tuple[int, ...], by_id: dict[int, InstanceSnapshot], model: ModelSpec
+           ) -> tuple[tuple[tuple[int, ...], ...], dict[int, tuple[int, int]], dict[int, int]]:
+    """A group's step down: two smaller groups, each member's layers there and its own block count.
+
+    Members alternate by the first layer they hold (stages 0, 2, 4 ... and 1, 3, 5 ...), and each
+    half's balanced stages go to its members in that order: where the layers divide evenly, every
+    member's new range contains the one it holds (nothing it holds is given up). A member's block
+    count is what it has now less the bytes of the layers it takes back, the half running at its
+    smallest member's count (a member holds every half-member's KV over its layers: the same
+    area as before, over half the owners and twice the layers); never below its base."""
+    order = sorted(group, key=lambda i: (by_id[i].layer_start, i))
+    parts = (tuple(order[0::2]), tuple(order[1::2]))
+    stages, blocks = {}, {}
+    for part in parts:
+        for i, rg in zip(part, balanced_stages(model.num_layers, len(part))):
+            stages[i] = rg
+        each = min(by_id[i].kv_blocks_total - (stages[i][1] - stages[i][0] - by_id[i].held_layers(model.num_layers))
+                   * model.layer_bytes / model.block_bytes for i in part)
+        blocks.update((i, int(max(each, by_id[i].base_kv_blocks(model)))) for i in part)
+    return tuple(tuple(sorted(p)) for p in parts), stages, blocks
+
+
 def decide_restore(cluster: ClusterSnapshot, state: RestoreState = RestoreState(),
-                   restore: RestoreConfig = RestoreConfig(), drop: DropConfig = DropConfig()
-                   ) -> tuple[RestoreDecision, RestoreState]:
-    """Which groups to split now, and the state to pass to the next call."""
+                   restore: RestoreConfig = RestoreConfig(), drop: DropConfig = DropConfig(),
+                   regroup: bool | None = None) -> tuple[RestoreDecision, RestoreState]:
+    """Which groups to split now, and the state to pass to the next call. ``regroup`` (default
+    ``drop.regroup``) lets a group split step by step (:func:`halves`)."""
+    regroup = drop.regroup if regroup is None else regroup
     check_thresholds(restore, drop)
     model = cluster.model
     by_id = cluster.by_id()
@@ -95,17 +132,30 @@ def decide_restore(cluster: ClusterSnapshot, state: RestoreState = RestoreState(
         return _decision(out, "holding", ratio, demand, cap), new_state
 
     source = restore.source if restore.source != "auto" else ("peer" if len(cluster.instances) > 1 else "host")
+
+    def demand_of(part):
+        return sum(by_id[i].kv_blocks_used + by_id[i].queued_blocks for i in part)
+
     for g in sorted(rest, key=lambda g: (-len(g), min(g))):
-        members = [by_id[i] for i in g]
-        g_demand = sum(m.kv_blocks_used + m.queued_blocks for m in members)
-        g_base = sum(m.base_kv_blocks(model) for m in members)
+        g_base = sum(by_id[i].base_kv_blocks(model) for i in g)
         after = cap - shrink(g)
-        if g_base <= 0 or g_demand / g_base >= drop.trigger_ratio:
-            continue  # its requests would not fit back: splitting would re-trigger a drop here
-        if after <= 0 or demand / after >= drop.trigger_ratio:
+        if g_base > 0 and demand_of(g) / g_base < drop.trigger_ratio \
+                and after > 0 and demand / after < drop.trigger_ratio:
+            cap = after
+            out.append(GroupRestore(tuple(g), source, "low_demand", group_bytes(g)))
+            continue
+        if not regroup or len(g) < 4:
+            continue  # its requests would not fit back alone: splitting would re-trigger a drop
+        parts, stages, blocks = halves(tuple(g), by_id, model)   # one step down instead
+        after = cap - sum(by_id[i].kv_blocks_total - blocks[i] for i in g)
+        if any(demand_of(p) / sum(blocks[i] for i in p) >= drop.trigger_ratio for p in parts) \
+                or after <= 0 or demand / after >= drop.trigger_ratio:
             continue
         cap = after
-        out.append(GroupRestore(tuple(g), source, "low_demand", group_bytes(g)))
+        back = sum(max(0, stages[i][1] - stages[i][0] - by_id[i].held_layers(model.num_layers)) for i in g)
+        out.append(GroupRestore(tuple(g), source, "low_demand_step", back * model.layer_bytes, into=parts,
+                                stages=tuple((i, *stages[i]) for i in sorted(g)),
+                                blocks=tuple(sorted(blocks.items()))))
     # restoring resets the hold clock: the next split must again wait for hold_s
     return _decision(out, "restore" if out else "would_retrigger", ratio, demand, cap), \
         (RestoreState(None) if out else new_state)

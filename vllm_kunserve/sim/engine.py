@@ -138,11 +138,13 @@ class Simulator:
         return self.cfg.unmap.time_s(nbytes) if self.cfg.unmap is not None else 0.0
 
     # ---- servers -----------------------------------------------------------------------------
-    def capacity_blocks(self, instances: tuple[int, ...]) -> int:
+    def capacity_blocks(self, instances: tuple[int, ...], layers: dict[int, tuple[int, int]] | None = None) -> int:
+        """KV blocks of a server over ``instances`` holding ``layers`` (default: what they hold now)."""
         if self.policy.infinite_memory:
             return INF_BLOCKS
         m = self.cfg.model
-        held = sum(self.layer_range[i][1] - self.layer_range[i][0] for i in instances)
+        rng = layers or self.layer_range
+        held = sum(rng[i][1] - rng[i][0] for i in instances)
         freed = (len(instances) * m.layers - held) * m.layer_bytes
         return len(instances) * self.base_blocks + int(freed // self.cfg.block_bytes)
 

@@ -79,6 +79,10 @@ PRESETS: dict[str, CheckpointSpec] = {
     # while a decode step is still mostly the weight read (672 MB)
     "decode-bf16-mha": CheckpointSpec(layers=12, hidden=1536, heads=24, kv_heads=24, intermediate=4096,
                                       vocab=4096, dtype="bfloat16"),
+    # R1 on CPUs without avx512_bf16 (Zen 3, Cascade Lake: their bf16 matmul is compute-bound): the
+    # same shape in fp32, 1.41 GB of weights and 144 KiB of KV per token
+    "decode-fp32-mha": CheckpointSpec(layers=12, hidden=1536, heads=24, kv_heads=24, intermediate=4096,
+                                      vocab=4096),
 }
 
 _WORDS = (

@@ -9,7 +9,9 @@ out: every new group is formed by calling ``group_join`` on all its members at o
 barriers over their stage links, exchange the KV of the layers changing hands and resume as one
 pipeline); a split is ``group_leave`` ``begin``, which retires the blocks above each member's base
 (live ones drain as their requests finish), then ``finish``, which gives the layers back from the
-host copies and returns each peer's KV. With ``drop.regroup`` a plan may merge live groups into a
+host copies and returns each peer's KV. With ``drop.regroup`` a group of four or more may split
+step by step (the restore's halves): each member drains to its count in its half, then all
+restage at once into the halves keeping every request's KV (:meth:`_finish_step`). With ``drop.regroup`` a plan may merge live groups into a
 larger one (and an operator's drop may name whole live groups with more instances): every member,
 the lone instances in the merge too, restages at once (``group_restage``: each moves to its new
 stage, for a grouped member a sub-range of the layers it holds, and each request owner's KV of each
@@ -20,7 +22,8 @@ members serve alone, every request kept. Every step is an
 event with its inputs, decision, duration and bytes (``/kunserve/status``, logs, ``kunserve:``
 metrics). When no plan frees enough, the engines keep vLLM's own KV-centric handling (queueing,
 preemption) for the rest and the shortfall is a metric.
-Operators can force both directions (``/kunserve/ops/drop``, ``/kunserve/ops/restore``).
+Operators can force both directions (``/kunserve/ops/drop``, ``/kunserve/ops/restore``, a step down
+with ``step``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from vllm_kunserve.engine.state import EngineState, EngineStateError
 from vllm_kunserve.policy.drop import balanced_stages
 from vllm_kunserve.policy.inputs import cluster_input
 from vllm_kunserve.policy.monitor import MonitorState, monitor_tick
+from vllm_kunserve.policy.restore import halves
 
 logger = logging.getLogger("kunserve.groups")
 
@@ -64,10 +68,14 @@ class Group:
     reason: str = ""
     source: str = ""         # where a leave takes the weights back from (the restore decision's; "": config)
     leaves: int = 0          # leave attempts (each has its own id)
+    # a step down (the restore's halves, drop.regroup): the smaller groups, each member's (lo, hi) there
+    # and its block count there (what it drains to before restaging); None: a leave to lone instances
+    step: dict | None = None
 
     def view(self) -> dict:
         return {"id": self.gid, "members": self.members, "state": self.state, "reason": self.reason,
-                "stages": {str(i): list(r) for i, r in self.stages.items()}, "since": self.since}
+                "stages": {str(i): list(r) for i, r in self.stages.items()}, "since": self.since,
+                **({"into": self.step["into"]} if self.step and self.state == "leaving" else {})}
 
 
 def member_name(instance: int) -> str:
@@ -159,7 +167,7 @@ class GroupController:
         for g in [g for g in self.groups if g.state == "leaving"]:
             if all(i in states and states[i].phase == "group_draining" and not states[i].blocks.draining
                    for i in g.members):
-                await self._finish_leave(g)
+                await (self._finish_step(g) if g.step else self._finish_leave(g))
         if self.cfg.drop.static_group:
             await self._static(states)
             return
@@ -201,6 +209,8 @@ class GroupController:
             g = next((g for g in self.groups if set(g.members) == set(r.instances) and g.state == "grouped"), None)
             if g is not None:
                 g.source = r.source
+                g.step = {"into": [list(p) for p in r.into], "stages": {i: (lo, hi) for i, lo, hi in r.stages},
+                          "blocks": dict(r.blocks)} if r.into else None
                 await self.begin_leave(g, reason=r.reason, decision=decision.to_dict())
 
     async def _static(self, states: dict[int, EngineState]) -> None:
@@ -468,13 +478,70 @@ class GroupController:
             raise RegroupError(f"regroup into {members}: {failed}")
 
     async def begin_leave(self, g: Group, reason: str = "forced", decision: dict | None = None) -> dict:
-        outs = await asyncio.gather(*(self._op(i, "group_leave", {"step": "begin"}, self.timeout_s)
-                                      for i in g.members), return_exceptions=True)
+        """Every member retires its blocks above its base, or for a step down (``g.step``) above its
+        count in its smaller group; live ones drain as their requests finish (then the finish)."""
+        def body(i: int) -> dict:
+            return {"step": "begin", **({"blocks": g.step["blocks"][i]} if g.step else {})}
+        outs = await asyncio.gather(*(self._op(i, "group_leave", body(i), self.timeout_s) for i in g.members),
+                                    return_exceptions=True)
         g.state, g.reason = "leaving", reason
         self.front.record("group_leave", outcome="draining", group=g.gid, members=g.members, reason=reason,
+                          into=g.step["into"] if g.step else None,
                           draining={str(i): (o.get("draining") if isinstance(o, dict) else repr(o))
                                     for i, o in zip(g.members, outs)}, decision=decision)
         return {"group": g.gid, "state": g.state}
+
+    async def _finish_step(self, g: Group) -> None:
+        """A step down, every member drained to its count in its smaller group: all restage at once
+        (``group_restage``), each into its half keeping every request's KV (each owner's KV of each
+        layer moves to the member of its half that runs the layer; layers a member takes back load
+        from its host copy). Where any member fails, every member ends alone as a failed regroup
+        does (its requests recomputed, none lost)."""
+        t0 = time.perf_counter()
+        self.busy = True
+        try:
+            states = await self._fresh_states(g.members)
+            ranges, name = g.step["stages"], {i: member_name(i) for i in g.members}
+            stage = {i: states[i].engine.stage[0] for i in g.members}
+            part = {i: p for p in g.step["into"] for i in p}
+            order = {i: sorted(part[i], key=lambda j: ranges[j]) for i in g.members}
+            holders = {name[o]: [[*ranges[j], name[j]] for j in order[o]] for o in g.members}
+            g.leaves += 1
+            # name and grouped: a member that abandoned meanwhile (its engine alone now) refuses at once and
+            # tells the others, rather than leaving them at the first barrier until the timeout
+            bodies = {i: {"name": name[i], "grouped": True, "spans": [[*ranges[j], name[j]] for j in order[i] if j != i],
+                          "peers": {name[j]: {"stage": stage[j], "blocks": g.step["blocks"][j]}
+                                    for j in part[i] if j != i},
+                          "members": {name[j]: stage[j] for j in g.members}, "holders": holders,
+                          "timeout_s": self.timeout_s, "restage_id": f"g{g.gid}/step{g.leaves}"} for i in g.members}
+            outs = await asyncio.gather(*(self._op(i, "group_restage", bodies[i], self.timeout_s)
+                                          for i in g.members), return_exceptions=True)
+        except GroupOpError as exc:   # a state read failed: nothing asked; a member's death splits it
+            logger.warning("step down of group %s not started: %s", g.gid, exc)
+            return
+        finally:
+            self.busy = False
+        failed = {i: repr(o) for i, o in zip(g.members, outs) if isinstance(o, BaseException)}
+        g.state = "split"
+        common = {"group": g.gid, "members": g.members, "into": g.step["into"], "kept_kv": True,
+                  "ms": round((time.perf_counter() - t0) * 1e3, 1)}
+        if failed:
+            for i in g.members:
+                if i not in failed:
+                    await self._abandon(i, f"the step down failed on {sorted(failed)}")
+            self.m_ops.labels("step_down", "failed").inc()
+            self.front.record("group_step_down", outcome="failed", errors=failed, **common)
+            return
+        for p in g.step["into"]:
+            self._ids += 1
+            self.groups.append(Group(self._ids, sorted(p), {i: tuple(ranges[i]) for i in p}, state="grouped",
+                                     reason=f"step down of group {g.gid}"))
+        self.m_ops.labels("step_down", "ok").inc()
+        self.front.record("group_step_down", outcome="ok", groups=[x.gid for x in self.groups[-len(g.step["into"]):]],
+                          blocks={str(i): [o.get("blocks_before"), o.get("blocks_after")]
+                                  for i, o in zip(g.members, outs)},
+                          moved_regions={str(i): o.get("moved_regions", 0) for i, o in zip(g.members, outs)},
+                          engine_ms={str(i): o.get("ms") for i, o in zip(g.members, outs)}, **common)
 
     async def _finish_leave(self, g: Group) -> None:
         t0 = time.perf_counter()
@@ -511,11 +578,23 @@ class GroupController:
                           pipeline={str(i): o["pipeline"] for i, o in zip(g.members, outs)
                                     if isinstance(o, dict) and o.get("pipeline")} or None)
 
-    async def restore(self, gid: int | None = None) -> list[dict]:
+    async def restore(self, gid: int | None = None, step: bool = False) -> list[dict]:
+        """An operator's restore: every member of group ``gid`` (default: of every group) alone, or
+        with ``step`` group ``gid`` one step down into halves (``policy.restore.halves``)."""
         todo = [g for g in self.groups if g.state == "grouped" and (gid is None or g.gid == gid)]
         if gid is not None and not todo:
             raise GroupOpError(f"no grouped group {gid}")
-        return [await self.begin_leave(g) for g in todo]
+        for g in todo:
+            g.step = None
+        if step:
+            if gid is None or len(todo[0].members) < 4:
+                raise GroupOpError("a step down names one group of four or more instances (a smaller one has no "
+                                   "smaller group to step to: restore it whole)")
+            g = todo[0]
+            snap = self.snapshot(await self._fresh_states(g.members))
+            parts, stages, blocks = halves(tuple(g.members), snap.by_id(), snap.model)
+            g.step = {"into": [list(p) for p in parts], "stages": stages, "blocks": blocks}
+        return [await self.begin_leave(g, reason="forced step" if step else "forced") for g in todo]
 
     def forget(self, instance: int) -> None:
         """An instance died: its group is gone (the survivors restore their own layers)."""

@@ -6,7 +6,8 @@ own validation.
                 "at_token": N (once N tokens were sent), "wait_s": S (wait for a request id not yet arrived)}
     dispatch   {"mode"}: switch the dispatch policy at run time
     drop       {"instances": [i, j, ...], "transition": "kv"|"reprefill"}: form a pipeline group now
-    restore    {"group": id (default: every group)}: split it
+    restore    {"group": id (default: every group), "step": bool}: split it (with step: a group of four
+               or more into halves, keeping every request's KV)
 
 A handler takes the front end (``cluster.frontend.app.FrontEnd``) and the request's JSON object and
 returns the answer's JSON object, or raises :class:`BadRequest`: 400 for a parameter it cannot take,
@@ -142,13 +143,18 @@ async def drop(front: Any, body: dict) -> dict:
 
 
 async def restore(front: Any, body: dict) -> dict:
-    """Split the group ``group`` (default: every grouped group)."""
+    """Split the group ``group`` (default: every grouped group); with ``step`` that group (of four or
+    more) into halves."""
     groups = _groups(front)
-    gid = body.get("group")
+    gid, step = body.get("group"), body.get("step", False)
     if gid is not None and (not isinstance(gid, int) or isinstance(gid, bool)):
         raise BadRequest(f"group must be a group id, got {gid!r}", param="group")
+    if not isinstance(step, bool):
+        raise BadRequest(f"step must be true or false, got {step!r}", param="step")
+    if step and gid is None:
+        raise BadRequest("a step down names its group", param="group")
     try:
-        return {"restoring": await groups.restore(gid)}
+        return {"restoring": await groups.restore(gid, step=step)}
     except GroupOpError as e:
         raise BadRequest(str(e), status=409, kind="ConflictError") from None
 

@@ -21,6 +21,8 @@ further. The simulator only times the mechanisms:
 * restore: the group's capacity shrinks back at once (the decision guarantees its KV fits), the
   dropped layers load from a peer (link) or the host copy (PCIe) while the group keeps serving, and
   then the group splits; each request's KV gathers on one instance (again chunked, or a full stall).
+  A step down (with ``regroup``: a group of four or more into halves, ``policy.restore.halves``) is
+  timed the same way, into the halves, half of each request's KV moving.
 """
 
 from __future__ import annotations
@@ -140,7 +142,9 @@ class KunServePolicy(Policy):
             s = by_inst.get(g.instances[0])
             if s is None or s.frozen or s.k == 1:
                 continue
-            base = s.k * sim.base_blocks
+            layers = {i: (lo, hi) for i, lo, hi in g.stages} or {i: (0, sim.cfg.model.layers) for i in s.instances}
+            into = g.into or tuple((i,) for i in s.instances)   # a step down into halves, or every member alone
+            base = sum(sim.capacity_blocks(p, layers) for p in into)
             s.capacity = max(s.used, min(s.capacity, base))
             per_inst = max(g.restored_bytes / s.k, 0.0)
             if g.source == "host":
@@ -148,21 +152,24 @@ class KunServePolicy(Policy):
             else:  # each member receives the layers it lacks from the others (all-to-all)
                 load_s = max(sim.bulk_time(i, per_inst) for i in s.instances)
             load_s += sim.unmap_time(per_inst)  # mapping the pages back as weights
-            kv = s.used * sim.cfg.block_bytes * (1 - 1 / s.k) / s.k
+            # each request's KV held by members outside its owner's new group moves: all but its
+            # owner's share alone, half of it into halves
+            moved = (1 - 1 / s.k) if not g.into else 0.5
+            kv = s.used * sim.cfg.block_bytes * moved / s.k
             k = s.k
             stall = lambda: self._exchange_stall(sim, {i: kv for i in s.instances}, k)  # noqa: E731
-            layers = {i: (0, sim.cfg.model.layers) for i in s.instances}
-            sim.log("restore_start", instances=list(s.instances), source=g.source, load_s=round(load_s, 6))
-            sim.at(sim.now + load_s, self._split, sim, s, layers, stall)
+            sim.log("restore_start", instances=list(s.instances), source=g.source, load_s=round(load_s, 6),
+                    into=[list(p) for p in g.into] or None)
+            sim.at(sim.now + load_s, self._split, sim, s, into, layers, stall)
             break  # one transition at a time
 
-    def _split(self, sim, s, layers, stall) -> None:
+    def _split(self, sim, s, into, layers, stall) -> None:
         if not s.alive:
             return
         if sim._pending is not None:  # another transition is under way: retry shortly
-            sim.at(sim.now + 0.05, self._split, sim, s, layers, stall)
+            sim.at(sim.now + 0.05, self._split, sim, s, into, layers, stall)
             return
-        sim.transition([s], [(i,) for i in s.instances], layers, stall, "restore")
+        sim.transition([s], list(into), layers, stall, "restore")
 
     def describe(self) -> dict:
         return {**super().describe(), "lookahead": self.lookahead,
