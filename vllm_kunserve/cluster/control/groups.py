@@ -399,17 +399,10 @@ class GroupController:
         self._ids += 1
         g = Group(self._ids, members, ranges, reason=reason)
         self.groups.append(g)
-        name = {i: member_name(i) for i in members}
         stage = {i: states[i].engine.stage[0] for i in members}
-        order = sorted(members, key=lambda i: ranges[i])
-        holders = {name[o]: [[ranges[j][0], ranges[j][1], name[j]] for j in order] for o in members}
         grouped = {i for o in old for i in o.members}
-        bodies = {i: {"name": name[i], "grouped": i in grouped,
-                      "spans": [[ranges[j][0], ranges[j][1], name[j]] for j in order if j != i],
-                      "peers": {name[j]: {"stage": stage[j], "blocks": states[j].capacity.blocks_total}
-                                for j in members if j != i},
-                      "members": {name[j]: stage[j] for j in members}, "holders": holders,
-                      "timeout_s": self.timeout_s, "restage_id": f"g{g.gid}"} for i in members}
+        bodies = self._restage_bodies(members, [members], ranges, stage,
+                                      {j: states[j].capacity.blocks_total for j in members}, grouped, f"g{g.gid}")
         outs = await asyncio.gather(*(self._op(i, "group_restage", bodies[i], self.timeout_s) for i in members),
                                     return_exceptions=True)
         for o in old:
@@ -435,6 +428,23 @@ class GroupController:
                           moved_regions={str(i): o.get("moved_regions", 0) for i, o in zip(members, outs)}, **common)
         return self._joined(g, ranges, reason, "kv", [o.members for o in old], outs, t0, inputs, decision,
                             kept_kv=True)
+
+    def _restage_bodies(self, members: list[int], parts: list, ranges: dict, stage: dict, blocks: dict,
+                        grouped: set, restage_id: str) -> dict[int, dict]:
+        """Each member's ``group_restage`` body: every one of ``members`` moves at once into its part
+        of ``parts`` (one part: a regroup; the halves: a step down) on its range of ``ranges``, each
+        request owner's KV of each layer held by the member of the owner's part that runs it.
+        ``stage``: each member's stage address; ``blocks``: each member's count in its part (its
+        peers size their regions for its KV by it); ``grouped``: the members the controller saw grouped."""
+        name = {i: member_name(i) for i in members}
+        part = {i: p for p in parts for i in p}
+        order = {i: sorted(part[i], key=lambda j: ranges[j]) for i in members}
+        holders = {name[o]: [[*ranges[j], name[j]] for j in order[o]] for o in members}
+        return {i: {"name": name[i], "grouped": i in grouped,
+                    "spans": [[*ranges[j], name[j]] for j in order[i] if j != i],
+                    "peers": {name[j]: {"stage": stage[j], "blocks": blocks[j]} for j in part[i] if j != i},
+                    "members": {name[j]: stage[j] for j in members}, "holders": holders,
+                    "timeout_s": self.timeout_s, "restage_id": restage_id} for i in members}
 
     def _joined(self, g: Group, ranges: dict, reason: str, transition: str, regrouped: list | None,
                 outs: list[dict], t0: float, inputs: dict | None, decision: dict | None, **extra) -> dict:
@@ -501,19 +511,13 @@ class GroupController:
         self.busy = True
         try:
             states = await self._fresh_states(g.members)
-            ranges, name = g.step["stages"], {i: member_name(i) for i in g.members}
-            stage = {i: states[i].engine.stage[0] for i in g.members}
-            part = {i: p for p in g.step["into"] for i in p}
-            order = {i: sorted(part[i], key=lambda j: ranges[j]) for i in g.members}
-            holders = {name[o]: [[*ranges[j], name[j]] for j in order[o]] for o in g.members}
+            ranges = g.step["stages"]
             g.leaves += 1
-            # name and grouped: a member that abandoned meanwhile (its engine alone now) refuses at once and
-            # tells the others, rather than leaving them at the first barrier until the timeout
-            bodies = {i: {"name": name[i], "grouped": True, "spans": [[*ranges[j], name[j]] for j in order[i] if j != i],
-                          "peers": {name[j]: {"stage": stage[j], "blocks": g.step["blocks"][j]}
-                                    for j in part[i] if j != i},
-                          "members": {name[j]: stage[j] for j in g.members}, "holders": holders,
-                          "timeout_s": self.timeout_s, "restage_id": f"g{g.gid}/step{g.leaves}"} for i in g.members}
+            # grouped: a member that abandoned meanwhile (its engine alone now) refuses at once and tells
+            # the others, rather than leaving them at the first barrier until the timeout
+            bodies = self._restage_bodies(g.members, g.step["into"], ranges,
+                                          {i: states[i].engine.stage[0] for i in g.members}, g.step["blocks"],
+                                          set(g.members), f"g{g.gid}/step{g.leaves}")
             outs = await asyncio.gather(*(self._op(i, "group_restage", bodies[i], self.timeout_s)
                                           for i in g.members), return_exceptions=True)
         except GroupOpError as exc:   # a state read failed: nothing asked; a member's death splits it
