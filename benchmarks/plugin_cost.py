@@ -21,7 +21,9 @@ the run is ~all decode steps of batch 16). Variants, interleaved in a shuffled o
   port's server thread costs;
 - ``kunserve-in-process``: ``kunserve`` with the engine core and worker in one process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="uni"``): what the plugin's
-  per-step work costs without the two processes' interplay.
+  per-step work costs without the two processes' interplay;
+- ``stock-in-process``: stock in one process, the reference for ``kunserve-in-process`` (ratios are
+  taken against ``stock`` where it ran, else against this).
 
 Each child reports its decode and prefill wall time, the CPU seconds of its engine-core and worker
 processes over the decode (``psutil``), the host's CPU steal over it (``/proc/stat``: a VM's
@@ -49,6 +51,7 @@ VARIANTS = {
     "kunserve": {"kunserve": ENGINE_KCFG, "in_process": False},
     "kunserve-no-control": {"kunserve": {**ENGINE_KCFG, "control": {"enable": False}}, "in_process": False},
     "kunserve-in-process": {"kunserve": ENGINE_KCFG, "in_process": True},
+    "stock-in-process": {"kunserve": None, "in_process": True},
 }
 PROMPTS, PROMPT_LEN, DECODE_TOKENS = 16, 64, 129
 #: KV for 6080 tokens per engine: the burst benchmarks' R1 engines (docs/benchmarks/burst_value_r1_fp32.md)
@@ -143,7 +146,8 @@ def report(raw: dict, md: Path, json_path: Path) -> None:
 
     runs, variants = raw["runs"], raw["variants"]
     by = {v: [r for r in runs if r["variant"] == v] for v in variants}
-    stock = [r["decode_s"] for r in by.get("stock", [])]
+    ref = "stock" if by.get("stock") else "stock-in-process"
+    stock = [r["decode_s"] for r in by.get(ref, [])]
     rows, summary = [], {}
     for v in variants:
         rs = by[v]
@@ -156,7 +160,7 @@ def report(raw: dict, md: Path, json_path: Path) -> None:
              "worker_cpu_s": statistics.mean(r["cpu_s"]["worker"] + (r["cpu_s"]["parent"] if v.endswith("in-process") else 0)
                                              for r in rs),
              "steal_s": statistics.mean(r["steal_s"] for r in rs), "outputs": sorted({r["outputs"] for r in rs})}
-        if stock and v != "stock":
+        if stock and v != ref:
             s["decode_vs_stock"] = ratio_ci(dec, stock)
         summary[v] = s
         ratio = (f"{s['decode_vs_stock'][0]:.3f} ({s['decode_vs_stock'][1]:.3f}..{s['decode_vs_stock'][2]:.3f})"
@@ -173,7 +177,7 @@ def report(raw: dict, md: Path, json_path: Path) -> None:
     lines += [f"Model `{raw['model']}` (fp32), KV for 6080 tokens; {PROMPTS} prompts of {PROMPT_LEN} tokens, "
               f"decoded for {DECODE_TOKENS} tokens. {raw['reps']} repetitions, the variants in a shuffled order each: "
               + "; ".join(", ".join(o) for o in raw["orders"]) + ".", "",
-              *md_table(["variant", "runs", "decode step (ms)", "decode wall per run (s)", "decode / stock (95%)",
+              *md_table(["variant", "runs", "decode step (ms)", "decode wall per run (s)", f"decode / {ref} (95%)",
                          "prefill (s)", "engine-core CPU (s)", "worker CPU (s)", "CPU steal (s)"], "lrrlrrrrr", rows), "",
               "CPU seconds over the decode: the engine-core process's and the worker's (in-process: the one process). "
               "CPU steal: the host's, over the decode (both cores).", "",

@@ -53,3 +53,19 @@ def test_bad_options_are_refused(argv, message, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         pc.main()
     assert message in capsys.readouterr().err
+
+
+def test_in_process_runs_are_compared_with_stock_in_process_where_stock_did_not_run(tmp_path):
+    pc = load_benchmark("plugin_cost")
+    raw = {"model": "m", "core": 1, "reps": 2, "variants": ["stock-in-process", "kunserve-in-process"],
+           "orders": [["stock-in-process", "kunserve-in-process"]] * 2,
+           "runs": [_run("stock-in-process", 1, 48.0), _run("kunserve-in-process", 1, 49.0),
+                    _run("stock-in-process", 2, 50.0), _run("kunserve-in-process", 2, 51.0)]}
+    md, js = tmp_path / "p.md", tmp_path / "p.json"
+    pc.report(raw, md, js)
+    summary = json.loads(js.read_text())["summary"]
+    assert summary["kunserve-in-process"]["decode_vs_stock"][0] == pytest.approx(50 / 49)
+    assert "decode_vs_stock" not in summary["stock-in-process"]
+    assert "decode / stock-in-process (95%)" in md.read_text()
+    # in one process the engine core's CPU is the worker's: counted once, with the parent's
+    assert summary["kunserve-in-process"]["worker_cpu_s"] == pytest.approx(49.1)
