@@ -133,10 +133,12 @@ def ratio_ci(a: list[float], b: list[float], draws: int = 2000, seed: int = 0) -
     """mean(a) / mean(b) with a bootstrap 95% interval (repetitions resampled independently)."""
     import numpy as np
 
+    from vllm_kunserve.bench.pooled import interval
+
     rng = np.random.default_rng(seed)
     x, y = np.asarray(a, float), np.asarray(b, float)
-    r = [rng.choice(x, len(x)).mean() / rng.choice(y, len(y)).mean() for _ in range(draws)]
-    return float(x.mean() / y.mean()), float(np.percentile(r, 2.5)), float(np.percentile(r, 97.5))
+    r = np.array([rng.choice(x, len(x)).mean() / rng.choice(y, len(y)).mean() for _ in range(draws)])
+    return (float(x.mean() / y.mean()), *interval(r))
 
 
 def report(raw: dict, md: Path, json_path: Path) -> None:
@@ -146,7 +148,7 @@ def report(raw: dict, md: Path, json_path: Path) -> None:
 
     runs, variants = raw["runs"], raw["variants"]
     by = {v: [r for r in runs if r["variant"] == v] for v in variants}
-    ref = "stock" if by.get("stock") else "stock-in-process"
+    ref = next((v for v in ("stock", "stock-in-process") if by.get(v)), None)
     stock = [r["decode_s"] for r in by.get(ref, [])]
     rows, summary = [], {}
     for v in variants:
@@ -157,7 +159,7 @@ def report(raw: dict, md: Path, json_path: Path) -> None:
         s = {"runs": len(rs), "decode_s_mean": statistics.mean(dec), "step_ms_mean": 1e3 * statistics.mean(dec) / DECODE_TOKENS,
              "prefill_s_mean": statistics.mean(r["prefill_s"] for r in rs),
              "engine_core_cpu_s": statistics.mean(r["cpu_s"]["engine_core"] for r in rs),
-             "worker_cpu_s": statistics.mean(r["cpu_s"]["worker"] + (r["cpu_s"]["parent"] if v.endswith("in-process") else 0)
+             "worker_cpu_s": statistics.mean(r["cpu_s"]["worker"] + (r["cpu_s"]["parent"] if VARIANTS[v]["in_process"] else 0)
                                              for r in rs),
              "steal_s": statistics.mean(r["steal_s"] for r in rs), "outputs": sorted({r["outputs"] for r in rs})}
         if stock and v != ref:
@@ -173,11 +175,12 @@ def report(raw: dict, md: Path, json_path: Path) -> None:
     json_path.write_text(json.dumps(raw, indent=1) + "\n")
     lines = doc_header("What the plugin costs an engine that never drops (written by benchmarks/plugin_cost.py)",
                        "plugin_cost.py", cpu_device(f"each run pinned to core {raw['core']}, OMP_NUM_THREADS=1"),
-                       json_path, __doc__.split("\n\n")[2].replace("\n", " "))
+                       json_path, __doc__.split("\n\n")[2].replace("\n", " "), args=raw.get("argv"),
+                       load=raw.get("load_avg", "not recorded in the raw data"))
     lines += [f"Model `{raw['model']}` (fp32), KV for 6080 tokens; {PROMPTS} prompts of {PROMPT_LEN} tokens, "
               f"decoded for {DECODE_TOKENS} tokens. {raw['reps']} repetitions, the variants in a shuffled order each: "
               + "; ".join(", ".join(o) for o in raw["orders"]) + ".", "",
-              *md_table(["variant", "runs", "decode step (ms)", "decode wall per run (s)", f"decode / {ref} (95%)",
+              *md_table(["variant", "runs", "decode step (ms)", "decode wall per run (s)", f"decode / {ref or 'stock'} (95%)",
                          "prefill (s)", "engine-core CPU (s)", "worker CPU (s)", "CPU steal (s)"], "lrrlrrrrr", rows), "",
               "CPU seconds over the decode: the engine-core process's and the worker's (in-process: the one process). "
               "CPU steal: the host's, over the decode (both cores).", "",
@@ -195,7 +198,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=900.0, help="one run's limit")
     ap.add_argument("--name", default="plugin_cost", help="doc name under docs/benchmarks/")
-    ap.add_argument("--report-only", action="store_true", help="rewrite the doc from the JSON")
+    ap.add_argument("--report-only", action="store_true",
+                    help="rewrite the doc from the JSON (it quotes the measuring run's command and load)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -225,6 +229,7 @@ def main() -> int:
             raw["runs"].append({**r, "rep": rep})
             print(f"rep {rep} {v}: decode {r['decode_s']:.2f} s, steal {r['steal_s']:.2f} s", flush=True)
             js.write_text(json.dumps(raw, indent=1) + "\n")   # progress survives an interrupted run
+    raw["argv"], raw["load_avg"] = sys.argv[1:], round(os.getloadavg()[0], 2)   # the doc quotes the measuring run
     report(raw, md, js)
     print(f"wrote {md.relative_to(ROOT)}")
     return 0

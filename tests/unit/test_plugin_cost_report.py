@@ -36,6 +36,11 @@ def test_report_writes_the_table_and_flags_differing_outputs(tmp_path):
     assert "decode_vs_stock" not in data["summary"]["stock"]
     assert "| kunserve | 2 |" in doc and "53.0, 55.0" in doc and "1.059" in doc
     assert "identical across every run of every variant: **yes**" in doc
+    assert "cores): not recorded in the raw data" in doc
+    raw["argv"], raw["load_avg"] = ["--reps", "2"], 0.5   # a doc re-written later quotes the measuring run
+    pc.report(dict(raw), md, js)
+    assert "Produced by `python benchmarks/plugin_cost.py --reps 2`" in md.read_text()
+    assert "cores): 0.5;" in md.read_text()
     raw["runs"][1] = _run("kunserve", 1, 53.0, outputs="other")
     pc.report(dict(raw), md, js)
     assert "**NO**" in md.read_text() and json.loads(js.read_text())["outputs_identical"] is False

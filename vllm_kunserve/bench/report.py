@@ -217,11 +217,12 @@ def command(script: str, args: Sequence[str] | None = None, quote: bool = True) 
 
 
 def doc_header(title: str, script: str, device: str, raw: Path, *paragraphs: str,
-               load: float | str | None = None) -> list[str]:
+               load: float | str | None = None, args: Sequence[str] | None = None) -> list[str]:
     """Title, provenance, the given paragraphs and the machine-load caveat, as markdown lines (``load``:
-    the 1-min load average the measuring run recorded, or a note saying it was not; default: now)."""
+    the 1-min load average the measuring run recorded, or a note saying it was not; default: now;
+    ``args``: the measuring run's arguments, for a doc re-written from its raw data; default: this run's)."""
     lines = [f"# {title}", "",
-             f"Produced by `{command(script)}` on **{device}**; raw numbers in `{rel(raw)}`.", ""]
+             f"Produced by `{command(script, args)}` on **{device}**; raw numbers in `{rel(raw)}`.", ""]
     for p in paragraphs:
         lines += [p, ""]
     load = os.getloadavg()[0] if load is None else load
