@@ -295,7 +295,8 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args, device: str,
-             load: float | str | None = None) -> None:
+             load: float | str | None = None, argv: list[str] | None = None) -> None:
+    """``argv``: the measuring run's arguments where the doc is re-written from its raw data."""
     lines = doc_header("Front-end overhead: straight to the engine vs through kunserve serve", "front_end.py",
                        device, raw,
                        f"Command: `python benchmarks/front_end.py --reps {args.reps} --levels "
@@ -337,7 +338,7 @@ def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args,
                         "from the engine and the client here: where the proxy loses throughput, compare its CPU "
                         "per relayed token (last column, measured from /proc) with the engine's step time.")
                        + " The target is <= 2 ms added P50 TTFT and no throughput lost at 200 streams, for a "
-                       "front end with cores of its own.", load=load)
+                       "front end with cores of its own.", load=load, args=argv)
     lines += md_table(["streams", "TTFT P50 direct / proxy (ms)", "added P50 TTFT (ms)", "added P99 TTFT (ms)",
                        "ITL P50 direct / proxy (ms)", "added P50 ITL (ms)", "throughput proxy/direct",
                        "client send lag P99 (ms)", "front-end CPU per token (µs)"], "r" * 9)
@@ -748,7 +749,8 @@ def main(argv=None) -> int:
         summary = summarize(raw["rows"])
         png = plot(args.md.with_suffix(".png"), summary)
         write_md(args.md, args.out, png, summary, old, raw.get("device") or cpu_device(device_text(old)),
-                 load=raw.get("load_avg", "not recorded in the raw data (this doc re-written from it)"))
+                 load=raw.get("load_avg", "not recorded in the raw data (this doc re-written from it)"),
+                 argv=raw["command"][1:])
         print(f"wrote {rel(args.md)} from {rel(args.out)}")
         return 0
     model = args.model

@@ -130,6 +130,29 @@ def test_monitor_off_when_drop_is_disabled_and_shortfall_reported():
     assert gc.m_shortfall._value.get() > 0
 
 
+def test_an_operator_switches_the_monitor_on_and_off_at_run_time():
+    """``drop.enable: false`` starts the monitor off; ``set_auto`` (the front end's ``auto``
+    operation) switches it on, from a fresh demand history, and off again."""
+    cfg = {"drop": {"enable": False, "trigger_ratio": 0.9, "forecast_horizon_s": 0.0}}
+    front, gc, calls = _controller(2, cfg)
+    front.states[0]["blocks"].update(used=80, queued=40)
+    front.states[1]["blocks"].update(used=70)
+    asyncio.run(gc.on_poll({}))
+    assert not calls and gc.auto is False
+    gc.mstate = gc.mstate.__class__(deferred_since=1.0)   # a history left over from before
+    assert gc.set_auto(True) is False and gc.auto is True
+    assert gc.mstate.deferred_since is None               # started over
+    asyncio.run(gc.on_poll({}))
+    assert len([c for c in calls if c[1] == "group_join"]) == 2 and gc.view()[0]["reason"] == "overload"
+    assert gc.set_auto(False) is True and gc.auto is False
+    n = len(calls)
+    front.states[0]["blocks"].update(used=0, queued=0)
+    front.states[1]["blocks"].update(used=0)
+    for _ in range(3):   # low demand: no restore either while off
+        asyncio.run(gc.on_poll({}))
+    assert len(calls) == n and gc.view()[0]["state"] == "grouped"
+
+
 def test_forget_marks_the_group_of_a_dead_member():
     front, gc, calls = _controller(2)
     asyncio.run(gc.form([0, 1]))

@@ -179,3 +179,26 @@ def test_where_time_goes_engine_view_cores_and_the_throughput_verdict():
     table = "\n".join(fe.where_time_goes_table([s]))
     assert "| 200 | proxy | 760.0 | 510.0 | - | 250.0 | - | - | - | - | - | - | - |" in table
     assert "not settled" in "\n".join(fe.throughput_verdicts([s]))
+
+
+def test_analyse_only_quotes_the_measuring_run_not_the_re_render(tmp_path):
+    """A doc re-written from raw data (``--analyse-only``) names the command and the machine load of
+    the run that measured it, not its own."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    raw = tmp_path / "fe.json"
+    shutil.copy(Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "front_end.json", raw)
+    data = json.loads(raw.read_text())
+    data["command"] = ["benchmarks/front_end.py", "--reps", "7", "--levels", "1", "32", "--no-load-arm",
+                       "--frontend-core", "1"]
+    data["load_avg"] = 0.5
+    raw.write_text(json.dumps(data))
+    md = tmp_path / "fe.md"
+    assert fe.main(["--analyse-only", "--out", str(raw), "--md", str(md)]) == 0
+    text = md.read_text()
+    assert text.splitlines()[2].startswith(
+        "Produced by `python benchmarks/front_end.py --reps 7 --levels 1 32 --no-load-arm --frontend-core 1`")
+    assert "--analyse-only" not in text and "(1-min load average at the end, " in text
+    assert "cores): 0.5;" in text

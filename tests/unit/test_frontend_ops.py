@@ -31,6 +31,11 @@ class FakeGroups:
             raise GroupOpError("instance 1 group_join: 500")
         return {"group": 1, "members": members}
 
+    def set_auto(self, enable):
+        self.calls.append(("auto", enable))
+        was, self.auto = getattr(self, "auto", False), enable
+        return was
+
     async def restore(self, gid=None, step=False):
         self.calls.append(("restore", gid) + (("step",) if step else ()))
         if self.fail:
@@ -88,7 +93,8 @@ REFUSED = [
     ("dispatch", {"mode": "mell"}, 400, "mode"),   # no migration planner
     ("drop", {"instances": [0, 1]}, 409, "--kunserve-config"),
     ("restore", {}, 409, "--kunserve-config"),
-    ("explode", {}, 404, "known: dispatch, drop, kill, migrate, restore"),
+    ("auto", {"enable": True}, 409, "--kunserve-config"),
+    ("explode", {}, 404, "known: auto, dispatch, drop, kill, migrate, restore"),
 ]
 
 
@@ -168,3 +174,18 @@ def test_drop_and_restore_call_the_group_controller():
         assert code == 400 and e.param == param
     assert _run(front, "restore", {"group": 1, "step": True})[0] == 200
     assert groups.calls == [("form", [2, 0], "reprefill"), ("restore", None), ("restore", 1, "step")]
+
+
+@pytest.mark.parametrize("body", [{}, {"enable": 1}, {"enable": "true"}, {"enable": None}])
+def test_auto_takes_only_true_or_false_and_changes_nothing_otherwise(body):
+    front = _front(groups=FakeGroups())
+    code, e = _run(front, "auto", body)
+    assert code == 400 and e.param == "enable" and front.groups.calls == [] and front.events == []
+
+
+def test_auto_switches_the_monitor_and_records_it():
+    front = _front(groups=FakeGroups())
+    assert _run(front, "auto", {"enable": True}) == (200, {"auto": True, "was": False})
+    assert _run(front, "auto", {"enable": False}) == (200, {"auto": False, "was": True})
+    assert front.groups.calls == [("auto", True), ("auto", False)]
+    assert front.events == [("auto", {"old": False, "new": True}), ("auto", {"old": True, "new": False})]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -69,6 +70,18 @@ async def op(session: aiohttp.ClientSession, url: str, name: str, body: dict) ->
 async def status(session: aiohttp.ClientSession, url: str) -> dict:
     async with session.get(f"{url}/kunserve/status") as resp:
         return await resp.json()
+
+
+async def migrate_midway(s, url: str, prompt: str, n: int, chat: bool, method: str, at_token: int = 12):
+    """Send a streamed greedy request with our own request id, and have the front end move it to the
+    other engine once it has sent ``at_token`` tokens. Returns (answer, the migrate op's answer)."""
+    rid = f"mig-{method}-{chat}-{time.monotonic_ns()}"
+    order = asyncio.ensure_future(op(s, url, "migrate", {"request_id": rid, "method": method,
+                                                         "at_token": at_token, "wait_s": 30}))
+    await asyncio.sleep(0.05)  # the order waits in the front end for the request to arrive
+    task = asyncio.ensure_future(complete(s, url, prompt, max_tokens=n, stream=True, chat=chat, request_id=rid))
+    res = await order
+    return await task, res
 
 
 def run(coro):

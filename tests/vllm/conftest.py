@@ -16,20 +16,33 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_model(tmp_path_factory.mktemp("models") / "tiny", PRESETS["tiny"])
 
 
-def run_script(script: str, args: list, env_extra=None, timeout=300) -> tuple[dict, str]:
-    """Run ``tests/vllm/<script>`` in a fresh process; returns its ``PROBE_RESULT`` JSON and its log."""
+#: results of probes run with ``reuse=True``, by script, arguments and environment
+_REUSED: dict[tuple, tuple[dict, str]] = {}
+
+
+def run_script(script: str, args: list, env_extra=None, timeout=300, reuse: bool = False) -> tuple[dict, str]:
+    """Run ``tests/vllm/<script>`` in a fresh process; returns its ``PROBE_RESULT`` JSON and its log.
+    ``reuse``: the result of the same probe run earlier in this session, where one was run with
+    ``reuse`` too (tests that read different facts of one run share it: each engine start costs
+    ~40 s on a 2-core host)."""
+    key = (script, tuple(map(str, args)), tuple(sorted((env_extra or {}).items())))
+    if reuse and key in _REUSED:
+        return _REUSED[key]
     env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", **(env_extra or {}))
     r = subprocess.run([sys.executable, str(HERE / script), *map(str, args)],
                        capture_output=True, text=True, timeout=timeout, env=env)
     log = r.stdout + r.stderr
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("PROBE_RESULT ")]
     assert r.returncode == 0 and lines, f"{script} failed (rc={r.returncode}):\n{log[-4000:]}"
-    return json.loads(lines[-1][len("PROBE_RESULT "):]), log
+    out = json.loads(lines[-1][len("PROBE_RESULT "):]), log
+    if reuse:
+        _REUSED[key] = out
+    return out
 
 
-def run_probe(model: Path, mode: str, additional, env_extra=None, timeout=300) -> tuple[dict, str]:
+def run_probe(model: Path, mode: str, additional, env_extra=None, timeout=300, reuse: bool = False) -> tuple[dict, str]:
     extra = "none" if additional is None else json.dumps(additional)
-    return run_script("engine_probe.py", [model, mode, extra], env_extra, timeout)
+    return run_script("engine_probe.py", [model, mode, extra], env_extra, timeout, reuse)
 
 
 @pytest.fixture
@@ -50,6 +63,6 @@ def burst_model(tmp_path_factory) -> Path:
     return build_model(tmp_path_factory.mktemp("models") / "burst8", CheckpointSpec(**BURST_SPEC))
 
 
-def run_remap_probe(model: Path, scenario: str, additional, timeout=600) -> dict:
+def run_remap_probe(model: Path, scenario: str, additional, timeout=600, reuse: bool = False) -> dict:
     extra = "none" if additional is None else json.dumps(additional)
-    return run_script("remap_probe.py", [model, scenario, BURST_KV_BYTES, extra], timeout=timeout)[0]
+    return run_script("remap_probe.py", [model, scenario, BURST_KV_BYTES, extra], timeout=timeout, reuse=reuse)[0]

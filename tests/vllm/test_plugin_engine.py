@@ -8,7 +8,7 @@ pytestmark = pytest.mark.vllm
 
 
 def test_enabled_plugin_generates_and_reaches_worker(tiny_model, probe):
-    res, log = probe(tiny_model, "uni", {"kunserve": {}})
+    res, log = probe(tiny_model, "uni", {"kunserve": {}}, reuse=True)
     assert res["n_tokens"] == [6, 6] and all(res["texts"])
     assert res["main_active"] and "worker_extension" in res["main_patches"]
     (info,) = res["worker_info"]
@@ -27,7 +27,7 @@ def test_no_kunserve_key_patches_nothing(tiny_model, probe):
 
 
 def test_greedy_output_identical_with_and_without_plugin(tiny_model, probe):
-    on, _ = probe(tiny_model, "uni", {"kunserve": {}})
+    on, _ = probe(tiny_model, "uni", {"kunserve": {}}, reuse=True)   # the run of the first test
     off, _ = probe(tiny_model, "uni", None)
     assert on["texts"] == off["texts"]
 

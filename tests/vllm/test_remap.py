@@ -33,7 +33,7 @@ def test_greedy_outputs_identical_with_remap_forced(burst_model):
 
 def test_burst_completes_without_preemption_while_stock_preempts(burst_model):
     stock = run_remap_probe(burst_model, "burst", None)
-    remap = run_remap_probe(burst_model, "burst", REMAP)
+    remap = run_remap_probe(burst_model, "burst", REMAP, reuse=True)
     assert stock["completed"] == remap["completed"] == 16
     assert stock["preemptions"] > 0
     assert remap["preemptions"] == 0
@@ -94,7 +94,7 @@ def test_fault_at_every_step_of_remap_and_revert_rolls_back(burst_model, scenari
 
 
 def test_controller_error_mid_burst_keeps_serving(burst_model):
-    clean = run_remap_probe(burst_model, "burst", REMAP)
+    clean = run_remap_probe(burst_model, "burst", REMAP, reuse=True)   # the burst test's run
     res = run_remap_probe(burst_model, "controller", REMAP)
     assert res["completed"] == 16 and res["tokens"] == clean["tokens"]
     assert ["controller_error", "failed"] in res["events"]

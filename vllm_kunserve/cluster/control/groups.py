@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import aiohttp
@@ -106,6 +106,16 @@ class GroupController:
                                  "KV blocks no drop plan could free (for an autoscaler)", registry=r)
         self.m_grouped = Gauge("kunserve:grouped_instances", "Instances in a pipeline group", registry=r)
         self.m_layers = Gauge("kunserve:layers_held", "Decoder layers held per instance", ["instance"], registry=r)
+
+    def set_auto(self, enable: bool) -> bool:
+        """Let the monitor drop and restore by itself (or not), whatever ``drop.enable`` said at start;
+        returns the previous setting. Switched on, the monitor starts over from an empty demand history."""
+        was, self.auto = self.auto, enable
+        if enable and not self.cfg.drop.enable:   # the policy reads drop.enable too
+            self.cfg = replace(self.cfg, drop=replace(self.cfg.drop, enable=True))
+        if enable and not was:
+            self.mstate = MonitorState()
+        return was
 
     # -- state ----------------------------------------------------------------------------------------
     def group_of(self, instance: int) -> Group | None:

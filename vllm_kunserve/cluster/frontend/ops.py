@@ -8,6 +8,8 @@ own validation.
     drop       {"instances": [i, j, ...], "transition": "kv"|"reprefill"}: form a pipeline group now
     restore    {"group": id (default: every group), "step": bool}: split it (with step: a group of four
                or more into halves, keeping every request's KV)
+    auto       {"enable": bool}: let the monitor drop and restore by itself, or stop it (operations
+               forced by the operator work either way)
 
 A handler takes the front end (``cluster.frontend.app.FrontEnd``) and the request's JSON object and
 returns the answer's JSON object, or raises :class:`BadRequest`: 400 for a parameter it cannot take,
@@ -25,7 +27,7 @@ from vllm_kunserve.cluster.frontend.relay import Move
 from vllm_kunserve.cluster.frontend.validate import BadRequest
 from vllm_kunserve.policy.dispatch import get_policy
 
-__all__ = ["OPS", "dispatch", "drop", "kill", "migrate", "restore", "run_op"]
+__all__ = ["OPS", "auto", "dispatch", "drop", "kill", "migrate", "restore", "run_op"]
 
 Handler = Callable[[Any, dict], Awaitable[dict]]
 
@@ -159,8 +161,23 @@ async def restore(front: Any, body: dict) -> dict:
         raise BadRequest(str(e), status=409, kind="ConflictError") from None
 
 
+async def auto(front: Any, body: dict) -> dict:
+    """Switch the monitor's own drops and restores on or off (``enable``); switched on, it starts from
+    a fresh demand history (no hold carried over from before)."""
+    if front.groups is None:
+        raise BadRequest("cluster drop needs kunserve engines (start with --kunserve-config)",
+                         status=409, kind="ConflictError")
+    enable = body.get("enable")
+    if not isinstance(enable, bool):
+        raise BadRequest(f"enable must be true or false, got {enable!r}", param="enable")
+    was = front.groups.set_auto(enable)
+    front.record("auto", old=was, new=enable)
+    return {"auto": enable, "was": was}
+
+
 #: every operation by name
-OPS: dict[str, Handler] = {"dispatch": dispatch, "drop": drop, "kill": kill, "migrate": migrate, "restore": restore}
+OPS: dict[str, Handler] = {"auto": auto, "dispatch": dispatch, "drop": drop, "kill": kill, "migrate": migrate,
+                           "restore": restore}
 
 
 async def run_op(front: Any, op: str, body: dict) -> dict:
