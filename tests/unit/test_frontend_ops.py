@@ -22,8 +22,9 @@ def _flight(rid, instance, movable=True):
 
 
 class FakeGroups:
-    def __init__(self, busy=False, fail=False):
+    def __init__(self, busy=False, fail=False, static=False):
         self.busy, self.fail, self.calls = busy, fail, []
+        self.cfg = SimpleNamespace(drop=SimpleNamespace(static_group=static))
 
     async def form(self, members, transition=None):
         self.calls.append(("form", members, transition))
@@ -183,8 +184,14 @@ def test_auto_takes_only_true_or_false_and_changes_nothing_otherwise(body):
     assert code == 400 and e.param == "enable" and front.groups.calls == [] and front.events == []
 
 
-def test_auto_switches_the_monitor_and_records_it():
-    front = _front(groups=FakeGroups())
+def test_auto_refuses_a_static_group_and_changes_nothing():
+    front = _front(groups=FakeGroups(static=True))
+    code, e = _run(front, "auto", {"enable": False})
+    assert code == 409 and "static" in e.message and front.groups.calls == [] and front.events == []
+
+
+def test_auto_switches_the_monitor_and_records_it_even_while_a_group_operation_runs():
+    front = _front(groups=FakeGroups(busy=True))
     assert _run(front, "auto", {"enable": True}) == (200, {"auto": True, "was": False})
     assert _run(front, "auto", {"enable": False}) == (200, {"auto": False, "was": True})
     assert front.groups.calls == [("auto", True), ("auto", False)]

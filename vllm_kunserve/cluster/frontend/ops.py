@@ -115,11 +115,17 @@ async def dispatch(front: Any, body: dict) -> dict:
     return {"dispatch": mode, "was": old}
 
 
-def _groups(front: Any):
-    """The group controller, if a group operation can start now (409 otherwise)."""
+def _controller(front: Any):
+    """The group controller (409 where the fleet has none)."""
     if front.groups is None:
         raise BadRequest("cluster drop needs kunserve engines (start with --kunserve-config)",
                          status=409, kind="ConflictError")
+    return front.groups
+
+
+def _groups(front: Any):
+    """The group controller, if a group operation can start now (409 otherwise)."""
+    _controller(front)
     if front.groups.busy:
         raise BadRequest("a group operation is in progress", status=409, kind="ConflictError")
     return front.groups
@@ -164,13 +170,14 @@ async def restore(front: Any, body: dict) -> dict:
 async def auto(front: Any, body: dict) -> dict:
     """Switch the monitor's own drops and restores on or off (``enable``); switched on, it starts from
     a fresh demand history (no hold carried over from before)."""
-    if front.groups is None:
-        raise BadRequest("cluster drop needs kunserve engines (start with --kunserve-config)",
-                         status=409, kind="ConflictError")
+    groups = _controller(front)
     enable = body.get("enable")
     if not isinstance(enable, bool):
         raise BadRequest(f"enable must be true or false, got {enable!r}", param="enable")
-    was = front.groups.set_auto(enable)
+    if groups.cfg.drop.static_group:
+        raise BadRequest("a static group (drop.static_group) is formed once and never restored: the monitor "
+                         "has nothing to switch", status=409, kind="ConflictError")
+    was = groups.set_auto(enable)
     front.record("auto", old=was, new=enable)
     return {"auto": enable, "was": was}
 
