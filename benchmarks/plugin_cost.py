@@ -58,12 +58,6 @@ PROMPTS, PROMPT_LEN, DECODE_TOKENS = 16, 64, 129
 KV_BYTES = 896532480
 
 
-def _steal_s() -> float:
-    with open("/proc/stat") as f:
-        fields = f.readline().split()
-    return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
-
-
 def _tree_cpu() -> dict[str, float]:
     """CPU seconds so far of this process's engine-core and worker processes (by their titles)."""
     import psutil
@@ -99,11 +93,13 @@ def child(variant: str, model: str) -> None:
     t = time.perf_counter()
     llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
     prefill_s = time.perf_counter() - t
-    cpu0, steal0, t = _tree_cpu(), _steal_s(), time.perf_counter()
+    from vllm_kunserve.bench.hostwatch import cpu_steal_iowait_s
+
+    cpu0, steal0, t = _tree_cpu(), cpu_steal_iowait_s()[0], time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(max_tokens=DECODE_TOKENS, ignore_eos=True, temperature=0.0),
                         use_tqdm=False)
     decode_s = time.perf_counter() - t
-    cpu1, steal1 = _tree_cpu(), _steal_s()
+    cpu1, steal1 = _tree_cpu(), cpu_steal_iowait_s()[0]
     digest = hashlib.sha256(json.dumps([list(o.outputs[0].token_ids) for o in outs]).encode()).hexdigest()[:16]
     print("RESULT " + json.dumps({
         "variant": variant, "prefill_s": round(prefill_s, 3), "decode_s": round(decode_s, 3),
@@ -144,7 +140,7 @@ def ratio_ci(a: list[float], b: list[float], draws: int = 2000, seed: int = 0) -
 def report(raw: dict, md: Path, json_path: Path) -> None:
     import statistics
 
-    from vllm_kunserve.bench.report import cpu_device, doc_header, md_table, write_doc
+    from vllm_kunserve.bench.report import cpu_device, doc_header, md_table, write_doc, write_json
 
     runs, variants = raw["runs"], raw["variants"]
     by = {v: [r for r in runs if r["variant"] == v] for v in variants}
@@ -172,7 +168,7 @@ def report(raw: dict, md: Path, json_path: Path) -> None:
                      f"{s['steal_s']:.2f}"])
     identical = len({o for s in summary.values() for o in s["outputs"]}) == 1
     raw["summary"], raw["outputs_identical"] = summary, identical
-    json_path.write_text(json.dumps(raw, indent=1) + "\n")
+    write_json(json_path, raw, indent=1, clean=False)
     lines = doc_header("What the plugin costs an engine that never drops (written by benchmarks/plugin_cost.py)",
                        "plugin_cost.py", cpu_device(f"each run pinned to core {raw['core']}, OMP_NUM_THREADS=1"),
                        json_path, __doc__.split("\n\n")[2].replace("\n", " "), args=raw.get("argv"),
@@ -219,6 +215,8 @@ def main() -> int:
         return 0
     if not (Path(a.model) / "config.json").is_file():
         ap.error(f"--model {a.model}: no model there (make one: kunserve make-model --preset decode-fp32-mha {a.model})")
+    from vllm_kunserve.bench.report import write_json
+
     rng = random.Random(a.seed)
     orders = [rng.sample(variants, len(variants)) for _ in range(a.reps)]
     raw = {"model": os.path.relpath(a.model, ROOT), "core": a.core, "reps": a.reps, "variants": variants,
@@ -228,7 +226,7 @@ def main() -> int:
             r = run_child(v, a.model, a.core, a.timeout_s)
             raw["runs"].append({**r, "rep": rep})
             print(f"rep {rep} {v}: decode {r['decode_s']:.2f} s, steal {r['steal_s']:.2f} s", flush=True)
-            js.write_text(json.dumps(raw, indent=1) + "\n")   # progress survives an interrupted run
+            write_json(js, raw, indent=1, clean=False)   # progress survives an interrupted run
     raw["argv"], raw["load_avg"] = sys.argv[1:], round(os.getloadavg()[0], 2)   # the doc quotes the measuring run
     report(raw, md, js)
     print(f"wrote {md.relative_to(ROOT)}")

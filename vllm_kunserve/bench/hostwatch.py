@@ -33,7 +33,8 @@ def _vmstat_majfault() -> int:
     return 0
 
 
-def _cpu_steal_iowait_s() -> tuple[float, float]:
+def cpu_steal_iowait_s() -> tuple[float, float]:
+    """The host's CPU steal and I/O wait so far (seconds, all cores), from ``/proc/stat``."""
     with open("/proc/stat") as f:
         parts = f.readline().split()  # cpu user nice system idle iowait irq softirq steal ...
     return int(parts[8]) / _HZ, int(parts[5]) / _HZ
@@ -111,7 +112,7 @@ class HostSampler:
                     w = _runq_s(p)
                     if w is not None:
                         waits[p] = w
-            steal, iowait = _cpu_steal_iowait_s()
+            steal, iowait = cpu_steal_iowait_s()
             row = {"t": round(now, 4), "pgmajfault": _vmstat_majfault(), "steal_s": steal, "iowait_s": iowait}
             for p, (name, n) in last.items():
                 key = "majflt:" + name

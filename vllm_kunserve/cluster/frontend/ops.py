@@ -125,10 +125,10 @@ def _controller(front: Any):
 
 def _groups(front: Any):
     """The group controller, if a group operation can start now (409 otherwise)."""
-    _controller(front)
-    if front.groups.busy:
+    groups = _controller(front)
+    if groups.busy:
         raise BadRequest("a group operation is in progress", status=409, kind="ConflictError")
-    return front.groups
+    return groups
 
 
 async def drop(front: Any, body: dict) -> dict:
