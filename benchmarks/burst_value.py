@@ -42,7 +42,8 @@ Steps (``--steps``, each kept in ``--out`` and skipped when its file is there):
 3. ``compare``: every system, ``--repeat`` shuffled repetitions.
 4. the doc: pooled window statistics (``vllm_kunserve/bench/pooled.py``: P50 / P90 / P99 TTFT with
    bootstrap 95% intervals, TPOT, goodput, output tokens/s, preemptions, lost), the gap to
-   ``oracle-equal`` closed, when kunserve grouped, the client's send lag, and a PNG.
+   ``oracle-equal`` closed, when kunserve grouped, kunserve against its stock twin ``vllm`` where both ran
+   (what the plugin costs where it never drops), the client's send lag, and a PNG.
 
     python benchmarks/burst_value.py --regime r1 [--repeat 5] [--out runs/burst_r1]
     python benchmarks/burst_value.py --regime r0 --concurrency 8 --capacity-requests 48 --caps 2,3 \
@@ -285,6 +286,67 @@ def cpu_section(totals: dict) -> list[str]:
          "`/metrics` through `kunserve serve` and one engine's through vllm-router.", ""]
     L += md_table(["system", *(label for _, label in CPU_ROLES)], "l" + "r" * len(CPU_ROLES),
                   ([s, *(f"{c.get(k, 0.0):.3f}" for k, _ in CPU_ROLES)] for s, c in rows.items()))
+    return L
+
+
+#: kunserve and its stock twin: the same engines, KV and (no) batch cap, the plugin installed but inert
+TWIN = ("kunserve", "vllm")
+
+
+def twin(run: Path, window: tuple[float, float], groups: dict, totals: dict) -> dict | None:
+    """kunserve over its stock twin ``vllm``, pooled with intervals: TTFT P50 / P90 / P99 and P50
+    TPOT of the burst window's arrivals and of the warm phase's, the runs' output tokens/s and each
+    role's share of the cores. Where kunserve never grouped, this is what the plugin costs an engine
+    that never drops. None unless both ran."""
+    k, v = TWIN
+    if not (k in totals and v in totals):
+        return None
+    out: dict = {"grouped_reps": sorted(groups.get(k) or {})}
+    for phase, span in (("window", window), ("warm", (0.0, window[0]))):
+        r = load_runs(run, list(TWIN), span)
+        if k not in r or v not in r:
+            continue
+        out[phase] = {"n": [len(r[k]), len(r[v])],
+                      **{f"ttft_p{q}": pooled.ratio(r[k], r[v], q) for q in (50, 90, 99)},
+                      "tpot_p50": pooled.ratio(r[k], r[v], 50, metric="tpot")}
+    tk, tv = totals[k].get("output_tokens_per_s"), totals[v].get("output_tokens_per_s")
+    out["output_tokens_per_s"] = [tk, tv]
+    out["cpu"] = {role: [totals[k].get("cpu", {}).get(role), totals[v].get("cpu", {}).get(role)]
+                  for role, _ in CPU_ROLES}
+    return out
+
+
+def twin_section(tw: dict | None) -> list[str]:
+    if not tw or "window" not in tw:
+        return []
+    k, v = TWIN
+    grouped = tw["grouped_reps"]
+    L = ["", f"## {k} against its stock twin", "",
+         f"`{v}` is the same two engines with the same KV and no batch cap, the plugin installed but inert (no "
+         f"`kunserve` key), behind the same front end. "
+         + (f"{k} never grouped in any repetition, so this is what the plugin costs an engine that never drops "
+            "(its agent, control port and the front end's monitor polling it)." if not grouped else
+            f"{k} grouped in repetition(s) {', '.join(map(str, grouped))}: the ratios include its drops.")
+         + f" Pooled {k} / {v}, 95% bootstrap intervals; the warm phase is the requests that arrived before the burst "
+         "(they run into it):", ""]
+    rows = []
+    for phase, label in (("window", "burst window"), ("warm", "warm phase")):
+        x = tw.get(phase)
+        if x:
+            rows.append([label, f"{x['n'][0]} / {x['n'][1]}", *(fmt_ci(x[f"ttft_p{q}"]) for q in (50, 90, 99)),
+                         fmt_ci(x["tpot_p50"])])
+    L += md_table(["requests", f"{k} / {v}", "P50 TTFT", "P90 TTFT", "P99 TTFT", "P50 TPOT"], "lrllll", rows)
+    tk, tv = tw["output_tokens_per_s"]
+    cpu = tw["cpu"]
+    L += ["", (f"Output tokens/s (mean of the runs' rates): {tk:.1f} against {tv:.1f} ({tk / tv:.3f}x). " if tk and tv
+               else "") + "Share of a core: " + "; ".join(
+        f"{label} {cpu[role][0]:.3f} against {cpu[role][1]:.3f}" for role, label in CPU_ROLES
+        if cpu.get(role) and None not in cpu[role] and any(cpu[role])) + "."]
+    apart = [f"{q}" for q, c in (("P50 TTFT", tw["window"]["ttft_p50"]), ("P90 TTFT", tw["window"]["ttft_p90"]),
+                                 ("P99 TTFT", tw["window"]["ttft_p99"]), ("P50 TPOT", tw["window"]["tpot_p50"]))
+             if c.get("lo") is not None and (c["lo"] > 1 or c["hi"] < 1)]
+    L += ["", f"In the burst window, intervals that exclude 1 (a difference this many requests can tell from noise): "
+          + (", ".join(apart) if apart else "none") + "."]
     return L
 
 
@@ -655,6 +717,7 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
         reps = range(1, meta["repeat"] + 1)
         L += md_table(["system", *(f"rep {k}" for k in reps)], "l" * (1 + len(reps)),
                       ([s, *(" / ".join(map(str, v[k])) if k in v else "-" for k in reps)] for s, v in split.items()))
+    L += twin_section(an.get("twin"))
     L += cpu_section(totals)
     L += ["", "## The client", "", "Largest send lag per system over all its runs, requests sent > 50 ms late and, for "
           "a system with late sends, its window's pooled TTFT P50 / P90 / P99 counted from each request's arrival "
@@ -868,6 +931,7 @@ def main() -> int:
     lag = send_lag(out, systems, meta["window"])
     groups = group_times(out, [s for s in systems if s in ("kunserve", "static", *variants)], a.repeat, meta["window"])
     meta["dispatch_split"] = dispatch_split(out, systems, a.repeat, meta["window"])
+    an["twin"] = twin(out, meta["window"], groups, totals)
     assets = DOCS / name
     meta["raw"] = assets.relative_to(DOCS).as_posix()
     meta["raw_layout"] = "<system>/rep<k>"

@@ -2,7 +2,6 @@
 analysis (benchmarks/burst_value.py): percentiles over repetitions, ratios, gap closed, goodput."""
 
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -177,3 +176,42 @@ def test_joins_are_read_per_system_from_each_front_ends_log(bv, tmp_path):
     assert (v["ms"], v["deferred_s"], v["bytes"]) == (120.0, 0.0, None)
     assert "| 1 | 0.00 | 120 | 280 / 300 |" in "\n".join(bv.join_section([v]))
     assert bv.join_events(tmp_path, 1, "abl-kv") == []
+
+
+def test_ratio_of_tpot_skips_requests_without_one():
+    a = reqs([1.0] * 50, tpot=0.12) + [P.Request(1, 99.0, True, 1.0, None, 1, None)]
+    r = P.ratio(a, reqs([1.0] * 50, tpot=0.10), 50, metric="tpot")
+    assert r["value"] == pytest.approx(1.2) and r["lo"] == pytest.approx(1.2) and r["hi"] == pytest.approx(1.2)
+    assert P.ratio(a, a, 50)["value"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="ttft or tpot"):
+        P.ratio(a, a, 50, metric="e2e")
+
+
+def test_kunserve_against_its_stock_twin(bv, tmp_path):
+    """The twin section pools kunserve over stock ``vllm`` per phase (warm: arrivals before the window),
+    says whether kunserve grouped, and names only the intervals that exclude 1."""
+    rng = np.random.default_rng(3)
+    for system, slow in (("kunserve", 1.3), ("vllm", 1.0)):
+        for rep in (1, 2):
+            p = tmp_path / system / f"rep{rep}" / "requests.csv"
+            p.parent.mkdir(parents=True)
+            rows = ["idx,arrival_s,send_s,ok,ttft_s,tpot_s,e2e_s,output_tokens"]
+            for i, t in enumerate(np.linspace(0, 99, 200)):
+                ttft = rng.uniform(1.0, 2.0) * (slow if t >= 30 else 1.0)
+                rows.append(f"{i},{t:.2f},{t:.2f},1,{ttft:.4f},{0.5 * slow:.4f},10,20")
+            p.write_text("\n".join(rows) + "\n")
+    totals = {s: {"output_tokens_per_s": tps, "cpu": {"VLLM::EngineCore": ec, "VLLM::Worker": 1.6}}
+              for s, tps, ec in (("kunserve", 58.0, 0.11), ("vllm", 60.0, 0.09))}
+    tw = bv.twin(tmp_path, (30.0, 100.0), {}, totals)
+    late = int((np.linspace(0, 99, 200) >= 30).sum())
+    assert tw["window"]["n"] == [2 * late] * 2 and tw["warm"]["n"] == [2 * (200 - late)] * 2
+    assert tw["window"]["ttft_p50"]["lo"] > 1.1 and tw["window"]["tpot_p50"]["value"] == pytest.approx(1.3)
+    assert 0.8 < tw["warm"]["ttft_p50"]["lo"] < 1.0 < tw["warm"]["ttft_p50"]["hi"]
+    text = "\n".join(bv.twin_section(tw))
+    assert "never grouped in any repetition" in text and "(0.967x)" in text
+    assert "engine cores 0.110 against 0.090" in text
+    assert "exclude 1 (a difference this many requests can tell from noise): P50 TTFT, P90 TTFT, P99 TTFT, P50 TPOT" in text
+    grouped = "\n".join(bv.twin_section(bv.twin(tmp_path, (30.0, 100.0), {"kunserve": {2: {}}}, totals)))
+    assert "grouped in repetition(s) 2: the ratios include its drops" in grouped
+    assert bv.twin(tmp_path, (30.0, 100.0), {}, {"kunserve": totals["kunserve"]}) is None
+    assert bv.twin_section(None) == []

@@ -70,6 +70,14 @@ def test_fresh_peer_chunks_drop_idle_peers():
     assert fresh_peer_chunks(steps, now=100.0) == [[(0, 5)]]
 
 
+def test_fresh_peer_chunks_pace_only_current_peers():
+    """A member that left (or a late span of it) no longer paces this one, however recent its step."""
+    steps = {"e0": (100.0, [(0, 5)]), "gone": (100.0, [(0, 900)])}
+    assert fresh_peer_chunks(steps, now=100.0, peers=["e0"]) == [[(0, 5)]]
+    assert fresh_peer_chunks(steps, now=100.0, peers=[]) == []
+    assert len(fresh_peer_chunks(steps, now=100.0)) == 2
+
+
 def test_step_chunks_read_prefix_and_new_tokens_from_attention_metadata():
     md = SimpleNamespace(query_start_loc=torch.tensor([0, 1, 2, 66]), seq_lens=torch.tensor([10, 200, 64, 0]))
     assert _step_chunks({"layers.0.attn": md}) == [(9, 1), (199, 1), (0, 64)]

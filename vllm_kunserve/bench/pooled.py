@@ -107,9 +107,13 @@ def tail(reqs: Sequence[Request], qs: Iterable[float] = QUANTILES, seed: int = 0
     return out
 
 
-def ratio(a: Sequence[Request], b: Sequence[Request], q: float, seed: int = 0) -> dict:
-    """P{q} TTFT of ``a`` over ``b``, pooled, with the interval of independent resamples."""
-    ga, gb = by_rep(a, lambda r: r.ttft_s), by_rep(b, lambda r: r.ttft_s)
+def ratio(a: Sequence[Request], b: Sequence[Request], q: float, seed: int = 0, metric: str = "ttft") -> dict:
+    """P{q} TTFT (``metric="tpot"``: TPOT, over the requests that have one) of ``a`` over ``b``,
+    pooled, with the interval of independent resamples."""
+    if metric not in ("ttft", "tpot"):
+        raise ValueError(f"metric {metric!r}: ttft or tpot")
+    value = (lambda r: r.ttft_s) if metric == "ttft" else (lambda r: r.tpot_s)
+    ga, gb = by_rep(a, value), by_rep(b, value)
     if not ga or not gb:
         return {"value": None, "lo": None, "hi": None}
     with np.errstate(divide="ignore", invalid="ignore"):

@@ -789,12 +789,14 @@ class GroupMember:
         for m in peers:
             self.act.pop(m).close()
             self.bulk.pop(m).close()
+            self.peer_steps.pop(m, None)
 
     def _close(self) -> None:
         for c in list(self.act.values()) + list(self.bulk.values()):
             c.close()
         self.act.clear()
         self.bulk.clear()
+        self.peer_steps.clear()
         with self._cv:
             self._inbox.clear()
 
@@ -811,7 +813,7 @@ class GroupMember:
         ones only): what the group scheduler balances this member's steps against."""
         from vllm_kunserve.integration.vllm.scheduler import fresh_peer_chunks
 
-        return fresh_peer_chunks(self.peer_steps)
+        return fresh_peer_chunks(self.peer_steps, peers=list(self.act))
 
     def ping(self, peer_stage: str, nbytes: int, n: int = 20) -> dict:
         """Round-trip latency to a stage server with an ``nbytes`` payload (for reports)."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from vllm_kunserve.integration.vllm.base import VllmPatch
 
@@ -171,7 +171,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-def fresh_peer_chunks(steps: dict[str, tuple[float, list]], now: float | None = None) -> list[list]:
-    """The chunks of each peer's latest step seen within :data:`PACE_MAX_AGE_S`."""
+def fresh_peer_chunks(steps: dict[str, tuple[float, list]], now: float | None = None,
+                      peers: Iterable[str] | None = None) -> list[list]:
+    """The chunks of each peer's latest step seen within :data:`PACE_MAX_AGE_S`; with ``peers``,
+    of those peers only (a member that left the group, or a span of it that arrived late, paces
+    nothing)."""
     now = time.monotonic() if now is None else now
-    return [chunks for t, chunks in steps.values() if now - t <= PACE_MAX_AGE_S and chunks]
+    keep = None if peers is None else set(peers)
+    return [chunks for origin, (t, chunks) in list(steps.items())
+            if (keep is None or origin in keep) and now - t <= PACE_MAX_AGE_S and chunks]
