@@ -293,17 +293,17 @@ def cpu_section(totals: dict) -> list[str]:
 TWIN = ("kunserve", "vllm")
 
 
-def twin(run: Path, window: tuple[float, float], groups: dict, totals: dict) -> dict | None:
+def twin(run: Path, window: tuple[float, float], reqs: dict[str, list[pooled.Request]], groups: dict,
+         totals: dict) -> dict | None:
     """kunserve over its stock twin ``vllm``, pooled with intervals: TTFT P50 / P90 / P99 and P50
-    TPOT of the burst window's arrivals and of the warm phase's, the runs' output tokens/s and each
-    role's share of the cores. Where kunserve never grouped, this is what the plugin costs an engine
-    that never drops. None unless both ran."""
+    TPOT of the burst window's arrivals (``reqs``, as :func:`load_runs` read them) and of the warm
+    phase's, the runs' output tokens/s and each role's share of the cores. Where kunserve never
+    grouped, this is what the plugin costs an engine that never drops. None unless both ran."""
     k, v = TWIN
     if not (k in totals and v in totals):
         return None
     out: dict = {"grouped_reps": sorted(groups.get(k) or {})}
-    for phase, span in (("window", window), ("warm", (0.0, window[0]))):
-        r = load_runs(run, list(TWIN), span)
+    for phase, r in (("window", reqs), ("warm", load_runs(run, list(TWIN), (0.0, window[0])))):
         if k not in r or v not in r:
             continue
         out[phase] = {"n": [len(r[k]), len(r[v])],
@@ -342,10 +342,11 @@ def twin_section(tw: dict | None) -> list[str]:
                else "") + "Share of a core: " + "; ".join(
         f"{label} {cpu[role][0]:.3f} against {cpu[role][1]:.3f}" for role, label in CPU_ROLES
         if cpu.get(role) and None not in cpu[role] and any(cpu[role])) + "."]
-    apart = [f"{q}" for q, c in (("P50 TTFT", tw["window"]["ttft_p50"]), ("P90 TTFT", tw["window"]["ttft_p90"]),
-                                 ("P99 TTFT", tw["window"]["ttft_p99"]), ("P50 TPOT", tw["window"]["tpot_p50"]))
-             if c.get("lo") is not None and (c["lo"] > 1 or c["hi"] < 1)]
-    L += ["", f"In the burst window, intervals that exclude 1 (a difference this many requests can tell from noise): "
+    w = tw["window"]
+    apart = [label for label, key in (("P50 TTFT", "ttft_p50"), ("P90 TTFT", "ttft_p90"), ("P99 TTFT", "ttft_p99"),
+                                      ("P50 TPOT", "tpot_p50"))
+             if w[key].get("lo") is not None and (w[key]["lo"] > 1 or w[key]["hi"] < 1)]
+    L += ["", "In the burst window, intervals that exclude 1 (a difference this many requests can tell from noise): "
           + (", ".join(apart) if apart else "none") + "."]
     return L
 
@@ -931,7 +932,7 @@ def main() -> int:
     lag = send_lag(out, systems, meta["window"])
     groups = group_times(out, [s for s in systems if s in ("kunserve", "static", *variants)], a.repeat, meta["window"])
     meta["dispatch_split"] = dispatch_split(out, systems, a.repeat, meta["window"])
-    an["twin"] = twin(out, meta["window"], groups, totals)
+    an["twin"] = twin(out, meta["window"], reqs, groups, totals)
     assets = DOCS / name
     meta["raw"] = assets.relative_to(DOCS).as_posix()
     meta["raw_layout"] = "<system>/rep<k>"

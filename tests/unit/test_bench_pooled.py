@@ -202,7 +202,8 @@ def test_kunserve_against_its_stock_twin(bv, tmp_path):
             p.write_text("\n".join(rows) + "\n")
     totals = {s: {"output_tokens_per_s": tps, "cpu": {"VLLM::EngineCore": ec, "VLLM::Worker": 1.6}}
               for s, tps, ec in (("kunserve", 58.0, 0.11), ("vllm", 60.0, 0.09))}
-    tw = bv.twin(tmp_path, (30.0, 100.0), {}, totals)
+    win = bv.load_runs(tmp_path, ["kunserve", "vllm"], (30.0, 100.0))
+    tw = bv.twin(tmp_path, (30.0, 100.0), win, {}, totals)
     late = int((np.linspace(0, 99, 200) >= 30).sum())
     assert tw["window"]["n"] == [2 * late] * 2 and tw["warm"]["n"] == [2 * (200 - late)] * 2
     assert tw["window"]["ttft_p50"]["lo"] > 1.1 and tw["window"]["tpot_p50"]["value"] == pytest.approx(1.3)
@@ -211,7 +212,7 @@ def test_kunserve_against_its_stock_twin(bv, tmp_path):
     assert "never grouped in any repetition" in text and "(0.967x)" in text
     assert "engine cores 0.110 against 0.090" in text
     assert "exclude 1 (a difference this many requests can tell from noise): P50 TTFT, P90 TTFT, P99 TTFT, P50 TPOT" in text
-    grouped = "\n".join(bv.twin_section(bv.twin(tmp_path, (30.0, 100.0), {"kunserve": {2: {}}}, totals)))
+    grouped = "\n".join(bv.twin_section(bv.twin(tmp_path, (30.0, 100.0), win, {"kunserve": {2: {}}}, totals)))
     assert "grouped in repetition(s) 2: the ratios include its drops" in grouped
-    assert bv.twin(tmp_path, (30.0, 100.0), {}, {"kunserve": totals["kunserve"]}) is None
+    assert bv.twin(tmp_path, (30.0, 100.0), win, {}, {"kunserve": totals["kunserve"]}) is None
     assert bv.twin_section(None) == []

@@ -789,14 +789,12 @@ class GroupMember:
         for m in peers:
             self.act.pop(m).close()
             self.bulk.pop(m).close()
-            self.peer_steps.pop(m, None)
 
     def _close(self) -> None:
         for c in list(self.act.values()) + list(self.bulk.values()):
             c.close()
         self.act.clear()
         self.bulk.clear()
-        self.peer_steps.clear()
         with self._cv:
             self._inbox.clear()
 
