@@ -216,3 +216,24 @@ def test_kunserve_against_its_stock_twin(bv, tmp_path):
     assert "grouped in repetition(s) 2: the ratios include its drops" in grouped
     assert bv.twin(tmp_path, (30.0, 100.0), win, {}, {"kunserve": totals["kunserve"]}) is None
     assert bv.twin_section(None) == []
+
+
+def test_each_ablation_against_kunserve(bv):
+    """The ablation section pools each variant over kunserve in the burst window and names the
+    intervals that exclude 1: a variant 1.5x slower to a first token is told apart, a twin is not."""
+    rng = np.random.default_rng(5)
+    base = rng.uniform(1.0, 2.0, 300)
+    win = {"kunserve": reqs(base[:150], rep=1) + reqs(base[150:], rep=2),
+           "abl-drop": reqs(base[:150] * 1.5, rep=1) + reqs(base[150:] * 1.5, rep=2),
+           "abl-same": reqs(base[:150], rep=1) + reqs(base[150:], rep=2)}
+    abl = bv.ablation(win, ["abl-drop", "abl-same", "abl-absent"])
+    assert set(abl) == {"abl-drop", "abl-same"}   # a variant that did not run is left out
+    assert abl["abl-drop"]["ttft_p50"]["value"] == pytest.approx(1.5) and abl["abl-drop"]["ttft_p50"]["lo"] > 1.2
+    assert abl["abl-drop"]["n"] == [300, 300]
+    text = "\n".join(bv.ablation_section(abl, {"abl-drop": '{"drop": {"transition": "reprefill"}}'}))
+    assert '`abl-drop`: `{"drop": {"transition": "reprefill"}}`' in text
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| abl-")}
+    assert rows["abl-drop"].rstrip(" |").endswith("P50 TTFT, P90 TTFT, P99 TTFT")   # TPOT is the same
+    assert rows["abl-same"].rstrip(" |").endswith("none")
+    assert bv.ablation(win, []) == {} and bv.ablation_section({}, {}) == []
+    assert bv.ablation({"abl-drop": win["abl-drop"]}, ["abl-drop"]) == {}   # no kunserve: nothing to compare
