@@ -663,7 +663,8 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
         L += md_table(["concurrency", "requests", "req/s", "output tokens/s", "median TPOT (ms)"], "rrrrr",
                       ([r["concurrency"], r["completed"], f"{r['req_per_s']:.3f}", f"{r['output_tokens_per_s']:.1f}",
                         f"{r['median_tpot_ms']:.1f}"] for r in cap["rows"]))
-        L += ["", f"Capacity: **{cap['req_per_s']:.3f} req/s** (the best row). " + reused_note(meta["command"], bool(meta.get("sweep")))]
+        L += ["", f"Capacity: **{cap['req_per_s']:.3f} req/s** (the best row). "
+              + reused_note(meta["command"], swept=bool(meta.get("sweep")))]
     elif cap:
         L += [f"Capacity: {cap.get('note')}", ""]
     L += [f"Workload: the Azure LLM conversation trace's (2023, CC BY 4.0) arrival times re-timed into phases "
@@ -950,11 +951,11 @@ def main() -> int:
                 descriptions={s["name"]: s["description"] for s in compare["systems"]},
                 load_note=f"warm {a.warm_share:g}x and burst {a.burst_x:g}x the measured capacity")
     reqs = load_runs(out, systems, window)
-    # goodput's TPOT bound: vllm bench serve's convention is 1.5x the unloaded TPOT. On this CPU a
-    # batch's decode step grows with the batch (batch table), so 1.5x a batch of one fails every
-    # request of every system; the reference is stock's P50 TPOT in the warm phase instead (stock
-    # defaults, else the first stock alternative that ran)
-    # (or, in an ablation without one, oracle-equal: stock engines whose KV does not bind in the warm phase)
+    # goodput's TPOT bound: vllm bench serve's convention is 1.5x the unloaded TPOT. On a CPU a
+    # batch's decode step grows with the batch (batch table), so 1.5x a batch of one fails most
+    # requests of every system (the doc says what share it would pass); the reference is stock's P50
+    # TPOT in the warm phase instead (stock defaults, else the first stock alternative that ran, else,
+    # in an ablation, oracle-equal: stock engines whose KV does not bind in the warm phase)
     ref_sys = next((s for s in ("vllm", "vllm-router", "vllm-router-rr", "vllm-tuned", "oracle-equal")
                     if s in systems), "vllm")
     warm = load_runs(out, [ref_sys], (0.0, window[0])).get(ref_sys, [])
