@@ -36,6 +36,7 @@ import threading
 from typing import Any
 
 from vllm_kunserve.config import KunServeConfig, config_from_additional, parse_config
+from vllm_kunserve.runtime.amx import init_amx_if_present
 from vllm_kunserve.runtime.hostlock import lock_if_wanted
 from vllm_kunserve.runtime.parentwatch import watch_from_env
 
@@ -58,6 +59,7 @@ def register() -> None:
         if _state["gate"] is None:
             _install_gate()
     lock_if_wanted()  # KUNSERVE_MLOCK=1: this vLLM process's pages stay in RAM (runtime/hostlock.py)
+    init_amx_if_present()  # vLLM-CPU's bf16 AMX attention faults without the tile state (runtime/amx.py)
     watch_from_env()  # launched by kunserve serve: stop when the launcher is gone (runtime/parentwatch.py)
     if os.environ.get(ENV_SHM_SPIN, "").strip():  # a host setting, for every engine (shm_wait.py)
         from vllm_kunserve.integration.vllm.shm_wait import apply_from_env

@@ -21,6 +21,8 @@ import ctypes.util
 import logging
 import os
 
+from vllm_kunserve.runtime.switch import env_switch
+
 logger = logging.getLogger(__name__)
 
 ENV = "KUNSERVE_MLOCK"
@@ -29,12 +31,7 @@ _done: dict[int, bool] = {}
 
 
 def wanted(env: dict | None = None) -> bool:
-    raw = (os.environ if env is None else env).get(ENV, "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{ENV} must be 1 or 0, got {raw!r}")
+    return env_switch(ENV, False, env)
 
 
 def lock_process_memory() -> bool:
