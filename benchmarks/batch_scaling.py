@@ -25,20 +25,11 @@ import time
 from pathlib import Path
 
 from vllm_kunserve.bench.report import command, cpu_model, md_table, write_json
+from vllm_kunserve.runtime.cpuinfo import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
 PREFILL_LENS = (64, 448)  # prompt tokens: a fresh prompt of the cluster benchmark; a long recompute
 OUT = ROOT / "docs" / "benchmarks"
-
-
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def pick_preset(flags: set[str]) -> str:

