@@ -885,9 +885,10 @@ def main() -> int:
     from vllm_kunserve.bench.systems import parse_variant
 
     try:   # refused before the capacity and sweep steps run, as kunserve compare would refuse it after them
-        variants = [parse_variant(v)[0] for v in a.variant]
+        parsed = dict(parse_variant(v) for v in a.variant)
     except ValueError as e:
         ap.error(str(e))
+    variants = list(parsed)
     if set(variants) - set(systems):
         ap.error(f"--variant {sorted(set(variants) - set(systems))}: name it in --systems too")
     meta: dict = {"cpu": scaling.get("cpu") or "this CPU", "preset": reg["preset"], "weight_bytes": spec.weight_bytes(),
@@ -978,7 +979,7 @@ def main() -> int:
     meta["dispatch_split"] = dispatch_split(out, systems, a.repeat, meta["window"])
     an["twin"] = twin(out, meta["window"], reqs, groups, totals)
     an["ablation"] = ablation(reqs, variants)
-    meta["variants"] = {n: json.dumps(over) for n, over in map(parse_variant, a.variant)}
+    meta["variants"] = {n: json.dumps(over) for n, over in parsed.items()}
     assets = DOCS / name
     meta["raw"] = assets.relative_to(DOCS).as_posix()
     meta["raw_layout"] = "<system>/rep<k>"
