@@ -27,8 +27,9 @@ Regimes (``--regime``):
   batch is not nearly free): preset ``decode-fp32-mha``, the same shape in fp32 (1.41 GB of weights,
   144 KiB of KV per token), the same 6080 tokens per engine and so the same weight share.
 - ``r0``, extreme: the ``decode-bf16`` preset at 1280 tokens (weights 97%, a group would hold 20x);
-  kunserve's KV growth is capped at ``KV_CAP`` (10x, ``memory.max_kv_ratio``), so ``oracle-equal``
-  gets the same 10x. Same steps as R1.
+  kunserve's KV growth is capped at ``--kv-cap`` (default ``KV_CAP``, 10x, ``memory.max_kv_ratio``),
+  so ``oracle-equal`` gets the same 10x. Same steps as R1. ``--kv-cap 2`` asks the harsher question:
+  a group that may grow its KV only to 2x, below what the burst needs.
 
 Steps (``--steps``, each kept in ``--out`` and skipped when its file is there):
 
@@ -89,7 +90,7 @@ LABEL = {"vllm": "stock vLLM (defaults)", "vllm-tuned": "stock, tuned batch cap"
          "(cache_aware)", "vllm-router-rr": "vllm-router (round_robin)", "static": "static PP=2 group",
          "kunserve": "kunserve (cluster drop)", "oracle-equal": "oracle-equal (same memory, no pipeline)",
          "oracle": "oracle (10x KV)"}
-KV_CAP = 10.0   # kunserve's memory.max_kv_ratio in every run here: the most KV a group member may reach
+KV_CAP = 10.0   # kunserve's memory.max_kv_ratio unless --kv-cap says otherwise: the most KV a group member may reach
 ENGINE_ENV = ["KUNSERVE_ENGINE_CPUS=0|1", "OMP_NUM_THREADS=1", "KUNSERVE_ENGINE_NICE=5", "KUNSERVE_SHM_WAIT_MS=1"]
 
 
@@ -650,7 +651,10 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
          f"thread (`OMP_NUM_THREADS=1`, `KUNSERVE_ENGINE_CPUS=0|1`); KV for {a.kv_tokens} tokens per engine "
          f"({a.kv_tokens * meta['kv_bytes_per_token'] / 1e6:.0f} MB): weights are **{w:.0%}** of an engine's weights + "
          f"KV, so a 2-engine group holds **{meta['group_kv_factor']:.2f}x** the KV of its members apart "
-         + ("(paper-like: w in 0.35..0.65)." if 0.35 <= w <= 0.65 else "(**extreme**: outside the paper-like 0.35..0.65)."),
+         + ("(paper-like: w in 0.35..0.65)." if 0.35 <= w <= 0.65 else "(**extreme**: outside the paper-like 0.35..0.65).")
+         + ("" if meta["oracle_equal_x"] >= meta["group_kv_factor"] - 0.01 else
+            f" kunserve's KV may grow only to **{meta['oracle_equal_x']:g}x** its base (`memory.max_kv_ratio`), and "
+            f"oracle-equal gets the same {meta['oracle_equal_x']:g}x."),
          "", "Decode step by batch, one thread (`" + meta.get("scaling_doc", "") + "`):", ""]
     L += scaling_table(meta.get("scaling_rows", []))
     cap, mix = meta.get("capacity"), meta.get("mix", MIX)
@@ -816,6 +820,8 @@ def main() -> int:
     ap.add_argument("--steps", default="capacity,sweep,compare", help="which measuring steps to run (then the doc)")
     ap.add_argument("--out", default="", help="run directory (default runs/burst_<regime>)")
     ap.add_argument("--kv-tokens", type=int, default=None, help="KV tokens per engine (default: the regime's)")
+    ap.add_argument("--kv-cap", type=float, default=KV_CAP, metavar="X",
+                    help="kunserve's memory.max_kv_ratio; oracle-equal gets the same (default %(default)g)")
     ap.add_argument("--scaling", default="", metavar="NAME",
                     help="the batch table measured on this machine, docs/benchmarks/NAME.json (written by "
                          "batch_scaling.py --name NAME; default: the regime's, measured on the CPU that page names)")
@@ -847,6 +853,8 @@ def main() -> int:
     a = ap.parse_args()
     if a.repeat < 1:
         ap.error("--repeat must be >= 1")
+    if not a.kv_cap > 1:
+        ap.error(f"--kv-cap {a.kv_cap:g}: a group member's KV may grow to this multiple of its base; must be > 1")
     if not 0 < a.warm_share < a.burst_x:
         ap.error("--warm-share must be > 0 and below --burst-x")
     try:
@@ -879,7 +887,7 @@ def main() -> int:
         ap.error(f"--scaling {scaling_name}: measured {scaling['preset']}, regime {a.regime} runs {reg['preset']}")
     kv_b = spec.kv_bytes_per_token()
     w = weight_share(spec.weight_bytes(), a.kv_tokens * kv_b)
-    oracle_x = round(min(group_kv_factor(w), KV_CAP), 3)   # what a kunserve group reaches here
+    oracle_x = round(min(group_kv_factor(w), a.kv_cap), 3)   # what a kunserve group reaches here
     command = cmd("burst_value.py")
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     from vllm_kunserve.bench.systems import parse_variant
@@ -893,7 +901,7 @@ def main() -> int:
         ap.error(f"--variant {sorted(set(variants) - set(systems))}: name it in --systems too")
     meta: dict = {"cpu": scaling.get("cpu") or "this CPU", "preset": reg["preset"], "weight_bytes": spec.weight_bytes(),
                   "kv_bytes_per_token": kv_b, "weight_share": w, "group_kv_factor": group_kv_factor(w),
-                  "oracle_equal_x": oracle_x, "scaling_rows": scaling.get("rows", []),
+                  "oracle_equal_x": oracle_x, "kv_cap": a.kv_cap, "scaling_rows": scaling.get("rows", []),
                   "scaling_doc": f"docs/benchmarks/{scaling_name}.md", "repeat": a.repeat, "command": command,
                   "mix": dict(MIX)}
     out = Path(a.out or ROOT / "runs" / f"burst_{a.regime}")
@@ -907,7 +915,7 @@ def main() -> int:
     phases = phases_of(cap["req_per_s"], a)
     window = window_of(a)
     base = common_argv(a, model, spec.dtype) + trace_argv(a, phases)
-    kcfg = json.dumps(kunserve_config(KV_CAP))
+    kcfg = json.dumps(kunserve_config(a.kv_cap))
     sweep_file = out / "sweep.json"
     if "sweep" in steps and not sweep_file.exists():
         rows = []
