@@ -379,10 +379,11 @@ def twin_section(tw: dict | None) -> list[str]:
     return L
 
 
-def reused_note(command: str, swept: bool = True) -> str:
+def reused_note(command: str, swept: bool = True, capacity_from: str = "") -> str:
     """Where the measuring command ran only some steps, the others' results came from the run
     directory: say so (the capacity and the sweep then predate the comparison). ``swept``: the doc
-    has a sweep at all (an ablation without tuned stock has none to have reused)."""
+    has a sweep at all (an ablation without tuned stock has none to have reused). ``capacity_from``:
+    which run measured a capacity copied into the run directory (its ``measured_by``)."""
     argv = shlex.split(command)
     steps = argv[argv.index("--steps") + 1] if "--steps" in argv[:-1] else "capacity,sweep,compare"
     missing = [x for x in ("capacity", "sweep") if x not in steps.split(",") and (swept or x != "sweep")]
@@ -390,7 +391,8 @@ def reused_note(command: str, swept: bool = True) -> str:
         return ""
     return (f"The {' and the '.join(missing)} {'were' if len(missing) > 1 else 'was'} not re-measured by this "
             f"command (`--steps {steps}`): {'they are' if len(missing) > 1 else 'it is'} an earlier run's, "
-            "read from the run directory.")
+            "read from the run directory" + (f" (the capacity: {capacity_from})" if capacity_from and
+                                              "capacity" in missing else "") + ".")
 
 
 def analyse(reqs: dict[str, list[pooled.Request]], ttft_slo: float, tpot_slo: float,
@@ -668,7 +670,7 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
                       ([r["concurrency"], r["completed"], f"{r['req_per_s']:.3f}", f"{r['output_tokens_per_s']:.1f}",
                         f"{r['median_tpot_ms']:.1f}"] for r in cap["rows"]))
         L += ["", f"Capacity: **{cap['req_per_s']:.3f} req/s** (the best row). "
-              + reused_note(meta["command"], swept=bool(meta.get("sweep")))]
+              + reused_note(meta["command"], swept=bool(meta.get("sweep")), capacity_from=cap.get("measured_by", ""))]
     elif cap:
         L += [f"Capacity: {cap.get('note')}", ""]
     L += [f"Workload: the Azure LLM conversation trace's (2023, CC BY 4.0) arrival times re-timed into phases "
@@ -708,21 +710,25 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
           "`/metrics` answers with one engine's). Output tok/s is the mean over runs of the whole run's rate.", "",
           ("Best alternative per statistic (the better of " + ", ".join(s for s in ALTERNATIVES if s in st) + "): "
            + ", ".join(f"{k.upper()} {v}" for k, v in an["best"].items()) + "." if an["best"] else
-           "No alternative ran here (an ablation): the ratios below are to oracle-equal only."), ""]
+           "No alternative ran here (an ablation): the ratios below are to oracle-equal only." if an["equal"] in st
+           else "Neither an alternative nor oracle-equal ran here (kunserve and its variants only): each variant is "
+                "compared with kunserve in the section below."), ""]
     eq = an["equal"]
     for q in ("p90", "p99"):
         if f"best_{q}_over_equal" in an:
             L.append(f"- the best alternative's {q.upper()} TTFT over {eq}'s: {fmt_ci(an[f'best_{q}_over_equal'])}")
-    L += ["", "Ratios (pooled, 95% bootstrap interval of independent resamples):", ""]
-    L += md_table(["system", "P50 / best", "P90 / best", "P99 / best", f"P90 / {eq}", f"P99 / {eq}", "gap closed P90",
-                   "gap closed P99"], "l" * 8,
-                  ([s, *(fmt_ci(c.get(k)) for k in ("p50_over_best", "p90_over_best", "p99_over_best", "p90_over_equal",
-                                                    "p99_over_equal", "p90_gap_closed", "p99_gap_closed"))]
-                   for s, c in an["compare"].items()))
+    ratios = bool(an["best"]) or eq in st
+    L += ["", "Ratios (pooled, 95% bootstrap interval of independent resamples):", ""] if ratios else []
+    L += [] if not ratios else md_table(
+        ["system", "P50 / best", "P90 / best", "P99 / best", f"P90 / {eq}", f"P99 / {eq}", "gap closed P90",
+         "gap closed P99"], "l" * 8,
+        ([s, *(fmt_ci(c.get(k)) for k in ("p50_over_best", "p90_over_best", "p99_over_best", "p90_over_equal",
+                                          "p99_over_equal", "p90_gap_closed", "p99_gap_closed"))]
+         for s, c in an["compare"].items()))
     L += ["", f"Gap closed = (best alternative - system) / (best alternative - {eq}) at that percentile; it is "
           f"reported only against {eq}, stock with the memory a kunserve group reaches. static is an alternative "
-          "configuration, not a bound: kunserve can beat it.", "",
-          "## Verdict (issue 34's targets for R1" + (", applied to R0 for reference)" if a.regime == "r0" else ")"),
+          "configuration, not a bound: kunserve can beat it.", ""] if ratios else []
+    L += ["## Verdict (issue 34's targets for R1" + (", applied to R0 for reference)" if a.regime == "r0" else ")"),
           ""]
     if not an["best"]:   # no alternative ran (an ablation): the targets against it are not measured here
         L += ["No alternative ran here: only the targets this run measures. Those against the best alternative are "
@@ -964,8 +970,10 @@ def main() -> int:
     # batch's decode step grows with the batch (batch table), so 1.5x a batch of one fails most
     # requests of every system (the doc says what share it would pass); the reference is stock's P50
     # TPOT in the warm phase instead (stock defaults, else the first stock alternative that ran, else,
-    # in an ablation, oracle-equal: stock engines whose KV does not bind in the warm phase)
-    ref_sys = next((s for s in ("vllm", "vllm-router", "vllm-router-rr", "vllm-tuned", "oracle-equal")
+    # in an ablation, oracle-equal: stock engines whose KV does not bind in the warm phase, else
+    # kunserve: its engines before they group, which decode at their stock twin's TPOT
+    # (burst_value_r1_fp32_twin.md: 1.01x); the doc's "When ... grouped" says whether they had)
+    ref_sys = next((s for s in ("vllm", "vllm-router", "vllm-router-rr", "vllm-tuned", "oracle-equal", "kunserve")
                     if s in systems), "vllm")
     warm = load_runs(out, [ref_sys], (0.0, window[0])).get(ref_sys, [])
     ref = pooled.tpot(warm)["p50"]

@@ -154,6 +154,10 @@ def test_a_doc_says_which_steps_its_command_did_not_measure(bv):
     assert n.startswith("The capacity and the sweep were not re-measured") and "`--steps compare`" in n
     assert bv.reused_note("python benchmarks/burst_value.py --steps sweep,compare").startswith(
         "The capacity was not re-measured")
+    src = "burst_value_r0_harsh.md, the run before"
+    assert f"(the capacity: {src})" in bv.reused_note("python benchmarks/burst_value.py --steps compare",
+                                                       swept=False, capacity_from=src)
+    assert src not in bv.reused_note("python benchmarks/burst_value.py --steps capacity,compare", capacity_from=src)
 
 
 def test_joins_are_read_per_system_from_each_front_ends_log(bv, tmp_path):
@@ -237,3 +241,16 @@ def test_each_ablation_against_kunserve(bv):
     assert rows["abl-same"].rstrip(" |").endswith("none")
     assert bv.ablation(win, []) == {} and bv.ablation_section({}, {}) == []
     assert bv.ablation({"abl-drop": win["abl-drop"]}, ["abl-drop"]) == {}   # no kunserve: nothing to compare
+
+
+def test_kv_cap_at_or_below_one_is_refused_before_anything_runs(tmp_path):
+    """--kv-cap is a member's KV growth (memory.max_kv_ratio, > 1): a cap of 1 would ask for a group
+    that gains nothing, refused in one line before the capacity step starts an engine."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, str(root / "benchmarks" / "burst_value.py"), "--regime", "r0", "--kv-cap", "1",
+                        "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "--kv-cap 1: a group member's KV may grow to this multiple of its base; must be > 1" in p.stderr
+    assert not (tmp_path / "run").exists()
