@@ -58,6 +58,7 @@ from pathlib import Path
 
 from vllm_kunserve.bench import pooled
 from vllm_kunserve.bench.report import command, md_row, md_table, write_json
+from vllm_kunserve.bench.systems import variant_configs
 from vllm_kunserve.sim import runfit   # the step estimators, calibration and the run simulator
 from vllm_kunserve.workload.records import read_csv
 from vllm_kunserve.workload.stats import percentiles
@@ -73,6 +74,26 @@ SYSTEMS = ("vllm", "vllm-tuned", "vllm-router", "vllm-router-rr", "static", "kun
 SIM_AS = {"vllm": "vllm", "vllm-tuned": "vllm", "vllm-router": "vllm", "vllm-router-rr": "vllm", "oracle-equal": "vllm",
           "static": "static", "kunserve": "kunserve"}
 LINES_FROM = {"vllm-router": "vllm", "vllm-router-rr": "vllm"}
+#: stock systems whose timelines carry their engines' steps (a router's is one engine's), in the order a
+#: stock system absent from the fit run takes its lines from
+STOCK_LINES = ("vllm", "vllm-tuned", "oracle-equal")
+#: two runs' phase rates this close are one arrival sequence (each run's rates follow its measured capacity)
+RATE_TOL = 0.05
+
+
+def lines_source(system: str, fit_run: Path, variants: dict) -> str:
+    """The fit run's system whose step lines ``system`` is simulated with: its own where it ran there
+    (a router's are ``vllm``'s: ``LINES_FROM``), else one of its kind: kunserve's for static and for
+    kunserve's variants, the first stock system that ran for a stock one (the lines are a decode
+    step by batch, the same engines' whatever their KV or batch cap)."""
+    own = LINES_FROM.get(system, system)
+    if reps_of(fit_run, own):
+        return own
+    if system == "static" or system in variants:
+        return "kunserve"
+    if SIM_AS.get(system) == "vllm":
+        return next((s for s in STOCK_LINES if reps_of(fit_run, s)), own)
+    return own
 
 
 def reps_of(run: Path, system: str) -> list[tuple[int, Path]]:
@@ -91,10 +112,11 @@ def settings_of(run: Path) -> dict:
     lo = ph[0][0]
     eng = args.get("engine_arg") or []
     seqs = runfit.argv_opt(eng, "--max-num-seqs")
+    kcfg = json.loads(args["kunserve_config"] or "{}")
     base = {"model": args["model"], "instances": int(args["instances"]), "kv_tokens": int(args["kv_capacity_tokens"]),
             "block_size": int(args["block_size"]), "dispatch": args["dispatch"], "oracle_x": 1.0,
-            "kunserve_config": json.loads(args["kunserve_config"] or "{}"), "phases": args["phases"],
-            "window": [lo, lo + ph[1][0]], "engine_args": eng, "variants": {},
+            "kunserve_config": kcfg, "phases": args["phases"], "window": [lo, lo + ph[1][0]], "engine_args": eng,
+            "variants": variant_configs(args.get("variant") or [], kcfg),
             "trace": {"window_offset": args.get("window_offset"), "seed": args.get("seed")},
             "max_num_batched_tokens": int(runfit.argv_opt(eng, "--max-num-batched-tokens")
                                           or runfit.VLLM_CPU_DEFAULTS["max_num_batched_tokens"]),
@@ -196,14 +218,18 @@ def main() -> int:
     for p in (fit_run, pred_run):
         if not (p / "compare.json").exists():
             raise SystemExit(f"{p}: no compare.json (a benchmarks/burst_value.py run directory)")
-    systems = [s for s in a.systems.split(",") if s and reps_of(pred_run, s)]
-    unknown = [s for s in systems if s not in SIM_AS]
-    if unknown:
-        raise SystemExit(f"--systems: no simulation of {unknown}; known: {', '.join(SIM_AS)}")
     fset, pset = settings_of(fit_run), settings_of(pred_run)
-    lines_from = {s: LINES_FROM.get(s, s) for s in systems}
-    if "static" in systems and not reps_of(fit_run, "static"):
-        lines_from["static"] = "kunserve"
+    if a.systems == ",".join(SYSTEMS):   # the default: every system the predicted run has, its variants too
+        a.systems += "," + ",".join(pset["variants"])
+    systems = [s for s in a.systems.split(",") if s and reps_of(pred_run, s)]
+    unknown = [s for s in systems if s not in SIM_AS and s not in pset["variants"]]
+    if unknown:
+        raise SystemExit(f"--systems: no simulation of {unknown}; known: {', '.join(SIM_AS)} and the predicted "
+                         "run's --variants")
+    lines_from = {s: lines_source(s, fit_run, pset["variants"]) for s in systems}
+    missing = sorted({src for src in lines_from.values() if not reps_of(fit_run, src)})
+    if missing:
+        raise SystemExit(f"{fit_run}: no runs of {missing} to fit the lines of {sorted(lines_from)} on")
     # a system whose lines come from another is rescaled to its own TPOT in the fit run, where it ran
     # there: the routers' engines decode faster than the same engines behind kunserve serve, whose
     # front end shares their cores (the timeline behind a router is one engine's, so no lines of its own)
@@ -291,16 +317,36 @@ def main() -> int:
 
 
 def held_out(fit: dict, pred: dict) -> str:
-    """How the predicted run's offered requests differ from the fit's."""
+    """How the predicted run differs from the fit's: its offered requests, and the memory its systems
+    had (kunserve's KV cap, oracle-equal's KV)."""
     ft, pt = fit.get("trace") or {}, pred.get("trace") or {}
+    mem = memory_change(fit, pred)
     if str(ft.get("window_offset")) != str(pt.get("window_offset")):
         return (f"The predicted run's arrivals come from another part of the trace (offset {pt.get('window_offset')} s "
                 f"against {ft.get('window_offset')} s; seed {pt.get('seed')} against {ft.get('seed')}), rescaled to "
-                "its phases: an arrival sequence the fit never saw.")
-    if fit["phases"] != pred["phases"]:
+                "its phases: an arrival sequence the fit never saw." + (f" {mem}." if mem else ""))
+    fr, pr = (parse_phases(x["phases"]) for x in (fit, pred))
+    if len(fr) != len(pr) or any(abs(b[1] / a[1] - 1) > RATE_TOL or a[0] != b[0] for a, b in zip(fr, pr)):
         return ("The two runs share the trace window and seed; they differ in the burst's rate, so each arrival "
-                "sequence is new to the fit.")
-    return "The two runs share the trace window, seed and phases: not a held-out test."
+                "sequence is new to the fit." + (f" {mem}." if mem else ""))
+    same = ("The two runs share the trace window, seed and phases" + (
+        "" if fit["phases"] == pred["phases"] else
+        f" (rates within {RATE_TOL:.0%}: `{fit['phases']}` against `{pred['phases']}`, each run's measured capacity)"))
+    if mem:
+        return f"{same}: the same arrivals. {mem}: memory the fit never saw."
+    return f"{same}: not a held-out test."
+
+
+def memory_change(fit: dict, pred: dict) -> str:
+    """What differs between the runs' memory: a group member's KV cap, oracle-equal's KV; "" if nothing."""
+    out = []
+    cap = [((x.get("kunserve_config") or {}).get("memory") or {}).get("max_kv_ratio") for x in (fit, pred)]
+    if cap[0] != cap[1]:   # None: the config's default
+        out.append(f"kunserve's KV cap (`memory.max_kv_ratio`) is {cap[1]}x, the fit's {cap[0]}x")
+    eq = [((x.get("specs") or {}).get("oracle-equal") or {}).get("kv_x") for x in (fit, pred)]
+    if eq[0] != eq[1] and None not in eq:
+        out.append(f"oracle-equal's KV {eq[1]:g}x the base, the fit's {eq[0]:g}x")
+    return ("They differ in memory: " + "; ".join(out)) if out else ""
 
 
 def machine_line(speed: dict | None) -> str:

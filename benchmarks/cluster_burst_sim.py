@@ -80,6 +80,7 @@ from pathlib import Path
 
 from vllm_kunserve.bench.burst import window_stats   # the main doc's P99 definition
 from vllm_kunserve.bench.report import command, md_row, md_table, write_json
+from vllm_kunserve.bench.systems import variant_configs
 from vllm_kunserve.sim.runfit import (CAL_SCALES, FULL_LAYERS, MIN_PREFILL, MIN_SECONDS, SYSTEMS,  # noqa: F401
                                       VLLM_CPU_DEFAULTS, argv_opt, calibrate, clean_seconds, crossing, fit_steps,
                                       grouped_flags, line_str, make_sim, measured_tpot_p50, pooled_fits, predict,
@@ -186,17 +187,6 @@ def run_settings(run: Path, a: argparse.Namespace, reps: list[tuple[str, int, Pa
         "oracle_x": oracle_x, "kunserve_config": kcfg, "phases": phases, "window": [lo, hi], "window_source": wsrc,
         "engine_args": eng, "variants": variant_configs(args.get("variant") or [], kcfg),
     }
-
-
-def variant_configs(items: list[str], kcfg: dict) -> dict[str, dict]:
-    """The run's ``--variant NAME=JSON`` kunserve systems: NAME -> the kunserve config they ran."""
-    from vllm_kunserve.bench.systems import merge_sections
-
-    out = {}
-    for item in items:
-        name, _, raw = item.partition("=")
-        out[name.strip()] = merge_sections(kcfg, json.loads(raw))
-    return out
 
 
 def engine_limits(a: argparse.Namespace, settings: dict, reps) -> dict:

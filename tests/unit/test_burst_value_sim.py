@@ -80,3 +80,49 @@ def test_noise_adds_a_drawn_residual_to_each_request_and_keeps_lost_ones_lost(bv
     assert n["from"] == "vllm" and n["n"] == 101 and n["p50"] == pytest.approx(0.5) and n["p99"] == pytest.approx(0.99)
     assert "vllm +0.50 / +0.90 / +0.99 s (n 101)" in bvs.noise_line([{"system": "vllm", "noise": n}])
     assert "none added" in bvs.noise_line([{"system": "vllm", "noise": None}])
+
+
+def test_a_system_absent_from_the_fit_run_takes_the_lines_of_its_kind(bvs, tmp_path):
+    """Predicting a run whose systems the fit run lacks (the harsher R0 run from the ablation): a
+    kunserve variant and static take kunserve's lines, a stock system the first stock one that ran
+    (not a router's, whose timeline is one engine's); a system that ran keeps its own."""
+    fit = _run(tmp_path, "fit", {"kunserve": 0.1, "oracle-equal": 0.1, "vllm-router": 0.1})
+    variants = {"kunserve-peak": {"lookahead": {"admission": "peak"}}}
+    src = {s: bvs.lines_source(s, fit, variants)
+           for s in ("kunserve", "kunserve-peak", "static", "vllm", "vllm-tuned", "oracle-equal", "vllm-router")}
+    assert src == {"kunserve": "kunserve", "kunserve-peak": "kunserve", "static": "kunserve", "vllm": "oracle-equal",
+                   "vllm-tuned": "oracle-equal", "oracle-equal": "oracle-equal", "vllm-router": "oracle-equal"}
+    both = _run(tmp_path, "both", {"vllm": 0.1, "kunserve": 0.1, "kunserve-peak": 0.1})
+    assert bvs.lines_source("vllm-tuned", both, variants) == "vllm"
+    assert bvs.lines_source("kunserve-peak", both, variants) == "kunserve-peak"
+    assert bvs.lines_source("vllm-router", both, variants) == "vllm"
+
+
+def test_held_out_names_what_the_fit_never_saw(bvs):
+    """The same arrivals on other memory are held out in memory, not in arrivals; rates a few percent
+    apart (each run's measured capacity) are the same arrivals; nothing different is no held-out test."""
+    def st(phases, cap=10.0, eq=10.0, offset=0.0):
+        return {"trace": {"window_offset": offset, "seed": 1}, "phases": phases,
+                "kunserve_config": {"memory": {"max_kv_ratio": cap}}, "specs": {"oracle-equal": {"kv_x": eq}}}
+    fit = st("30@0.128,100@0.512")
+    txt = bvs.held_out(fit, st("30@0.126,100@0.504", cap=2.0, eq=2.0))
+    assert txt.startswith("The two runs share the trace window, seed and phases (rates within 5%")
+    assert "kunserve's KV cap (`memory.max_kv_ratio`) is 2.0x, the fit's 10.0x" in txt
+    assert "oracle-equal's KV 2x the base, the fit's 10x" in txt and txt.endswith("memory the fit never saw.")
+    assert bvs.held_out(fit, st("30@0.128,100@0.512")).endswith("not a held-out test.")
+    assert "differ in the burst's rate" in bvs.held_out(fit, st("30@0.128,100@0.7"))
+    assert "another part of the trace" in bvs.held_out(fit, st("30@0.128,100@0.512", offset=1800.0))
+    assert bvs.memory_change(fit, st("30@0.128,100@0.512")) == ""
+
+
+def test_settings_of_a_run_carry_its_variants_configs(bvs, tmp_path):
+    """A run's --variant systems are simulated with their own merged kunserve config."""
+    import json
+    args = {"phases": "30@0.128,100@0.512", "model": "models/decode-bf16", "instances": 2, "kv_capacity_tokens": 1280,
+            "block_size": 32, "dispatch": "least-work", "engine_arg": [], "oracle_equal_kv_multiplier": 2.0,
+            "kunserve_config": json.dumps({"memory": {"max_kv_ratio": 2.0}}),
+            "variant": ['kunserve-peak={"lookahead": {"admission": "peak"}}']}
+    (tmp_path / "compare.json").write_text(json.dumps({"args": args}))
+    s = bvs.settings_of(tmp_path)
+    assert s["variants"] == {"kunserve-peak": {"memory": {"max_kv_ratio": 2.0}, "lookahead": {"admission": "peak"}}}
+    assert s["specs"]["oracle-equal"] == {"kv_x": 2.0} and s["window"] == [30.0, 130.0]

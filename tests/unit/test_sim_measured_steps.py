@@ -204,7 +204,9 @@ def test_a_runs_variant_is_simulated_with_its_own_kunserve_config():
     from vllm_kunserve.sim.steptime import MeasuredStepTime
 
     base = {"memory": {"max_kv_ratio": 2.0}, "lookahead": {"admission": "peak"}}
-    variants = cb.variant_configs(['vllm-admit={"lookahead": {"admission": "vllm"}}'], base)
+    from vllm_kunserve.bench.systems import variant_configs
+
+    variants = variant_configs(['vllm-admit={"lookahead": {"admission": "vllm"}}'], base)
     assert variants == {"vllm-admit": {"memory": {"max_kv_ratio": 2.0}, "lookahead": {"admission": "vllm"}}}
     settings = {"block_size": 16, "kv_tokens": 1024, "kunserve_config": base, "variants": variants,
                 "model": "small", "instances": 2, "max_num_batched_tokens": 2048, "max_num_seqs": 128,

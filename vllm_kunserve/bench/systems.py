@@ -158,6 +158,12 @@ def merge_sections(kunserve_config: dict[str, Any] | None, over: dict[str, dict]
     return ks
 
 
+def variant_configs(items: list[str], kunserve_config: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """A run's ``--variant NAME=JSON`` items: NAME -> the kunserve config that variant ran (the
+    simulators' replays of a run)."""
+    return {name: merge_sections(kunserve_config, over) for name, over in map(parse_variant, items)}
+
+
 def select_systems(names: str, available: dict[str, SystemSpec]) -> list[SystemSpec]:
     chosen = [n.strip() for n in names.split(",") if n.strip()]
     if not chosen:
