@@ -317,8 +317,9 @@ def ablation_section(abl: dict, variants: dict[str, str]) -> list[str]:
     if not abl:
         return []
     L = ["", "## Each ablation against kunserve", "",
-         "Pooled over the burst window, variant / kunserve with 95% bootstrap intervals (above 1: the mechanisms the "
-         "variant turns off were worth that much to kunserve). The variants, as merged over the benchmark's config:",
+         "Pooled over the burst window, variant / kunserve with 95% bootstrap intervals (above 1: kunserve's own "
+         "settings, which the variant changes, were worth that much). The variants, as merged over the benchmark's "
+         "config:",
          ""] + [f"- `{v}`: `{variants.get(v, '')}`" for v in abl] + [""]
     L += md_table(["variant / kunserve", "requests", "P50 TTFT", "P90 TTFT", "P99 TTFT", "P50 TPOT",
                    "intervals excluding 1"], "lrlllll",
@@ -377,6 +378,12 @@ def twin_section(tw: dict | None) -> list[str]:
     L += ["", "In the burst window, intervals that exclude 1 (a difference this many requests can tell from noise): "
           + (", ".join(apart(tw["window"])) or "none") + "."]
     return L
+
+
+def share_for_kv_factor(x: float) -> float:
+    """The weight share w at which a 2-engine group holds ``x`` times its members' KV: the inverse of
+    ``group_kv_factor`` (x = 1 + w / (2 (1 - w)))."""
+    return 2 * (x - 1) / (1 + 2 * (x - 1))
 
 
 def reused_note(command: str, swept: bool = True, capacity_from: str = "") -> str:
@@ -656,7 +663,8 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
          + ("(paper-like: w in 0.35..0.65)." if 0.35 <= w <= 0.65 else "(**extreme**: outside the paper-like 0.35..0.65).")
          + ("" if meta["oracle_equal_x"] >= meta["group_kv_factor"] - 0.01 else
             f" kunserve's KV may grow only to **{meta['oracle_equal_x']:g}x** its base (`memory.max_kv_ratio`), and "
-            f"oracle-equal gets the same {meta['oracle_equal_x']:g}x."),
+            f"oracle-equal gets the same {meta['oracle_equal_x']:g}x: the KV a 2-engine group reaches where weights "
+            f"are {share_for_kv_factor(meta['oracle_equal_x']):.0%} of an engine's memory."),
          "", "Decode step by batch, one thread (`" + meta.get("scaling_doc", "") + "`):", ""]
     L += scaling_table(meta.get("scaling_rows", []))
     cap, mix = meta.get("capacity"), meta.get("mix", MIX)

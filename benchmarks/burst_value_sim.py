@@ -404,7 +404,13 @@ def render(res: dict) -> str:
     rows = res["rows"]
     met = [r["system"] for r in rows if r["within"]]
     miss = [r["system"] for r in rows if not r["within"]]
-    L = ["# The simulator predicting R1's pooled tails, held out (written by benchmarks/burst_value_sim.py)", "",
+    base = res["predict_settings"].get("kunserve_config") or {}
+    variants = {k: json.dumps({sec: {o: x for o, x in kv.items() if (base.get(sec) or {}).get(o) != x}
+                               for sec, kv in v.items() if kv != base.get(sec)})   # the variant's own settings
+                for k, v in (res["predict_settings"].get("variants") or {}).items()}
+    regime = re.search(r"burst_value_(r\d)", str(res["predict"]))
+    L = [f"# The simulator predicting {regime.group(1).upper() if regime else 'a run'}'s pooled tails, held out "
+         "(written by benchmarks/burst_value_sim.py)", "",
          f"Command: `{res['command']}`.", "",
          f"Step times fitted on `{res['fit']}` (phases `{res['fit_settings']['phases']}`); predicted: "
          f"`{res['predict']}` (phases `{res['predict_settings']['phases']}`), of which only the requests offered "
@@ -446,8 +452,13 @@ def render(res: dict) -> str:
           "- Calibration: one factor on each system's lines, found where the simulated median TPOT of the fit run's "
           "repetitions equals the measured (`sim.runfit.calibrate`); a system whose lines come from another is "
           "scaled again to its own median TPOT in the fit run, where it ran there (the scale column is the product).",
-          "- Systems: " + "; ".join(f"`{s}` as the simulator's `{SIM_AS[s]}`" for s in (r["system"] for r in rows))
-          + "; the routers' systems dispatched round-robin with `vllm`'s lines (module docstring).", "",
+          "- Systems: " + "; ".join(
+              f"`{s}` as the simulator's `{SIM_AS[s]}`" if s in SIM_AS else
+              f"`{s}` as `kunserve` with the variant's config ({variants.get(s, '')})" for s in (r["system"] for r in rows))
+          + "; the routers' systems dispatched round-robin with `vllm`'s lines (module docstring). Lines from another "
+          "system: " + (", ".join(
+              f"`{r['system']}` from `{r['lines_from']}`" for r in rows if r["lines_from"] != r["system"]) or "none")
+          + ".", "",
           ] + md_table(["system", "single line", "grouped line", "prefill tok/s"], "lllr",
                        ([r["system"], runfit.line_str(r["single"]), runfit.line_str(r["grouped"]), f"{r['prefill_tps']:.0f}"]
                         for r in rows))

@@ -669,7 +669,7 @@ def verdict(rows: list[dict], per: dict, held_out: bool = False, gap: list[dict]
                + "; outside it for " + (", ".join(f"{k} ({f2(per[k]['median_ratio'])})" for k in miss) or "none")
                + f". Per repetition: {sum(r['within'] for r in rows)} of {len(rows)} within.")
     if any(v.get("median_ratio_p50") is not None for v in per.values()):
-        out.append(f"P50 TTFT, median predicted / measured: " + ", ".join(
+        out.append("P50 TTFT, median predicted / measured: " + ", ".join(
             f"{k} {f2(v['median_ratio_p50'])} ({v['within_p50']}/{v['n']} reps within {TOL:.0%})"
             for k, v in per.items() if v.get("median_ratio_p50") is not None) + ".")
     if gap:

@@ -87,6 +87,10 @@ def test_group_kv_factor_is_the_issues_formula(bv):
     assert bv.group_kv_factor(0.6) == pytest.approx(1.75)
     assert bv.group_kv_factor(0.97) == pytest.approx(1 + 0.97 / 0.06)
     assert bv.weight_share(600, 400) == pytest.approx(0.6)
+    # the inverse, for a KV cap: 2x is what a group reaches at w = 2/3, 10x at w = 18/19
+    for w in (0.5, 0.6, 2 / 3, 0.97):
+        assert bv.share_for_kv_factor(bv.group_kv_factor(w)) == pytest.approx(w)
+    assert bv.share_for_kv_factor(2.0) == pytest.approx(2 / 3)
 
 
 def test_analysis_picks_the_best_alternative_and_judges_the_targets(bv):
