@@ -148,7 +148,9 @@ class LookaheadConfig:
         "vllm", "While grouped, when a queued request may start: `vllm`: vLLM's own (as soon as its prompt "
         "fits; a shortfall of KV is met by preempting and recomputing); `peak`: only if every started request "
         "can still reach its max_tokens in the group's KV (no preemption churn, but a queue that waits for "
-        "whole requests to finish wherever the group's KV is short of the admitted set's peak, even briefly).",
+        "whole requests to finish wherever the group's KV is short of the admitted set's peak, even briefly: with a "
+        "group's KV capped at 2x under a burst, no preemption but P99 TTFT 33x `vllm`'s, "
+        "docs/benchmarks/burst_value_r0_harsh.md).",
         choices=("peak", "vllm"))
 
 
