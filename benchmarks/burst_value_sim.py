@@ -1,4 +1,4 @@
-"""Predict regime R1's pooled burst-window TTFT with the simulator, held out (issue 34).
+"""Predict a burst_value run's pooled burst-window TTFT with the simulator, held out (issue 34).
 
     python benchmarks/burst_value_sim.py --fit docs/benchmarks/burst_value_r1 \\
         --predict docs/benchmarks/burst_value_r1_2x --out-name burst_value_sim
@@ -41,7 +41,12 @@ Systems, simulated as the harness runs them:
   lines from the fit run's ``static`` where it ran, else ``kunserve``'s (whose grouped line is the
   same pipeline's);
 * ``kunserve``: the simulator's KunServe policy with the run's kunserve config (the real monitor
-  and drop planner; a group member's KV capped at ``memory.max_kv_ratio`` x its base).
+  and drop planner; a group member's KV capped at ``memory.max_kv_ratio`` x its base);
+* a ``--variant`` of the predicted run: ``kunserve`` with that variant's config.
+
+A system that did not run in the fit run takes the lines of one of its kind (``lines_source``):
+a variant and ``static`` kunserve's, a stock one the first stock system that did (the harsher R0
+run, every KV capped at 2x, predicted from the ablation run at 10x: held out in memory).
 """
 
 from __future__ import annotations
