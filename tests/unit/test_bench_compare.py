@@ -318,6 +318,28 @@ def test_each_repetition_runs_the_systems_in_an_order_of_its_own():
     assert [s.name for s in C.run_order(systems, 3, None)] == ["a", "b", "c", "d", "e"]
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_shuffled_orders_are_balanced_over_each_cycle(n):
+    """Over a cycle of the design (n repetitions, 2n for odd n) every system runs at every position
+    equally often and right after every other system equally often; the next cycle draws another
+    assignment of systems to the design. (Seed 1's fresh shuffles put one of 4 systems last in 5 of 6.)"""
+    from collections import Counter
+
+    systems = [S.SystemSpec(chr(97 + i)) for i in range(n)]
+    length = n if n % 2 == 0 else 2 * n
+    for seed in (1, 2):
+        orders = [[s.name for s in C.run_order(systems, rep, seed)] for rep in range(2 * length)]
+        for cycle in (orders[:length], orders[length:]):
+            assert all(sorted(o) == sorted(x.name for x in systems) for o in cycle)
+            at = Counter((name, pos) for o in cycle for pos, name in enumerate(o))
+            assert set(at.values()) == {length // n}, at
+            follows = Counter((a, b) for o in cycle for a, b in zip(o, o[1:]))
+            assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1, follows
+    four = [S.SystemSpec(x) for x in ("vllm", "kunserve", "kunserve-peak", "oracle-equal")]
+    last = Counter(C.run_order(four, rep, 1)[-1].name for rep in range(4))
+    assert last["oracle-equal"] == 1
+
+
 def test_router_fleet_pins_each_engine_and_names_its_workers(monkeypatch):
     from vllm_kunserve.bench import router_fleet as R
 

@@ -2,7 +2,7 @@
 
 Repeats are interleaved (rep 1 of every system, then rep 2, ...) so slow drift of a shared machine
 spreads over all systems, and with a shuffle seed each repetition runs its systems in an order of its
-own (``run_order``), so no system keeps one position. Each run: start the server, wait for /health, replay, stop; the server log
+own, a row of a balanced design (``run_order``), so no system keeps one position. Each run: start the server, wait for /health, replay, stop; the server log
 goes next to the run's files in ``OUT/<system>/rep<k>/``.
 """
 
@@ -283,16 +283,39 @@ def cpu_times(pid: int | None) -> dict[str, float]:
     return out
 
 
-def run_order(systems: Sequence[SystemSpec], rep: int, shuffle_seed: int | None) -> list[SystemSpec]:
-    """The systems in the order repetition ``rep`` runs them: as given, or (``shuffle_seed`` set) a
-    permutation drawn per repetition, so no system always runs first or right after another (drift
-    inside a repetition then spreads over all systems instead of favouring a position)."""
-    order = list(systems)
-    if shuffle_seed is not None:
-        import random
+def balanced_rows(n: int) -> list[list[int]]:
+    """A Williams design for ``n`` systems: rows (repetitions) of positions in which every system runs
+    at every position equally often and, for even ``n``, right after every other system exactly once
+    (odd ``n``: twice, over 2n rows). First row 0, 1, n-1, 2, n-2, ...; each next row adds 1 mod n;
+    for odd ``n`` the rows reversed follow."""
+    first, lo, hi = [0], 1, n - 1
+    for i in range(1, n):
+        if i % 2:
+            first.append(lo)
+            lo += 1
+        else:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + r) % n for x in first] for r in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
 
-        random.Random(shuffle_seed * 1000 + rep).shuffle(order)
-    return order
+
+def run_order(systems: Sequence[SystemSpec], rep: int, shuffle_seed: int | None) -> list[SystemSpec]:
+    """The systems in the order repetition ``rep`` (from 0) runs them: as given, or (``shuffle_seed``
+    set) a row of a balanced design (``balanced_rows``) over the systems in a seeded random order, a
+    new random order for each cycle of the design's rows. So no system keeps a position or always runs
+    right after another, and over a whole cycle each holds every position equally often: drift inside a
+    repetition spreads over all systems instead of favouring one. (A fresh shuffle per repetition
+    does not balance few repetitions: seed 1 put the fourth of 4 systems last in 5 of 6.)"""
+    order = list(systems)
+    if shuffle_seed is None or len(order) < 2:
+        return order
+    import random
+
+    rows = balanced_rows(len(order))
+    cycle, row = divmod(rep, len(rows))
+    random.Random(shuffle_seed * 1000 + cycle).shuffle(order)
+    return [order[i] for i in rows[row]]
 
 
 def compare(systems: Sequence[SystemSpec], common: CommonArgs, out: Path, repeat: int,
