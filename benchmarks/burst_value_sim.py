@@ -84,6 +84,9 @@ LINES_FROM = {"vllm-router": "vllm", "vllm-router-rr": "vllm"}
 STOCK_LINES = ("vllm", "vllm-tuned", "oracle-equal")
 #: two runs' phase rates this close are one arrival sequence (each run's rates follow its measured capacity)
 RATE_TOL = 0.05
+#: a run fixes a percentile to TOL where a second run of the system (two-level bootstrap) lands within TOL
+#: of it in at least this share of draws; below it, no prediction can be held to TOL against the run
+FIXED = 0.5
 
 
 def lines_source(system: str, fit_run: Path, variants: dict) -> str:
@@ -217,13 +220,17 @@ def main() -> int:
                     help="predict with the deterministic simulator alone (no residuals of the fit run added)")
     ap.add_argument("--no-machine-speed", action="store_true",
                     help="do not scale the lines by the machine's speed on the predicted run's day (its warm phase)")
+    ap.add_argument("--rerun", help="another burst_value run on the predicted run's arrivals (the same trace window, "
+                    "seed and phases): how close a real second run of each system came to the predicted run")
     ap.add_argument("--out-name", default="burst_value_sim", help="writes docs/benchmarks/<name>.{md,json}")
     a = ap.parse_args()
-    fit_run, pred_run = Path(a.fit), Path(a.predict)
-    for p in (fit_run, pred_run):
-        if not (p / "compare.json").exists():
+    fit_run, pred_run, rerun = Path(a.fit), Path(a.predict), a.rerun and Path(a.rerun)
+    for p in (fit_run, pred_run, rerun):
+        if p and not (p / "compare.json").exists():
             raise SystemExit(f"{p}: no compare.json (a benchmarks/burst_value.py run directory)")
     fset, pset = settings_of(fit_run), settings_of(pred_run)
+    if rerun and not same_arrivals(settings_of(rerun), pset):
+        raise SystemExit(f"--rerun {rerun}: not the predicted run's arrivals (its trace window, seed or phases differ)")
     if a.systems == ",".join(SYSTEMS):   # the default: every system the predicted run has, its variants too
         a.systems += "," + ",".join(pset["variants"])
     systems = [s for s in a.systems.split(",") if s and reps_of(pred_run, s)]
@@ -308,11 +315,18 @@ def main() -> int:
         # where a percentile sits on the knee of the TTFT curve its interval is wide: is the prediction in it?
         row["in_ci"] = all(pt[q]["value"] is not None and mt[q]["lo"] is not None
                            and mt[q]["lo"] <= pt[q]["value"] <= mt[q]["hi"] for q in ("p90", "p99"))
+        row["rerun"] = fixes(meas, pt, row)
+        if rerun and reps_of(rerun, s):   # a real second run on these arrivals
+            second = [r for k, d in reps_of(rerun, s) for r in pooled.read_window(d / "requests.csv", k, *pset["window"])]
+            st2 = pooled.tail(second, (90.0, 99.0))
+            row["second_run"] = {"n": len(second), **{q: st2[q]["value"] / mt[q]["value"] if mt[q]["value"] else None
+                                                      for q in ("p90", "p99")}}
         rows.append(row)
         print(f"{s}: pooled P90 / P99 measured {fmt(mt['p90']['value'])} / {fmt(mt['p99']['value'])} s, predicted "
               f"{fmt(pt['p90']['value'])} / {fmt(pt['p99']['value'])} s; scale {fmt(cal and cal['scale'], 3)}", flush=True)
     cmd = command("burst_value_sim.py")
     res = {"command": cmd, "fit": str(fit_run), "predict": str(pred_run), "tolerance": TOL, "out_name": a.out_name,
+           "rerun": rerun and str(rerun), "fixed": FIXED,
            "machine_speed": speed,
            "fit_settings": fset, "predict_settings": pset, "rows": rows}
     write_json(DOCS / f"{a.out_name}.json", res, indent=1, clean=False, default=str)
@@ -321,17 +335,52 @@ def main() -> int:
     return 0
 
 
+def fixes(meas: list[pooled.Request], pt: dict, row: dict) -> dict:
+    """Per P90 / P99: how closely the measured run fixes its own percentile (``pooled.rerun_agreement``:
+    a second run of the system on these arrivals within TOL of it, share of draws, and the runs' 95%
+    spread), whether it does (``fixed``: at least FIXED), and whether the prediction is within TOL of
+    the run and inside the runs' spread."""
+    out = {}
+    for q in ("p90", "p99"):
+        x = pooled.rerun_agreement(meas, float(q[1:]), TOL)
+        p, r = pt[q]["value"], row[f"ratio_{q}"]
+        out[q] = {**x, "fixed": x["agree"] is not None and x["agree"] >= FIXED,
+                  "within": r is not None and abs(r - 1) <= TOL,
+                  "in_spread": p is not None and x["lo"] is not None and x["lo"] <= p <= x["hi"]}
+    return out
+
+
+def _same(x, y) -> bool:
+    """Two runs' trace settings equal (an offset of 0 and one of 0.0 are the same window)."""
+    try:
+        return float(x) == float(y)
+    except (TypeError, ValueError):
+        return str(x) == str(y)
+
+
+def same_arrivals(a: dict, b: dict) -> bool:
+    """Two runs offered one arrival sequence: the same trace window and seed, and phases of the same
+    lengths at rates within RATE_TOL (each run's rates follow its measured capacity)."""
+    ta, tb = a.get("trace") or {}, b.get("trace") or {}
+    if not (_same(ta.get("window_offset"), tb.get("window_offset")) and _same(ta.get("seed"), tb.get("seed"))):
+        return False
+    fa, fb = parse_phases(a["phases"]), parse_phases(b["phases"])
+    return len(fa) == len(fb) and all(x[0] == y[0] and abs(y[1] / x[1] - 1) <= RATE_TOL for x, y in zip(fa, fb))
+
+
 def held_out(fit: dict, pred: dict) -> str:
     """How the predicted run differs from the fit's: its offered requests, and the memory its systems
     had (kunserve's KV cap, oracle-equal's KV)."""
     ft, pt = fit.get("trace") or {}, pred.get("trace") or {}
     mem = memory_change(fit, pred)
-    if str(ft.get("window_offset")) != str(pt.get("window_offset")):
+    if not _same(ft.get("window_offset"), pt.get("window_offset")):
         return (f"The predicted run's arrivals come from another part of the trace (offset {pt.get('window_offset')} s "
                 f"against {ft.get('window_offset')} s; seed {pt.get('seed')} against {ft.get('seed')}), rescaled to "
                 "its phases: an arrival sequence the fit never saw." + (f" {mem}." if mem else ""))
-    fr, pr = (parse_phases(x["phases"]) for x in (fit, pred))
-    if len(fr) != len(pr) or any(abs(b[1] / a[1] - 1) > RATE_TOL or a[0] != b[0] for a, b in zip(fr, pr)):
+    if not _same(ft.get("seed"), pt.get("seed")):
+        return (f"The two runs share the trace window; their seeds differ ({pt.get('seed')} against {ft.get('seed')}), "
+                "so each run's requests are its own." + (f" {mem}." if mem else ""))
+    if not same_arrivals(fit, pred):
         return ("The two runs share the trace window and seed; they differ in the burst's rate, so each arrival "
                 "sequence is new to the fit." + (f" {mem}." if mem else ""))
     same = ("The two runs share the trace window, seed and phases" + (
@@ -405,6 +454,66 @@ def knee_note(rows: list[dict]) -> str:
             "a minute turns on a few requests, across repetitions as in the simulator")
 
 
+def fixed_verdict(res: dict) -> list[str]:
+    """The verdict on what the predicted run can judge: the percentiles it fixes to TOL (a second run of
+    the system within TOL of it in at least FIXED of the draws) and those it does not."""
+    rows = [r for r in res["rows"] if r.get("rerun")]
+    if not rows:
+        return []
+    cells = [(r["system"], q, r["rerun"][q]) for r in rows for q in ("p90", "p99")]
+    fixed = [c for c in cells if c[2]["fixed"]]
+    loose = [c for c in cells if not c[2]["fixed"]]
+    name = lambda c: f"{c[0]}'s {c[1].upper()}"   # noqa: E731
+    L = ["- a second run of the same system on these arrivals lands within 25% of this run (two-level bootstrap: "
+         "the run's repetitions resampled, then their requests; share of draws), P90 / P99: "
+         + ", ".join(f"{r['system']} {r['rerun']['p90']['agree']:.0%} / {r['rerun']['p99']['agree']:.0%}" for r in rows)]
+    miss = [name(c) for c in fixed if not c[2]["within"]]
+    L.append(f"- the percentiles this run fixes to 25% (a second run within it in at least {res.get('fixed', FIXED):.0%} of "
+             f"the draws): the simulator within 25% at {len(fixed) - len(miss)} of {len(fixed)}"
+             + (f"; outside: {', '.join(miss)}" if miss else ""))
+    if loose:
+        out = [name(c) for c in loose if not c[2]["in_spread"]]
+        L.append(f"- the percentiles it does not fix ({', '.join(name(c) for c in loose)}): a second run of the system "
+                 "itself would miss 25% more often than not, so no prediction can be held to 25% there; the simulator's "
+                 f"inside the runs' 95% spread at {len(loose) - len(out)} of {len(loose)}"
+                 + (f"; outside: {', '.join(out)}" if out else ""))
+    two = [r for r in rows if r.get("second_run")]
+    if two:
+        far = [f"{r['system']}'s {q.upper()} ({r['second_run'][q]:.2f}x)" for r in two for q in ("p90", "p99")
+               if r["second_run"][q] is not None and abs(r["second_run"][q] - 1) > TOL]
+        L.append(f"- a real second run on these arrivals (`{res['rerun']}`, {len(two)} systems): within 25% of this run "
+                 f"at {2 * len(two) - len(far)} of {2 * len(two)} percentiles" + (f"; outside: {', '.join(far)}" if far else ""))
+    return L
+
+
+def fixed_table(res: dict) -> list[str]:
+    """Per system and percentile: the runs' spread, a second run's agreement, and the prediction in it."""
+    rows = [r for r in res["rows"] if r.get("rerun")]
+    if not rows:
+        return []
+    two = any(r.get("second_run") for r in rows)
+    L = ["", "## Does the run fix its own tail? (a second run on the same arrivals)", "",
+         "The runs' spread: the 95% interval of the pooled percentile over runs drawn like this one (its repetitions "
+         "resampled with replacement, then each one's requests: `bench.pooled.rerun_agreement`), wider than the "
+         "interval above where a run's slow requests bunch in a few repetitions. A second run within 25%: the share of "
+         "pairs of such draws within 25% of each other."
+         + (f" A real second run: `{res['rerun']}`, its pooled percentile over this run's." if two else ""), ""]
+    head = ["system", "P90 (runs' 95% spread)", "second run within 25%", "sim (in spread?)",
+            "P99 (runs' 95% spread)", "second run within 25%", "sim (in spread?)"]
+    L += md_table(head + (["real second run / this, P90 / P99 (n)"] if two else []), "lllllll" + ("l" if two else ""))
+    for r in rows:
+        cells = [r["system"]]
+        for q in ("p90", "p99"):
+            x = r["rerun"][q]
+            cells += [f"{fmt(r['measured'][q]['value'])} ({fmt(x['lo'])}..{fmt(x['hi'])})", f"{x['agree']:.0%}",
+                      f"{fmt(r['predicted'][q]['value'])} ({'yes' if x['in_spread'] else 'no'})"]
+        if two:
+            sr = r.get("second_run")
+            cells.append(f"{fmt(sr['p90'])} / {fmt(sr['p99'])} ({sr['n']})" if sr else "-")
+        L.append(md_row(cells))
+    return L
+
+
 def render(res: dict) -> str:
     rows = res["rows"]
     met = [r["system"] for r in rows if r["within"]]
@@ -429,7 +538,8 @@ def render(res: dict) -> str:
          f"- the share of window requests waiting over {SLOW_S:g} s for their first token predicted inside its "
          f"measured 95% interval: {', '.join(r['system'] for r in rows if r.get('over_slo_in_ci')) or 'none'}; "
          f"inside the range of the repetitions' own shares: "
-         f"{', '.join(r['system'] for r in rows if r.get('over_slo_in_reps')) or 'none'}" + knee_note(rows), "",
+         f"{', '.join(r['system'] for r in rows if r.get('over_slo_in_reps')) or 'none'}" + knee_note(rows),
+         *fixed_verdict(res), "",
          "## Pooled burst-window TTFT, measured vs simulated (seconds)", ""]
     L += md_table(["system", "requests", "P50 meas / sim (without noise)", "P90 meas (95% CI) / sim", "P99 meas (95% CI) / sim",
                    "sim / meas P50, P90, P99", f"TTFT > {SLOW_S:g} s meas (95% CI; reps' range) / sim", "P50 TPOT meas / sim (ms)",
@@ -448,6 +558,7 @@ def render(res: dict) -> str:
                          f"{fmt(tp['measured'] and tp['measured'] * 1e3, 0)} / "
                          f"{fmt(tp['predicted'] and tp['predicted'] * 1e3, 0)}",
                          r["lines_from"], fmt(r["calibration"] and r["calibration"]["scale"], 3), r["lost_predicted"]]))
+    L += fixed_table(res)
     L += ["", "## How", "",
           "- Decode step lines (`a + c b` ms at a batch of b per engine) from the fit run's timelines' clean seconds "
           "(`vllm_kunserve/sim/runfit.py`, as `benchmarks/cluster_burst_sim.py` fits them), every repetition pooled; a group's cycle has its own line. "

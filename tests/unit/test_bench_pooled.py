@@ -258,3 +258,29 @@ def test_kv_cap_at_or_below_one_is_refused_before_anything_runs(tmp_path):
     assert p.returncode == 2
     assert "--kv-cap 1: a group member's KV may grow to this multiple of its base; must be > 1" in p.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_rerun_agreement_tells_a_run_that_fixes_its_tail_from_one_that_does_not():
+    """Five repetitions alike: a second run lands within 25% nearly always. Four repetitions whose slow
+    requests (2-60 s) bunch in two of them: resampling the repetitions moves P90 from under a second
+    to tens of seconds. With 8 slow of 60 in each of the two, the stratified interval (every
+    repetition kept) stays under a second while the runs' spread reaches past 5 s; with 12 (P90 on
+    the knee), a second run agrees less than half the time. The runs' spread brackets the point."""
+    rng = np.random.default_rng(5)
+    alike = [r for k in range(5) for r in reqs(rng.exponential(0.5, 60) + 0.2, rep=k)]
+    a = P.rerun_agreement(alike, 90, 0.25)
+    assert a["agree"] > 0.9 and a["lo"] <= P.tail(alike)["p90"]["value"] <= a["hi"]
+
+    def bunched(slow):
+        return [r for k in range(4) for r in reqs(np.r_[rng.uniform(0.3, 0.6, 60 - (slow if k < 2 else 0)),
+                                                        rng.uniform(2, 60, slow if k < 2 else 0)], rep=k)]
+    b8 = bunched(8)
+    spread, strat = P.rerun_agreement(b8, 90, 0.25), P.tail(b8)["p90"]
+    assert strat["hi"] < 1.0 and spread["hi"] > 5.0 and spread["lo"] <= strat["value"] <= spread["hi"]
+    b12 = bunched(12)
+    knee = P.rerun_agreement(b12, 90, 0.25)
+    assert knee["agree"] < 0.45 and knee["lo"] < 1.0 and knee["hi"] > 20.0
+    assert P.rerun_agreement(b12, 90, 0.25) == knee   # seeded
+    assert P.rerun_agreement([], 90, 0.25)["agree"] is None
+    lost = [r for k in range(3) for r in reqs([1.0] * 90, rep=k) + reqs([0.0] * 10, rep=k, ok=False)]
+    assert P.rerun_agreement(lost, 99, 0.25)["agree"] == 1.0   # every draw's P99 is a lost request

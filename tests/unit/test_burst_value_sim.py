@@ -126,3 +126,36 @@ def test_settings_of_a_run_carry_its_variants_configs(bvs, tmp_path):
     s = bvs.settings_of(tmp_path)
     assert s["variants"] == {"kunserve-peak": {"memory": {"max_kv_ratio": 2.0}, "lookahead": {"admission": "peak"}}}
     assert s["specs"]["oracle-equal"] == {"kv_x": 2.0} and s["window"] == [30.0, 130.0]
+
+
+def test_fixed_verdict_judges_the_percentiles_a_run_fixes_and_the_rest_by_the_runs_spread(bvs):
+    def cell(agree, within, in_spread):
+        return {"agree": agree, "lo": 0.0, "hi": 1.0, "fixed": agree >= 0.5, "within": within, "in_spread": in_spread}
+
+    tails = {q: {"value": 1.0} for q in ("p90", "p99")}
+    rows = [{"system": "stock", "rerun": {"p90": cell(0.28, False, True), "p99": cell(0.93, True, True)},
+             "second_run": {"n": 300, "p90": 1.43, "p99": 0.99}, "measured": tails, "predicted": tails},
+            {"system": "kunserve", "rerun": {"p90": cell(0.84, True, True), "p99": cell(0.74, False, False)},
+             "measured": tails, "predicted": tails}]
+    lines = bvs.fixed_verdict({"rows": rows, "fixed": 0.5, "rerun": "docs/x"})
+    text = "\n".join(lines)
+    assert "stock 28% / 93%, kunserve 84% / 74%" in text
+    assert "within 25% at 2 of 3; outside: kunserve's P99" in text
+    assert "does not fix (stock's P90)" in text and "spread at 1 of 1" in text
+    assert "(`docs/x`, 1 systems): within 25% of this run at 1 of 2 percentiles; outside: stock's P90 (1.43x)" in text
+    assert bvs.fixed_verdict({"rows": [{"system": "a"}]}) == []
+    table = bvs.fixed_table({"rows": rows, "rerun": "docs/x"})
+    assert any(line.startswith("| stock |") and line.endswith("1.43 / 0.99 (300) |") for line in table)
+    assert any(line.startswith("| kunserve |") and line.endswith("| - |") for line in table)
+
+
+def test_same_arrivals_and_a_rerun_on_other_arrivals_is_refused(bvs):
+    def st(phases, offset=0.0, seed=1):
+        return {"trace": {"window_offset": offset, "seed": seed}, "phases": phases}
+    a = st("30@0.30,64@1.20")
+    assert bvs.same_arrivals(a, st("30@0.301,64@1.204", offset=0))   # "0" and "0.0" are one window
+    assert not bvs.same_arrivals(a, st("30@0.30,64@1.20", seed=2))
+    assert not bvs.same_arrivals(a, st("30@0.30,64@1.20", offset=1800.0))
+    assert not bvs.same_arrivals(a, st("30@0.30,64@1.50"))
+    assert "their seeds differ (2 against 1)" in bvs.held_out(a, st("30@0.30,64@1.20", seed=2))
+    assert "differ in the burst's rate" in bvs.held_out(a, st("30@0.30,64@1.50", offset="0"))

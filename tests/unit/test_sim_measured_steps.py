@@ -400,3 +400,25 @@ def test_ttft_residuals_are_what_the_simulator_misses_where_neither_side_queued(
     got = runfit.ttft_residuals(st, st, {("oracle", 1): {"rows": rows}}, "oracle", [1], settings, 2.0)
     assert sorted(got) == pytest.approx(sorted(expect), abs=1e-9)
     assert runfit.ttft_residuals(st, st, {("oracle", 1): {"rows": rows}}, "oracle", [1], settings, 0.0) == []
+
+
+def test_a_measured_runs_group_drops_and_restores_under_its_kv_cap():
+    """The measured run's cluster (runfit.RunSimulator) through a whole burst: kunserve groups, the
+    demand falls and the group restores (its members' KV sized for the layers they take back, under
+    the run's ``memory.max_kv_ratio``), and every request finishes. The restore once called the
+    cluster's KV with the layers the members take back, which this subclass did not accept."""
+    from vllm_kunserve.sim import runfit
+
+    settings = {"block_size": 16, "kv_tokens": 1024, "kunserve_config": {"memory": {"max_kv_ratio": 2.0}},
+                "model": "small", "instances": 2, "max_num_batched_tokens": 2048, "max_num_seqs": 128,
+                "oracle_x": 10.0, "dispatch": "least-work"}
+    st = MeasuredStepTime.linear(0.04, 0.005, 400.0)
+    burst = [TraceRequest(i, 0.05 * i, 64, 400) for i in range(24)]   # ~28 blocks each: 2x one engine's 64
+    calm = [TraceRequest(24 + i, 200.0 + 2.0 * i, 64, 8) for i in range(20)]
+    sim = runfit.make_sim(st, st, settings, "kunserve", burst + calm).run()
+    kinds = [e["kind"] for e in sim.events]
+    assert "drop_plan" in kinds and "restore_start" in kinds
+    assert kinds.index("drop_plan") < kinds.index("restore_start")
+    assert all(r.finish_t is not None for r in sim.reqs)
+    cap = 2.0 * 1024 // 16
+    assert all(s.capacity <= cap * len(s.instances) for s in sim.servers)

@@ -6,7 +6,8 @@ a verdict per repetition is noise. Here every system's window requests of all re
 percentile gets a bootstrap interval that resamples requests within each repetition (stratified, so
 every draw keeps the repetitions' sizes). A ratio between two systems, and the share of a gap one
 system closes, are computed on every draw of independent resamples of the systems involved; the
-interval is the draws' 2.5th..97.5th percentiles.
+interval is the draws' 2.5th..97.5th percentiles. ``rerun_agreement`` resamples the repetitions
+too: how far a second run of a system on the same arrivals can land from this one.
 
 Goodput follows ``vllm bench serve --goodput``: the share of the window's requests (failures count)
 whose TTFT and TPOT both meet the SLO.
@@ -80,6 +81,34 @@ def draws(groups: Sequence[np.ndarray], q: float, n: int = DRAWS, seed: int = 0)
     parts = [g[rng.integers(0, g.size, size=(n, g.size))] for g in groups]
     pooled = np.concatenate(parts, axis=1)
     return _pct(pooled, q, axis=1)
+
+
+def run_draws(groups: Sequence[np.ndarray], q: float, n: int = DRAWS, seed: int = 0) -> np.ndarray:
+    """``n`` draws of the ``q``-th percentile of another run like this one: its repetitions resampled
+    with replacement, then each drawn repetition's requests within it (a two-level bootstrap). Where a
+    run's slow requests bunch in a few repetitions, this spread is wider than ``draws``', which keeps
+    every repetition once: it is the spread between runs of the system on the same arrivals."""
+    rng = np.random.default_rng(seed)
+    out = np.empty(n)
+    for i, pick in enumerate(rng.integers(0, len(groups), size=(n, len(groups)))):
+        out[i] = _pct(np.concatenate([groups[j][rng.integers(0, groups[j].size, groups[j].size)] for j in pick]), q)
+    return out
+
+
+def rerun_agreement(reqs: Sequence[Request], q: float, tol: float, seed: int = 0) -> dict:
+    """How closely a run fixes its own pooled P{q} TTFT: ``agree``, the share of pairs of independent
+    ``run_draws`` within ``tol`` of each other (``|a / b - 1| <= tol``: would a second run of the
+    system land within ``tol`` of this one?), and ``lo``..``hi``, the run draws' 95% interval (the
+    runs' spread). Below one half, no prediction can be held to ``tol`` against this run: a second
+    run of the system itself would miss more often than not."""
+    g = by_rep(reqs, lambda r: r.ttft_s)
+    if not g:
+        return {"agree": None, "lo": None, "hi": None}
+    a, b = run_draws(g, q, seed=seed), run_draws(g, q, seed=seed + 1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        same = (a == b) | (np.abs(a / b - 1) <= tol)   # two lost-request tails (inf) agree
+    lo, hi = interval(a)
+    return {"agree": float(same.mean()), "lo": lo, "hi": hi}
 
 
 def point(groups: Sequence[np.ndarray], q: float) -> float:

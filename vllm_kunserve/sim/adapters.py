@@ -60,7 +60,9 @@ def engine_load(sim, s) -> EngineLoad:
 
 def cluster_snapshot(sim) -> ps.ClusterSnapshot:
     """Per-instance snapshot: a group's blocks are split evenly over its members (KV of a pipeline
-    group is counted in full-model blocks, so the group's total is the sum)."""
+    group is counted in full-model blocks, so the group's total is the sum). Each instance reports its
+    base, the KV it has holding every layer, as an engine does (``EngineLoad.base_blocks``): derived
+    from a capped group's capacity less its dropped layers, it goes below zero and no group restores."""
     insts = []
     groups = []
     for s in sim.servers:
@@ -77,7 +79,7 @@ def cluster_snapshot(sim) -> ps.ClusterSnapshot:
                 instance_id=i, kv_blocks_total=share(cap), kv_blocks_used=share(s.used),
                 queued_blocks=share(queued), layer_start=lo,
                 layer_end=0 if (lo, hi) == (0, sim.cfg.model.layers) else hi,
-                prompt_tokens=share(prompt), output_tokens=share(output),
+                prompt_tokens=share(prompt), output_tokens=share(output), kv_blocks_base=sim.base_blocks,
                 awaiting_first_token=share(awaiting)))
         groups.append(tuple(s.instances))
     return ps.ClusterSnapshot(model=policy_model(sim), instances=tuple(insts), groups=tuple(groups),

@@ -186,8 +186,8 @@ class RunSimulator(Simulator):
         self.kv_ratio, self.group_step_time = kv_ratio, group_step_time
         super().__init__(cfg, policy, trace)
 
-    def capacity_blocks(self, instances):
-        return min(super().capacity_blocks(instances), int(len(instances) * self.kv_ratio * self.base_blocks))
+    def capacity_blocks(self, instances, layers=None):
+        return min(super().capacity_blocks(instances, layers), int(len(instances) * self.kv_ratio * self.base_blocks))
 
     def new_server(self, instances):
         s = super().new_server(instances)
