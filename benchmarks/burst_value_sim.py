@@ -145,11 +145,20 @@ def load(run: Path, systems: list[str], lo: float, inst: int) -> dict:
     return {(s, k): runfit.rep_data(d, lo, inst) for s in systems for k, d in reps_of(run, s)}
 
 
+def run_requests(run: Path, system: str, lo: float, hi: float) -> list[pooled.Request]:
+    """A system's requests that arrived in [lo, hi), over every repetition of ``run``."""
+    return [r for k, d in reps_of(run, system) for r in pooled.read_window(d / "requests.csv", k, lo, hi)]
+
+
+def within(ratio: float | None) -> bool:
+    """A predicted / measured ratio (or a second run's over this one) within TOL of 1."""
+    return ratio is not None and abs(ratio - 1) <= TOL
+
+
 def warm_tpot(run: Path, system: str, lo: float) -> float | None:
     """Median TPOT of a system's warm-phase requests (arrivals before the burst window), pooled over
     its repetitions."""
-    reqs = [r for k, d in reps_of(run, system) for r in pooled.read_window(d / "requests.csv", k, 0.0, lo)]
-    return pooled.tpot(reqs, (50.0,))["p50"]
+    return pooled.tpot(run_requests(run, system, 0.0, lo), (50.0,))["p50"]
 
 
 def machine_speed(fit_run: Path, pred_run: Path, fset: dict, pset: dict, systems: list[str]) -> dict | None:
@@ -311,13 +320,13 @@ def main() -> int:
                                    and rep_shares[0] <= o["predicted"]["value"] <= rep_shares[-1])
         row["over_slo_in_ci"] = (o["predicted"]["value"] is not None and o["measured"]["lo"] is not None
                                  and o["measured"]["lo"] <= o["predicted"]["value"] <= o["measured"]["hi"])
-        row["within"] = all(row[f"ratio_{q}"] is not None and abs(row[f"ratio_{q}"] - 1) <= TOL for q in ("p90", "p99"))
+        row["within"] = all(within(row[f"ratio_{q}"]) for q in ("p90", "p99"))
         # where a percentile sits on the knee of the TTFT curve its interval is wide: is the prediction in it?
         row["in_ci"] = all(pt[q]["value"] is not None and mt[q]["lo"] is not None
                            and mt[q]["lo"] <= pt[q]["value"] <= mt[q]["hi"] for q in ("p90", "p99"))
         row["rerun"] = fixes(meas, pt, row)
         if rerun and reps_of(rerun, s):   # a real second run on these arrivals
-            second = [r for k, d in reps_of(rerun, s) for r in pooled.read_window(d / "requests.csv", k, *pset["window"])]
+            second = run_requests(rerun, s, *pset["window"])
             st2 = pooled.tail(second, (90.0, 99.0))
             row["second_run"] = {"n": len(second), **{q: st2[q]["value"] / mt[q]["value"] if mt[q]["value"] else None
                                                       for q in ("p90", "p99")}}
@@ -343,9 +352,8 @@ def fixes(meas: list[pooled.Request], pt: dict, row: dict) -> dict:
     out = {}
     for q in ("p90", "p99"):
         x = pooled.rerun_agreement(meas, float(q[1:]), TOL)
-        p, r = pt[q]["value"], row[f"ratio_{q}"]
-        out[q] = {**x, "fixed": x["agree"] is not None and x["agree"] >= FIXED,
-                  "within": r is not None and abs(r - 1) <= TOL,
+        p = pt[q]["value"]
+        out[q] = {**x, "fixed": x["agree"] is not None and x["agree"] >= FIXED, "within": within(row[f"ratio_{q}"]),
                   "in_spread": p is not None and x["lo"] is not None and x["lo"] <= p <= x["hi"]}
     return out
 
@@ -445,7 +453,7 @@ def knee_note(rows: list[dict]) -> str:
             continue
         for q, tail_share in (("p90", 0.10), ("p99", 0.01)):
             x = r.get(f"ratio_{q}")
-            if (x is None or abs(x - 1) > TOL) and o["lo"] <= tail_share <= o["hi"]:
+            if not within(x) and o["lo"] <= tail_share <= o["hi"]:
                 knee.append(f"{r['system']}'s {q.upper()}")
     if not knee:
         return ""
@@ -480,7 +488,7 @@ def fixed_verdict(res: dict) -> list[str]:
     two = [r for r in rows if r.get("second_run")]
     if two:
         far = [f"{r['system']}'s {q.upper()} ({r['second_run'][q]:.2f}x)" for r in two for q in ("p90", "p99")
-               if r["second_run"][q] is not None and abs(r["second_run"][q] - 1) > TOL]
+               if r["second_run"][q] is not None and not within(r["second_run"][q])]
         L.append(f"- a real second run on these arrivals (`{res['rerun']}`, {len(two)} systems): within 25% of this run "
                  f"at {2 * len(two) - len(far)} of {2 * len(two)} percentiles" + (f"; outside: {', '.join(far)}" if far else ""))
     return L
