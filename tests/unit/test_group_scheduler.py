@@ -12,7 +12,7 @@ import torch
 from vllm_kunserve.config import KunServeConfigError, parse_config
 from vllm_kunserve.integration.vllm.pipeline import _step_chunks
 from vllm_kunserve.integration.vllm.scheduler import (PACE_MAX_AGE_S, QUALNAME, SchedulerPatch, budget_for,
-                                                      fresh_peer_chunks)
+                                                      fresh_peer_chunks, queue_work, wanted_step)
 from vllm_kunserve.policy import CostModel
 
 pytestmark = pytest.mark.unit
@@ -76,6 +76,67 @@ def test_fresh_peer_chunks_pace_only_current_peers():
     assert fresh_peer_chunks(steps, now=100.0, peers=["e0"]) == [[(0, 5)]]
     assert fresh_peer_chunks(steps, now=100.0, peers=[]) == []
     assert len(fresh_peer_chunks(steps, now=100.0)) == 2
+
+
+def test_a_peers_wanted_step_paces_where_it_sent_one():
+    """A peer's entry is (when, its step, the step it wanted): both pace (the costlier wins)."""
+    steps = {"e0": (100.0, [(9, 1)], [(9, 1), (0, 64), (0, 64)]), "e1": (100.0, [(3, 1)], [])}
+    assert fresh_peer_chunks(steps, now=100.0) == [[(9, 1)], [(9, 1), (0, 64), (0, 64)], [(3, 1)]]
+
+
+def test_wanted_step_is_the_queue_under_vllms_budget_decodes_first():
+    sched = SimpleNamespace(running=[_req("p0", 32, 512), _req("d0", 100, 50, 101)], waiting=[_req("w0", 0, 300)])
+    work = queue_work(sched)
+    assert wanted_step(work, 2048) == [(100, 1), (32, 480), (0, 300)]
+    assert wanted_step(work, 200) == [(100, 1), (32, 199)]          # the last prefill chunked at the budget
+    assert wanted_step(queue_work(SimpleNamespace(running=[], waiting=[])), 2048) == []
+
+
+def _member_steps(queues, rule, steps=4, decodes=30, min_tokens=64, max_tokens=2048):
+    """Two members with ``decodes`` running decodes each pace each other's steps (``rule``:
+    "wanted" sends each member's wanted step with its spans, "latest" only the step it ran);
+    returns, per step, each member's prefill tokens scheduled."""
+    m = CostModel(alpha=5.5e-08, beta=0.000587, gamma=0.146)     # the built-in stand-in's shape
+    queues = [list(q) for q in queues]
+    seen = [(0.0, [(200, 1)] * decodes, [])] * 2     # what each member's stage last saw of the other
+    took = []
+    for _ in range(steps):
+        row = []
+        for me in (0, 1):
+            sched = SimpleNamespace(running=[_req(f"d{i}", 201, 200, 201) for i in range(decodes)],
+                                    waiting=[_req(f"w{i}", 0, n) for i, n in enumerate(queues[me])],
+                                    max_num_scheduled_tokens=max_tokens)
+            work = queue_work(sched)
+            wanted = wanted_step(work, max_tokens)
+            peers = fresh_peer_chunks({"peer": seen[1 - me]}, now=0.0)
+            pre = budget_for(sched, peers, m, min_tokens, work) - decodes
+            row.append(min(pre, sum(queues[me])))
+            chunks, left = [(200, 1)] * decodes, []
+            for n in queues[me]:
+                k = min(n, pre)
+                pre -= k
+                if k:
+                    chunks.append((0, k))
+                if n - k:
+                    left.append(n - k)
+            queues[me] = left
+            seen[me] = (0.0, chunks, wanted if rule == "wanted" else [])
+        took.append(row)
+    return took
+
+
+def test_members_with_prompts_queued_on_both_take_them_in_one_step_not_min_tokens_each():
+    """The lock this fixes (R1 on the Xeon, burst_value_r1_xeon, rep 2): paced by each other's
+    latest steps, two members with three 64-token prompts queued each took one prompt per step
+    (each cut at the other's cut, ``min_tokens``), so the third waited three group steps; paced by
+    the steps they want, the second member takes all three at once (the first member's wanted
+    step has reached it), the first the other two in its next step (the peer's wanted step it saw
+    was from before the prompts). A member whose peer only decodes still chunks a long prompt to
+    the peer's step."""
+    assert _member_steps([[64] * 3, [64] * 3], "latest")[:3] == [[64, 64]] * 3
+    assert _member_steps([[64] * 3, [64] * 3], "wanted")[:2] == [[64, 192], [128, 0]]
+    long_alone = _member_steps([[1000], []], "wanted")
+    assert long_alone[0][0] == 64 and long_alone[1][0] == 64     # the decoding peer's step paces it
 
 
 def test_step_chunks_read_prefix_and_new_tokens_from_attention_metadata():

@@ -59,13 +59,19 @@ def test_restore_pulls_the_dropped_layers_from_the_peer_or_the_host_copy(group_r
 
 def test_group_scheduler_paces_steps_against_the_peer_and_keeps_outputs(group_run):
     """While grouped, the lookahead scheduler (scheduler_cls) cut the second engine's prefills to
-    the cost of the first one's last step (chunked prefill with a smaller budget than vLLM's);
+    the cost of the step the first one last wanted, its decodes alone by then (chunked prefill with
+    a smaller budget than vLLM's);
     outputs stayed token-identical (test_group_outputs_are_token_identical). Alone it sets none."""
     r = group_run
     assert r["scheduler"] == ["KunServeScheduler", "KunServeScheduler"]
     b = r["budgets"][1]
     assert b and min(b) < r["max_tokens"][1], r["budgets"]
     assert all(x >= 1 for x in b)
+    # each member's spans carried the step its scheduler wanted (its queue under vLLM's budget):
+    # never less than the step it ran
+    for w, peer in zip(r["group_workers"], ("b", "a")):
+        seen = w[0]["peer_steps"][peer]
+        assert seen["wanted_tokens"] >= seen["tokens"] > 0, w[0]["peer_steps"]
 
 
 def test_peak_admission_runs_a_batch_the_group_kv_cannot_hold_without_preempting(group_run):

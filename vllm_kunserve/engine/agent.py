@@ -551,14 +551,15 @@ class EngineAgent:
         """Whether this engine runs as a pipeline group member now (the group scheduler's switch)."""
         return self.phase == "grouped"
 
-    def group_pace(self) -> list | None:
-        """While grouped (not draining), the peers' latest step chunks for the group scheduler
-        (``integration.vllm.scheduler``), else None: alone the scheduler is vLLM's own. A failed
-        read paces nothing (the step is scheduled as vLLM would)."""
+    def group_pace(self, wanted: list | None = None) -> list | None:
+        """While grouped (not draining), the peers' latest and wanted step chunks for the group
+        scheduler (``integration.vllm.scheduler``), else None: alone the scheduler is vLLM's own.
+        ``wanted`` (this member's wanted step) is handed to the worker, which sends it with its
+        spans. A failed read paces nothing (the step is scheduled as vLLM would)."""
         if self.phase != "grouped":
             return None
         try:
-            return self._workers("kunserve_group_pace")[0] or None
+            return self._workers("kunserve_group_pace", wanted)[0] or None
         except Exception as exc:  # the step must not fail for pacing; the span call reports peers lost
             logger.debug("group pace unavailable: %r", exc)
             return None

@@ -255,7 +255,9 @@ class GroupMember:
         self._leaves = 0          # leave attempts in this group (a leave's default id)
         self._locked: list[str] = []
         self.hops = HopTimes()   # this worker's calls to peers' spans (the peers time each span they run)
-        self.peer_steps: dict[str, tuple[float, list[tuple[int, int]]]] = {}  # origin -> (when, chunks)
+        #: origin -> (when, the chunks of its step, the chunks of the step it wanted)
+        self.peer_steps: dict[str, tuple[float, list[tuple[int, int]], list[tuple[int, int]]]] = {}
+        self.wanted: list[tuple[int, int]] = []  # this member's wanted step (its scheduler's, sent with its spans)
         self.lost = ""
 
     # -- the stage server: what peers ask of this worker ------------------------------------------
@@ -298,7 +300,7 @@ class GroupMember:
         origin, lo, hi = meta["origin"], meta["lo"], meta["hi"]
         positions, hidden = tensors["positions"], tensors["hidden"]
         residual = tensors.get("residual")
-        self.peer_steps[origin] = (time.monotonic(), _step_chunks(meta["attn"]))
+        self.peer_steps[origin] = (time.monotonic(), _step_chunks(meta["attn"]), _chunks(meta.get("want")))
         t_wait = time.perf_counter()
         COMPUTE.acquire()  # held until the reply is sent (the stage server calls the release)
         if TURN.is_due():  # checked holding the core: a step marks its turn before it lets go
@@ -378,7 +380,7 @@ class GroupMember:
             tensors = {"positions": positions, "hidden": hidden_states}
             if residual is not None:
                 tensors["residual"] = residual
-            meta = {"origin": self.name, "lo": lo, "hi": hi, "attn": attn, "slots": slots}
+            meta = {"origin": self.name, "lo": lo, "hi": hi, "attn": attn, "slots": slots, "want": self.wanted}
             held = []  # the step lets go of this worker's core once the request is sent, not before:
             # this thread would then compete for the core with the peer span taking the lock
 
@@ -804,13 +806,19 @@ class GroupMember:
                 "foreign_blocks": {o: self.res.foreign_blocks(o) for o in self.res.peers},
                 "hop_times": self.hops.summary(),
                 "served_calls": self.server.stats.calls, "lost": self.lost, "locked": list(self._locked),
+                # per peer, the tokens of its latest step and of the step it wanted (the pacing input)
+                "peer_steps": {o: {"tokens": sum(c for _, c in e[1]), "wanted_tokens": sum(c for _, c in e[2])}
+                               for o, e in list(self.peer_steps.items())},
                 "threads": self.threads}
 
-    def pace(self) -> list[list[tuple[int, int]]]:
-        """The (prefix, new tokens) chunks of each peer's latest step this stage served (recent
-        ones only): what the group scheduler balances this member's steps against."""
+    def pace(self, wanted: Any = None) -> list[list[tuple[int, int]]]:
+        """The (prefix, new tokens) chunks of each peer's latest step this stage served and of the
+        step it wanted (recent ones only): what the group scheduler balances this member's steps
+        against. ``wanted``, this member's own wanted step, goes to the peers with its next spans."""
         from vllm_kunserve.integration.vllm.scheduler import fresh_peer_chunks
 
+        if wanted is not None:
+            self.wanted = _chunks(wanted)
         return fresh_peer_chunks(self.peer_steps, peers=list(self.act))
 
     def ping(self, peer_stage: str, nbytes: int, n: int = 20) -> dict:
@@ -847,6 +855,11 @@ def _step_chunks(attn: Any) -> list[tuple[int, int]]:
         return []
     new = (q[1:] - q[:-1]).tolist()
     return [(int(s) - int(n), int(n)) for s, n in zip(seq.tolist()[:len(new)], new)]
+
+
+def _chunks(pairs: Any) -> list[tuple[int, int]]:
+    """(prefix, new tokens) pairs as a list of int tuples ([] for None)."""
+    return [(int(p), int(c)) for p, c in (pairs or ())]
 
 
 def _step_load(scheduler_output: Any) -> tuple[int, ...]:

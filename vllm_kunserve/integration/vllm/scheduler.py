@@ -62,11 +62,11 @@ class SchedulerPatch(VllmPatch):
             logger.warning("kunserve: scheduler_cls=%s already set by the user; lookahead scheduling is off", current)
 
 
-def budget_for(scheduler: Any, peer_chunks: list[list[tuple[int, int]]], model: Any, min_tokens: int) -> int:
-    """This member's next step budget against its peers' latest steps (their costliest)."""
-    from vllm_kunserve.policy.microbatch import WorkChunk, step_budget
+def queue_work(scheduler: Any) -> list:
+    """The member's queue in scheduling order as lookahead work: running decodes (one token each),
+    then the prefills of running and waiting requests (their tokens not yet computed)."""
+    from vllm_kunserve.policy.microbatch import WorkChunk
 
-    target = max((sum(model.var_cost(int(p), int(c)) for p, c in chunks) for chunks in peer_chunks), default=0.0)
     work = []
     for r in scheduler.running:
         done, prompt = int(r.num_computed_tokens), int(r.num_prompt_tokens)
@@ -75,6 +75,31 @@ def budget_for(scheduler: Any, peer_chunks: list[list[tuple[int, int]]], model: 
     for r in scheduler.waiting:
         done = int(r.num_computed_tokens)
         work.append(WorkChunk(r.request_id, done, max(1, int(r.num_tokens) - done)))
+    return work
+
+
+def wanted_step(work: list, max_tokens: int) -> list[tuple[int, int]]:
+    """The (prefix, new tokens) chunks of the step this member would run with vLLM's own budget
+    (``max_tokens``): its decodes, then its prefills in queue order, the last one chunked at the
+    budget. Sent to the peers with this member's spans: what they balance their steps against."""
+    out, left = [], int(max_tokens)
+    for c in sorted(work, key=lambda c: not c.decode):  # decodes first, each kind in queue order
+        if left <= 0:
+            break
+        n = min(int(c.tokens), left)
+        out.append((int(c.prefix), n))
+        left -= n
+    return out
+
+
+def budget_for(scheduler: Any, peer_chunks: list[list[tuple[int, int]]], model: Any, min_tokens: int,
+               work: list | None = None) -> int:
+    """This member's next step budget against its peers' steps (their costliest): each peer's
+    wanted step where it sent one, else its latest step (``fresh_peer_chunks``)."""
+    from vllm_kunserve.policy.microbatch import step_budget
+
+    target = max((sum(model.var_cost(int(p), int(c)) for p, c in chunks) for chunks in peer_chunks), default=0.0)
+    work = queue_work(scheduler) if work is None else work
     return step_budget(work, model, target, min_tokens, int(scheduler.max_num_scheduled_tokens))
 
 
@@ -105,8 +130,9 @@ def _make() -> type:
         """vLLM's scheduler; in a pipeline group, each step's token budget comes from the lookahead
         cost cut against the peers' steps (module doc)."""
 
-        #: set by the engine agent: returns the peers' latest step chunks while grouped, else None
-        kunserve_pace: Callable[[], list | None] | None = None
+        #: set by the engine agent: given this member's wanted step (sent on with its spans), returns
+        #: the peers' wanted (else latest) step chunks while grouped, else None
+        kunserve_pace: Callable[[list], list | None] | None = None
         #: set by the engine agent: whether the engine is in a pipeline group now
         kunserve_grouped: Callable[[], bool] | None = None
 
@@ -131,9 +157,10 @@ def _make() -> type:
             full, active = self.max_num_scheduled_tokens, self.max_num_active_reqs
             if self.kunserve_lookahead:
                 pace = self.kunserve_pace
-                peers = pace() if pace is not None else None
+                work = queue_work(self) if pace is not None else []
+                peers = pace(wanted_step(work, full)) if pace is not None else None
                 if peers:
-                    budget = budget_for(self, peers, self.kunserve_model, self.kunserve_min_tokens)
+                    budget = budget_for(self, peers, self.kunserve_model, self.kunserve_min_tokens, work)
                     self.kunserve_budgets.append(budget)
                     del self.kunserve_budgets[:-64]
                     self.max_num_scheduled_tokens = budget
@@ -171,12 +198,22 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-def fresh_peer_chunks(steps: dict[str, tuple[float, list]], now: float | None = None,
+def fresh_peer_chunks(steps: dict[str, tuple], now: float | None = None,
                       peers: Iterable[str] | None = None) -> list[list]:
-    """The chunks of each peer's latest step seen within :data:`PACE_MAX_AGE_S`; with ``peers``,
-    of those peers only (a member that left the group, or a span of it that arrived late, paces
-    nothing)."""
+    """For each peer whose latest step was seen within :data:`PACE_MAX_AGE_S`, the chunks this
+    member balances against: the step it ran and the step it wanted (``(when, chunks, wanted)``:
+    its queue under vLLM's budget, sent with its spans), where it sent one; with ``peers``, of
+    those peers only (a member that left the group, or a span of it that arrived late, paces nothing).
+
+    The wanted step, not the latest one: members that paced each other by their latest steps, each
+    with prompts queued, held each other at ``lookahead.min_tokens`` of prefill per step (each cut
+    at the other's cut), so a queue of k short prompts took k steps where vLLM takes one."""
     now = time.monotonic() if now is None else now
     keep = None if peers is None else set(peers)
-    return [chunks for origin, (t, chunks) in list(steps.items())
-            if (keep is None or origin in keep) and now - t <= PACE_MAX_AGE_S and chunks]
+    out = []
+    for origin, entry in list(steps.items()):
+        t, chunks = entry[0], entry[1]
+        wanted = entry[2] if len(entry) > 2 else None
+        if (keep is None or origin in keep) and now - t <= PACE_MAX_AGE_S:
+            out.extend(c for c in (chunks, wanted) if c)  # the costlier of the two paces this member
+    return out

@@ -171,10 +171,11 @@ class KunServeWorkerExtension:
 
         return member(self).state()
 
-    def kunserve_group_pace(self) -> list:
-        """The peers' latest step chunks this worker's stage served (the group scheduler's input)."""
+    def kunserve_group_pace(self, wanted: list | None = None) -> list:
+        """The peers' latest and wanted step chunks this worker's stage served (the group
+        scheduler's input); ``wanted``: this member's own, sent to the peers with its spans."""
         m = self.__dict__.get("_kunserve_group")
-        return m.pace() if m is not None else []
+        return m.pace(wanted) if m is not None else []
 
     def kunserve_group_ping(self, stage: str, nbytes: int = 16384) -> dict:
         from vllm_kunserve.integration.vllm.pipeline import member
