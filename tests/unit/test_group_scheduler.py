@@ -185,5 +185,38 @@ def test_schedule_applies_the_admission_limit_only_while_grouped_and_never_fails
     assert s.schedule() == "out" and seen[-1] == 128 and s.kunserve_peak_admission is False
 
 
+def test_schedule_sends_the_wanted_step_with_pace_wanted_and_nothing_with_latest(monkeypatch):
+    """``lookahead.pace``: `wanted` hands the member's wanted step to the pace call (its worker
+    sends it with its spans) and cuts against the peers'; `latest` (the ablation) hands none."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_kunserve.integration.vllm import scheduler as mod
+
+    seen = []
+    monkeypatch.setattr(Scheduler, "schedule", lambda self, *a, **k: seen.append(self.max_num_scheduled_tokens))
+    assert parse_config({}).lookahead.pace == "wanted"
+    with pytest.raises(KunServeConfigError, match="lookahead.pace"):
+        parse_config({"lookahead": {"pace": "fastest"}})
+    cls = mod.KunServeScheduler
+    s = cls.__new__(cls)
+    s.kunserve_grouped = lambda: True
+    sent = []
+    peer = [(200, 1)] * 30 + [(0, 64)]
+    s.kunserve_pace = lambda wanted: sent.append(wanted) or [peer, [(200, 1)] * 30 + [(0, 64)] * 3]
+    s.kunserve_lookahead, s.kunserve_peak_admission = True, False
+    s.kunserve_model, s.kunserve_min_tokens, s.kunserve_budgets = CostModel(alpha=0.0, beta=1.0, gamma=5.0), 64, []
+    s.max_num_scheduled_tokens, s.max_num_active_reqs = 2048, 128
+    s.running = [_req(f"d{i}", 201, 200, 201) for i in range(30)]
+    s.waiting = [_req(f"w{i}", 0, 64) for i in range(3)]
+    s.kunserve_send_wanted = True
+    s.schedule()
+    assert sent[-1] == [(201, 1)] * 30 + [(0, 64)] * 3 and seen[-1] == 30 + 192
+    s.kunserve_send_wanted = False
+    s.kunserve_pace = lambda wanted: sent.append(wanted) or [peer]
+    s.schedule()
+    assert sent[-1] is None and seen[-1] == 30 + 64
+    assert s.max_num_scheduled_tokens == 2048                      # put back after the call
+
+
 def _r2(rid, tokens, out, max_tokens):
     return SimpleNamespace(request_id=rid, num_tokens=tokens, num_output_tokens=out, max_tokens=max_tokens)

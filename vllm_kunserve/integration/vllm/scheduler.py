@@ -145,6 +145,7 @@ def _make() -> type:
             la = cfg.lookahead if cfg is not None else None
             self.kunserve_min_tokens = la.min_tokens if la else 64
             self.kunserve_lookahead = la.enable if la else True
+            self.kunserve_send_wanted = (la.pace == "wanted") if la else True   # lookahead.pace
             self.kunserve_peak_admission = (la.admission == "peak") if la else False
             self.kunserve_limits: list[int] = []  # the latest admission limits set (state, tests)
             self.kunserve_model = CostModel.load(la.cost_model) if la and la.cost_model else default_model()
@@ -158,7 +159,8 @@ def _make() -> type:
             if self.kunserve_lookahead:
                 pace = self.kunserve_pace
                 work = queue_work(self) if pace is not None else []
-                peers = pace(wanted_step(work, full)) if pace is not None else None
+                wanted = wanted_step(work, full) if self.kunserve_send_wanted else None
+                peers = pace(wanted) if pace is not None else None
                 if peers:
                     budget = budget_for(self, peers, self.kunserve_model, self.kunserve_min_tokens, work)
                     self.kunserve_budgets.append(budget)
