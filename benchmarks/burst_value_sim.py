@@ -462,6 +462,11 @@ def knee_note(rows: list[dict]) -> str:
             "a minute turns on a few requests, across repetitions as in the simulator")
 
 
+def _cell_name(c: tuple) -> str:
+    """A (system, percentile, ...) cell as "system's P99"."""
+    return f"{c[0]}'s {c[1].upper()}"
+
+
 def fixed_verdict(res: dict) -> list[str]:
     """The verdict on what the predicted run can judge: the percentiles it fixes to TOL (a second run of
     the system within TOL of it in at least FIXED of the draws) and those it does not."""
@@ -471,17 +476,16 @@ def fixed_verdict(res: dict) -> list[str]:
     cells = [(r["system"], q, r["rerun"][q]) for r in rows for q in ("p90", "p99")]
     fixed = [c for c in cells if c[2]["fixed"]]
     loose = [c for c in cells if not c[2]["fixed"]]
-    name = lambda c: f"{c[0]}'s {c[1].upper()}"   # noqa: E731
     L = ["- a second run of the same system on these arrivals lands within 25% of this run (two-level bootstrap: "
          "the run's repetitions resampled, then their requests; share of draws), P90 / P99: "
          + ", ".join(f"{r['system']} {r['rerun']['p90']['agree']:.0%} / {r['rerun']['p99']['agree']:.0%}" for r in rows)]
-    miss = [name(c) for c in fixed if not c[2]["within"]]
+    miss = [_cell_name(c) for c in fixed if not c[2]["within"]]
     L.append(f"- the percentiles this run fixes to 25% (a second run within it in at least {res.get('fixed', FIXED):.0%} of "
              f"the draws): the simulator within 25% at {len(fixed) - len(miss)} of {len(fixed)}"
              + (f"; outside: {', '.join(miss)}" if miss else ""))
     if loose:
-        out = [name(c) for c in loose if not c[2]["in_spread"]]
-        L.append(f"- the percentiles it does not fix ({', '.join(name(c) for c in loose)}): a second run of the system "
+        out = [_cell_name(c) for c in loose if not c[2]["in_spread"]]
+        L.append(f"- the percentiles it does not fix ({', '.join(_cell_name(c) for c in loose)}): a second run of the system "
                  "itself would miss 25% more often than not, so no prediction can be held to 25% there; the simulator's "
                  f"inside the runs' 95% spread at {len(loose) - len(out)} of {len(loose)}"
                  + (f"; outside: {', '.join(out)}" if out else ""))

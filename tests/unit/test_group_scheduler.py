@@ -125,14 +125,13 @@ def _member_steps(queues, rule, steps=4, decodes=30, min_tokens=64, max_tokens=2
     return took
 
 
-def test_members_with_prompts_queued_on_both_take_them_in_one_step_not_min_tokens_each():
-    """The lock this fixes (R1 on the Xeon, burst_value_r1_xeon, rep 2): paced by each other's
-    latest steps, two members with three 64-token prompts queued each took one prompt per step
-    (each cut at the other's cut, ``min_tokens``), so the third waited three group steps; paced by
-    the steps they want, the second member takes all three at once (the first member's wanted
-    step has reached it), the first the other two in its next step (the peer's wanted step it saw
-    was from before the prompts). A member whose peer only decodes still chunks a long prompt to
-    the peer's step."""
+def test_members_with_prompts_queued_on_both_take_min_tokens_each_by_latest_steps_all_by_wanted_ones():
+    """What ``lookahead.pace`` chooses between: paced by each other's latest steps (the default),
+    two members with three 64-token prompts queued each take one prompt per step (each cut at the
+    other's cut, ``min_tokens``), so the third starts three group steps later; paced by the steps
+    they want, the second member takes all three at once (the first member's wanted step has reached
+    it), the first the other two in its next step (the peer's wanted step it saw was from before
+    the prompts). A member whose peer only decodes still chunks a long prompt to the peer's step."""
     assert _member_steps([[64] * 3, [64] * 3], "latest")[:3] == [[64, 64]] * 3
     assert _member_steps([[64] * 3, [64] * 3], "wanted")[:2] == [[64, 192], [128, 0]]
     long_alone = _member_steps([[1000], []], "wanted")
@@ -194,7 +193,7 @@ def test_schedule_sends_the_wanted_step_with_pace_wanted_and_nothing_with_latest
 
     seen = []
     monkeypatch.setattr(Scheduler, "schedule", lambda self, *a, **k: seen.append(self.max_num_scheduled_tokens))
-    assert parse_config({}).lookahead.pace == "wanted"
+    assert parse_config({}).lookahead.pace == "latest"
     with pytest.raises(KunServeConfigError, match="lookahead.pace"):
         parse_config({"lookahead": {"pace": "fastest"}})
     cls = mod.KunServeScheduler

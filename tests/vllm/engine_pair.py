@@ -6,12 +6,14 @@ import threading
 BLOCK = 32
 
 
-def group_engines(model: str, kv_bytes: int, LLM) -> list:
-    """Two engines started as group members (uni executor, no control port)."""
-    cfg = {"kunserve": {"drop": {"group_member": True}, "control": {"enable": False}}}
+def group_engines(model: str, kv_bytes: int, LLM, paces: tuple[str, str] = ("latest", "latest")) -> list:
+    """Two engines started as group members (uni executor, no control port), with these
+    ``lookahead.pace`` settings."""
     return [LLM(model=model, dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
                 block_size=BLOCK, kv_cache_memory_bytes=kv_bytes, max_model_len=512,
-                additional_config=cfg, disable_log_stats=True, seed=0) for _ in range(2)]
+                additional_config={"kunserve": {"drop": {"group_member": True}, "control": {"enable": False},
+                                                "lookahead": {"pace": pace}}},
+                disable_log_stats=True, seed=0) for pace in paces]
 
 
 def half_plans(states: list[dict], num_layers: int) -> list[dict]:

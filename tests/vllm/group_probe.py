@@ -51,7 +51,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     model, kv_bytes = sys.argv[1], int(sys.argv[2])
-    engines = group_engines(model, kv_bytes, LLM)
+    engines = group_engines(model, kv_bytes, LLM, paces=("wanted", "latest"))   # engine A sends its wanted steps
     import random
     rnd = random.Random(0)
     prompts = [{"prompt_token_ids": [rnd.randrange(10, 250) for _ in range(40 + 13 * i)]} for i in range(PROMPTS)]

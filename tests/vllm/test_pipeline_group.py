@@ -67,11 +67,11 @@ def test_group_scheduler_paces_steps_against_the_peer_and_keeps_outputs(group_ru
     b = r["budgets"][1]
     assert b and min(b) < r["max_tokens"][1], r["budgets"]
     assert all(x >= 1 for x in b)
-    # each member's spans carried the step its scheduler wanted (its queue under vLLM's budget):
-    # never less than the step it ran
-    for w, peer in zip(r["group_workers"], ("b", "a")):
-        seen = w[0]["peer_steps"][peer]
-        assert seen["wanted_tokens"] >= seen["tokens"] > 0, w[0]["peer_steps"]
+    # engine A (lookahead.pace "wanted") sent the step its scheduler wanted (its queue under vLLM's
+    # budget) with its spans, never less than the step it ran; B (the default, "latest") sent none
+    seen_by_b, seen_by_a = r["group_workers"][1][0]["peer_steps"]["a"], r["group_workers"][0][0]["peer_steps"]["b"]
+    assert seen_by_b["wanted_tokens"] >= seen_by_b["tokens"] > 0, seen_by_b
+    assert seen_by_a["tokens"] > 0 and seen_by_a["wanted_tokens"] == 0, seen_by_a
 
 
 def test_peak_admission_runs_a_batch_the_group_kv_cannot_hold_without_preempting(group_run):

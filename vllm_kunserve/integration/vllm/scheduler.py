@@ -130,8 +130,9 @@ def _make() -> type:
         """vLLM's scheduler; in a pipeline group, each step's token budget comes from the lookahead
         cost cut against the peers' steps (module doc)."""
 
-        #: set by the engine agent: given this member's wanted step (sent on with its spans), returns
-        #: the peers' wanted (else latest) step chunks while grouped, else None
+        #: set by the engine agent: given this member's wanted step (sent on with its spans; None
+        #: with ``lookahead.pace = "latest"``), returns the peers' latest and wanted step chunks while
+        #: grouped, else None
         kunserve_pace: Callable[[list], list | None] | None = None
         #: set by the engine agent: whether the engine is in a pipeline group now
         kunserve_grouped: Callable[[], bool] | None = None
@@ -145,7 +146,7 @@ def _make() -> type:
             la = cfg.lookahead if cfg is not None else None
             self.kunserve_min_tokens = la.min_tokens if la else 64
             self.kunserve_lookahead = la.enable if la else True
-            self.kunserve_send_wanted = (la.pace == "wanted") if la else True   # lookahead.pace
+            self.kunserve_send_wanted = (la.pace == "wanted") if la else False   # lookahead.pace
             self.kunserve_peak_admission = (la.admission == "peak") if la else False
             self.kunserve_limits: list[int] = []  # the latest admission limits set (state, tests)
             self.kunserve_model = CostModel.load(la.cost_model) if la and la.cost_model else default_model()
@@ -207,9 +208,11 @@ def fresh_peer_chunks(steps: dict[str, tuple], now: float | None = None,
     its queue under vLLM's budget, sent with its spans), where it sent one; with ``peers``, of
     those peers only (a member that left the group, or a span of it that arrived late, paces nothing).
 
-    The wanted step, not the latest one: members that paced each other by their latest steps, each
-    with prompts queued, held each other at ``lookahead.min_tokens`` of prefill per step (each cut
-    at the other's cut), so a queue of k short prompts took k steps where vLLM takes one."""
+    By their latest steps alone (``lookahead.pace = "latest"``, the default, where no peer sends a
+    wanted step), members with prompts queued on both hold each other at ``lookahead.min_tokens`` of
+    prefill per step (each cut at the other's cut): a queue of k short prompts takes k short steps
+    where vLLM takes one longer one. ``"wanted"`` lifts that; at R1 on a CPU it bought no TTFT and
+    cost 6% of TPOT (docs/benchmarks/burst_value_r1_xeon_pace_ablation.md)."""
     now = time.monotonic() if now is None else now
     keep = None if peers is None else set(peers)
     out = []
