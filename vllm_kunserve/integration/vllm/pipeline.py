@@ -257,7 +257,7 @@ class GroupMember:
         self.hops = HopTimes()   # this worker's calls to peers' spans (the peers time each span they run)
         #: origin -> (when, the chunks of its step, the chunks of the step it wanted)
         self.peer_steps: dict[str, tuple[float, list[tuple[int, int]], list[tuple[int, int]]]] = {}
-        self.wanted: list[tuple[int, int]] = []  # this member's wanted step (its scheduler's, sent with its spans)
+        self.wanted: list = []  # this member's wanted step, (prefix, new tokens) pairs from its scheduler, sent with its spans
         self.lost = ""
 
     # -- the stage server: what peers ask of this worker ------------------------------------------
@@ -818,7 +818,7 @@ class GroupMember:
         from vllm_kunserve.integration.vllm.scheduler import fresh_peer_chunks
 
         if wanted is not None:
-            self.wanted = _chunks(wanted)
+            self.wanted = wanted   # sent as given; the peer reads it with _chunks
         return fresh_peer_chunks(self.peer_steps, peers=list(self.act))
 
     def ping(self, peer_stage: str, nbytes: int, n: int = 20) -> dict:

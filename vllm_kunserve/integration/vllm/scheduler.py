@@ -94,8 +94,9 @@ def wanted_step(work: list, max_tokens: int) -> list[tuple[int, int]]:
 
 def budget_for(scheduler: Any, peer_chunks: list[list[tuple[int, int]]], model: Any, min_tokens: int,
                work: list | None = None) -> int:
-    """This member's next step budget against its peers' steps (their costliest): each peer's
-    wanted step where it sent one, else its latest step (``fresh_peer_chunks``)."""
+    """This member's next step budget against its peers' steps (the costliest of the chunk lists
+    ``fresh_peer_chunks`` gives: each peer's latest step, and its wanted step where it sent one);
+    ``work``: this member's queue where the caller has read it already."""
     from vllm_kunserve.policy.microbatch import step_budget
 
     target = max((sum(model.var_cost(int(p), int(c)) for p, c in chunks) for chunks in peer_chunks), default=0.0)
@@ -159,9 +160,10 @@ def _make() -> type:
             full, active = self.max_num_scheduled_tokens, self.max_num_active_reqs
             if self.kunserve_lookahead:
                 pace = self.kunserve_pace
-                work = queue_work(self) if pace is not None else []
-                wanted = wanted_step(work, full) if self.kunserve_send_wanted else None
-                peers = pace(wanted) if pace is not None else None
+                # the queue is read before the pace call only to send the wanted step ("wanted");
+                # with "latest" only a step with peers to balance against reads it (budget_for)
+                work = queue_work(self) if pace is not None and self.kunserve_send_wanted else None
+                peers = pace(None if work is None else wanted_step(work, full)) if pace is not None else None
                 if peers:
                     budget = budget_for(self, peers, self.kunserve_model, self.kunserve_min_tokens, work)
                     self.kunserve_budgets.append(budget)
