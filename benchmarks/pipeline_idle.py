@@ -21,7 +21,9 @@ from pathlib import Path
 
 from vllm_kunserve.bench.burst import read_requests, window_stats
 from vllm_kunserve.bench.pipeline_trace import CYCLE_KINDS, analyse, load
+from vllm_kunserve.bench.pooled import QUANTILES, ratio, read_window, tail
 from vllm_kunserve.bench.report import command, cpu_model, md_row, md_table, rel, write_json
+from vllm_kunserve.workload.records import read_csv
 from vllm_kunserve.workload.stats import percentiles
 
 ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
@@ -94,12 +96,109 @@ def prompt_cost_section(analysis: dict) -> list[str]:
     return L
 
 
+def _timeline(path: Path) -> dict[int, dict]:
+    """A run's timeline.csv by second."""
+    return {int(float(r["second"])): r for r in read_csv(path)}
+
+
+def _num(r: dict | None, key: str) -> float | None:
+    v = (r or {}).get(key)
+    return float(v) if v not in (None, "") else None
+
+
+def against(run: Path, system: str, other: str, window: tuple[float, float]) -> dict:
+    """``system`` (a kunserve system) against ``other`` on the same arrivals, repetition by
+    repetition (same seed, same trace): the burst window's seconds split at the second ``system``'s
+    engines were first grouped in that repetition (``kunserve:grouped_instances`` >= 2). In each part:
+    both systems' mean running requests and output tokens/s over the same seconds, and the pooled
+    TTFT percentiles (with the ratio's bootstrap interval) of the requests arriving in it. The part
+    before the group is the control: two independent engines on each side."""
+    lo, hi = window
+    parts: dict[str, dict] = {"before the group": {}, "grouped": {}}
+    reqs: dict[str, dict[str, list]] = {p: {system: [], other: []} for p in parts}
+    joins = {}
+    for f in sorted(run.glob(f"{system}/rep*/timeline.csv")):
+        rep = f.parent.name
+        g = f.parent.parent.parent / other / rep
+        if not (g / "timeline.csv").exists():
+            continue
+        mine, theirs = _timeline(f), _timeline(g / "timeline.csv")
+        grouped = [s for s, r in sorted(mine.items()) if (_num(r, "kunserve:grouped_instances") or 0) >= 2]
+        join = next((s for s in grouped if s >= lo), None)
+        joins[rep] = join
+        k = int(rep.removeprefix("rep")) if rep.removeprefix("rep").isdigit() else 0
+        for part, (a, b) in (("before the group", (lo, join if join is not None else hi)),
+                             ("grouped", (join, hi) if join is not None else (hi, hi))):
+            secs = [s for s in range(int(a), int(b)) if s in mine and s in theirs]
+            for name, tl in ((system, mine), (other, theirs)):
+                acc = parts[part].setdefault(name, {"seconds": 0, "running": 0.0, "tokens": 0.0})
+                acc["seconds"] += len(secs)
+                acc["running"] += sum(_num(tl[s], "running") or 0 for s in secs)
+                acc["tokens"] += sum(_num(tl[s], "output_tokens") or 0 for s in secs)
+                reqs[part][name] += read_window(f.parent / "requests.csv" if name == system else g / "requests.csv",
+                                                k, a, b)
+    out: dict = {"joins_s": joins, "parts": {}}
+    for part, by in parts.items():
+        if not by or not by[system]["seconds"]:
+            continue
+        row = {}
+        for name, acc in by.items():
+            n = acc["seconds"]
+            row[name] = {"seconds": n, "running": round(acc["running"] / n, 2), "tokens_per_s": round(acc["tokens"] / n, 1),
+                         "requests": len(reqs[part][name]),
+                         "ttft": {k: v["value"] for k, v in tail(reqs[part][name]).items()}}
+        a_, b_ = row[system], row[other]
+        row["tokens_ratio"] = round(a_["tokens_per_s"] / b_["tokens_per_s"], 3) if b_["tokens_per_s"] else None
+        row["running_ratio"] = round(a_["running"] / b_["running"], 3) if b_["running"] else None
+        row["ttft_ratio"] = {f"p{q:g}": ratio(reqs[part][system], reqs[part][other], q) for q in QUANTILES}
+        out["parts"][part] = row
+    return out
+
+
+def against_section(cmp: dict, system: str, other: str) -> list[str]:
+    """The doc's section for :func:`against`."""
+    if not cmp.get("parts"):
+        return []
+    joins = [v for v in cmp["joins_s"].values() if v is not None]
+
+    def f(v: float | None) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
+    def iv(r: dict) -> str:
+        return "-" if r["value"] is None else f"{r['value']:.2f} ({r['lo']:.2f}..{r['hi']:.2f})"
+    L = ["", f"## `{system}` against `{other}` on the same arrivals", "",
+         f"Each repetition's burst window split at the second `{system}`'s engines were first grouped "
+         f"({', '.join(f'{v:g}' for v in joins) or 'never'} s); over the same seconds of the same repetition "
+         f"of `{other}`: mean running requests and output tokens/s (the front end's timeline), and the TTFT of "
+         "the requests arriving in each part, pooled over repetitions (ratio with its bootstrap 95% interval).",
+         ""] + md_table(["part", "system", "seconds", "running", "tokens/s", "requests", "TTFT P50", "TTFT P90",
+                         "TTFT P99"], "llrrrrrrr")
+    for part, row in cmp["parts"].items():
+        for name in (system, other):
+            r = row[name]
+            L.append(md_row([part, name, r["seconds"], f"{r['running']:g}", f"{r['tokens_per_s']:g}", r["requests"],
+                             *(f(r["ttft"][k]) for k in ("p50", "p90", "p99"))]))
+        L.append(md_row([part, "ratio", "", f"{row['running_ratio']:g}" if row["running_ratio"] else "-",
+                         f"{row['tokens_ratio']:g}" if row["tokens_ratio"] else "-", "",
+                         *(iv(row["ttft_ratio"][k]) for k in ("p50", "p90", "p99"))]))
+    g = cmp["parts"].get("grouped")
+    b = cmp["parts"].get("before the group")
+    if g and b and g["tokens_ratio"] and b["tokens_ratio"]:
+        L += ["", f"Reading: before the group both sides are two independent engines, and `{system}` put out "
+              f"{b['tokens_ratio']:.2f}x `{other}`'s tokens/s. Grouped, with {g['running_ratio']:.2f}x its "
+              f"running requests, it put out {g['tokens_ratio']:.2f}x: the pipeline's cost in output, and "
+              f"requests arriving meanwhile waited {g['ttft_ratio']['p99']['value']:.2f}x as long at P99."]
+    return L
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", required=True, help="the KUNSERVE_PIPELINE_TRACE directory")
     ap.add_argument("--run", required=True, help="the compare run's output directory")
     ap.add_argument("--run-command", required=True, help="the command that made the run (recorded)")
     ap.add_argument("--system", default="kunserve")
+    ap.add_argument("--against", default="", metavar="SYSTEM",
+                    help="a system of the same run (e.g. oracle-equal): its throughput and TTFT over the same seconds")
     ap.add_argument("--window", default="60,100", help="the burst window's arrivals, seconds: LO,HI")
     ap.add_argument("--name", default="pipeline_idle")
     ap.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks"))
@@ -120,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     out = {"command": cmd, "run_command": a.run_command, "window": [lo, hi],
            "groups": [{"analysis": analyse(g), "stages": {m: stage_times(ev) for m, ev in g.items()}} for g in groups],
            "requests": window}
+    if a.against:
+        if not list(Path(a.run).glob(f"{a.against}/rep*/timeline.csv")):
+            ap.error(f"--against {a.against}: no {a.against}/rep*/timeline.csv under --run {a.run}")
+        out["against"] = against(Path(a.run), a.system, a.against, (lo, hi))
     docs = Path(a.docs)
     raw = docs / a.name
     raw.mkdir(parents=True, exist_ok=True)
@@ -136,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
          "stage behind the peer's own), *between steps* (this member's engine core is outputting and scheduling "
          "and the peer's microbatch is not here) or *in transit* (both between stages). From the workers' traces "
          "(`KUNSERVE_PIPELINE_TRACE`, analysed by `vllm_kunserve/bench/pipeline_trace.py`, the middle 60% of "
-         "each group's life).", "", f"Machine: {cpu_model()}; the engines' threads and cores: the run's `--env` "
-         "settings above.", ""]
+         "each group's life).", "", f"Machine: {cpu_model()}; the engines' threads and cores: those of the run above "
+         "(its `--env` settings, or the regime its page states).", ""]
     for k, g in enumerate(out["groups"], 1):
         L += [f"## Group {k}", ""] + md_table(
             ["member", "steps", "cycle P50 (ms)", "own stage", "peer spans", "sampling", "idle", "idle: collision",
@@ -166,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                   "shorter of two stages that should overlap waits for the longer one."]
         L += prompt_cost_section(g["analysis"])
         L.append("")
+    L += against_section(out.get("against", {}), a.system, a.against) + ([""] if a.against else [])
     L += ["## The run's burst window", "",
           f"Arrivals in [{lo:g}, {hi:g}) s of the `{a.system}` runs: P50 / P99 TTFT and P50 TPOT (s).", ""]
     f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731

@@ -138,6 +138,20 @@ def test_members_with_prompts_queued_on_both_take_min_tokens_each_by_latest_step
     assert long_alone[0][0] == 64 and long_alone[1][0] == 64     # the decoding peer's step paces it
 
 
+def test_the_step_floor_starts_a_cluster_of_prompts_together_while_both_members_decode_alike():
+    """``lookahead.step_min_tokens``: two members decoding alike leave each other no room but the
+    floor. Four 64-token prompts queued on one member start one per step under a 64-token floor (the
+    fourth three group steps late: the R1 tail of docs/benchmarks/pipeline_idle_r1_xeon.md), all in
+    one step under the default 256, and a long prompt still moves by the floor, not all at once."""
+    assert parse_config({}).lookahead.step_min_tokens == 256
+    assert parse_config({}).lookahead.min_tokens == 64          # the microbatch split's floor, unchanged
+    with pytest.raises(KunServeConfigError, match="lookahead.step_min_tokens"):
+        parse_config({"lookahead": {"step_min_tokens": 0}})
+    assert [r[0] for r in _member_steps([[64] * 4, []], "latest", min_tokens=64)] == [64] * 4
+    assert [r[0] for r in _member_steps([[64] * 4, []], "latest", min_tokens=256)] == [256, 0, 0, 0]
+    assert [r[0] for r in _member_steps([[1000], []], "latest", min_tokens=256)] == [256] * 3 + [232]
+
+
 def test_step_chunks_read_prefix_and_new_tokens_from_attention_metadata():
     md = SimpleNamespace(query_start_loc=torch.tensor([0, 1, 2, 66]), seq_lens=torch.tensor([10, 200, 64, 0]))
     assert _step_chunks({"layers.0.attn": md}) == [(9, 1), (199, 1), (0, 64)]

@@ -81,3 +81,50 @@ def test_the_doc_says_what_a_prompt_costs_the_group_when_steps_carry_their_load(
     assert cycles["decode only"]["prefill_tokens"] == 0 and cycles["own prefill"]["prefill_tokens"] == 64
     # a cycle of its own prompt is 60 ms longer (its own stage ran 3x 30 ms)
     assert cycles["own prefill"]["cycle_p50_ms"] == pytest.approx(cycles["decode only"]["cycle_p50_ms"] + 60, abs=0.5)
+
+
+def _run(root, system: str, rep: int, grouped_from: int | None, tokens: float, ttft: float) -> None:
+    """One repetition of ``system``: 20 s of timeline (10 running, ``tokens`` output tokens/s; from
+    ``grouped_from`` on, grouped and half the tokens/s) and a request arriving every second."""
+    d = root / system / f"rep{rep}"
+    d.mkdir(parents=True)
+    rows = ["second,running,output_tokens,kunserve:grouped_instances"]
+    for s in range(20):
+        on = grouped_from is not None and s >= grouped_from
+        rows.append(f"{s},10,{tokens / 2 if on else tokens},{2 if on else 0}")
+    (d / "timeline.csv").write_text("\n".join(rows) + "\n")
+    reqs = ["idx,arrival_s,send_s,prompt_len,output_len,ok,error,ttft_s,tpot_s,e2e_s,queue_s,output_tokens"]
+    for s in range(20):
+        slow = grouped_from is not None and s >= grouped_from
+        reqs.append(f"{s},{s + 0.5},{s + 0.5},64,100,1,,{ttft * (3 if slow else 1)},0.1,10,,100")
+    (d / "requests.csv").write_text("\n".join(reqs) + "\n")
+
+
+def test_against_splits_the_window_at_each_repetitions_join_and_compares_the_same_seconds(tmp_path):
+    pi = load_benchmark("pipeline_idle")
+    for rep, join in ((1, 10), (2, 12)):
+        _run(tmp_path, "kunserve", rep, join, 100.0, 0.2)
+        _run(tmp_path, "oracle-equal", rep, None, 100.0, 0.2)
+    c = pi.against(tmp_path, "kunserve", "oracle-equal", (5.0, 15.0))
+    assert c["joins_s"] == {"rep1": 10, "rep2": 12}
+    before, grouped = c["parts"]["before the group"], c["parts"]["grouped"]
+    assert before["kunserve"]["seconds"] == before["oracle-equal"]["seconds"] == 5 + 7
+    assert grouped["kunserve"]["seconds"] == 5 + 3 and grouped["kunserve"]["requests"] == 8
+    assert before["tokens_ratio"] == 1.0 and grouped["tokens_ratio"] == 0.5 and grouped["running_ratio"] == 1.0
+    assert before["ttft_ratio"]["p50"]["value"] == pytest.approx(1.0)
+    assert grouped["ttft_ratio"]["p99"]["value"] == pytest.approx(3.0)
+    md = "\n".join(pi.against_section(c, "kunserve", "oracle-equal"))
+    assert "| grouped | ratio |  | 1 | 0.5 |" in md and "put out 0.50x" in md
+
+
+def test_against_a_system_the_run_lacks_is_refused(tmp_path, capsys):
+    pi = load_benchmark("pipeline_idle")
+    trace, run = tmp_path / "trace", tmp_path / "run"
+    trace.mkdir()
+    for name, t0 in (("e0", 0.0), ("e1", 0.025)):
+        (trace / f"{name}-1-1.json").write_text(json.dumps({"member": name, "events": _member(t0, 0.030, 0.020, 40)}))
+    _run(run, "kunserve", 1, 10, 100.0, 0.2)
+    with pytest.raises(SystemExit):
+        pi.main(["--trace", str(trace), "--run", str(run), "--run-command", "x", "--docs", str(tmp_path / "d"),
+                 "--against", "oracle-equal"])
+    assert "--against oracle-equal" in capsys.readouterr().err

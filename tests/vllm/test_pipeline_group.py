@@ -67,6 +67,7 @@ def test_group_scheduler_paces_steps_against_the_peer_and_keeps_outputs(group_ru
     b = r["budgets"][1]
     assert b and min(b) < r["max_tokens"][1], r["budgets"]
     assert all(x >= 1 for x in b)
+    assert r["step_floor"] == [256, 256]       # lookahead.step_min_tokens's default reached both schedulers
     # engine A (lookahead.pace "wanted") sent the step its scheduler wanted (its queue under vLLM's
     # budget) with its spans, never less than the step it ran; B (the default, "latest") sent none
     seen_by_b, seen_by_a = r["group_workers"][1][0]["peer_steps"]["a"], r["group_workers"][0][0]["peer_steps"]["b"]

@@ -145,7 +145,7 @@ def _make() -> type:
 
             cfg = engine_config(self.vllm_config)
             la = cfg.lookahead if cfg is not None else None
-            self.kunserve_min_tokens = la.min_tokens if la else 64
+            self.kunserve_min_tokens = la.step_min_tokens if la else 256   # lookahead.step_min_tokens
             self.kunserve_lookahead = la.enable if la else True
             self.kunserve_send_wanted = (la.pace == "wanted") if la else False   # lookahead.pace
             self.kunserve_peak_admission = (la.admission == "peak") if la else False
@@ -211,7 +211,7 @@ def fresh_peer_chunks(steps: dict[str, tuple], now: float | None = None,
     those peers only (a member that left the group, or a span of it that arrived late, paces nothing).
 
     By their latest steps alone (``lookahead.pace = "latest"``, the default, where no peer sends a
-    wanted step), members with prompts queued on both hold each other at ``lookahead.min_tokens`` of
+    wanted step), members with prompts queued on both hold each other at ``lookahead.step_min_tokens`` of
     prefill per step (each cut at the other's cut): a queue of k short prompts takes k short steps
     where vLLM takes one longer one. ``"wanted"`` lifts that; at R1 on a CPU it bought no TTFT and
     cost 6% of TPOT (docs/benchmarks/burst_value_r1_xeon_pace_ablation.md)."""
