@@ -96,6 +96,11 @@ def prompt_cost_section(analysis: dict) -> list[str]:
     return L
 
 
+def _s(v: float | None) -> str:
+    """Seconds for a table cell ("-" where there are none)."""
+    return "-" if v is None else f"{v:.3f}"
+
+
 def _timeline(path: Path) -> dict[int, dict]:
     """A run's timeline.csv by second."""
     return {int(float(r["second"])): r for r in read_csv(path)}
@@ -127,6 +132,8 @@ def against(run: Path, system: str, other: str, window: tuple[float, float]) -> 
         join = next((s for s in grouped if s >= lo), None)
         joins[rep] = join
         k = int(rep.removeprefix("rep")) if rep.removeprefix("rep").isdigit() else 0
+        arrived = {system: read_window(f.parent / "requests.csv", k, lo, hi),
+                   other: read_window(g / "requests.csv", k, lo, hi)}
         for part, (a, b) in (("before the group", (lo, join if join is not None else hi)),
                              ("grouped", (join, hi) if join is not None else (hi, hi))):
             secs = [s for s in range(int(a), int(b)) if s in mine and s in theirs]
@@ -135,8 +142,7 @@ def against(run: Path, system: str, other: str, window: tuple[float, float]) -> 
                 acc["seconds"] += len(secs)
                 acc["running"] += sum(_num(tl[s], "running") or 0 for s in secs)
                 acc["tokens"] += sum(_num(tl[s], "output_tokens") or 0 for s in secs)
-                reqs[part][name] += read_window(f.parent / "requests.csv" if name == system else g / "requests.csv",
-                                                k, a, b)
+                reqs[part][name] += [r for r in arrived[name] if a <= r.arrival_s < b]
     out: dict = {"joins_s": joins, "parts": {}}
     for part, by in parts.items():
         if not by or not by[system]["seconds"]:
@@ -161,9 +167,6 @@ def against_section(cmp: dict, system: str, other: str) -> list[str]:
         return []
     joins = [v for v in cmp["joins_s"].values() if v is not None]
 
-    def f(v: float | None) -> str:
-        return "-" if v is None else f"{v:.3f}"
-
     def iv(r: dict) -> str:
         return "-" if r["value"] is None else f"{r['value']:.2f} ({r['lo']:.2f}..{r['hi']:.2f})"
     L = ["", f"## `{system}` against `{other}` on the same arrivals", "",
@@ -177,7 +180,7 @@ def against_section(cmp: dict, system: str, other: str) -> list[str]:
         for name in (system, other):
             r = row[name]
             L.append(md_row([part, name, r["seconds"], f"{r['running']:g}", f"{r['tokens_per_s']:g}", r["requests"],
-                             *(f(r["ttft"][k]) for k in ("p50", "p90", "p99"))]))
+                             *(_s(r["ttft"][k]) for k in ("p50", "p90", "p99"))]))
         L.append(md_row([part, "ratio", "", f"{row['running_ratio']:g}" if row["running_ratio"] else "-",
                          f"{row['tokens_ratio']:g}" if row["tokens_ratio"] else "-", "",
                          *(iv(row["ttft_ratio"][k]) for k in ("p50", "p90", "p99"))]))
@@ -272,9 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     L += against_section(out.get("against", {}), a.system, a.against) + ([""] if a.against else [])
     L += ["## The run's burst window", "",
           f"Arrivals in [{lo:g}, {hi:g}) s of the `{a.system}` runs: P50 / P99 TTFT and P50 TPOT (s).", ""]
-    f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     L += md_table(["rep", "requests", "failed", "TTFT P50", "TTFT P99", "TPOT P50"], "lrrrrr",
-                  ([rep, w["n"], w["failed"], f(w["ttft_p50"]), f(w["ttft_p99"]), f(w["tpot_p50"])]
+                  ([rep, w["n"], w["failed"], _s(w["ttft_p50"]), _s(w["ttft_p99"]), _s(w["tpot_p50"])]
                    for rep, w in window.items()))
     L += ["", f"Raw data: `{rel(docs / (a.name + '.json'))}` (this analysis), `{rel(raw)}/` (the workers' traces, "
           "gzipped: `python -m vllm_kunserve.bench.pipeline_trace` reads them unzipped)."]

@@ -217,7 +217,7 @@ def test_schedule_sends_the_wanted_step_with_pace_wanted_and_nothing_with_latest
     peer = [(200, 1)] * 30 + [(0, 64)]
     s.kunserve_pace = lambda wanted: sent.append(wanted) or [peer, [(200, 1)] * 30 + [(0, 64)] * 3]
     s.kunserve_lookahead, s.kunserve_peak_admission = True, False
-    s.kunserve_model, s.kunserve_min_tokens, s.kunserve_budgets = CostModel(alpha=0.0, beta=1.0, gamma=5.0), 64, []
+    s.kunserve_model, s.kunserve_step_min_tokens, s.kunserve_budgets = CostModel(alpha=0.0, beta=1.0, gamma=5.0), 64, []
     s.max_num_scheduled_tokens, s.max_num_active_reqs = 2048, 128
     s.running = [_req(f"d{i}", 201, 200, 201) for i in range(30)]
     s.waiting = [_req(f"w{i}", 0, 64) for i in range(3)]

@@ -100,7 +100,7 @@ def main() -> None:
         "scheduler": [type(x).__name__ for x in scheds],
         "budgets": [list(getattr(x, "kunserve_budgets", [])) for x in scheds],
         "max_tokens": [x.max_num_scheduled_tokens for x in scheds],
-        "step_floor": [getattr(x, "kunserve_min_tokens", None) for x in scheds],
+        "step_floor": [getattr(x, "kunserve_step_min_tokens", None) for x in scheds],
         "short_kv": short,
     }), flush=True)
     for e in engines:

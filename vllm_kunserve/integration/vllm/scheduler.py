@@ -140,17 +140,17 @@ def _make() -> type:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            from vllm_kunserve.config import engine_config
+            from vllm_kunserve.config import LookaheadConfig, engine_config
             from vllm_kunserve.policy.costmodel import CostModel, default_model
 
             cfg = engine_config(self.vllm_config)
-            la = cfg.lookahead if cfg is not None else None
-            self.kunserve_min_tokens = la.step_min_tokens if la else 256   # lookahead.step_min_tokens
-            self.kunserve_lookahead = la.enable if la else True
-            self.kunserve_send_wanted = (la.pace == "wanted") if la else False   # lookahead.pace
-            self.kunserve_peak_admission = (la.admission == "peak") if la else False
+            la = cfg.lookahead if cfg is not None else LookaheadConfig()   # no kunserve config: the defaults
+            self.kunserve_step_min_tokens = la.step_min_tokens
+            self.kunserve_lookahead = la.enable
+            self.kunserve_send_wanted = la.pace == "wanted"
+            self.kunserve_peak_admission = la.admission == "peak"
             self.kunserve_limits: list[int] = []  # the latest admission limits set (state, tests)
-            self.kunserve_model = CostModel.load(la.cost_model) if la and la.cost_model else default_model()
+            self.kunserve_model = CostModel.load(la.cost_model) if la.cost_model else default_model()
             self.kunserve_budgets: list[int] = []  # the latest budgets set (state, tests)
 
         def schedule(self, *args: Any, **kwargs: Any):
@@ -165,7 +165,7 @@ def _make() -> type:
                 work = queue_work(self) if pace is not None and self.kunserve_send_wanted else None
                 peers = pace(None if work is None else wanted_step(work, full)) if pace is not None else None
                 if peers:
-                    budget = budget_for(self, peers, self.kunserve_model, self.kunserve_min_tokens, work)
+                    budget = budget_for(self, peers, self.kunserve_model, self.kunserve_step_min_tokens, work)
                     self.kunserve_budgets.append(budget)
                     del self.kunserve_budgets[:-64]
                     self.max_num_scheduled_tokens = budget
