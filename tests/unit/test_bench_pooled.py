@@ -120,6 +120,33 @@ def test_analysis_picks_the_best_alternative_and_judges_the_targets(bv):
     assert "**not measured**" not in only and "P99 TTFT <= 1.2x oracle-equal's: 1.10" in only
 
 
+def test_a_pooled_ratio_one_repetition_carries_is_not_called_met(bv):
+    rng = np.random.default_rng(5)
+    xs = [rng.exponential(0.3, 100) for _ in range(3)]
+    kun = [r for k, x in enumerate(xs, 1) for r in reqs(x * 1.5, rep=k)]
+    # the oracle's third repetition thrashed: its pooled P99 is that run's, so the pooled ratio looks met
+    thrash = [r for k, x in enumerate(xs, 1) for r in reqs(x * (10 if k == 3 else 1), rep=k)]
+    each = P.without_each_rep(kun, thrash, 99)
+    assert [e["rep"] for e in each] == [1, 2, 3]
+    assert each[2]["value"] == pytest.approx(P.ratio([r for r in kun if r.rep < 3], [r for r in thrash if r.rep < 3],
+                                                     99)["value"])
+    assert each[2]["value"] > 1.2 > max(e["value"] for e in each[:2])
+    totals = {"kunserve": {"failed": 0}, "oracle-equal": {"failed": 0}}
+    an = bv.analyse({"kunserve": kun, "oracle-equal": thrash}, ttft_slo=2.0, tpot_slo=0.1)
+    assert an["compare"]["kunserve"]["p99_over_equal"]["value"] <= 1.2
+    line = next(x for x in bv.verdict(an, totals, {}, (40.0, 80.0), measured_only=True) if "1.2x" in x)
+    assert "also with each repetition left out" in line and "not met without repetition 3" in line
+    assert line.endswith("**missed**")
+    # every repetition alike: met, and the note gives the range without naming one
+    calm = [r for k, x in enumerate(xs, 1) for r in reqs(x * 1.4, rep=k)]
+    an = bv.analyse({"kunserve": [r for k, x in enumerate(xs, 1) for r in reqs(x * 1.5, rep=k)],
+                     "oracle-equal": calm}, ttft_slo=2.0, tpot_slo=0.1)
+    line = next(x for x in bv.verdict(an, totals, {}, (40.0, 80.0), measured_only=True) if "1.2x" in x)
+    assert "each repetition left out: 1.07..1.07" in line and "not met without" not in line
+    assert line.endswith("**met**")
+    assert P.without_each_rep(reqs(xs[0]), reqs(xs[0]), 99) == []   # one repetition: nothing to leave out
+
+
 def test_verdict_says_which_missed_targets_the_equal_memory_oracle_misses_too(bv):
     rng = np.random.default_rng(2)
     x = rng.exponential(1.0, 320)

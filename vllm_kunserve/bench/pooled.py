@@ -7,7 +7,8 @@ percentile gets a bootstrap interval that resamples requests within each repetit
 every draw keeps the repetitions' sizes). A ratio between two systems, and the share of a gap one
 system closes, are computed on every draw of independent resamples of the systems involved; the
 interval is the draws' 2.5th..97.5th percentiles. ``rerun_agreement`` resamples the repetitions
-too: how far a second run of a system on the same arrivals can land from this one.
+too: how far a second run of a system on the same arrivals can land from this one; and
+``without_each_rep`` leaves each repetition out in turn: whether one repetition carries a ratio.
 
 Goodput follows ``vllm bench serve --goodput``: the share of the window's requests (failures count)
 whose TTFT and TPOT both meet the SLO.
@@ -149,6 +150,24 @@ def ratio(a: Sequence[Request], b: Sequence[Request], q: float, seed: int = 0, m
         x = draws(ga, q, seed=seed) / draws(gb, q, seed=seed + 1)
     lo, hi = interval(x)
     return {"value": point(ga, q) / point(gb, q), "lo": lo, "hi": hi}
+
+
+def without_each_rep(a: Sequence[Request], b: Sequence[Request], q: float) -> list[dict]:
+    """The pooled P{q} TTFT of ``a`` over ``b`` with each repetition left out of both in turn
+    (repetition k of every system ran the same arrivals in the same cycle of the order):
+    ``[{'rep': k, 'value': ratio}, ...]``, empty with fewer than two repetitions in common. Where one
+    repetition carries a pooled ratio (one system's run thrashed), leaving it out moves the ratio
+    across a target that the pooled point alone says is met or missed."""
+    reps = sorted({r.rep for r in a} & {r.rep for r in b})
+    if len(reps) < 2:
+        return []
+    out = []
+    for k in reps:
+        ga = by_rep([r for r in a if r.rep != k], lambda r: r.ttft_s)
+        gb = by_rep([r for r in b if r.rep != k], lambda r: r.ttft_s)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out.append({"rep": k, "value": point(ga, q) / point(gb, q)})
+    return out
 
 
 def gap_closed(best: Sequence[Request], system: Sequence[Request], bound: Sequence[Request], q: float,
