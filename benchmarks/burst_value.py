@@ -68,8 +68,8 @@ from pathlib import Path
 import numpy as np
 
 from vllm_kunserve.bench import pooled
-from vllm_kunserve.bench.burst import (LATE_S, add_phase_args, dispatch_split, group_times, kunserve_config,
-                                       scaling_table)
+from vllm_kunserve.bench.burst import (LATE_S, SLOW_SHARE, add_phase_args, dispatch_split, group_times,
+                                       kunserve_config, machine_speed, scaling_table)
 from vllm_kunserve.bench.report import command as cmd
 from vllm_kunserve.bench.report import md_row, md_table, pyplot, save_figure, write_json
 from vllm_kunserve.sim.policies.baselines import group_kv_factor   # one home: the simulator's oracle-equal uses it
@@ -78,6 +78,7 @@ from vllm_kunserve.workload.records import read_csv
 ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
 DOCS = ROOT / "docs" / "benchmarks"
 TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure_llm_2023_conv.csv"
+MACHINE_FROM_S = 5.0   # the machine-speed probe's warm seconds start here (the first arrivals are in)
 REGIMES = {
     "r1": {"preset": "decode-bf16-mha", "kv_tokens": 6080, "scaling": "batch_scaling_mha"},
     # R1 where bf16 is compute-bound (no avx512_bf16: Zen 3, Cascade Lake): the same shape in fp32
@@ -786,6 +787,7 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
         reps = range(1, meta["repeat"] + 1)
         L += md_table(["system", *(f"rep {k}" for k in reps)], "l" * (1 + len(reps)),
                       ([s, *(" / ".join(map(str, v[k])) if k in v else "-" for k in reps)] for s, v in split.items()))
+    L += machine_section(meta.get("machine") or {}, meta["repeat"], meta.get("machine_warm") or (0, 0))
     L += ablation_section(an.get("ablation") or {}, meta.get("variants") or {})
     L += twin_section(an.get("twin"))
     L += cpu_section(totals)
@@ -795,6 +797,31 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
           f"Raw data: `{meta['raw']}/compare.json` (every run's summary, the order), `{name}.json` (the pooled "
           f"statistics), `{meta['raw']}/{meta['raw_layout']}/requests.csv` (every request)."]
     return "\n".join(L) + "\n"
+
+
+def machine_section(speed: dict, repeat: int, warm: tuple[float, float]) -> list[str]:
+    """Each run's machine speed (``burst.machine_speed``) and the runs on a slower machine."""
+    if not speed:
+        return []
+    reps = range(1, repeat + 1)
+
+    def cell(x: dict | None) -> str:
+        if not x or x.get("rate") is None:
+            return "-"
+        steal = "" if x.get("steal_cores") is None else f", steal {x['steal_cores']:.2f}"
+        return f"{x['rate']:.2f} ({x['of_median']:.2f}x{steal})" + (" **slow**" if x["slow"] else "")
+    slow = [f"{s} rep {k} ({x['of_median']:.2f}x)" for s, v in speed.items() for k, x in sorted(v.items()) if x["slow"]]
+    L = ["", "## The machine in each run", "",
+         f"This VM's speed drifts by the hour, so each run's is read where every system is alike: the warm phase's output "
+         f"the client's decode rate over the warm phase ({warm[0]:g}-{warm[1]:g} s: a few requests on stock-like engines; "
+         f"each request's tokens per second, 1 / TPOT, weighted by its seconds decoding there), against the median run's, and the hypervisor's CPU steal over the run (cores' worth). "
+         f"A run below {SLOW_SHARE:g}x the median is marked slow: its latencies are the machine's that hour as much as "
+         f"the system's.", ""]
+    L += md_table(["system", *(f"rep {k}" for k in reps)], "l" * (1 + len(reps)),
+                  ([s, *(cell(v.get(k)) for k in reps)] for s, v in speed.items()))
+    L += ["", ("Slow: " + ", ".join(slow) + ". The verdict's leave-one-out range says what a pooled ratio owes each "
+               "repetition.") if slow else "No run was slow."]
+    return L
 
 
 def copy_raw(run: Path, assets: Path, systems: list[str]) -> None:
@@ -1021,6 +1048,8 @@ def main() -> int:
     lag = send_lag(out, systems, meta["window"])
     groups = group_times(out, [s for s in systems if s in ("kunserve", "static", *variants)], a.repeat, meta["window"])
     meta["dispatch_split"] = dispatch_split(out, systems, a.repeat, meta["window"])
+    meta["machine_warm"] = (MACHINE_FROM_S, window[0])
+    meta["machine"] = machine_speed(out, systems, a.repeat, meta["machine_warm"], compare["runs"])
     an["twin"] = twin(out, meta["window"], reqs, groups, totals)
     an["ablation"] = ablation(reqs, variants)
     meta["variants"] = {n: json.dumps(over) for n, over in parsed.items()}

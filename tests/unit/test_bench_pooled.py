@@ -147,6 +147,34 @@ def test_a_pooled_ratio_one_repetition_carries_is_not_called_met(bv):
     assert P.without_each_rep(reqs(xs[0]), reqs(xs[0]), 99) == []   # one repetition: nothing to leave out
 
 
+def test_each_runs_machine_speed_is_read_from_its_warm_decode_rate_and_a_slow_run_is_named(bv, tmp_path):
+    from vllm_kunserve.bench.burst import machine_speed
+
+    def run(system, rep, tpot):
+        d = tmp_path / system / f"rep{rep}"
+        d.mkdir(parents=True)
+        # two warm requests decoding at 1 / tpot tokens/s from their first token on; one failed; one after the warm
+        # phase at another rate, which must not count
+        (d / "requests.csv").write_text(
+            "idx,arrival_s,send_s,ok,ttft_s,tpot_s,e2e_s,output_tokens\n"
+            f"0,2,2,1,0.5,{tpot},40,100\n1,10,10,1,0.5,{tpot},60,100\n2,12,12,0,,,,0\n3,35,35,1,0.5,9.0,50,5\n")
+    for s, tpots in {"kunserve": (0.2, 0.2, 0.6), "oracle-equal": (0.2, 0.25, 0.2)}.items():
+        for k, t in enumerate(tpots, 1):
+            run(s, k, t)
+    runs = {"kunserve": [{"server": {"host": {"steal_s": 0.0, "seconds": 200.0}}}] * 2
+            + [{"server": {"host": {"steal_s": 100.0, "seconds": 200.0}}}], "oracle-equal": []}
+    sp = machine_speed(tmp_path, ["kunserve", "oracle-equal"], 3, (5.0, 30.0), runs)
+    assert sp["kunserve"][1]["rate"] == pytest.approx(5.0) and sp["oracle-equal"][2]["rate"] == pytest.approx(4.0)
+    assert sp["kunserve"][3]["of_median"] == pytest.approx((1 / 0.6) / 5.0, abs=1e-3) and sp["kunserve"][3]["slow"]
+    assert sp["kunserve"][3]["steal_cores"] == 0.5 and sp["oracle-equal"][1]["steal_cores"] is None
+    assert [(s, k) for s, v in sp.items() for k, x in v.items() if x["slow"]] == [("kunserve", 3)]
+    text = "\n".join(bv.machine_section(sp, 3, (5.0, 30.0)))
+    assert "Slow: kunserve rep 3 (0.33x)" in text and "**slow**" in text
+    sp["kunserve"][3]["slow"] = False
+    assert "No run was slow." in "\n".join(bv.machine_section(sp, 3, (5.0, 30.0)))
+    assert bv.machine_section({}, 3, (5.0, 30.0)) == []
+
+
 def test_verdict_says_which_missed_targets_the_equal_memory_oracle_misses_too(bv):
     rng = np.random.default_rng(2)
     x = rng.exponential(1.0, 320)

@@ -9,6 +9,7 @@ requests only).
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Iterator
 
@@ -109,6 +110,45 @@ def group_times(out: Path, systems: list[str], reps: int, window: tuple[float, f
                 "window_share": round(sum(float(r["kunserve:grouped_instances"]) >= 2 for r in inside)
                                       / len(inside), 3) if inside else None,
                 "layers": per_engine("kunserve:layers_held"), "kv_blocks": per_engine("kunserve:kv_blocks_total")}
+    return res
+
+
+#: a run whose warm-phase decode rate falls below this share of the median run's was on a slower machine
+SLOW_SHARE = 0.75
+
+
+def machine_speed(out: Path, systems: list[str], reps: int, warm: tuple[float, float], runs: dict) -> dict:
+    """How fast the machine was in each run, read where every system is alike: the client's decode
+    rate over the warm phase's seconds ``warm`` (few requests on stock-like engines, no KV pressure,
+    no group), each request's tokens per second (1 / TPOT) weighted by the seconds of ``warm`` it
+    spent decoding (from its first token to its end, requests.csv), and the hypervisor's CPU steal
+    over the whole run (``runs``: compare.json's per-system run summaries, their ``server.host``).
+    A run whose rate is below ``SLOW_SHARE`` of the median run's is ``slow``: its latencies are the
+    machine's that hour as much as the system's. Per system and repetition: ``rate``, ``of_median``,
+    ``steal_cores`` (stolen CPU seconds per second of the run), ``slow``."""
+    lo, hi = warm
+    res: dict = {}
+    for s, k, f in run_files(out, systems, reps, "requests.csv"):
+        seconds = tokens = 0.0
+        for r in read_csv(f):
+            if r["ok"] != "1" or not r.get("tpot_s") or not float(r["tpot_s"]) > 0:
+                continue
+            t0 = float(r.get("send_s") or r["arrival_s"])
+            overlap = min(hi, t0 + float(r["e2e_s"])) - max(lo, t0 + float(r["ttft_s"]))
+            if overlap > 0:
+                seconds += overlap
+                tokens += overlap / float(r["tpot_s"])
+        summaries = runs.get(s) or []
+        host = ((summaries[k - 1].get("server") or {}).get("host") or {}) if k <= len(summaries) else {}
+        res.setdefault(s, {})[k] = {
+            "rate": round(tokens / seconds, 3) if seconds else None,
+            "steal_cores": round(host["steal_s"] / host["seconds"], 3) if host.get("seconds") else None}
+    rates = [x["rate"] for v in res.values() for x in v.values() if x["rate"]]
+    median = statistics.median(rates) if rates else None
+    for v in res.values():
+        for x in v.values():
+            x["of_median"] = round(x["rate"] / median, 3) if median and x["rate"] else None
+            x["slow"] = x["of_median"] is not None and x["of_median"] < SLOW_SHARE
     return res
 
 
