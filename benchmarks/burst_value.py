@@ -40,7 +40,9 @@ Steps (``--steps``, each kept in ``--out`` and skipped when its file is there):
    best completed rate. The warm phase runs at ``--warm-share`` of it, the burst at ``--burst-x``.
 2. ``sweep``: ``vllm-tuned`` at each batch cap of ``--caps`` on the calibrated trace; the cap with
    the lowest window P99 TTFT is the tuned baseline.
-3. ``compare``: every system, ``--repeat`` shuffled repetitions.
+3. ``compare``: every system, ``--repeat`` shuffled repetitions; an interrupted compare step keeps the
+   runs it finished (``kunserve compare --resume``), so the same command, or one with a smaller
+   ``--repeat`` that its finished repetitions cover, goes on from them.
 4. the doc: pooled window statistics (``vllm_kunserve/bench/pooled.py``: P50 / P90 / P99 TTFT with
    bootstrap 95% intervals, TPOT, goodput, output tokens/s, preemptions, lost), the gap to
    ``oracle-equal`` closed, when kunserve grouped, kunserve against its stock twin ``vllm`` where both ran
@@ -998,7 +1000,7 @@ def main() -> int:
         if sweep:
             extra += ["--tuned-max-num-seqs", str(sweep["cap"])]
         if kunserve(["compare", *base, "--systems", ",".join(systems), "--repeat", str(a.repeat), "--out", str(out),
-                     "--kunserve-config", kcfg, "--order", "shuffled", *extra,
+                     "--kunserve-config", kcfg, "--order", "shuffled", "--resume", *extra,
                      *(f"--variant={v}" for v in a.variant)]) != 0:
             return 1
     compare = json.loads((out / "compare.json").read_text())

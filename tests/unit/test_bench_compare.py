@@ -157,6 +157,23 @@ def test_compare_end_to_end_with_fake_launcher(tmp_path, monkeypatch):
     assert saved["aggregate"]["oracle"]["ttft_p50"]["ratio"] == pytest.approx(r)
     assert (tmp_path / "out/ttft_cdf.png").stat().st_size > 0
 
+    # interrupted before oracle's second run finished: resumed, only that run runs again, in its place
+    (tmp_path / "out/oracle/rep2/summary.json").unlink()
+    ran, logs = [], []
+
+    def counting(spec, rep, endpoint, run_dir):
+        ran.append((spec.name, rep))
+        return bench(spec, rep, endpoint, run_dir)
+    again = compare(systems, common, tmp_path / "out", 2, counting, startup_timeout_s=60, log=logs.append,
+                    resume=True)
+    assert ran == [("oracle", 1)] and sum("kept from the earlier run" in m for m in logs) == 3
+    assert again.orders == res.orders and [len(v) for v in again.runs.values()] == [2, 2]
+    assert again.runs["vllm"][1]["ttft_s"] == res.runs["vllm"][1]["ttft_s"]
+    kept = C.report.read_requests_csv(tmp_path / "out/vllm/rep1/requests.csv")
+    assert [(x.idx, x.ok, x.output_tokens) for x in kept] == [(i, True, 3) for i in range(5)]
+    assert all(x.ttft_s > 0 and x.token_times == [] for x in kept)
+    assert again.runs["vllm"][0]["slo_reference"]["system"] == "oracle"   # recomputed over kept and new runs
+
 
 def test_server_that_dies_reports_its_log(tmp_path, monkeypatch):
     monkeypatch.setitem(S.LAUNCHERS, "dead", lambda spec, common, host, port: S.LaunchPlan(

@@ -8,6 +8,7 @@ goes next to the run's files in ``OUT/<system>/rep<k>/``.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import sys
@@ -320,7 +321,12 @@ def run_order(systems: Sequence[SystemSpec], rep: int, shuffle_seed: int | None)
 
 def compare(systems: Sequence[SystemSpec], common: CommonArgs, out: Path, repeat: int,
             bench: Callable[[SystemSpec, int, str, Path], BenchRun], *, startup_timeout_s: float = 600.0,
-            log: Callable[[str], None] = print, shuffle_seed: int | None = None) -> CompareResult:
+            log: Callable[[str], None] = print, shuffle_seed: int | None = None,
+            resume: bool = False) -> CompareResult:
+    """Every system ``repeat`` times in the repetitions' orders (``run_order``). ``resume``: a run whose
+    ``summary.json`` and ``requests.csv`` an earlier, interrupted comparison in ``out`` left is kept,
+    not run again (the orders are the seed's, so the same runs fall in the same places); a run it
+    left unfinished runs again."""
     names = [s.name for s in systems]
     baseline = "vllm" if "vllm" in names else names[0]
     res = CompareResult(systems=[s.to_dict() for s in systems], common=asdict(common), baseline=baseline)
@@ -330,6 +336,11 @@ def compare(systems: Sequence[SystemSpec], common: CommonArgs, out: Path, repeat
         res.orders.append([s.name for s in order])
         for position, spec in enumerate(order):
             run_dir = out / spec.name / f"rep{rep + 1}"
+            if resume and (run_dir / "summary.json").exists() and (run_dir / "requests.csv").exists():
+                kept = json.loads((run_dir / "summary.json").read_text())
+                runs[spec.name].append(BenchRun(kept, report.read_requests_csv(run_dir / "requests.csv")))
+                log(f"[{spec.name} rep {rep + 1}/{repeat}] kept from the earlier run in {run_dir}")
+                continue
             log(f"[{spec.name} rep {rep + 1}/{repeat}] starting server ...")
             run, facts = run_system(spec, common, run_dir, startup_timeout_s,
                                     lambda ep, _s=spec, _r=rep, _d=run_dir: bench(_s, _r, ep, _d))

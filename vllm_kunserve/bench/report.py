@@ -45,6 +45,25 @@ def write_requests_csv(path: Path, results: Sequence[RequestResult]) -> None:
                 max(gaps) if gaps else math.nan)])
 
 
+def read_requests_csv(path: Path) -> list[RequestResult]:
+    """The results ``write_requests_csv`` wrote (without the per-chunk times and ids, which it does not
+    keep): what a resumed comparison needs of a run it keeps."""
+    from vllm_kunserve.bench.client import RequestResult
+
+    def num(x: str, cast=float):
+        return cast(x) if x != "" else (math.nan if cast is float else -1)
+    out = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            out.append(RequestResult(
+                idx=int(r["idx"]), arrival_s=float(r["arrival_s"]), prompt_len=int(r["prompt_len"]),
+                output_len=int(r["output_len"]), send_s=num(r["send_s"]), ok=r["ok"] == "1", error=r["error"],
+                ttft_s=num(r["ttft_s"]), e2e_s=num(r["e2e_s"]), tpot_s=num(r["tpot_s"]), queue_s=num(r["queue_s"]),
+                output_tokens=int(r["output_tokens"] or 0), server_prompt_tokens=num(r["server_prompt_tokens"], int),
+                finish_reason=r["finish_reason"]))
+    return out
+
+
 def write_timeline_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
     cols: list[str] = []
     for r in rows:

@@ -44,6 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--order", choices=("shuffled", "fixed"), default="shuffled",
                    help="each repetition runs the systems in an order of its own drawn from --seed (shuffled, "
                         "the default) or in the order --systems lists them (fixed)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs an interrupted comparison left in --out (each rep<k> with its summary.json "
+                        "and requests.csv) and run only the rest, in the same orders")
     p.add_argument("--dtype", default="float32", help="model dtype (float32 on CPU)")
     p.add_argument("--max-model-len", type=int, help="default: min(model max positions, base KV capacity)")
     p.add_argument("--max-num-seqs", type=int, help="engine batch limit (default: vLLM's)")
@@ -154,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         res = compare(systems, common, out, args.repeat, bench, startup_timeout_s=args.startup_timeout, log=log,
-                      shuffle_seed=args.seed if args.order == "shuffled" else None)
+                      shuffle_seed=args.seed if args.order == "shuffled" else None, resume=args.resume)
     except RuntimeError as e:  # a server failed to start: its log tail is in the message
         print(f"kunserve compare: error: {e}", file=sys.stderr)
         return 1
