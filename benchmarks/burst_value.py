@@ -766,6 +766,7 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
               "in the page of the run with them.", ""]
     L += verdict(an, totals, groups, meta["window"], measured_only=not an["best"])
     L += no_gap_note(meta, an)
+    L += without_slow_section(an.get("without_slow"), systems, groups, meta["window"])
     joins = {"kunserve": meta.get("joins") or [], **(meta.get("variant_joins") or {})}
     for sysname, sys_joins in joins.items():
         ks = groups.get(sysname, {})
@@ -799,6 +800,31 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
           f"Raw data: `{meta['raw']}/compare.json` (every run's summary, the order), `{name}.json` (the pooled "
           f"statistics), `{meta['raw']}/{meta['raw_layout']}/requests.csv` (every request)."]
     return "\n".join(L) + "\n"
+
+
+def without_slow_section(ws: dict | None, systems: list[str], groups: dict, window: tuple[float, float]) -> list[str]:
+    """The pooled statistics and the verdict again over the repetitions in which no run was slow
+    (``machine_section``): each repetition is left out whole, for every system, so the systems still
+    ran the same arrivals in the same cycles of the order."""
+    if not ws:
+        return []
+    st, reps = ws["stats"], ws["reps"]
+    L = ["", "## Without the repetitions a slow run fell in", "",
+         f"Repetition{'s' if len(reps) > 1 else ''} {', '.join(map(str, reps))} left out for every system (a run in "
+         f"{'them' if len(reps) > 1 else 'it'} was on a slower machine, see \"The machine in each run\"); the same "
+         "pooled statistics over the rest. Lost: window requests here.", ""]
+    L += md_table(["system", "window requests", "P50 TTFT (s)", "P90 TTFT (s)", "P99 TTFT (s)", "P50 TPOT (ms)",
+                   "goodput", "lost"], "lrlllrrr")
+    for s in systems:
+        if s in st:
+            x = st[s]
+            L.append(md_row([s, x["n"], fmt_ci(x["ttft"]["p50"]), fmt_ci(x["ttft"]["p90"]), fmt_ci(x["ttft"]["p99"]),
+                             f"{x['tpot']['p50'] * 1e3:.0f}" if x["tpot"]["p50"] else "-", f"{x['goodput']:.3f}",
+                             x["lost"]]))
+    L += ["", "Verdict over these repetitions:", ""]
+    totals = {s: {"failed": x["lost"]} for s, x in st.items()}
+    kept = {s: {k: g for k, g in v.items() if k not in reps} for s, v in groups.items()}
+    return L + verdict(ws, totals, kept, window, measured_only=not ws["best"])
 
 
 def machine_section(speed: dict, repeat: int, warm: tuple[float, float]) -> list[str]:
@@ -1052,6 +1078,10 @@ def main() -> int:
     meta["dispatch_split"] = dispatch_split(out, systems, a.repeat, meta["window"])
     meta["machine_warm"] = (MACHINE_FROM_S, window[0])
     meta["machine"] = machine_speed(out, systems, a.repeat, meta["machine_warm"], compare["runs"])
+    slow = sorted({k for v in meta["machine"].values() for k, x in v.items() if x["slow"]})
+    if slow and len(slow) < a.repeat:   # the same statistics over the repetitions no slow run fell in
+        kept = {s: [r for r in rs if r.rep not in slow] for s, rs in reqs.items()}
+        an["without_slow"] = {"reps": slow, **analyse(kept, a.ttft_slo, meta["tpot_slo"], meta["equal"])}
     an["twin"] = twin(out, meta["window"], reqs, groups, totals)
     an["ablation"] = ablation(reqs, variants)
     meta["variants"] = {n: json.dumps(over) for n, over in parsed.items()}

@@ -174,6 +174,19 @@ def test_each_runs_machine_speed_is_read_from_its_warm_decode_rate_and_a_slow_ru
     assert "No run was slow." in "\n".join(bv.machine_section(sp, 3, (5.0, 30.0)))
     assert bv.machine_section({}, 3, (5.0, 30.0)) == []
 
+    # the statistics again without the slow run's repetition, for every system
+    rng = np.random.default_rng(7)
+    xs = [rng.exponential(0.3, 100) for _ in range(3)]
+    kept = {"kunserve": [r for k, x in enumerate(xs[:2], 1) for r in reqs(x * 1.1, rep=k)],
+            "oracle-equal": [r for k, x in enumerate(xs[:2], 1) for r in reqs(x, rep=k)]}
+    ws = {"reps": [3], **bv.analyse(kept, ttft_slo=2.0, tpot_slo=0.1)}
+    text = "\n".join(bv.without_slow_section(ws, ["kunserve", "oracle-equal"], {"kunserve": {3: {"first_s": 1.0}}},
+                                              (40.0, 80.0)))
+    assert "Repetition 3 left out for every system" in text and "| kunserve | 200 |" in text
+    assert "P99 TTFT <= 1.2x oracle-equal's, also with each repetition left out: 1.10" in text
+    assert "zero requests lost (every run): 0 failed -> **met**" in text and "first grouped" not in text
+    assert bv.without_slow_section(None, ["kunserve"], {}, (40.0, 80.0)) == []
+
 
 def test_verdict_says_which_missed_targets_the_equal_memory_oracle_misses_too(bv):
     rng = np.random.default_rng(2)
