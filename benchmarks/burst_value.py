@@ -456,7 +456,7 @@ def each_out_note(each: list[dict], carried: list[int]) -> str:
     if not each:
         return ""
     v = [x["value"] for x in each]
-    note = f"; each repetition left out: {min(v):.2f}..{max(v):.2f}"
+    note = f"; each left out: {min(v):.2f}..{max(v):.2f}"
     if carried:
         reps = ", ".join(str(k) for k in carried)
         note += (f" (not met without repetition{'s' if len(carried) > 1 else ''} {reps}: the pooled point rests on "
@@ -500,7 +500,7 @@ def verdict(an: dict, totals: dict, groups: dict, window: tuple[float, float],
     ok = None if not r or r.get("value") is None else r["value"] <= 1.2
     each = cmp.get("p99_over_equal_each_out") or []
     carried = [x["rep"] for x in each if not x["value"] <= 1.2] if ok else []
-    line(f"kunserve P99 TTFT <= 1.2x {eq}'s" + (", also with each repetition left out" if each else ""),
+    line(f"kunserve P99 TTFT <= 1.2x {eq}'s" + (", pooled and with each repetition left out" if each else ""),
          fmt_ci(r) + each_out_note(each, carried), ok and not carried if ok is not None else None)
     for q in ("p90", "p99"):
         r, re_ = cmp.get(f"{q}_over_best"), ecmp.get(f"{q}_over_best")
@@ -840,9 +840,9 @@ def machine_section(speed: dict, repeat: int, warm: tuple[float, float]) -> list
         return f"{x['rate']:.2f} ({x['of_median']:.2f}x{steal})" + (" **slow**" if x["slow"] else "")
     slow = [f"{s} rep {k} ({x['of_median']:.2f}x)" for s, v in speed.items() for k, x in sorted(v.items()) if x["slow"]]
     L = ["", "## The machine in each run", "",
-         f"This VM's speed drifts by the hour, so each run's is read where every system is alike: the warm phase's output "
+         f"This VM's speed drifts by the hour, so each run's is read where every system is alike: "
          f"the client's decode rate over the warm phase ({warm[0]:g}-{warm[1]:g} s: a few requests on stock-like engines; "
-         f"each request's tokens per second, 1 / TPOT, weighted by its seconds decoding there), against the median run's, and the hypervisor's CPU steal over the run (cores' worth). "
+         f"each request's tokens per second, 1 / TPOT, weighted by its seconds decoding there), in tokens/s, then against the median run's, and the hypervisor's CPU steal over the run (cores' worth). "
          f"A run below {SLOW_SHARE:g}x the median is marked slow: its latencies are the machine's that hour as much as "
          f"the system's.", ""]
     L += md_table(["system", *(f"rep {k}" for k in reps)], "l" * (1 + len(reps)),

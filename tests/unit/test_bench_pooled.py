@@ -135,14 +135,14 @@ def test_a_pooled_ratio_one_repetition_carries_is_not_called_met(bv):
     an = bv.analyse({"kunserve": kun, "oracle-equal": thrash}, ttft_slo=2.0, tpot_slo=0.1)
     assert an["compare"]["kunserve"]["p99_over_equal"]["value"] <= 1.2
     line = next(x for x in bv.verdict(an, totals, {}, (40.0, 80.0), measured_only=True) if "1.2x" in x)
-    assert "also with each repetition left out" in line and "not met without repetition 3" in line
+    assert "pooled and with each repetition left out" in line and "not met without repetition 3" in line
     assert line.endswith("**missed**")
     # every repetition alike: met, and the note gives the range without naming one
     calm = [r for k, x in enumerate(xs, 1) for r in reqs(x * 1.4, rep=k)]
     an = bv.analyse({"kunserve": [r for k, x in enumerate(xs, 1) for r in reqs(x * 1.5, rep=k)],
                      "oracle-equal": calm}, ttft_slo=2.0, tpot_slo=0.1)
     line = next(x for x in bv.verdict(an, totals, {}, (40.0, 80.0), measured_only=True) if "1.2x" in x)
-    assert "each repetition left out: 1.07..1.07" in line and "not met without" not in line
+    assert "each left out: 1.07..1.07" in line and "not met without" not in line
     assert line.endswith("**met**")
     assert P.without_each_rep(reqs(xs[0]), reqs(xs[0]), 99) == []   # one repetition: nothing to leave out
 
@@ -183,7 +183,7 @@ def test_each_runs_machine_speed_is_read_from_its_warm_decode_rate_and_a_slow_ru
     text = "\n".join(bv.without_slow_section(ws, ["kunserve", "oracle-equal"], {"kunserve": {3: {"first_s": 1.0}}},
                                               (40.0, 80.0)))
     assert "Repetition 3 left out for every system" in text and "| kunserve | 200 |" in text
-    assert "P99 TTFT <= 1.2x oracle-equal's, also with each repetition left out: 1.10" in text
+    assert "P99 TTFT <= 1.2x oracle-equal's, pooled and with each repetition left out: 1.10" in text
     assert "zero requests lost (every run): 0 failed -> **met**" in text and "first grouped" not in text
     assert bv.without_slow_section(None, ["kunserve"], {}, (40.0, 80.0)) == []
 
