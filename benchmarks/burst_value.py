@@ -208,27 +208,34 @@ def window_of(a: argparse.Namespace) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------------------------------ analysis
-def load_runs(run: Path, systems: list[str], window: tuple[float, float]) -> dict[str, list[pooled.Request]]:
-    """Per system, the requests of every repetition arriving in ``window``: runs laid out
-    ``<system>/rep<k>/`` (``kunserve compare``) or ``rep<k>/<system>/`` (a doc's copy of them)."""
+def request_files(run: Path, system: str, reps: int | None = None) -> list[tuple[int, Path]]:
+    """(repetition, requests.csv) of each of ``system``'s runs, in order: laid out ``<system>/rep<k>/``
+    (``kunserve compare``) or ``rep<k>/<system>/`` (a doc's copy of them); ``reps``: the first ``reps``
+    only (a comparison rendered from the repetitions it finished, while a later one had begun)."""
+    files = [(int(f.parent.name[3:]), f) for f in (run / system).glob("rep*/requests.csv")] or \
+            [(int(f.parent.parent.name[3:]), f) for f in run.glob(f"rep*/{system}/requests.csv")]
+    return sorted(x for x in files if reps is None or x[0] <= reps)
+
+
+def load_runs(run: Path, systems: list[str], window: tuple[float, float],
+              reps: int | None = None) -> dict[str, list[pooled.Request]]:
+    """Per system, the requests of every repetition (the first ``reps``) arriving in ``window``."""
     out: dict[str, list[pooled.Request]] = {}
     for s in systems:
-        files = [(int(f.parent.name[3:]), f) for f in (run / s).glob("rep*/requests.csv")] or \
-                [(int(f.parent.parent.name[3:]), f) for f in run.glob(f"rep*/{s}/requests.csv")]
-        reqs = [r for k, f in sorted(files) for r in pooled.read_window(f, k, *window)]
+        reqs = [r for k, f in request_files(run, s, reps) for r in pooled.read_window(f, k, *window)]
         if reqs:
             out[s] = reqs
     return out
 
 
-def send_lag(run: Path, systems: list[str], window: tuple[float, float]) -> dict[str, dict]:
+def send_lag(run: Path, systems: list[str], window: tuple[float, float], reps: int | None = None) -> dict[str, dict]:
     """Per system: the largest client send lag (ms) over every run, how many requests went > 50 ms
     late and, where any did, the window's pooled TTFT percentiles counted from each request's arrival
     instead of its send (so a late client cannot hide a queue)."""
     out = {}
     for s in systems:
         lags, from_arrival = [], []
-        for f in [*(run / s).glob("rep*/requests.csv"), *run.glob(f"rep*/{s}/requests.csv")]:
+        for _, f in request_files(run, s, reps):
             for r in read_csv(f):
                 if not r["send_s"]:
                     continue
@@ -332,7 +339,7 @@ def ablation_section(abl: dict, variants: dict[str, str]) -> list[str]:
 
 
 def twin(run: Path, window: tuple[float, float], reqs: dict[str, list[pooled.Request]], groups: dict,
-         totals: dict) -> dict | None:
+         totals: dict, reps: int | None = None) -> dict | None:
     """kunserve over its stock twin ``vllm``, pooled with intervals: TTFT P50 / P90 / P99 and P50
     TPOT of the burst window's arrivals (``reqs``, as :func:`load_runs` read them) and of the warm
     phase's, the runs' output tokens/s and each role's share of the cores. Where kunserve never
@@ -341,7 +348,7 @@ def twin(run: Path, window: tuple[float, float], reqs: dict[str, list[pooled.Req
     if not (k in totals and v in totals):
         return None
     out: dict = {"grouped_reps": sorted(groups.get(k) or {})}
-    for phase, r in (("window", reqs), ("warm", load_runs(run, list(TWIN), (0.0, window[0])))):
+    for phase, r in (("window", reqs), ("warm", load_runs(run, list(TWIN), (0.0, window[0]), reps))):
         if k not in r or v not in r:
             continue
         out[phase] = pair_ratios(r[k], r[v])
@@ -852,7 +859,7 @@ def machine_section(speed: dict, repeat: int, warm: tuple[float, float]) -> list
     return L
 
 
-def copy_raw(run: Path, assets: Path, systems: list[str]) -> None:
+def copy_raw(run: Path, assets: Path, systems: list[str], reps: int | None = None) -> None:
     """The doc's raw data: compare.json and, per run, requests.csv and timeline.csv gzipped (the
     per-second engine counters ``benchmarks/burst_value_sim.py`` fits the simulator's step times to)."""
     import gzip
@@ -861,7 +868,7 @@ def copy_raw(run: Path, assets: Path, systems: list[str]) -> None:
     if (run / "compare.json").exists():
         (assets / "compare.json").write_text((run / "compare.json").read_text())
     for s in systems:
-        for f in (run / s).glob("rep*/requests.csv"):
+        for _, f in request_files(run, s, reps):
             dst = assets / s / f.parent.name / "requests.csv"
             dst.parent.mkdir(parents=True, exist_ok=True)
             if f.resolve() != dst.resolve():
@@ -1048,7 +1055,7 @@ def main() -> int:
     meta.update(phases=phases, window=window, capacity=cap, sweep=sweep, orders=compare.get("orders"),
                 descriptions={s["name"]: s["description"] for s in compare["systems"]},
                 load_note=f"warm {a.warm_share:g}x and burst {a.burst_x:g}x the measured capacity")
-    reqs = load_runs(out, systems, window)
+    reqs = load_runs(out, systems, window, a.repeat)
     # goodput's TPOT bound: vllm bench serve's convention is 1.5x the unloaded TPOT. On a CPU a
     # batch's decode step grows with the batch (batch table), so 1.5x a batch of one fails most
     # requests of every system (the doc says what share it would pass); the reference is stock's P50
@@ -1058,7 +1065,7 @@ def main() -> int:
     # (burst_value_r1_fp32_twin.md: 1.01x); the doc's "When ... grouped" says whether they had)
     ref_sys = next((s for s in ("vllm", "vllm-router", "vllm-router-rr", "vllm-tuned", "oracle-equal", "kunserve")
                     if s in systems), "vllm")
-    warm = load_runs(out, [ref_sys], (0.0, window[0])).get(ref_sys, [])
+    warm = load_runs(out, [ref_sys], (0.0, window[0]), a.repeat).get(ref_sys, [])
     ref = pooled.tpot(warm)["p50"]
     rows1 = [r for r in meta["scaling_rows"] if r["batch"] == 1]
     meta["tpot_slo"] = 1.5 * ref if ref else 0.1
@@ -1073,7 +1080,7 @@ def main() -> int:
     meta["equal"] = "oracle-equal"   # the stock system with the memory a kunserve group reaches
     an = analyse(reqs, a.ttft_slo, meta["tpot_slo"], meta["equal"])
     totals = run_totals(compare, systems)
-    lag = send_lag(out, systems, meta["window"])
+    lag = send_lag(out, systems, meta["window"], a.repeat)
     groups = group_times(out, [s for s in systems if s in ("kunserve", "static", *variants)], a.repeat, meta["window"])
     meta["dispatch_split"] = dispatch_split(out, systems, a.repeat, meta["window"])
     meta["machine_warm"] = (MACHINE_FROM_S, window[0])
@@ -1082,13 +1089,13 @@ def main() -> int:
     if slow and len(slow) < a.repeat:   # the same statistics over the repetitions no slow run fell in
         kept = {s: [r for r in rs if r.rep not in slow] for s, rs in reqs.items()}
         an["without_slow"] = {"reps": slow, **analyse(kept, a.ttft_slo, meta["tpot_slo"], meta["equal"])}
-    an["twin"] = twin(out, meta["window"], reqs, groups, totals)
+    an["twin"] = twin(out, meta["window"], reqs, groups, totals, a.repeat)
     an["ablation"] = ablation(reqs, variants)
     meta["variants"] = {n: json.dumps(over) for n, over in parsed.items()}
     assets = DOCS / name
     meta["raw"] = assets.relative_to(DOCS).as_posix()
     meta["raw_layout"] = "<system>/rep<k>"
-    copy_raw(out, assets, systems)
+    copy_raw(out, assets, systems, a.repeat)
     plot(assets.parent / f"{name}.png", an, systems, f"Regime {a.regime.upper()}: pooled burst-window TTFT")
     write_json(DOCS / f"{name}.json", {"meta": meta, "analysis": an, "totals": totals, "send_lag": lag, "grouped": groups},
                indent=1, clean=False, default=str)

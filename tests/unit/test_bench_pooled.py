@@ -188,6 +188,19 @@ def test_each_runs_machine_speed_is_read_from_its_warm_decode_rate_and_a_slow_ru
     assert bv.without_slow_section(None, ["kunserve"], {}, (40.0, 80.0)) == []
 
 
+def test_a_comparison_rendered_from_its_finished_repetitions_reads_no_later_one(bv, tmp_path):
+    for k in (1, 2, 3):   # the third had begun (one system's run done) when the comparison was stopped
+        d = tmp_path / "kunserve" / f"rep{k}"
+        d.mkdir(parents=True)
+        (d / "requests.csv").write_text("idx,arrival_s,send_s,ok,ttft_s,tpot_s,e2e_s,output_tokens\n"
+                                        f"0,40,40,1,{k},0.05,2,30\n")
+    assert [x.rep for x in bv.load_runs(tmp_path, ["kunserve"], (30.0, 94.0), 2)["kunserve"]] == [1, 2]
+    assert len(bv.load_runs(tmp_path, ["kunserve"], (30.0, 94.0))["kunserve"]) == 3
+    assert bv.send_lag(tmp_path, ["kunserve"], (30.0, 94.0), 2)["kunserve"]["n"] == 2
+    bv.copy_raw(tmp_path, tmp_path / "doc", ["kunserve"], 2)
+    assert sorted(p.parent.name for p in (tmp_path / "doc").rglob("requests.csv")) == ["rep1", "rep2"]
+
+
 def test_verdict_says_which_missed_targets_the_equal_memory_oracle_misses_too(bv):
     rng = np.random.default_rng(2)
     x = rng.exponential(1.0, 320)
