@@ -445,8 +445,10 @@ def analyse(reqs: dict[str, list[pooled.Request]], ttft_slo: float, tpot_slo: fl
     extra = {}
     if equal in reqs:
         for q in ("p90", "p99"):
-            if q in best:
-                extra[f"best_{q}_over_equal"] = pooled.ratio(reqs[best[q]], reqs[equal], float(q[1:]))
+            if q in best:   # against an equal whose tail is a lost request there is no gap to read
+                extra[f"best_{q}_over_equal"] = (pooled.ratio(reqs[best[q]], reqs[equal], float(q[1:]))
+                                                 if math.isfinite(stats[equal]["ttft"][q]["value"]) else
+                                                 {"value": None, "lo": None, "hi": None, "equal_lost": True})
     return {"stats": stats, "best": best, "compare": cmp, "equal": equal, **extra}
 
 
@@ -485,8 +487,9 @@ def verdict(an: dict, totals: dict, groups: dict, window: tuple[float, float],
     eq = an.get("equal", "oracle-equal")
     b99 = an.get("best_p99_over_equal")
     gap = b99 is not None and b99.get("value") is not None and b99["value"] >= 2
-    line(f"a gap to close: the best alternative's P99 >= 2x {eq}'s", fmt_ci(b99),
-         None if b99 is None else gap)
+    line(f"a gap to close: the best alternative's P99 >= 2x {eq}'s",
+         fmt_ci(b99) + (f" ({eq}'s P99 is a lost request)" if (b99 or {}).get("equal_lost") else ""),
+         None if b99 is None or b99.get("value") is None else gap)
     ecmp = an["compare"].get(eq, {})
     beyond: list[str] = []
 

@@ -149,7 +149,9 @@ def ratio(a: Sequence[Request], b: Sequence[Request], q: float, seed: int = 0, m
     with np.errstate(divide="ignore", invalid="ignore"):
         x = draws(ga, q, seed=seed) / draws(gb, q, seed=seed + 1)
     lo, hi = interval(x)
-    return {"value": point(ga, q) / point(gb, q), "lo": lo, "hi": hi}
+    with np.errstate(invalid="ignore"):
+        v = point(ga, q) / point(gb, q)
+    return {"value": None if math.isnan(v) else v, "lo": lo, "hi": hi}   # None: both tails lost requests
 
 
 def without_each_rep(a: Sequence[Request], b: Sequence[Request], q: float) -> list[dict]:
