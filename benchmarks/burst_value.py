@@ -852,7 +852,8 @@ def machine_section(speed: dict, repeat: int, warm: tuple[float, float]) -> list
     L = ["", "## The machine in each run", "",
          f"This VM's speed drifts by the hour, so each run's is read where every system is alike: "
          f"the client's decode rate over the warm phase ({warm[0]:g}-{warm[1]:g} s: a few requests on stock-like engines; "
-         f"each request's tokens per second, 1 / TPOT, weighted by its seconds decoding there), in tokens/s, then against the median run's, and the hypervisor's CPU steal over the run (cores' worth). "
+         f"each request's tokens per second, 1 / TPOT, weighted by its seconds decoding there), in tokens/s, then "
+         f"against the median run's, and the hypervisor's CPU steal over the run (cores' worth). "
          f"A run below {SLOW_SHARE:g}x the median is marked slow: its latencies are the machine's that hour as much as "
          f"the system's.", ""]
     L += md_table(["system", *(f"rep {k}" for k in reps)], "l" * (1 + len(reps)),
@@ -871,8 +872,8 @@ def copy_raw(run: Path, assets: Path, systems: list[str], reps: int | None = Non
     if (run / "compare.json").exists():
         (assets / "compare.json").write_text((run / "compare.json").read_text())
     for s in systems:
-        for _, f in request_files(run, s, reps):
-            dst = assets / s / f.parent.name / "requests.csv"
+        for k, f in request_files(run, s, reps):
+            dst = assets / s / f"rep{k}" / "requests.csv"
             dst.parent.mkdir(parents=True, exist_ok=True)
             if f.resolve() != dst.resolve():
                 dst.write_bytes(f.read_bytes())

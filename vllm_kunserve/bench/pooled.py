@@ -149,8 +149,7 @@ def ratio(a: Sequence[Request], b: Sequence[Request], q: float, seed: int = 0, m
     with np.errstate(divide="ignore", invalid="ignore"):
         x = draws(ga, q, seed=seed) / draws(gb, q, seed=seed + 1)
     lo, hi = interval(x)
-    with np.errstate(invalid="ignore"):
-        v = point(ga, q) / point(gb, q)
+    v = point(ga, q) / point(gb, q)
     return {"value": None if math.isnan(v) else v, "lo": lo, "hi": hi}   # None: both tails lost requests
 
 
@@ -167,8 +166,7 @@ def without_each_rep(a: Sequence[Request], b: Sequence[Request], q: float) -> li
     for k in reps:
         ga = by_rep([r for r in a if r.rep != k], lambda r: r.ttft_s)
         gb = by_rep([r for r in b if r.rep != k], lambda r: r.ttft_s)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            out.append({"rep": k, "value": point(ga, q) / point(gb, q)})
+        out.append({"rep": k, "value": point(ga, q) / point(gb, q)})
     return out
 
 
