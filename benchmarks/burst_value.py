@@ -45,8 +45,11 @@ Steps (``--steps``, each kept in ``--out`` and skipped when its file is there):
    ``--repeat`` that its finished repetitions cover, goes on from them.
 4. the doc: pooled window statistics (``vllm_kunserve/bench/pooled.py``: P50 / P90 / P99 TTFT with
    bootstrap 95% intervals, TPOT, goodput, output tokens/s, preemptions, lost), the gap to
-   ``oracle-equal`` closed, when kunserve grouped, kunserve against its stock twin ``vllm`` where both ran
-   (what the plugin costs where it never drops), the client's send lag, and a PNG.
+   ``oracle-equal`` closed, when kunserve grouped, where each system's P99 sits (its slowest requests,
+   paired with the same arrivals at ``oracle-equal``, by where kunserve's engines were when they
+   arrived), kunserve against its stock twin ``vllm`` where both ran (what the plugin costs where it
+   never drops), the client's send lag, and a PNG. ``--steps '' --out docs/benchmarks/NAME`` re-writes
+   a page from its own raw data (the capacity, sweep and joins its JSON kept).
 
     python benchmarks/burst_value.py --regime r1 [--repeat 5] [--out runs/burst_r1]
     python benchmarks/burst_value.py --regime r0 --concurrency 8 --capacity-requests 48 --caps 2,3 \
@@ -70,7 +73,7 @@ from pathlib import Path
 import numpy as np
 
 from vllm_kunserve.bench import pooled
-from vllm_kunserve.bench.burst import (LATE_S, SLOW_SHARE, add_phase_args, dispatch_split, group_times,
+from vllm_kunserve.bench.burst import (LATE_S, SLOW_SHARE, add_phase_args, dispatch_split, group_times, in_spans,
                                        kunserve_config, machine_speed, scaling_table)
 from vllm_kunserve.bench.report import command as cmd
 from vllm_kunserve.bench.report import md_row, md_table, pyplot, save_figure, write_json
@@ -791,6 +794,7 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
         L += ["", f"oracle-equal holds {meta['oracle_equal_x']:.2f}x the base KV per engine "
               f"({int(a.kv_tokens * meta['oracle_equal_x'] // 32)} blocks)."]
         L += join_section(sys_joins)
+    L += tail_section(an.get("tail") or {}, an["equal"])
     split = meta.get("dispatch_split") or {}
     if split:
         L += ["", "## Dispatch split", "",
@@ -834,7 +838,8 @@ def without_slow_section(ws: dict | None, systems: list[str], groups: dict, wind
     L += ["", "Verdict over these repetitions:", ""]
     totals = {s: {"failed": x["lost"]} for s, x in st.items()}
     kept = {s: {k: g for k, g in v.items() if k not in reps} for s, v in groups.items()}
-    return L + verdict(ws, totals, kept, window, measured_only=not ws["best"])
+    return (L + verdict(ws, totals, kept, window, measured_only=not ws["best"])
+            + tail_section(ws.get("tail") or {}, ws["equal"], "### Where the tail sits over these repetitions"))
 
 
 def machine_section(speed: dict, repeat: int, warm: tuple[float, float]) -> list[str]:
@@ -861,6 +866,113 @@ def machine_section(speed: dict, repeat: int, warm: tuple[float, float]) -> list
     L += ["", ("Slow: " + ", ".join(slow) + ". The verdict's leave-one-out range says what a pooled ratio owes each "
                "repetition.") if slow else "No run was slow."]
     return L
+
+
+def arrival_state(r: pooled.Request, groups: dict) -> tuple[str, float | None]:
+    """Where a grouping system's engines were when ``r`` arrived (``groups``: that system's
+    :func:`group_times`, per repetition): ``before`` its repetition's first group, ``grouped``, ``after``
+    (split again), or ``alone`` (that repetition never grouped); and ``r``'s arrival less the first
+    group's second (None where it never grouped)."""
+    g = groups.get(r.rep)
+    if not g:
+        return "alone", None
+    if in_spans(r.arrival_s, g.get("spans") or []):
+        state = "grouped"
+    else:
+        state = "before" if r.arrival_s < g["first_s"] else "after"
+    return state, round(r.arrival_s - g["first_s"], 2)
+
+
+def tail_sites(reqs: dict[str, list[pooled.Request]], groups: dict, ref: str) -> dict:
+    """Where each system's pooled P99 TTFT sits. Per system: ``top``, its slowest window requests (one
+    per 100 and one more: those at and above its P99), each with the arrivals in the second up to it
+    in its repetition (the trace's own clusters), the grouping state at its arrival (for a system in
+    ``groups``) and the same request's TTFT at ``ref`` (:func:`pooled.paired`); and ``paired``, its
+    requests with their twins at ``ref``: how many, the median per-request TTFT ratio and, for a
+    grouping system, the same by its state at arrival with each side's P99 over those requests.
+    Empty without ``ref``."""
+    if ref not in reqs:
+        return {}
+    out = {}
+    for s, rs in reqs.items():
+        pairs = pooled.paired(rs, reqs[ref]) if s != ref else []
+        twin = {(a.rep, a.arrival_s): b.ttft_s for a, b in pairs}
+        arrivals: dict[int, list[float]] = {}
+        for r in rs:
+            arrivals.setdefault(r.rep, []).append(r.arrival_s)
+        g = groups.get(s)
+        top = []
+        for r in sorted(rs, key=lambda r: -r.ttft_s)[:len(rs) // 100 + 1]:
+            state, since = arrival_state(r, g) if g is not None else (None, None)
+            top.append({"rep": r.rep, "arrival_s": round(r.arrival_s, 2), "ttft_s": r.ttft_s,
+                        "cluster": sum(r.arrival_s - 1.0 <= t <= r.arrival_s for t in arrivals[r.rep]),
+                        "state": state, "since_group_s": since, "ref_ttft_s": twin.get((r.rep, r.arrival_s))})
+        entry: dict = {"top": top}
+        if pairs:
+            def summary(ps: list) -> dict:
+                a, b = np.array([x.ttft_s for x, _ in ps]), np.array([y.ttft_s for _, y in ps])
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    rat = a / b
+                return {"n": len(ps), "p99": pooled.point([a], 99), "ref_p99": pooled.point([b], 99),
+                        "median_ratio": float(np.median(rat[~np.isnan(rat)])) if (~np.isnan(rat)).any() else None}
+            entry["paired"] = summary(pairs)
+            if g is not None:
+                by: dict[str, list] = {}
+                for x, y in pairs:
+                    by.setdefault(arrival_state(x, g)[0], []).append((x, y))
+                entry["by_state"] = {k: summary(v) for k, v in by.items()}
+        out[s] = entry
+    return out
+
+
+STATES = ("before", "grouped", "after", "alone")
+
+
+def tail_section(ts: dict, ref: str, heading: str = "## Where the tail sits") -> list[str]:
+    """The page's "Where the tail sits" (:func:`tail_sites`)."""
+    if not ts:
+        return []
+
+    def sec(x: float | None) -> str:
+        return "-" if x is None else ("lost" if math.isinf(x) else f"{x:.2f}")
+    L = ["", heading, "",
+         f"Each system's slowest window requests (one per 100 and one more: those at and above its pooled P99): its "
+         f"repetition, arrival, the arrivals in the second up to it (every system replays the same arrivals, so a "
+         f"cluster is the trace's), where a grouping system's engines were when it arrived (before the repetition's "
+         f"first group, grouped, after it split, or alone: that repetition never grouped) and how long after the "
+         f"first group it arrived, its TTFT, and the same request's TTFT at {ref}.", ""]
+    L += md_table(["system", "rep", "arrival (s)", "arrivals in the second", "state", "since first group (s)",
+                   "TTFT (s)", f"{ref} TTFT (s)"], "lrrrlrrr",
+                  ([s, t["rep"], f"{t['arrival_s']:.2f}", t["cluster"], t["state"] or "-",
+                    "-" if t["since_group_s"] is None else f"{t['since_group_s']:+.2f}", sec(t["ttft_s"]),
+                    sec(t["ref_ttft_s"])] for s, e in ts.items() for t in e["top"]))
+    rows = [(s, "all", e["paired"]) for s, e in ts.items() if e.get("paired")]
+    rows += [(s, k, e["by_state"][k]) for s, e in ts.items() for k in STATES if k in (e.get("by_state") or {})]
+    if rows:
+        L += ["", f"Every window request paired with its twin at {ref} (the same repetition and arrival), for a "
+              f"grouping system also by where its engines were at the arrival: how many, each side's P99 TTFT over "
+              f"those requests and their ratio, and the median of the per-request ratio (the typical request's "
+              f"slowdown, where the P99s are a few requests each).", ""]
+        L += md_table(["system", "arrived", "requests", "P99 TTFT (s)", f"{ref} P99 (s)", "P99 ratio",
+                       "median per-request ratio"], "llrrrrr",
+                      ([s, k, x["n"], sec(x["p99"]), sec(x["ref_p99"]),
+                        f"{x['p99'] / x['ref_p99']:.2f}" if x["ref_p99"] and math.isfinite(x["p99"])
+                        and math.isfinite(x["ref_p99"]) else "-", "-" if x["median_ratio"] is None else f"{x['median_ratio']:.2f}"]
+                       for s, k, x in rows))
+    return L
+
+
+#: what a page reads from its runs' front-end logs, which its raw data does not keep
+FROM_LOGS = ("monitor_decisions", "joins", "variant_joins")
+
+
+def logged_from_doc(run: Path, doc_meta: dict) -> dict:
+    """Re-writing a page from its own raw data (``--steps '' --out docs/benchmarks/NAME``, no
+    ``server.log`` there): the joins and monitor decisions its page JSON ``doc_meta`` kept from the
+    logs when the run was measured; nothing where the run directory has its logs (read them again)."""
+    if not doc_meta or any(run.glob("*/rep*/server.log")):
+        return {}
+    return {k: doc_meta[k] for k in FROM_LOGS if k in doc_meta}
 
 
 def copy_raw(run: Path, assets: Path, systems: list[str], reps: int | None = None) -> None:
@@ -1009,9 +1121,13 @@ def main() -> int:
     cap_file = out / "capacity.json"
     if "capacity" in steps and not cap_file.exists():
         write_json(cap_file, saturation(a, model, spec.dtype, out), indent=1, clean=False)
-    if not cap_file.exists():
+    prev = DOCS / f"{name}.json"
+    # re-written from a doc's own raw data (--steps '' --out docs/benchmarks/NAME): the capacity and the
+    # sweep it measured are in the doc's JSON, not in that folder
+    doc_meta = json.loads(prev.read_text())["meta"] if not steps and prev.exists() else {}
+    if not cap_file.exists() and not doc_meta.get("capacity"):
         ap.error(f"no {cap_file}: run the capacity step first")
-    cap = json.loads(cap_file.read_text())
+    cap = json.loads(cap_file.read_text()) if cap_file.exists() else doc_meta["capacity"]
     phases = phases_of(cap["req_per_s"], a)
     window = window_of(a)
     base = common_argv(a, model, spec.dtype) + trace_argv(a, phases)
@@ -1031,7 +1147,7 @@ def main() -> int:
                          "tpot_p50": pooled.tpot(r)["p50"], "preemptions": summ.get("preemptions")})
         best = min(rows, key=lambda r: r["p99"])
         write_json(sweep_file, {"rows": rows, "cap": best["cap"]}, indent=1, clean=False)
-    sweep = json.loads(sweep_file.read_text()) if sweep_file.exists() else None
+    sweep = json.loads(sweep_file.read_text()) if sweep_file.exists() else doc_meta.get("sweep")
     if "compare" in steps and not (out / "compare.json").exists():
         extra = ["--oracle-equal-kv-multiplier", str(oracle_x)]
         if sweep:
@@ -1041,9 +1157,8 @@ def main() -> int:
                      *(f"--variant={v}" for v in a.variant)]) != 0:
             return 1
     compare = json.loads((out / "compare.json").read_text())
-    prev = DOCS / f"{name}.json"
-    if not steps and prev.exists():   # re-written from the raw data: keep the measuring command
-        meta.update(command=json.loads(prev.read_text())["meta"]["command"], rewritten=command)
+    if doc_meta:   # re-written from the raw data: keep the measuring command
+        meta.update(command=doc_meta["command"], rewritten=command)
     if a.lengths == "azure":
         meta.update(lengths="azure", lengths_note=(
             f"the trace's own prompt and output lengths times {a.length_scale:g}, each request's total clipped to "
@@ -1056,6 +1171,7 @@ def main() -> int:
                 variant_joins={v: join_events(out, a.repeat, v) for v in variants},
                 mean_lengths=(cap["rows"][0].get("lengths") if cap.get("rows") else None) or {
                     "mean_prompt": MIX["prompt_len"], "mean_output": (MIX["output_len"] + MIX["output_len_max"]) / 2})
+    meta.update(logged_from_doc(out, doc_meta))
     meta.update(phases=phases, window=window, capacity=cap, sweep=sweep, orders=compare.get("orders"),
                 descriptions={s["name"]: s["description"] for s in compare["systems"]},
                 load_note=f"warm {a.warm_share:g}x and burst {a.burst_x:g}x the measured capacity")
@@ -1092,7 +1208,9 @@ def main() -> int:
     slow = sorted({k for v in meta["machine"].values() for k, x in v.items() if x["slow"]})
     if slow and len(slow) < a.repeat:   # the same statistics over the repetitions no slow run fell in
         kept = {s: [r for r in rs if r.rep not in slow] for s, rs in reqs.items()}
-        an["without_slow"] = {"reps": slow, **analyse(kept, a.ttft_slo, meta["tpot_slo"], meta["equal"])}
+        an["without_slow"] = {"reps": slow, **analyse(kept, a.ttft_slo, meta["tpot_slo"], meta["equal"]),
+                              "tail": tail_sites(kept, groups, meta["equal"])}
+    an["tail"] = tail_sites(reqs, groups, meta["equal"])
     an["twin"] = twin(out, meta["window"], reqs, groups, totals, a.repeat)
     an["ablation"] = ablation(reqs, variants)
     meta["variants"] = {n: json.dumps(over) for n, over in parsed.items()}

@@ -365,3 +365,67 @@ def test_rerun_agreement_tells_a_run_that_fixes_its_tail_from_one_that_does_not(
     assert P.rerun_agreement([], 90, 0.25)["agree"] is None
     lost = [r for k in range(3) for r in reqs([1.0] * 90, rep=k) + reqs([0.0] * 10, rep=k, ok=False)]
     assert P.rerun_agreement(lost, 99, 0.25)["agree"] == 1.0   # every draw's P99 is a lost request
+
+
+def test_grouped_seconds_become_spans_an_arrival_falls_in():
+    from vllm_kunserve.bench.burst import in_spans, spans
+
+    assert spans([82.0, 80.0, 81.0, 85.0]) == [[80.0, 83.0], [85.0, 86.0]]
+    assert spans([]) == []
+    assert in_spans(82.9, [[80.0, 83.0]]) and not in_spans(83.0, [[80.0, 83.0]]) and not in_spans(79.9, [[80.0, 83.0]])
+
+
+def test_requests_pair_with_the_same_arrival_of_the_same_repetition():
+    a = [P.Request(1, 10.0, True, 1.0, None, 1, None), P.Request(1, 10.0, True, 2.0, None, 1, None),
+         P.Request(2, 10.0, True, 3.0, None, 1, None), P.Request(1, 11.0, True, 4.0, None, 1, None)]
+    b = [P.Request(2, 10.0, True, 0.3, None, 1, None), P.Request(1, 10.0, True, 0.1, None, 1, None),
+         P.Request(1, 10.0, True, 0.2, None, 1, None)]
+    # one instant's arrivals pair in their order; a request with no twin (rep 1 at 11 s) drops out
+    assert [(x.ttft_s, y.ttft_s) for x, y in P.paired(a, b)] == [(1.0, 0.1), (2.0, 0.2), (3.0, 0.3)]
+
+
+def test_where_the_tail_sits_names_the_slowest_requests_their_state_and_their_twin(bv):
+    def req(rep, t, ttft):
+        return P.Request(rep, t, math.isfinite(ttft), ttft, 0.05 if math.isfinite(ttft) else None, 10, None)
+    # 2 repetitions of 100 window arrivals each, one every 0.5 s from 40 s; the oracle's TTFT 0.5 s each,
+    # kunserve's 0.55 s before its group (from 60 s in rep 1, never in rep 2) and 0.6 s grouped; the
+    # request that arrived just before rep 1's group paid the join (2.0 s) and one in rep 2 was lost
+    times = [40.0 + 0.5 * i for i in range(100)]
+    ora = [req(k, t, 0.5) for k in (1, 2) for t in times]
+    ks = [req(1, t, 2.0 if t == 59.5 else 0.6 if t >= 60 else 0.55) for t in times]
+    ks += [req(2, t, math.inf if t == 70.0 else 0.55) for t in times]
+    groups = {"kunserve": {1: {"first_s": 60.0, "spans": [[60.0, 200.0]]}}}
+    ts = bv.tail_sites({"kunserve": ks, "oracle-equal": ora}, groups, "oracle-equal")
+    top = ts["kunserve"]["top"]
+    assert len(top) == 3   # one per 100 window requests and one more
+    assert top[0]["ttft_s"] == math.inf and top[0]["rep"] == 2 and top[0]["state"] == "alone"
+    assert top[1] == {"rep": 1, "arrival_s": 59.5, "ttft_s": 2.0, "cluster": 3, "state": "before",
+                      "since_group_s": -0.5, "ref_ttft_s": 0.5}
+    assert top[2]["state"] == "grouped" and top[2]["ttft_s"] == 0.6
+    assert ts["oracle-equal"]["top"][0]["state"] is None and "paired" not in ts["oracle-equal"]
+    by = ts["kunserve"]["by_state"]
+    assert by["grouped"]["n"] == 60 and by["grouped"]["median_ratio"] == pytest.approx(1.2)
+    assert by["before"]["n"] == 40 and by["before"]["p99"] == pytest.approx(np.percentile([0.55] * 39 + [2.0], 99))
+    assert by["alone"]["n"] == 100 and by["alone"]["p99"] == math.inf
+    assert ts["kunserve"]["paired"]["n"] == 200
+    text = "\n".join(bv.tail_section(ts, "oracle-equal"))
+    assert "## Where the tail sits" in text
+    assert "| kunserve | 1 | 59.50 | 3 | before | -0.50 | 2.00 | 0.50 |" in text
+    assert "| kunserve | 2 | 70.00 | 3 | alone | - | lost | 0.50 |" in text
+    assert "| kunserve | grouped | 60 | 0.60 | 0.50 | 1.20 | 1.20 |" in text
+    assert "| kunserve | alone | 100 | lost | 0.50 | - |" in text
+    assert bv.tail_sites({"kunserve": ks}, groups, "oracle-equal") == {} and bv.tail_section({}, "x") == []
+
+
+def test_a_page_rewritten_from_its_raw_data_keeps_what_its_logs_said(bv, tmp_path):
+    doc = {"command": "measured", "joins": [{"rep": 1, "ms": 600}], "monitor_decisions": [], "capacity": {}}
+    (tmp_path / "kunserve" / "rep1").mkdir(parents=True)   # a doc's raw data: no server.log
+    assert bv.logged_from_doc(tmp_path, doc) == {"joins": [{"rep": 1, "ms": 600}], "monitor_decisions": []}
+    assert bv.logged_from_doc(tmp_path, {}) == {}
+    (tmp_path / "kunserve" / "rep1" / "server.log").write_text("")   # a run directory: its logs are read again
+    assert bv.logged_from_doc(tmp_path, doc) == {}
+
+
+def test_a_percentile_between_a_finite_ttft_and_a_lost_request_is_lost():
+    g = [np.array([0.5] * 99 + [math.inf])]
+    assert P.point(g, 99) == math.inf and P.point(g, 50) == 0.5

@@ -131,8 +131,9 @@ def test_group_times_and_kunserve_over_the_static_group(tmp_path):
                                         f"0,70.0,70.0,1,{ttft},{tpot}\n1,80.0,80.0,1,{ttft},{tpot}\n")
     groups = cb.group_times(tmp_path, ["vllm", "kunserve", "static"], 1, (60.0, 100.0))
     held = {"layers": [6, 6], "kv_blocks": [400, 400]}
-    assert groups == {"kunserve": {1: {"first_s": 30.0, "window_share": 1.0, **held}},
-                      "static": {1: {"first_s": 0.0, "window_share": 1.0, **held}}}
+    # sampled every 5 s here: each grouped sample covers 5 s, up to the last sample's end
+    assert groups == {"kunserve": {1: {"first_s": 30.0, "window_share": 1.0, **held, "spans": [[30.0, 120.0]]}},
+                      "static": {1: {"first_s": 0.0, "window_share": 1.0, **held, "spans": [[0.0, 120.0]]}}}
     rows = cb.paired(tmp_path, ["vllm", "kunserve", "static"], 1, (60.0, 100.0))
     assert rows[0]["kunserve_over_static"] == pytest.approx(0.9 / 0.75)
     assert rows[0]["kunserve_tpot_p50_over_static"] == pytest.approx(0.15 / 0.12)

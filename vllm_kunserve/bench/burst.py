@@ -91,7 +91,9 @@ def group_times(out: Path, systems: list[str], reps: int, window: tuple[float, f
     """Per system and repetition that grouped: the first second its engines were in a pipeline group,
     the share of the burst window's seconds they were (``kunserve:grouped_instances`` >= 2 in
     timeline.csv, the front end's gauge sampled every second) and, at the window's last sample, the
-    layers and KV blocks each engine held (``kunserve:layers_held`` / ``kunserve:kv_blocks_total``)."""
+    layers and KV blocks each engine held (``kunserve:layers_held`` / ``kunserve:kv_blocks_total``), and
+    ``spans``: the grouped seconds as ``[start, end)`` spans of consecutive samples (an arrival in one
+    found the engines grouped)."""
     lo, hi = window
     res: dict = {}
     for s, k, f in run_files(out, systems, reps, "timeline.csv"):
@@ -109,8 +111,32 @@ def group_times(out: Path, systems: list[str], reps: int, window: tuple[float, f
                 "first_s": grouped[0],
                 "window_share": round(sum(float(r["kunserve:grouped_instances"]) >= 2 for r in inside)
                                       / len(inside), 3) if inside else None,
-                "layers": per_engine("kunserve:layers_held"), "kv_blocks": per_engine("kunserve:kv_blocks_total")}
+                "layers": per_engine("kunserve:layers_held"), "kv_blocks": per_engine("kunserve:kv_blocks_total"),
+                "spans": spans(grouped, sample_step([float(r["second"]) for r in rows]))}
     return res
+
+
+def spans(seconds: list[float], step: float = 1.0) -> list[list[float]]:
+    """Sorted once-a-``step`` sample times as ``[start, end)`` spans: a sample covers ``step`` from its
+    time, and samples ``step`` apart (or closer) join one span."""
+    out: list[list[float]] = []
+    for t in sorted(seconds):
+        if out and t <= out[-1][1] + 1e-6:
+            out[-1][1] = t + step
+        else:
+            out.append([t, t + step])
+    return out
+
+
+def sample_step(seconds: list[float]) -> float:
+    """The sampling period of a timeline's seconds (their median spacing; 1 s, the front end's, by default)."""
+    gaps = [b - a for a, b in zip(seconds, seconds[1:]) if b > a]
+    return statistics.median(gaps) if gaps else 1.0
+
+
+def in_spans(t: float, spans_: list[list[float]]) -> bool:
+    """Whether time ``t`` falls in one of ``spans_`` (:func:`spans`)."""
+    return any(lo <= t < hi for lo, hi in spans_)
 
 
 #: a run whose warm-phase decode rate falls below this share of the median run's was on a slower machine

@@ -72,7 +72,9 @@ _LOST = 1e18   # stands in for a lost request's infinite TTFT where percentiles 
 def _pct(x: np.ndarray, q: float, axis=None):
     """The ``q``-th percentile (linear), infinite where it falls on or between lost requests."""
     v = np.percentile(np.where(np.isinf(x), _LOST, x), q, axis=axis, method="linear")
-    return np.where(v >= _LOST / 10, math.inf, v)
+    # any weight on a lost request is a lost tail: a P99 between a finite TTFT and a lost one
+    # interpolates to some 1e16 s, not a time
+    return np.where(v >= _LOST * 1e-9, math.inf, v)
 
 
 def draws(groups: Sequence[np.ndarray], q: float, n: int = DRAWS, seed: int = 0) -> np.ndarray:
@@ -167,6 +169,21 @@ def without_each_rep(a: Sequence[Request], b: Sequence[Request], q: float) -> li
         ga = by_rep([r for r in a if r.rep != k], lambda r: r.ttft_s)
         gb = by_rep([r for r in b if r.rep != k], lambda r: r.ttft_s)
         out.append({"rep": k, "value": point(ga, q) / point(gb, q)})
+    return out
+
+
+def paired(a: Sequence[Request], b: Sequence[Request]) -> list[tuple[Request, Request]]:
+    """The requests of ``a`` with their twin in ``b``: the same repetition and arrival time (every
+    system of a comparison replays one trace, so repetition k's arrivals are the same request in each),
+    as ``(a's, b's)`` in ``a``'s order; requests arriving at one instant pair in their order."""
+    twins: dict[tuple[int, float], list[Request]] = {}
+    for r in b:
+        twins.setdefault((r.rep, round(r.arrival_s, 4)), []).append(r)
+    out = []
+    for r in a:
+        left = twins.get((r.rep, round(r.arrival_s, 4)))
+        if left:
+            out.append((r, left.pop(0)))
     return out
 
 
