@@ -794,7 +794,7 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
         L += ["", f"oracle-equal holds {meta['oracle_equal_x']:.2f}x the base KV per engine "
               f"({int(a.kv_tokens * meta['oracle_equal_x'] // 32)} blocks)."]
         L += join_section(sys_joins)
-    L += tail_section(an.get("tail") or {}, an["equal"])
+    L += tail_section(an.get("tail") or {}, an["equal"], shadow=join_shadow(joins, groups, meta["window"]))
     split = meta.get("dispatch_split") or {}
     if split:
         L += ["", "## Dispatch split", "",
@@ -928,8 +928,30 @@ def tail_sites(reqs: dict[str, list[pooled.Request]], groups: dict, ref: str) ->
 STATES = ("before", "grouped", "after", "alone")
 
 
-def tail_section(ts: dict, ref: str, heading: str = "## Where the tail sits") -> list[str]:
-    """The page's "Where the tail sits" (:func:`tail_sites`)."""
+def join_shadow(joins: dict[str, list[dict]], groups: dict, window: tuple[float, float]) -> list[str]:
+    """What the joins' lengths mean for a tail: a join stalls both members for its length J, so a
+    request arriving during one waits up to J for its first token, and J / W of a window of W seconds'
+    arrivals arrive during one (one join a repetition); above 1%, more of them waited for a join than
+    the 1% a P99 leaves above it. A line per system with joins (``join_events``) whose group first
+    showed (``groups``: :func:`group_times`) inside the window or the second after it."""
+    w = window[1] - window[0]
+    L = []
+    for s, js in joins.items():
+        inside = {k for k, g in (groups.get(s) or {}).items() if window[0] <= g["first_s"] <= window[1] + 1}
+        ms = sorted(j["ms"] for j in js if j.get("ms") and j.get("rep") in inside)
+        if not ms or w <= 0:
+            continue
+        lo, hi = ms[0] / 1e3, ms[-1] / 1e3
+        L.append(f"- {s}: its joins took {lo:.2f}-{hi:.2f} s, so {lo / w:.1%}-{hi / w:.1%} of the {w:g} s window's "
+                 f"arrivals came during one (above 1%: more arrivals waited for a join than the 1% a P99 leaves above it)")
+    if L:
+        L = ["", "A join stalls both members for its length, so a request arriving during one waits for it; one join a "
+             "repetition:", "", *L]
+    return L
+
+
+def tail_section(ts: dict, ref: str, heading: str = "## Where the tail sits", shadow: list[str] | None = None) -> list[str]:
+    """The page's "Where the tail sits" (:func:`tail_sites`), with ``shadow`` (:func:`join_shadow`)."""
     if not ts:
         return []
 
@@ -959,7 +981,7 @@ def tail_section(ts: dict, ref: str, heading: str = "## Where the tail sits") ->
                         f"{x['p99'] / x['ref_p99']:.2f}" if x["ref_p99"] and math.isfinite(x["p99"])
                         and math.isfinite(x["ref_p99"]) else "-", "-" if x["median_ratio"] is None else f"{x['median_ratio']:.2f}"]
                        for s, k, x in rows))
-    return L
+    return L + (shadow or [])
 
 
 #: what a page reads from its runs' front-end logs, which its raw data does not keep

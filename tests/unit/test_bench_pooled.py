@@ -429,3 +429,13 @@ def test_a_page_rewritten_from_its_raw_data_keeps_what_its_logs_said(bv, tmp_pat
 def test_a_percentile_between_a_finite_ttft_and_a_lost_request_is_lost():
     g = [np.array([0.5] * 99 + [math.inf])]
     assert P.point(g, 99) == math.inf and P.point(g, 50) == 0.5
+
+
+def test_the_joins_shadow_is_the_share_of_a_window_arriving_during_one(bv):
+    joins = {"kunserve": [{"rep": 1, "ms": 640.0}, {"rep": 2, "ms": 1280.0}, {"rep": 3, "ms": 9000.0}],
+             "join-early": []}
+    groups = {"kunserve": {1: {"first_s": 70.0}, 2: {"first_s": 94.5}, 3: {"first_s": 120.0}}}
+    text = "\n".join(bv.join_shadow(joins, groups, (30.0, 94.0)))
+    # rep 3 joined after the window: its join kept no window arrival waiting
+    assert "- kunserve: its joins took 0.64-1.28 s, so 1.0%-2.0% of the 64 s window's arrivals came during one (above 1%" in text
+    assert "join-early" not in text and bv.join_shadow({"kunserve": []}, groups, (30.0, 94.0)) == []
