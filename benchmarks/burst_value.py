@@ -943,14 +943,16 @@ def join_shadow(joins: dict[str, list[dict]], groups: dict, window: tuple[float,
             continue
         lo, hi = ms[0] / 1e3, ms[-1] / 1e3
         L.append(f"- {s}: its joins took {lo:.2f}-{hi:.2f} s, so {lo / w:.1%}-{hi / w:.1%} of the {w:g} s window's "
-                 f"arrivals came during one (above 1%: more arrivals waited for a join than the 1% a P99 leaves above it)")
+                 "arrivals came during one (above 1%: more arrivals waited for a join than the 1% a P99 leaves "
+                 "above it)")
     if L:
         L = ["", "A join stalls both members for its length, so a request arriving during one waits for it; one join a "
              "repetition:", "", *L]
     return L
 
 
-def tail_section(ts: dict, ref: str, heading: str = "## Where the tail sits", shadow: list[str] | None = None) -> list[str]:
+def tail_section(ts: dict, ref: str, heading: str = "## Where the tail sits",
+                 shadow: list[str] | None = None) -> list[str]:
     """The page's "Where the tail sits" (:func:`tail_sites`), with ``shadow`` (:func:`join_shadow`)."""
     if not ts:
         return []
@@ -979,7 +981,8 @@ def tail_section(ts: dict, ref: str, heading: str = "## Where the tail sits", sh
                        "median per-request ratio"], "llrrrrr",
                       ([s, k, x["n"], sec(x["p99"]), sec(x["ref_p99"]),
                         f"{x['p99'] / x['ref_p99']:.2f}" if x["ref_p99"] and math.isfinite(x["p99"])
-                        and math.isfinite(x["ref_p99"]) else "-", "-" if x["median_ratio"] is None else f"{x['median_ratio']:.2f}"]
+                        and math.isfinite(x["ref_p99"]) else "-",
+                        "-" if x["median_ratio"] is None else f"{x['median_ratio']:.2f}"]
                        for s, k, x in rows))
     return L + (shadow or [])
 
