@@ -883,6 +883,17 @@ def arrival_state(r: pooled.Request, groups: dict) -> tuple[str, float | None]:
     return state, round(r.arrival_s - g["first_s"], 2)
 
 
+def pair_summary(pairs: list[tuple[pooled.Request, pooled.Request]]) -> dict:
+    """Requests paired with their twins (:func:`pooled.paired`): how many, each side's pooled P99 TTFT
+    over them and the median per-request TTFT ratio (None where every ratio is undefined)."""
+    a, b = np.array([x.ttft_s for x, _ in pairs]), np.array([y.ttft_s for _, y in pairs])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rat = a / b
+    rat = rat[~np.isnan(rat)]
+    return {"n": len(pairs), "p99": pooled.point([a], 99), "ref_p99": pooled.point([b], 99),
+            "median_ratio": float(np.median(rat)) if rat.size else None}
+
+
 def tail_sites(reqs: dict[str, list[pooled.Request]], groups: dict, ref: str) -> dict:
     """Where each system's pooled P99 TTFT sits. Per system: ``top``, its slowest window requests (one
     per 100 and one more: those at and above its P99), each with the arrivals in the second up to it
@@ -896,7 +907,7 @@ def tail_sites(reqs: dict[str, list[pooled.Request]], groups: dict, ref: str) ->
     out = {}
     for s, rs in reqs.items():
         pairs = pooled.paired(rs, reqs[ref]) if s != ref else []
-        twin = {(a.rep, a.arrival_s): b.ttft_s for a, b in pairs}
+        twin = {id(x): y.ttft_s for x, y in pairs}   # by the request itself: one instant's arrivals stay apart
         arrivals: dict[int, list[float]] = {}
         for r in rs:
             arrivals.setdefault(r.rep, []).append(r.arrival_s)
@@ -906,21 +917,15 @@ def tail_sites(reqs: dict[str, list[pooled.Request]], groups: dict, ref: str) ->
             state, since = arrival_state(r, g) if g is not None else (None, None)
             top.append({"rep": r.rep, "arrival_s": round(r.arrival_s, 2), "ttft_s": r.ttft_s,
                         "cluster": sum(r.arrival_s - 1.0 <= t <= r.arrival_s for t in arrivals[r.rep]),
-                        "state": state, "since_group_s": since, "ref_ttft_s": twin.get((r.rep, r.arrival_s))})
+                        "state": state, "since_group_s": since, "ref_ttft_s": twin.get(id(r))})
         entry: dict = {"top": top}
         if pairs:
-            def summary(ps: list) -> dict:
-                a, b = np.array([x.ttft_s for x, _ in ps]), np.array([y.ttft_s for _, y in ps])
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    rat = a / b
-                return {"n": len(ps), "p99": pooled.point([a], 99), "ref_p99": pooled.point([b], 99),
-                        "median_ratio": float(np.median(rat[~np.isnan(rat)])) if (~np.isnan(rat)).any() else None}
-            entry["paired"] = summary(pairs)
+            entry["paired"] = pair_summary(pairs)
             if g is not None:
                 by: dict[str, list] = {}
                 for x, y in pairs:
                     by.setdefault(arrival_state(x, g)[0], []).append((x, y))
-                entry["by_state"] = {k: summary(v) for k, v in by.items()}
+                entry["by_state"] = {k: pair_summary(v) for k, v in by.items()}
         out[s] = entry
     return out
 
