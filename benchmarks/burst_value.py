@@ -73,7 +73,8 @@ from pathlib import Path
 import numpy as np
 
 from vllm_kunserve.bench import pooled
-from vllm_kunserve.bench.burst import (LATE_S, SLOW_SHARE, add_phase_args, dispatch_split, group_times, in_spans,
+from vllm_kunserve.bench.burst import (LATE_S, SLOW_SHARE, add_phase_args, dispatch_split, group_times, grouped_output,
+                                      in_spans,
                                        kunserve_config, machine_speed, scaling_table)
 from vllm_kunserve.bench.report import command as cmd
 from vllm_kunserve.bench.report import md_row, md_table, pyplot, save_figure, write_json
@@ -793,6 +794,7 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
                        for k, g in sorted(ks.items())))
         L += ["", f"oracle-equal holds {meta['oracle_equal_x']:.2f}x the base KV per engine "
               f"({int(a.kv_tokens * meta['oracle_equal_x'] // 32)} blocks)."]
+        L += grouped_output_section(an.get("grouped_output", {}).get(sysname), an["equal"])
         L += join_section(sys_joins)
     L += tail_section(an.get("tail") or {}, an["equal"], shadow=join_shadow(joins, groups, meta["window"]))
     split = meta.get("dispatch_split") or {}
@@ -865,6 +867,26 @@ def machine_section(speed: dict, repeat: int, warm: tuple[float, float]) -> list
                   ([s, *(cell(v.get(k)) for k in reps)] for s, v in speed.items()))
     L += ["", ("Slow: " + ", ".join(slow) + ". The verdict's leave-one-out range says what a pooled ratio owes each "
                "repetition.") if slow else "No run was slow."]
+    return L
+
+
+def grouped_output_section(go: dict | None, ref: str) -> list[str]:
+    """The group's output against ``ref``'s over the same seconds (:func:`grouped_output`), a row per
+    repetition and one pooled."""
+    if not go or "all" not in go:
+        return []
+
+    def cells(x: dict) -> list:
+        return [x["seconds"], "-" if x["tokens"] is None else f"{x['tokens']:.2f}",
+                "-" if x["running"] is None else f"{x['running']:.2f}"]
+    L = ["", f"Output against {ref} over the same seconds of the window (every system replays the same arrivals, so "
+         "a second is the same offered load): the seconds grouped and those before the first group, with the output "
+         f"tokens and the running requests summed over them, each over {ref}'s (timeline.csv, sampled every second). "
+         "Output below the running ratio is what the pipeline costs per request at the same batch (its bubbles, "
+         "its hops, a step per microbatch):", ""]
+    rows = [[k, *cells(v["grouped"]), *cells(v["before"])] for k, v in go.items() if k != "all"]
+    rows.append(["all", *cells(go["all"]["grouped"]), *cells(go["all"]["before"])])
+    L += md_table(["rep", "grouped (s)", "output", "running", "before (s)", "output", "running"], "lrrrrrr", rows)
     return L
 
 
@@ -1241,6 +1263,8 @@ def main() -> int:
         an["without_slow"] = {"reps": slow, **analyse(kept, a.ttft_slo, meta["tpot_slo"], meta["equal"]),
                               "tail": tail_sites(kept, groups, meta["equal"])}
     an["tail"] = tail_sites(reqs, groups, meta["equal"])
+    an["grouped_output"] = ({s: grouped_output(out, s, meta["equal"], g, meta["window"]) for s, g in groups.items()}
+                            if meta["equal"] in reqs else {})
     an["twin"] = twin(out, meta["window"], reqs, groups, totals, a.repeat)
     an["ablation"] = ablation(reqs, variants)
     meta["variants"] = {n: json.dumps(over) for n, over in parsed.items()}

@@ -375,6 +375,35 @@ def test_grouped_seconds_become_spans_an_arrival_falls_in():
     assert in_spans(82.9, [[80.0, 83.0]]) and not in_spans(83.0, [[80.0, 83.0]]) and not in_spans(79.9, [[80.0, 83.0]])
 
 
+def test_the_groups_output_is_read_against_the_reference_over_the_same_seconds(tmp_path):
+    import gzip
+
+    from vllm_kunserve.bench.burst import grouped_output
+
+    def timeline(path, rows, gz=False):
+        path.mkdir(parents=True)
+        text = "second,output_tokens,running\n" + "".join(f"{t},{tok},{run}\n" for t, tok, run in rows)
+        if gz:
+            with gzip.open(path / "timeline.csv.gz", "wt") as f:
+                f.write(text)
+        else:
+            (path / "timeline.csv").write_text(text)
+    # window [30, 40): kunserve groups at 35 s; before it both put out 100 tokens/s at 10 running,
+    # grouped kunserve 60 tokens/s against the oracle's 100 at the same 10 running; a second the
+    # oracle has no sample for (36) and the second past the window (40) count for neither
+    timeline(tmp_path / "kunserve" / "rep1", [(t, 60 if t >= 35 else 100, 10) for t in range(28, 42)])
+    timeline(tmp_path / "oracle-equal" / "rep1", [(t, 100, 10) for t in range(28, 42) if t != 36], gz=True)
+    groups = {1: {"first_s": 35.0, "spans": [[35.0, 42.0]]}}
+    go = grouped_output(tmp_path, "kunserve", "oracle-equal", groups, (30.0, 40.0))
+    assert go[1]["grouped"] == {"seconds": 4, "tokens": 0.6, "running": 1.0}
+    assert go[1]["before"] == {"seconds": 5, "tokens": 1.0, "running": 1.0}
+    assert go["all"] == go[1]
+    # a repetition whose reference run is missing pools nothing, and the ratios stay undefined
+    go2 = grouped_output(tmp_path, "kunserve", "vllm", groups, (30.0, 40.0))
+    assert go2[1]["grouped"] == {"seconds": 0, "tokens": None, "running": None}
+    assert grouped_output(tmp_path, "kunserve", "oracle-equal", {}, (30.0, 40.0)) == {}
+
+
 def test_requests_pair_with_the_same_arrival_of_the_same_repetition():
     a = [P.Request(1, 10.0, True, 1.0, None, 1, None), P.Request(1, 10.0, True, 2.0, None, 1, None),
          P.Request(2, 10.0, True, 3.0, None, 1, None), P.Request(1, 11.0, True, 4.0, None, 1, None)]

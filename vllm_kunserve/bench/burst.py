@@ -116,6 +116,46 @@ def group_times(out: Path, systems: list[str], reps: int, window: tuple[float, f
     return res
 
 
+def grouped_output(out: Path, system: str, ref: str, groups: dict, window: tuple[float, float]) -> dict:
+    """A grouping ``system``'s output against ``ref``'s over the same seconds of the burst window (every
+    system replays the same arrivals, so a second is the same offered load in both): per repetition in
+    ``groups`` (``system``'s :func:`group_times`), the window's seconds it was grouped and those before
+    its first group, each with both runs' output tokens (timeline.csv's ``output_tokens`` per second)
+    and running requests summed over them: ``{"seconds", "tokens", "running"}``, the last two
+    ``system`` over ``ref`` (None where ``ref`` had none); ``all`` pools the repetitions. Output below
+    the running ratio is what the pipeline costs per request (its bubbles, hops, a step per
+    microbatch), where the batch is the same."""
+    lo, hi = window
+
+    def per_second(k: int, s: str) -> dict[int, tuple[float, float]]:
+        f = out / s / f"rep{k}" / "timeline.csv"
+        if not (f.exists() or f.with_name(f.name + ".gz").exists()):
+            return {}
+        return {round(float(r["second"])): (float(r.get("output_tokens") or 0), float(r.get("running") or 0))
+                for r in read_csv(f) if r.get("second")}
+
+    def summary(n: int, x: tuple[float, ...]) -> dict:   # x: (my tokens, my running, ref tokens, ref running)
+        return {"seconds": n, "tokens": round(x[0] / x[2], 3) if x[2] > 0 else None,
+                "running": round(x[1] / x[3], 3) if x[3] > 0 else None}
+
+    res: dict = {}
+    pooled_: dict[str, list[tuple[int, tuple[float, ...]]]] = {"grouped": [], "before": []}
+    for k, g in sorted(groups.items()):
+        mine, theirs = per_second(k, system), per_second(k, ref)
+        both = [t for t in sorted(mine) if t in theirs and lo <= t < hi]
+        parts = {"grouped": [t for t in both if in_spans(t, g.get("spans") or [])],
+                 "before": [t for t in both if t < g["first_s"]]}
+        res[k] = {}
+        for part, ts in parts.items():
+            x = tuple(sum(src[t][i] for t in ts) for src in (mine, theirs) for i in (0, 1))
+            res[k][part] = summary(len(ts), x)
+            pooled_[part].append((len(ts), x))
+    if res:
+        res["all"] = {part: summary(sum(n for n, _ in v), tuple(map(sum, zip(*(x for _, x in v)))))
+                      for part, v in pooled_.items()}
+    return res
+
+
 def spans(seconds: list[float], step: float = 1.0) -> list[list[float]]:
     """Sorted once-a-``step`` sample times as ``[start, end)`` spans: a sample covers ``step`` from its
     time, and samples ``step`` apart (or closer) join one span."""
