@@ -1,7 +1,7 @@
 """Measure real vLLM-CPU step times for batches of (prefix, chunk) shapes.
 
 Runs an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend=
-"uni"``, float32), wraps the scheduler to record, for every engine step, each scheduled request's
+"uni"``, ``--dtype``: float32 by default), wraps the scheduler to record, for every engine step, each scheduled request's
 ``(prefix tokens with KV, new tokens)``, and times ``LLMEngine.step()``. Workloads: single and batched
 prefills of several lengths, chunked prefills (prefix > 0) and decode batches at several contexts.
 
@@ -28,6 +28,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--mem-util", type=float, default=0.3, help="vLLM-CPU share of host memory to reserve")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (a minute or so)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"),
+                    help="the engine's dtype (the regime's: bfloat16 for R1's decode-bf16-mha on a bf16 CPU)")
     a = ap.parse_args()
     if not os.path.isdir(a.model):
         raise SystemExit(f"--model {a.model}: not a directory (build one with `kunserve make-model --preset small DIR`)")
@@ -37,7 +39,7 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=a.model, dtype="float32", distributed_executor_backend="uni",
+    llm = LLM(model=a.model, dtype=a.dtype, distributed_executor_backend="uni",
               max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
               enable_prefix_caching=False, disable_log_stats=True, gpu_memory_utilization=a.mem_util)
     engine = llm.llm_engine
@@ -88,8 +90,9 @@ def main() -> int:
             for b in decode_bs:
                 run([ctx] * b, 6)
         run([512] * 8 + [1500], 8)  # mixed prefill + decode steps
-    meta = {"model": a.model, "device": "cpu", "dtype": "float32", "max_num_batched_tokens": a.max_num_batched_tokens,
-            "max_num_seqs": a.max_num_seqs, "rows": len(rows), "torch_threads": os.environ.get("OMP_NUM_THREADS")}
+    meta = {"model": a.model, "device": "cpu", "dtype": a.dtype, "max_num_batched_tokens": a.max_num_batched_tokens,
+            "max_num_seqs": a.max_num_seqs, "rows": len(rows), "torch_threads": os.environ.get("OMP_NUM_THREADS"),
+            "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), "kv_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w", encoding="utf-8") as f:
         json.dump({"attention": True, "rows": rows, "meta": meta}, f)
