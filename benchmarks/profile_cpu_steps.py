@@ -1,8 +1,8 @@
 """Measure real vLLM-CPU step times for batches of (prefix, chunk) shapes.
 
 Runs an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend=
-"uni"``, ``--dtype``: float32 by default), wraps the scheduler to record, for every engine step, each scheduled request's
-``(prefix tokens with KV, new tokens)``, and times ``LLMEngine.step()``. Workloads: single and batched
+"uni"``, ``--dtype``: float32 by default), wraps the scheduler to record, for every engine step,
+each scheduled request's ``(prefix tokens with KV, new tokens)``, and times ``LLMEngine.step()``. Workloads: single and batched
 prefills of several lengths, chunked prefills (prefix > 0) and decode batches at several contexts.
 
 Output: the profile format of ``policy/costmodel.py`` (``{"attention": true, "rows": [{"chunks":
@@ -90,9 +90,11 @@ def main() -> int:
             for b in decode_bs:
                 run([ctx] * b, 6)
         run([512] * 8 + [1500], 8)  # mixed prefill + decode steps
-    meta = {"model": a.model, "device": "cpu", "dtype": a.dtype, "max_num_batched_tokens": a.max_num_batched_tokens,
+    dtype = str(engine.model_config.dtype).removeprefix("torch.")   # what ran (``--dtype auto`` resolved)
+    meta = {"model": a.model, "device": "cpu", "dtype": dtype, "max_num_batched_tokens": a.max_num_batched_tokens,
             "max_num_seqs": a.max_num_seqs, "rows": len(rows), "torch_threads": os.environ.get("OMP_NUM_THREADS"),
-            "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), "kv_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}
+            "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+            "kv_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w", encoding="utf-8") as f:
         json.dump({"attention": True, "rows": rows, "meta": meta}, f)
