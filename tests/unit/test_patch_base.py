@@ -3,6 +3,7 @@ import types
 import pytest
 
 from vllm_kunserve.integration.vllm.base import VllmPatch, is_patched
+from vllm_kunserve.integration.vllm.versions import SUPPORTED
 
 pytestmark = pytest.mark.unit
 
@@ -14,7 +15,6 @@ class _Target:
 
 class _AddTen(VllmPatch):
     name = "add_ten"
-    versions = ">=0.32,<0.34"
 
     def patch(self, cfg):
         def make(orig):
@@ -35,9 +35,12 @@ def test_patch_is_idempotent_and_revertible():
     assert is_patched(_Target.step) is None
 
 
-@pytest.mark.parametrize("version, ok", [("0.32.0", True), ("0.32.0+cpu", True), ("0.33.1", True),
-                                         ("0.31.9", False), ("0.34.0", False), ("0.32.1.dev3", True)])
-def test_version_gate(version, ok):
+@pytest.mark.parametrize("version, ok", [("0.26.0", True), ("0.26.0+cpu", True), ("0.32.0+cpu", True),
+                                         ("0.34.0", True), ("0.25.1", False), ("0.35.0", False),
+                                         ("0.32.1.dev3", True), ("not-a-version", False)])
+def test_version_gate_reads_the_one_range(version, ok):
+    """A patch class has no range of its own: it reads versions.SUPPORTED."""
+    assert _AddTen.versions == SUPPORTED
     assert _AddTen().supported(version) is ok
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from vllm_kunserve.integration.vllm.base import PatchShapeError, VllmPatch, vllm_version
+from vllm_kunserve.integration.vllm.versions import UnsupportedVllmError, check_supported
 from vllm_kunserve.integration.vllm.cpu_linear import CpuLinearPatch
 from vllm_kunserve.integration.vllm.engine_hooks import EngineCorePatch
 from vllm_kunserve.integration.vllm.kv_alloc import KVAllocationPatch
@@ -26,17 +27,17 @@ PATCH_CLASSES: list[type[VllmPatch]] = [
     WorkerExtensionPatch, KVPlanPatch, EngineCorePatch, KVAllocationPatch, CpuLinearPatch, SchedulerPatch]
 
 def apply_named(names: list[str]) -> list[str]:
-    """Apply the named touchpoints once each (in ``PATCH_CLASSES`` order). A touchpoint whose vLLM
-    version range does not include the running vLLM is skipped with a warning; one whose vLLM
-    symbol changed shape refuses with :class:`PatchShapeError`. Returns every applied name."""
+    """Apply the named touchpoints once each (in ``PATCH_CLASSES`` order). A vLLM outside the
+    supported range (``versions.py``) is refused in one line (:class:`UnsupportedVllmError`); a
+    touchpoint whose vLLM symbol changed shape refuses with :class:`PatchShapeError`. Returns every
+    applied name."""
     version = vllm_version()
+    if names:
+        check_supported(version)
     for cls in PATCH_CLASSES:
         if cls.name not in names or cls.name in _instances:
             continue
         inst = cls()
-        if not inst.supported(version):
-            logger.warning("kunserve: patch %s supports vllm%s, not %s: skipped", cls.name, cls.versions, version)
-            continue
         inst.patch()
         _instances[cls.name] = inst
     return applied()
@@ -53,4 +54,4 @@ def revert_all() -> None:
     _instances.clear()
 
 
-__all__ = ["PATCH_CLASSES", "PatchShapeError", "VllmPatch", "applied", "apply_named", "instances", "revert_all"]
+__all__ = ["PATCH_CLASSES", "PatchShapeError", "UnsupportedVllmError", "check_supported", "VllmPatch", "applied", "apply_named", "instances", "revert_all"]

@@ -1,7 +1,7 @@
 """Version-gated, idempotent patch classes: the only way kunserve touches vLLM.
 
-Each touchpoint is one small :class:`VllmPatch` subclass that names the vLLM versions it was
-verified against. Plugins load in every process vLLM starts (API server, engine core, workers,
+Each touchpoint is one small :class:`VllmPatch` subclass; the vLLM releases it supports, and the
+parameters it checks on what it replaces, come from ``versions.py`` (the one version policy). Plugins load in every process vLLM starts (API server, engine core, workers,
 the model-registry subprocess), often more than once, so ``apply`` must be idempotent: a patched
 attribute is tagged and never wrapped twice. ``revert`` restores the originals (used by tests).
 """
@@ -13,8 +13,7 @@ import inspect
 import logging
 from typing import Any, Callable, ClassVar
 
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
+from vllm_kunserve.integration.vllm import versions as policy
 
 logger = logging.getLogger("vllm.kunserve")
 
@@ -34,17 +33,13 @@ def vllm_version() -> str:
         return "0"
 
 
-def _base_version(v: str) -> Version:
-    # "0.32.0+cpu" / "0.32.1.dev3" -> compare on the release only.
-    return Version(Version(v).base_version)
-
-
 class VllmPatch:
     """One vLLM touchpoint. Subclasses set ``name``, ``versions``, ``target`` and implement ``patch``."""
 
     name: ClassVar[str] = ""
-    #: vLLM versions this touchpoint was verified on (PEP 440 specifier).
-    versions: ClassVar[str] = ">=0.32,<0.34"
+    #: vLLM versions this touchpoint supports: the one range of ``versions.py`` (where each touchpoint
+    #: was verified, and how, is recorded there too).
+    versions: ClassVar[str] = policy.SUPPORTED
     #: human summary for the patches/ record and the startup log.
     summary: ClassVar[str] = ""
     #: config sections that must be enabled for this touchpoint to be applied (empty: always)
@@ -97,7 +92,7 @@ class VllmPatch:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def supported(self, version: str | None = None) -> bool:
-        return _base_version(version or vllm_version()) in SpecifierSet(self.versions)
+        return policy.in_range(version or vllm_version(), self.versions)
 
     def wanted(self, cfg: Any) -> bool:
         """Whether this touchpoint is needed for the configured features (see ``requires``)."""

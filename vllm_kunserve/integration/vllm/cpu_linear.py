@@ -28,6 +28,7 @@ from torch import nn
 
 from vllm_kunserve.config import engine_config
 from vllm_kunserve.integration.vllm.base import VllmPatch
+from vllm_kunserve.integration.vllm.versions import params
 from vllm_kunserve.memory.residency import SlotAdapter
 
 #: set while a runner of an engine that moves its weights (remap) loads its model
@@ -168,7 +169,6 @@ class PackedSlots(SlotAdapter):
 
 class CpuLinearPatch(VllmPatch):
     name = "cpu_linear"
-    versions = ">=0.32,<0.34"
     summary = "keep CPU linear weights as plain tensors so kunserve can move them"
     requires = ("moves_memory",)
 
@@ -198,5 +198,7 @@ class CpuLinearPatch(VllmPatch):
                 return orig(layer, remove_weight)
             return dispatch_cpu_unquantized_gemm
 
-        self.replace(runner, "load_model", make_load, params=("self",))
-        self.replace(utils, "dispatch_cpu_unquantized_gemm", make, params=("layer", "remove_weight"))
+        self.replace(runner, "load_model", make_load,
+                     params=params("vllm.v1.worker.cpu_model_runner:CPUModelRunner.load_model"))
+        self.replace(utils, "dispatch_cpu_unquantized_gemm", make,
+                     params=params("vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm"))

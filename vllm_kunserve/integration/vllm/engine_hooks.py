@@ -25,8 +25,11 @@ from typing import Any
 
 from vllm_kunserve.config import KunServeConfigError, engine_config
 from vllm_kunserve.integration.vllm.base import VllmPatch
+from vllm_kunserve.integration.vllm.versions import params
 
 logger = logging.getLogger("vllm.kunserve")
+
+_CORE = "vllm.v1.engine.core:EngineCore"
 
 
 def agent_of(core: Any):
@@ -58,7 +61,6 @@ def check_group_device(cfg: Any, device: str) -> None:
 
 class EngineCorePatch(VllmPatch):
     name = "engine_core"
-    versions = ">=0.32,<0.34"
     summary = "attach the engine agent and its control port, run steps under it, route kunserve RPCs"
     requires = ("moves_memory",)
 
@@ -80,7 +82,7 @@ class EngineCorePatch(VllmPatch):
                 "start vLLM with --enforce-eager (or LLM(..., enforce_eager=True))")
 
     def patch(self) -> None:
-        EngineCore = self.resolve("vllm.v1.engine.core:EngineCore")
+        EngineCore = self.resolve(_CORE)
 
         def make_init_hook(orig):
             def _initialize_effective_attention_block_size(core, *a, **kw):
@@ -125,11 +127,10 @@ class EngineCorePatch(VllmPatch):
                 return orig(core, *a, **kw)
             return shutdown
 
-        self.replace(EngineCore, "_initialize_effective_attention_block_size", make_init_hook, params=("self",))
-        self.replace(EngineCore, "step", make_step, params=("self",))
-        self.replace(EngineCore, "step_with_batch_queue", make_step, params=("self",))
-        self.replace(EngineCore, "collective_rpc", make_rpc, params=("self", "method", "timeout", "args", "kwargs"))
-        self.replace(EngineCore, "shutdown", make_shutdown, params=("self",))
+        for attr, make in (("_initialize_effective_attention_block_size", make_init_hook), ("step", make_step),
+                           ("step_with_batch_queue", make_step), ("collective_rpc", make_rpc),
+                           ("shutdown", make_shutdown)):
+            self.replace(EngineCore, attr, make, params=params(f"{_CORE}.{attr}"))
 
 
 def _engine_method(agent: Any, method: str, args: tuple, kwargs: dict) -> Any:

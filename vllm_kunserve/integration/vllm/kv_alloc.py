@@ -20,6 +20,7 @@ from typing import Any
 
 from vllm_kunserve.config import engine_config
 from vllm_kunserve.integration.vllm.base import VllmPatch
+from vllm_kunserve.integration.vllm.versions import params
 from vllm_kunserve.integration.vllm.kv_plan import base_blocks
 
 logger = logging.getLogger("vllm.kunserve")
@@ -29,7 +30,6 @@ _RUNNER: contextvars.ContextVar[Any] = contextvars.ContextVar("kunserve_kv_runne
 
 class KVAllocationPatch(VllmPatch):
     name = "kv_allocation"
-    versions = ">=0.32,<0.34"
     summary = "allocate a growable KV cache (per-layer pool regions) when the engine planned one"
     requires = ("moves_memory",)
 
@@ -63,6 +63,6 @@ class KVAllocationPatch(VllmPatch):
                 return views
             return allocate_kv_cache
 
-        self.replace(runner_cls, "initialize_kv_cache_tensors", make_init, params=("self", "kv_cache_config"))
+        self.replace(runner_cls, "initialize_kv_cache_tensors", make_init, params=params("vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache_tensors"))
         self.replace(mod, "allocate_kv_cache", make_alloc,
-                     params=("kv_cache_config", "device", "layout", "kernel_block_sizes"))
+                     params=params("vllm.v1.worker.gpu_model_runner:allocate_kv_cache"))

@@ -15,6 +15,7 @@ from typing import Any
 
 from vllm_kunserve.config import engine_config
 from vllm_kunserve.integration.vllm.base import VllmPatch
+from vllm_kunserve.integration.vllm.versions import params
 
 logger = logging.getLogger("vllm.kunserve")
 
@@ -26,7 +27,6 @@ def base_blocks(kv_cache_config: Any) -> int | None:
 
 class KVPlanPatch(VllmPatch):
     name = "kv_plan"
-    versions = ">=0.32,<0.34"
     summary = "plan the KV cache at its maximum size and remember the base block count"
     requires = ("moves_memory",)
 
@@ -56,4 +56,4 @@ class KVPlanPatch(VllmPatch):
                 return big
             return get_kv_cache_configs
 
-        self.replace(core, "get_kv_cache_configs", make, params=("vllm_config", "kv_cache_specs", "available_memory"))
+        self.replace(core, "get_kv_cache_configs", make, params=params("vllm.v1.engine.core:get_kv_cache_configs"))

@@ -41,7 +41,6 @@ PACE_MAX_AGE_S = 1.0
 
 class SchedulerPatch(VllmPatch):
     name = "scheduler"
-    versions = ">=0.32,<0.34"
     summary = "scheduler_cls = KunServeScheduler: cost-balanced step budgets while in a pipeline group"
 
     def wanted(self, cfg: Any) -> bool:

@@ -30,6 +30,7 @@ import logging
 import os
 
 from vllm_kunserve.integration.vllm.base import VllmPatch
+from vllm_kunserve.integration.vllm.versions import params
 
 logger = logging.getLogger("vllm.kunserve")
 
@@ -52,7 +53,6 @@ def wanted_wait_ms(env: dict | None = None) -> float | None:
 
 class ShmWaitPatch(VllmPatch):
     name = "shm_wait"
-    versions = ">=0.32,<0.34"
     summary = "shared-memory queue readers sleep on the writer's signal (KUNSERVE_SHM_WAIT_MS) instead of spinning"
 
     def __init__(self, wait_ms: float = 1.0) -> None:
@@ -79,7 +79,7 @@ class ShmWaitPatch(VllmPatch):
                     self.local_notify_socket.recv(flags=zmq.NOBLOCK, copy=False)
             return wait
 
-        self.replace(shm_broadcast.SpinCondition, "wait", make, params=("self", "timeout_ms"))
+        self.replace(shm_broadcast.SpinCondition, "wait", make, params=params("vllm.distributed.device_communicators.shm_broadcast:SpinCondition.wait"))
 
 
 _applied: list[ShmWaitPatch] = []  # this process's (a host setting: not among the engines' touchpoints)

@@ -27,7 +27,6 @@ EXTENSION_QUALNAME = "vllm_kunserve.integration.vllm.worker_extension.KunServeWo
 
 class WorkerExtensionPatch(VllmPatch):
     name = "worker_extension"
-    versions = ">=0.32,<0.34"
     summary = "mix KunServeWorkerExtension into the vLLM worker for collective_rpc control"
 
     def configure(self, cfg: Any, holder: Any) -> None:
