@@ -155,7 +155,7 @@ def _apply(names: list[str], features: str) -> None:
 
 
 def _log_banner(features: str, patches: list[str]) -> None:
-    from vllm_kunserve.integration.vllm.base import vllm_version
+    from vllm_kunserve.integration.vllm.versions import vllm_version
 
     msg = f"kunserve active: {features} (vllm {vllm_version()}, patches: {', '.join(patches) or 'none'})"
     # "vllm.kunserve" inherits vLLM's handler (with its process prefix) once vLLM configured

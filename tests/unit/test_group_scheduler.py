@@ -179,21 +179,23 @@ def test_schedule_applies_the_admission_limit_only_while_grouped_and_never_fails
     from vllm_kunserve.integration.vllm import scheduler as mod
 
     seen = []
-    monkeypatch.setattr(Scheduler, "schedule", lambda self, *a, **k: seen.append(self.max_num_active_reqs) or "out")
+    admit = mod.admission_attr()   # max_num_active_reqs (vLLM >= 0.31) or max_num_running_reqs
+    monkeypatch.setattr(Scheduler, "schedule", lambda self, *a, **k: seen.append(getattr(self, admit)) or "out")
     cls = mod.KunServeScheduler
     s = cls.__new__(cls)
     grouped = [False]
     s.kunserve_grouped = lambda: grouped[0]
     s.kunserve_pace, s.kunserve_lookahead, s.kunserve_peak_admission = None, False, True
     s.kunserve_limits, s.kunserve_budgets = [], []
-    s.max_num_scheduled_tokens, s.max_num_active_reqs = 2048, 128
+    s.max_num_scheduled_tokens = 2048
+    setattr(s, admit, 128)
     s.waiting = [_r2("w", 64, 0, 300)]
     s.running, s.kv_holding_waiting, s.num_waiting_for_streaming_input, s.block_size = [], [], 0, 32
     s.kv_cache_manager = SimpleNamespace(block_pool=SimpleNamespace(num_gpu_blocks=25))   # 24 usable
     assert s.schedule() == "out" and seen == [128]               # alone: vLLM's admission
     grouped[0] = True
     s.running = [_r2("a", 300, 100, 400)]     # 300 + 300 left: 19 blocks at its end; with w 32 > 24
-    assert s.schedule() == "out" and seen[-1] == 1 and s.max_num_active_reqs == 128   # w waits
+    assert s.schedule() == "out" and seen[-1] == 1 and getattr(s, admit) == 128   # w waits
     s.kv_cache_manager = None                                     # the check breaks: vLLM's own admits
     assert s.schedule() == "out" and seen[-1] == 128 and s.kunserve_peak_admission is False
 
@@ -218,7 +220,8 @@ def test_schedule_sends_the_wanted_step_with_pace_wanted_and_nothing_with_latest
     s.kunserve_pace = lambda wanted: sent.append(wanted) or [peer, [(200, 1)] * 30 + [(0, 64)] * 3]
     s.kunserve_lookahead, s.kunserve_peak_admission = True, False
     s.kunserve_model, s.kunserve_step_min_tokens, s.kunserve_budgets = CostModel(alpha=0.0, beta=1.0, gamma=5.0), 64, []
-    s.max_num_scheduled_tokens, s.max_num_active_reqs = 2048, 128
+    s.max_num_scheduled_tokens = 2048
+    setattr(s, mod.admission_attr(), 128)
     s.running = [_req(f"d{i}", 201, 200, 201) for i in range(30)]
     s.waiting = [_req(f"w{i}", 0, 64) for i in range(3)]
     s.kunserve_send_wanted = True

@@ -151,7 +151,11 @@ def test_a_group_member_refuses_a_cuda_platform_unless_told(monkeypatch):
     assert "\n" not in str(e.value) and "drop.allow_unvalidated_cuda=true" in str(e.value)
     H.check_group_device(member, "cpu")
     H.check_group_device(parse_config({"remap": {"enable": True}}), "cuda")
-    H.check_group_device(parse_config({"drop": {"group_member": True, "allow_unvalidated_cuda": True}}), "cuda")
+    forced = parse_config({"drop": {"group_member": True, "allow_unvalidated_cuda": True}})
+    H.check_group_device(forced, "cuda", (0, 32))
+    with pytest.raises(KunServeConfigError, match=r"needs vLLM >= 0\.32") as e:   # 0.26-0.31: refused anyway
+        H.check_group_device(forced, "cuda", (0, 31))
+    assert "\n" not in str(e.value)
     monkeypatch.setattr(H, "platform_device", lambda: "cuda")
     holder = types.SimpleNamespace(enforce_eager=True)
     with pytest.raises(KunServeConfigError, match="CPU only"):

@@ -9,6 +9,14 @@ import pytest
 HERE = Path(__file__).parent
 
 
+def pytest_collection_modifyitems(config, items):
+    """A module's ``COVERING`` names parametrizations of its tests that belong to the covering subset
+    (``-m covering``), where the parameter is a module-scoped fixture's and a decorator cannot pick one."""
+    for item in items:
+        if item.name in getattr(getattr(item, "module", None), "COVERING", ()):
+            item.add_marker(pytest.mark.covering)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     from vllm_kunserve.tools.make_model import PRESETS, build_model

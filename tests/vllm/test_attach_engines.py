@@ -160,6 +160,7 @@ def test_attached_engine_answering_500_is_retried_around(tiny_model, tmp_path):
     assert retries and all(e["src"] == 1 and "answered 500" in e["reason"] for e in retries), retries
 
 
+@pytest.mark.covering
 def test_attached_kunserve_engines_are_found_and_grouped(burst_model, tmp_path):
     """Two kunserve `vllm serve` engines started elsewhere, with the kunserve endpoint plugin allowed
     (`VLLM_PLUGINS=kunserve`): `kunserve serve --engine-url` finds each one's control port from the

@@ -21,6 +21,11 @@ ARGS = ["--dtype", "float32", "--block-size", "32", "--kv-cache-memory-bytes", s
 PROMPTS = [f"request {i}: the cache holds {i * 7} blocks and" for i in range(8)]
 
 
+#: in the covering subset (make test VLLM=0.26), marked by tests/vllm/conftest.py: the backend is a
+#: module-scoped fixture parameter, so a decorator would mark the Ray runs too
+COVERING = ("test_models_health_metrics_status[local]", "test_bad_input_is_400_and_reaches_no_engine[local]")
+
+
 @pytest.fixture(scope="module", params=["local", pytest.param("ray", marks=pytest.mark.ray)])
 def cluster(request, tiny_model, tmp_path_factory):
     """Two engines behind the front end: stock vLLM as local processes, and kunserve engines (their

@@ -104,6 +104,7 @@ def _prompt(seed: int) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(PROMPT)]
 
 
+@pytest.mark.covering
 def test_migrated_continuation_equals_unmigrated_run_and_hits_prefix_cache(engines):
     a, b = engines
     prompt = _prompt(1)

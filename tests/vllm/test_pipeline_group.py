@@ -12,6 +12,7 @@ def group_run(burst_model):
     return run_script("group_probe.py", [burst_model, BURST_KV_BYTES], timeout=600)[0]
 
 
+@pytest.mark.covering
 def test_group_outputs_are_token_identical(group_run):
     """Greedy outputs of both engines are the same before, while grouped (half of each engine's
     layers run on the other) and after the group is left."""
@@ -57,6 +58,7 @@ def test_restore_pulls_the_dropped_layers_from_the_peer_or_the_host_copy(group_r
     assert r["same_after"] == [True, True]
 
 
+@pytest.mark.covering
 def test_group_scheduler_paces_steps_against_the_peer_and_keeps_outputs(group_run):
     """While grouped, the lookahead scheduler (scheduler_cls) cut the second engine's prefills to
     the cost of the step the first one last wanted, its decodes alone by then (chunked prefill with

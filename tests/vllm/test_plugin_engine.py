@@ -7,13 +7,14 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 
+@pytest.mark.covering
 def test_enabled_plugin_generates_and_reaches_worker(tiny_model, probe):
     res, log = probe(tiny_model, "uni", {"kunserve": {}}, reuse=True)
     assert res["n_tokens"] == [6, 6] and all(res["texts"])
     assert res["main_active"] and "worker_extension" in res["main_patches"]
     (info,) = res["worker_info"]
     assert info["active"] and info["num_layers"] == 2 and info["kv_cache_bytes"] > 0
-    assert len(re.findall(r"kunserve active: .*\(vllm 0\.3\d\.\d.*patches: worker_extension", log)) == 1
+    assert len(re.findall(r"kunserve active: .*\(vllm 0\.\d+\.\d.*patches: worker_extension", log)) == 1
 
 
 def test_no_kunserve_key_patches_nothing(tiny_model, probe):

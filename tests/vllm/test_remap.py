@@ -12,6 +12,7 @@ REMAP = {"kunserve": {"remap": {"enable": True, "max_fraction": 0.75, "revert_ho
                                "h2d_bandwidth_gbps": 50.0}}}
 
 
+@pytest.mark.covering
 def test_greedy_outputs_identical_with_remap_forced(burst_model):
     res = run_remap_probe(burst_model, "identity", REMAP)
     base = res["base_blocks"]

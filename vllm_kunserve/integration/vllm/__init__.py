@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 
-from vllm_kunserve.integration.vllm.base import PatchShapeError, VllmPatch, vllm_version
-from vllm_kunserve.integration.vllm.versions import UnsupportedVllmError, check_supported
+from vllm_kunserve.integration.vllm.base import PatchShapeError, VllmPatch
+from vllm_kunserve.integration.vllm.versions import (UnsupportedVllmError, check_supported, check_touchpoint,
+                                                      vllm_version)
 from vllm_kunserve.integration.vllm.cpu_linear import CpuLinearPatch
 from vllm_kunserve.integration.vllm.engine_hooks import EngineCorePatch
 from vllm_kunserve.integration.vllm.kv_alloc import KVAllocationPatch
@@ -37,6 +38,7 @@ def apply_named(names: list[str]) -> list[str]:
     for cls in PATCH_CLASSES:
         if cls.name not in names or cls.name in _instances:
             continue
+        check_touchpoint(cls.name, version)  # one line where this release lacks what it touches
         inst = cls()
         inst.patch()
         _instances[cls.name] = inst

@@ -31,6 +31,8 @@ from typing import Any, Callable
 
 import torch
 
+from vllm_kunserve.integration.vllm.versions import release
+
 #: FlashAttentionMetadata's fields in vLLM 0.32.0 that this module has read and handles; a vLLM that
 #: adds one fails tests/unit/test_attn_meta.py until it has been read too
 FLASH_FIELDS = (
@@ -80,12 +82,13 @@ def _cpu(name: str, md: Any, builders: Callable[[], dict[str, Any]]) -> None:
     from vllm import _custom_ops as ops
     from vllm import envs
 
+    # vLLM 0.26: no kv_cache_dtype (0.27 added it to the builder and the op)
+    extra = {} if release() < (0, 27) else {"kv_cache_dtype": b.kv_cache_dtype}
     md.scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=md.query_start_loc.numel() - 1, num_heads=b.num_heads, num_kv_heads=b.num_kv_heads,
         head_dim=b.head_dim, seq_lens=md.seq_lens, dtype=b.dtype, query_start_loc=md.query_start_loc,
         causal=md.causal, sliding_window_size=b.window_size, isa=b.isa,
-        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=md.dynamic_causal,
-        kv_cache_dtype=b.kv_cache_dtype)
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=md.dynamic_causal, **extra)
 
 
 def _flash(name: str, md: Any, device: torch.device, builders: Callable[[], dict[str, Any]]) -> None:

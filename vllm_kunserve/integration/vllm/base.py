@@ -14,6 +14,7 @@ import logging
 from typing import Any, Callable, ClassVar
 
 from vllm_kunserve.integration.vllm import versions as policy
+from vllm_kunserve.integration.vllm.versions import vllm_version
 
 logger = logging.getLogger("vllm.kunserve")
 
@@ -22,15 +23,6 @@ _TAG = "__kunserve_patch__"
 
 class PatchShapeError(RuntimeError):
     """A vLLM symbol kunserve replaces no longer has the shape the touchpoint was written for."""
-
-
-def vllm_version() -> str:
-    try:
-        import vllm
-
-        return str(vllm.__version__)
-    except Exception:  # pragma: no cover - vLLM missing entirely
-        return "0"
 
 
 class VllmPatch:

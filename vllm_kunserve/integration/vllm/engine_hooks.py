@@ -4,7 +4,10 @@
   scheduler is built (before the ready handshake reports ``num_gpu_blocks``). For an engine whose
   own config enables remap we attach the :class:`~vllm_kunserve.engine.agent.EngineAgent` (with
   the scheduler view that hides the KV blocks above the base) and start its control port.
-  (``__init__`` itself cannot be wrapped: vLLM loads plugins from inside it.)
+  (``__init__`` itself cannot be wrapped: vLLM loads plugins from inside it.) vLLM 0.26-0.30 have
+  no such method: there ``__init__`` calls no method of its own after building the scheduler, so
+  the agent attaches when ``__init__`` assigns ``self.scheduler`` (the same point), through a data
+  descriptor on the class (:class:`_AttachOnScheduler`).
 - ``step`` / ``step_with_batch_queue``: run under the agent (control operations between steps, the
   control tick, step timing).
 - ``collective_rpc``: names in ``ENGINE_METHODS`` are answered by the agent (they move scheduler
@@ -25,7 +28,7 @@ from typing import Any
 
 from vllm_kunserve.config import KunServeConfigError, engine_config
 from vllm_kunserve.integration.vllm.base import VllmPatch
-from vllm_kunserve.integration.vllm.versions import params
+from vllm_kunserve.integration.vllm.versions import params, release
 
 logger = logging.getLogger("vllm.kunserve")
 
@@ -43,6 +46,13 @@ CUDA_GROUP_REFUSED = (
     "refusing to start on a CUDA platform (set drop.allow_unvalidated_cuda=true to start anyway)")
 
 
+#: vLLM 0.26-0.31 on CUDA: a peer's FlashAttention metadata is read as 0.32's (attn_meta._flash)
+CUDA_GROUP_NEEDS_032 = (
+    "kunserve drop.group_member on CUDA needs vLLM >= 0.32: a peer's FlashAttentionMetadata is read as 0.32's, "
+    "and 0.26-0.31 add cascade attention (use_cascade, prefix_scheduler_metadata; 0.26-0.27 also lack "
+    "FlashAttentionMetadataBuilder._get_scheduler_metadata): refusing to start")
+
+
 def platform_device() -> str:
     """vLLM's current platform's device type (``cpu``, ``cuda``, ...); ``unknown`` if it cannot tell."""
     try:
@@ -53,10 +63,15 @@ def platform_device() -> str:
         return "unknown"
 
 
-def check_group_device(cfg: Any, device: str) -> None:
-    """Refuse a pipeline group member on CUDA unless ``drop.allow_unvalidated_cuda`` is set."""
-    if cfg.drop.group_member and device == "cuda" and not cfg.drop.allow_unvalidated_cuda:
+def check_group_device(cfg: Any, device: str, vllm_release: tuple[int, int] | None = None) -> None:
+    """Refuse a pipeline group member on CUDA unless ``drop.allow_unvalidated_cuda`` is set, and on
+    CUDA with vLLM 0.26-0.31 in any case."""
+    if not (cfg.drop.group_member and device == "cuda"):
+        return
+    if not cfg.drop.allow_unvalidated_cuda:
         raise KunServeConfigError(CUDA_GROUP_REFUSED)
+    if (vllm_release or release()) < (0, 32):  # vLLM 0.26-0.31: FlashAttentionMetadata with cascade fields
+        raise KunServeConfigError(CUDA_GROUP_NEEDS_032)
 
 
 class EngineCorePatch(VllmPatch):
@@ -127,10 +142,45 @@ class EngineCorePatch(VllmPatch):
                 return orig(core, *a, **kw)
             return shutdown
 
-        for attr, make in (("_initialize_effective_attention_block_size", make_init_hook), ("step", make_step),
-                           ("step_with_batch_queue", make_step), ("collective_rpc", make_rpc),
-                           ("shutdown", make_shutdown)):
+        hooks = [("step", make_step), ("step_with_batch_queue", make_step), ("collective_rpc", make_rpc),
+                 ("shutdown", make_shutdown)]
+        if release() < (0, 31):  # vLLM 0.26-0.30: no _initialize_effective_attention_block_size (0.31 added it)
+            if not isinstance(EngineCore.__dict__.get("scheduler"), _AttachOnScheduler):
+                EngineCore.scheduler = _AttachOnScheduler()
+                self._saved.append((EngineCore, "scheduler", _AttachOnScheduler.REMOVE))
+        else:
+            hooks.insert(0, ("_initialize_effective_attention_block_size", make_init_hook))
+        for attr, make in hooks:
             self.replace(EngineCore, attr, make, params=params(f"{_CORE}.{attr}"))
+
+    def revert(self) -> None:
+        added = [s for s in self._saved if s[2] is _AttachOnScheduler.REMOVE]
+        self._saved = [s for s in self._saved if s[2] is not _AttachOnScheduler.REMOVE]
+        super().revert()
+        for owner, attr, _ in added:
+            delattr(owner, attr)
+
+
+class _AttachOnScheduler:
+    """vLLM 0.26-0.30: ``EngineCore.scheduler`` as a data descriptor. ``__init__`` assigns it right
+    after building the scheduler (where 0.31+ calls ``_initialize_effective_attention_block_size``);
+    the first assignment attaches the agent (:func:`_attach`). Reads return the instance's value."""
+
+    REMOVE = object()   # revert: delete the descriptor (EngineCore had no class attribute)
+
+    def __get__(self, core: Any, owner: Any = None) -> Any:
+        if core is None:
+            return self
+        try:
+            return core.__dict__["scheduler"]
+        except KeyError:
+            raise AttributeError("scheduler") from None
+
+    def __set__(self, core: Any, value: Any) -> None:
+        first = "scheduler" not in core.__dict__
+        core.__dict__["scheduler"] = value
+        if first:
+            _attach(core)
 
 
 def _engine_method(agent: Any, method: str, args: tuple, kwargs: dict) -> Any:

@@ -40,6 +40,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_kunserve.integration.vllm.versions import UnsupportedVllmError, check_touchpoint
+
 logger = logging.getLogger("vllm.kunserve")
 
 #: test hooks understood by the worker half
@@ -89,6 +91,10 @@ class SchedulerKV:
     lock): nothing here is thread-safe, exactly like the scheduler itself."""
 
     def __init__(self, scheduler: Any) -> None:
+        try:
+            check_touchpoint("kv_migration")
+        except UnsupportedVllmError as e:
+            raise KVMigrationUnsupported(str(e)) from None
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 

@@ -31,6 +31,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from vllm_kunserve.integration.vllm.base import VllmPatch
+from vllm_kunserve.integration.vllm.versions import release
 
 logger = logging.getLogger("vllm.kunserve")
 
@@ -123,8 +124,17 @@ def admission_limit(scheduler: Any) -> int:
     return len(scheduler.running) + int(getattr(scheduler, "num_waiting_for_streaming_input", 0)) + k
 
 
+def admission_attr() -> str:
+    """The scheduler attribute vLLM's admission into RUNNING reads."""
+    if release() < (0, 31):  # vLLM 0.26-0.30: max_num_running_reqs (0.31 split max_num_active_reqs from it)
+        return "max_num_running_reqs"
+    return "max_num_active_reqs"
+
+
 def _make() -> type:
     from vllm.v1.core.sched.scheduler import Scheduler
+
+    admit = admission_attr()
 
     class KunServeScheduler(Scheduler):
         """vLLM's scheduler; in a pipeline group, each step's token budget comes from the lookahead
@@ -156,7 +166,7 @@ def _make() -> type:
             grouped = self.kunserve_grouped
             if grouped is None or not grouped():
                 return super().schedule(*args, **kwargs)
-            full, active = self.max_num_scheduled_tokens, self.max_num_active_reqs
+            full, active = self.max_num_scheduled_tokens, getattr(self, admit)
             if self.kunserve_lookahead:
                 pace = self.kunserve_pace
                 # the queue is read before the pace call only to send the wanted step ("wanted");
@@ -177,11 +187,12 @@ def _make() -> type:
                 else:
                     self.kunserve_limits.append(limit)
                     del self.kunserve_limits[:-64]
-                    self.max_num_active_reqs = limit
+                    setattr(self, admit, limit)
             try:
                 return super().schedule(*args, **kwargs)
             finally:
-                self.max_num_scheduled_tokens, self.max_num_active_reqs = full, active
+                self.max_num_scheduled_tokens = full
+                setattr(self, admit, active)
 
     KunServeScheduler.__module__ = __name__
     KunServeScheduler.__qualname__ = "KunServeScheduler"

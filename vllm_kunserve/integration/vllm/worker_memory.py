@@ -4,8 +4,9 @@ At KV-cache allocation time (see ``kv_alloc.py``) the decoder layers' weights mo
 weight regions **one layer at a time** (the pool grows by that layer's chunks, the region takes the
 weights, vLLM's tensor is freed), so peak memory holds at most one extra layer. Every attention
 layer's KV cache gets its own KV region, reserved for the engine's planned maximum block count and
-mapped for the base count; vLLM's own ``create_kv_cache_views`` builds the per-layer views over it,
-so attention kernels run unmodified. The transitions themselves (remap, revert, drop, restore) are
+mapped for the base count; vLLM's own ``create_kv_cache_views`` builds the per-layer views over it
+(vLLM 0.26-0.28: the runner's ``_reshape_kv_cache_tensors``), so attention kernels run unmodified.
+The transitions themselves (remap, revert, drop, restore) are
 :class:`~vllm_kunserve.memory.residency.LayerResidency`'s, which knows nothing of vLLM.
 """
 
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from vllm_kunserve.integration.vllm.cpu_linear import PackedSlots
+from vllm_kunserve.integration.vllm.versions import release
 from vllm_kunserve.memory import MemoryPool
 from vllm_kunserve.memory.residency import KVPlace, LayerResidency
 from vllm_kunserve.memory.streaming import copy_overlaps
@@ -83,21 +85,33 @@ def _kv_places(kv_cache_config: Any, max_blocks: int) -> list[tuple[str, Any, in
     """(layer name, KV spec, page bytes, group id) of every attention layer."""
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
+    old = release() < (0, 29)   # vLLM 0.26-0.28: KVCacheTensor(size, shared_by, offset, block_stride)
     out = []
     for tensor in kv_cache_config.kv_cache_tensors:
-        if len(tensor.layers) > 1 and tensor.layer_stride != tensor.block_stride * max_blocks:
+        if old and (tensor.block_stride or len(tensor.shared_by) != 1):
+            raise ValueError("kunserve growable KV needs one KV cache tensor per layer (got a packed or "
+                             f"shared one: {tensor.shared_by}, block_stride={tensor.block_stride})")
+        if not old and len(tensor.layers) > 1 and tensor.layer_stride != tensor.block_stride * max_blocks:
             raise ValueError("kunserve growable KV needs a layer-outermost KV layout "
                              f"(got layer_stride={tensor.layer_stride}, block_stride={tensor.block_stride})")
-        for name in tensor.layers:
+        for name in tensor.shared_by if old else tensor.layers:
             group_id, group = next((g, grp) for g, grp in enumerate(kv_cache_config.kv_cache_groups)
                                    if name in grp.layer_names)
             spec = group.kv_cache_spec
             if isinstance(spec, UniformTypeKVCacheSpecs):
                 spec = spec.kv_cache_specs[name]
-            if not spec.has_layer_views:
+            if not (_is_attention(spec) if release() < (0, 30) else spec.has_layer_views):
                 raise ValueError(f"layer {name}: KV spec without per-layer views is not supported")
-            out.append((name, spec, tensor.block_stride, group_id))
+            page = tensor.size // max_blocks if old else tensor.block_stride
+            out.append((name, spec, page, group_id))
     return out
+
+
+def _is_attention(spec: Any) -> bool:
+    """vLLM 0.26-0.29 (no ``KVCacheSpec.has_layer_views``): attention specs are viewed per layer."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    return isinstance(spec, AttentionSpec)
 
 
 def layer_index(name: str) -> int:
@@ -107,14 +121,15 @@ def layer_index(name: str) -> int:
 
 
 def build_worker_memory(model: nn.Module, kv_cache_config: Any, device: torch.device, layout: Any,
-                        kernel_block_sizes: list[int] | None, cfg: Any
+                        kernel_block_sizes: list[int] | None, cfg: Any,
+                        reshape: Callable[[dict], dict] | None = None,
                         ) -> tuple[LayerResidency, dict, Callable[[str, Any], torch.Tensor]]:
     """Move the model's decoder layers and a growable KV cache into one pool.
 
     Returns the residency state machine, vLLM's per-layer KV views (for ``bind_kv_cache``) and a
-    function building the same kind of view over another region (a group peer's KV)."""
-    from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
-
+    function building the same kind of view over another region (a group peer's KV). ``reshape``
+    (vLLM 0.26-0.28): the runner's ``_reshape_kv_cache_tensors`` (raw per-layer buffers -> views);
+    then the raw buffers are returned in place of the views, and vLLM views them itself."""
     from vllm_kunserve.memory.backend import make_backend
 
     t0 = time.perf_counter()
@@ -148,9 +163,16 @@ def build_worker_memory(model: nn.Module, kv_cache_config: Any, device: torch.de
     # -- KV: one region per attention layer, reserved for the maximum, mapped for the base -------
     kv, views, how = [], {}, {}
 
+    def raw_of(name: str, region: Any) -> torch.Tensor:
+        return region.view(torch.int8, allow_unmapped=True)[: max_blocks * how[name][1]]
+
     def make_view(name: str, region: Any) -> torch.Tensor:
         spec, page, kbs = how[name]
-        raw = region.view(torch.int8, allow_unmapped=True)[: max_blocks * page]
+        raw = raw_of(name, region)
+        if reshape is not None:  # vLLM 0.26-0.28: no create_kv_cache_views; the runner views every layer
+            return reshape(dict.fromkeys(how, raw))[name]
+        from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
+
         one = KVCacheTensor(size=max_blocks * page, layers=[name], layer_stride=max_blocks * page, block_stride=page)
         (view,) = create_kv_cache_views(raw, spec, max_blocks, layout, one, kernel_block_size=kbs)
         return view
@@ -160,7 +182,7 @@ def build_worker_memory(model: nn.Module, kv_cache_config: Any, device: torch.de
         region = pool.create_kv_region(f"kv:{name}", max_blocks * page, base_blocks * page)
         kbs = kernel_block_sizes[group_id] if kernel_block_sizes and group_id < len(kernel_block_sizes) else None
         how[name] = (spec, page, kbs)
-        views[name] = make_view(name, region)
+        views[name] = raw_of(name, region) if reshape is not None else make_view(name, region)
         kv.append(KVPlace(name, region, page, layer_index(name)))
     res = LayerResidency(pool, layers, weights, kv, max_blocks, base_blocks,
                          adapter=PackedSlots(layers))  # CPU: streamed linears keep oneDNN's packed kernel
