@@ -148,3 +148,12 @@ def test_kv_migration_refuses_where_its_touchpoint_does_not_run(monkeypatch):
 def test_readme_release_table_is_the_declaration():
     assert policy.release_table() in (ROOT / "README.md").read_text(), (
         "README.md's release table differs from versions.release_table(): paste it again")
+
+
+@pytest.mark.parametrize("version, module", [("0.26.0", "vllm.entrypoints.openai.cli_args"),
+                                             ("0.32.0+cpu", "vllm.entrypoints.launchers.cli_args"),
+                                             ("0.34.0", "vllm.entrypoints.common.cli_args")])
+def test_a_moved_symbol_is_imported_from_where_the_declaration_says(version, module):
+    assert policy.located("make_arg_parser", version) == f"{module}:make_arg_parser"
+    with pytest.raises(KeyError, match="0 declared locations"):
+        policy.located("no_such_symbol", version)

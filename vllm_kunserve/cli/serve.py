@@ -97,15 +97,12 @@ def check_engine_args(model: str, engine_args: list[str]) -> argparse.Namespace:
         if a.split("=", 1)[0] in _OWN:
             raise ValueError(f"{a.split('=', 1)[0]}: set by kunserve serve (front end --host/--port; "
                              f"use --kunserve-config for the kunserve section)")
-    from vllm_kunserve.integration.vllm.versions import check_supported, release, vllm_version
+    from vllm_kunserve.integration.vllm.base import VllmPatch
+    from vllm_kunserve.integration.vllm.versions import check_supported, located, vllm_version
 
     check_supported(vllm_version())  # one line naming the supported range
-    if release() < (0, 29):  # vLLM 0.26-0.28: vllm serve's parser lives in entrypoints.openai
-        from vllm.entrypoints.openai.cli_args import make_arg_parser
-    elif release() < (0, 33):
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    else:  # vLLM 0.33: moved to entrypoints.common
-        from vllm.entrypoints.common.cli_args import make_arg_parser
+    # vllm serve's parser moved: entrypoints.openai (0.26-0.28), .launchers (0.29-0.32), .common (0.33-)
+    make_arg_parser = VllmPatch.resolve(located("make_arg_parser"))
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = make_arg_parser(FlexibleArgumentParser())

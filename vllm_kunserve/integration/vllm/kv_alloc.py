@@ -81,7 +81,8 @@ class KVAllocationPatch(VllmPatch):
                 return raws   # vLLM views them (_reshape_kv_cache_tensors)
             return _allocate_kv_cache_tensors
 
-        self.replace(runner_cls, "initialize_kv_cache_tensors", make_init, params=params("vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache_tensors"))
+        self.replace(runner_cls, "initialize_kv_cache_tensors", make_init,
+                     params=params("vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache_tensors"))
         if release() < (0, 29):  # vLLM 0.26-0.28: per-layer raw buffers viewed by the runner (no allocate_kv_cache)
             self.replace(runner_cls, "_allocate_kv_cache_tensors", make_raw,
                          params=params("vllm.v1.worker.gpu_model_runner:GPUModelRunner._allocate_kv_cache_tensors"))

@@ -394,6 +394,17 @@ def params(path: str, version: str | None = None) -> tuple[str, ...]:
     raise KeyError(f"{path} is not declared in integration/vllm/versions.py")
 
 
+def located(name: str, version: str | None = None) -> str:
+    """The declared ``module:name`` of a symbol that moved between releases, on the running (or given)
+    vLLM: the code imports it from where the declaration (and ``make check-vllm``) says it is."""
+    version = version or vllm_version()
+    paths = [s.path for t in TOUCHPOINTS for s in t.symbols
+             if s.path.rpartition(":")[2] == name and in_range(version, s.versions)]
+    if len(paths) != 1:
+        raise KeyError(f"{name}: {len(paths)} declared locations for vLLM {version} in integration/vllm/versions.py")
+    return paths[0]
+
+
 def _span(spec: str) -> str:
     """``>=0.26,<0.35`` -> ``0.26-0.34`` over :data:`RELEASES`."""
     inside = [r for r in RELEASES if in_range(r, spec)]

@@ -86,6 +86,7 @@ def _kv_places(kv_cache_config: Any, max_blocks: int) -> list[tuple[str, Any, in
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
     old = release() < (0, 29)   # vLLM 0.26-0.28: KVCacheTensor(size, shared_by, offset, block_stride)
+    per_layer_views = _is_attention if release() < (0, 30) else (lambda spec: spec.has_layer_views)
     out = []
     for tensor in kv_cache_config.kv_cache_tensors:
         if old and (tensor.block_stride or len(tensor.shared_by) != 1):
@@ -100,7 +101,7 @@ def _kv_places(kv_cache_config: Any, max_blocks: int) -> list[tuple[str, Any, in
             spec = group.kv_cache_spec
             if isinstance(spec, UniformTypeKVCacheSpecs):
                 spec = spec.kv_cache_specs[name]
-            if not (_is_attention(spec) if release() < (0, 30) else spec.has_layer_views):
+            if not per_layer_views(spec):
                 raise ValueError(f"layer {name}: KV spec without per-layer views is not supported")
             page = tensor.size // max_blocks if old else tensor.block_stride
             out.append((name, spec, page, group_id))
