@@ -10,7 +10,7 @@ batch size. A run is called valid for the cluster benchmark only where a batch o
 fitted as ``fixed + tokens / rate``: the rate at which an engine prefills (and recomputes a
 preempted request), apart from what a request costs on its way in.
 
-    python benchmarks/batch_scaling.py [--batches 1,4,16,64] [--model DIR] [--preset P --name NAME]
+    python -m benchmarks.batch_scaling [--batches 1,4,16,64] [--model DIR] [--preset P --name NAME]
 
 Writes docs/benchmarks/batch_scaling.{json,md} (``--name``: NAME.{json,md}).
 """

@@ -43,16 +43,19 @@ Steps (``--steps``, each kept in ``--out`` and skipped when its file is there):
 3. ``compare``: every system, ``--repeat`` shuffled repetitions; an interrupted compare step keeps the
    runs it finished (``kunserve compare --resume``), so the same command, or one with a smaller
    ``--repeat`` that its finished repetitions cover, goes on from them.
-4. the doc: pooled window statistics (``vllm_kunserve/bench/pooled.py``: P50 / P90 / P99 TTFT with
+4. the doc: pooled window statistics (``benchmarks/common/pooled.py``: P50 / P90 / P99 TTFT with
    bootstrap 95% intervals, TPOT, goodput, output tokens/s, preemptions, lost), the gap to
    ``oracle-equal`` closed, when kunserve grouped, where each system's P99 sits (its slowest requests,
    paired with the same arrivals at ``oracle-equal``, by where kunserve's engines were when they
    arrived), kunserve against its stock twin ``vllm`` where both ran (what the plugin costs where it
-   never drops), the client's send lag, and a PNG. ``--steps '' --out docs/benchmarks/NAME`` re-writes
-   a page from its own raw data (the capacity, sweep and joins its JSON kept).
+   never drops), the client's send lag, and a PNG. The run's raw data and the page's analysis go into
+   one file, ``docs/benchmarks/runs/NAME.tar.xz`` (``benchmarks/common/raw.py``), with the commit and
+   the serving code it ran (``provenance``); ``--steps '' --out docs/benchmarks/runs/NAME.tar.xz``
+   re-writes a page from it. ``--readme`` writes the question's page over every archived run and the
+   README's block (``benchmarks/common/headline.py``, its rule).
 
-    python benchmarks/burst_value.py --regime r1 [--repeat 5] [--out runs/burst_r1]
-    python benchmarks/burst_value.py --regime r0 --concurrency 8 --capacity-requests 48 --caps 2,3 \
+    python -m benchmarks.burst_value --regime r1 [--repeat 5] [--out runs/burst_r1]
+    python -m benchmarks.burst_value --regime r0 --concurrency 8 --capacity-requests 48 --caps 2,3 \
         --burst-s 100 --burst-x 2.0 --systems vllm-tuned,vllm-router,kunserve,oracle-equal
 """
 
@@ -67,13 +70,14 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from vllm_kunserve.bench import pooled
-from vllm_kunserve.bench.burst import (LATE_S, SLOW_SHARE, add_phase_args, dispatch_split, group_times, grouped_output,
+from benchmarks.common import pooled, raw
+from benchmarks.common.burst import (LATE_S, SLOW_SHARE, add_phase_args, dispatch_split, group_times, grouped_output,
                                       in_spans,
                                        kunserve_config, machine_speed, scaling_table)
 from vllm_kunserve.bench.report import command as cmd
@@ -813,8 +817,8 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
     L += ["", "## The client", "", "Largest send lag per system over all its runs, requests sent > 50 ms late and, for "
           "a system with late sends, its window's pooled TTFT P50 / P90 / P99 counted from each request's arrival "
           "(the tables count from the send): " + json.dumps(lag) + ".", "",
-          f"Raw data: `{meta['raw']}/compare.json` (every run's summary, the order), `{name}.json` (the pooled "
-          f"statistics), `{meta['raw']}/{meta['raw_layout']}/requests.csv` (every request)."]
+          f"Raw data: `{meta['raw']}`: `compare.json` (every run's summary, the order), `page.json` (the pooled "
+          f"statistics), `{meta['raw_layout']}/requests.csv` (every request) and `timeline.csv`."]
     return "\n".join(L) + "\n"
 
 
@@ -1027,8 +1031,24 @@ def logged_from_doc(run: Path, doc_meta: dict) -> dict:
     return {k: doc_meta[k] for k in FROM_LOGS if k in doc_meta}
 
 
+def provenance() -> dict:
+    """The commit a run measured and its serving code: the last commit that changed ``vllm_kunserve``
+    outside ``bench/`` and ``sim/`` (rule 2 of ``benchmarks/common/headline.py``); ``+dirty`` where the
+    serving code had uncommitted changes."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.check_output(["git", *args], cwd=ROOT, text=True, stderr=subprocess.DEVNULL).strip()
+        except (subprocess.CalledProcessError, OSError):
+            return ""
+    paths = ["--", "vllm_kunserve", ":!vllm_kunserve/bench", ":!vllm_kunserve/sim"]
+    dirty = "+dirty" if git("status", "--porcelain", *paths) else ""
+    return {"commit": git("rev-parse", "--short=7", "HEAD") or None,
+            "serving_code": (git("log", "-1", "--format=%h", "HEAD", *paths) + dirty) or None,
+            "note": "recorded at the run"}
+
+
 def copy_raw(run: Path, assets: Path, systems: list[str], reps: int | None = None) -> None:
-    """The doc's raw data: compare.json and, per run, requests.csv and timeline.csv gzipped (the
+    """The run's raw data: compare.json and, per run, requests.csv and timeline.csv gzipped (the
     per-second engine counters ``benchmarks/burst_value_sim.py`` fits the simulator's step times to)."""
     import gzip
 
@@ -1047,35 +1067,11 @@ def copy_raw(run: Path, assets: Path, systems: list[str], reps: int | None = Non
                     out.write(src.read())
 
 
-def readme_table(names: list[str]) -> str:
-    """The README's results table, from the docs' JSON (``docs/benchmarks/<name>.json``): per regime
-    and system, the pooled P90 / P99 TTFT with intervals, P50 TPOT and goodput."""
-    L = md_table(["regime", "system", "window requests", "P90 TTFT (s)", "P99 TTFT (s)", "P50 TPOT (ms)", "goodput"],
-                 "llrllrr")
-    for name in names:
-        d = json.loads((DOCS / f"{name}.json").read_text())
-        meta, st = d["meta"], d["analysis"]["stats"]
-        w = meta["weight_share"]
-        tag = name.removeprefix("burst_value_").split("_")[0].upper()
-        burst = re.search(r"burst ([\d.]+)x", meta.get("load_note", ""))
-        tag += f", burst {float(burst.group(1)):g}x capacity" if burst else ""
-        regime = (f"[{tag}]({'docs/benchmarks/' + name + '.md'}): weights {w:.0%}, "
-                  f"a group holds {meta['group_kv_factor']:.2f}x KV"
-                  + ("" if abs(meta["oracle_equal_x"] - meta["group_kv_factor"]) < 0.01 else
-                     f", capped at {meta['oracle_equal_x']:g}x here") + ("" if 0.35 <= w <= 0.65 else " (extreme)"))
-        for i, (s, x) in enumerate(st.items()):
-            label = LABEL.get(s, s) + (f" (--max-num-seqs {meta['sweep']['cap']})" if s == "vllm-tuned"
-                                        and meta.get("sweep") else "")
-            tp = x["tpot"]["p50"]
-            L.append(md_row([regime if i == 0 else "", label, x["n"], fmt_ci(x["ttft"]["p90"]), fmt_ci(x["ttft"]["p99"]),
-                             "-" if tp is None else f"{tp * 1e3:.0f}", f"{x['goodput']:.2f}"]))
-    return "\n".join(L)
-
-
 def main() -> int:
-    if sys.argv[1:2] == ["--readme"]:   # print the README's table from the docs' JSON
-        print(readme_table(sys.argv[2:] or ["burst_value_r1_epyc_head2", "burst_value_r0_head"]))
-        return 0
+    if sys.argv[1:2] == ["--readme"]:   # the question's page and the README's block, over every comparable run
+        from benchmarks.common import headline
+
+        return headline.main(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--regime", choices=tuple(REGIMES), default="r1")
     ap.add_argument("--repeat", type=int, default=5)
@@ -1168,15 +1164,17 @@ def main() -> int:
                   "oracle_equal_x": oracle_x, "kv_cap": a.kv_cap, "scaling_rows": scaling.get("rows", []),
                   "scaling_doc": f"docs/benchmarks/{scaling_name}.md", "repeat": a.repeat, "command": command,
                   "mix": dict(MIX)}
-    out = Path(a.out or ROOT / "runs" / f"burst_{a.regime}")
+    archived = a.out.endswith(raw.SUFFIX)   # re-written from its archive: the run folder unpacked from it
+    out = raw.run_dir(a.out) if archived else Path(a.out or ROOT / "runs" / f"burst_{a.regime}")
+    if archived and steps:
+        ap.error(f"--out {a.out}: an archived run is re-written from its raw data only (--steps '')")
     out.mkdir(parents=True, exist_ok=True)
     cap_file = out / "capacity.json"
     if "capacity" in steps and not cap_file.exists():
         write_json(cap_file, saturation(a, model, spec.dtype, out), indent=1, clean=False)
-    prev = DOCS / f"{name}.json"
-    # re-written from a doc's own raw data (--steps '' --out docs/benchmarks/NAME): the capacity and the
-    # sweep it measured are in the doc's JSON, not in that folder
-    doc_meta = json.loads(prev.read_text())["meta"] if not steps and prev.exists() else {}
+    # re-written from a run's archive (--steps '' --out docs/benchmarks/runs/NAME.tar.xz): the capacity and
+    # the sweep it measured are in its page.json, not in that folder
+    doc_meta = json.loads((out / "page.json").read_text())["meta"] if not steps and (out / "page.json").exists() else {}
     if not cap_file.exists() and not doc_meta.get("capacity"):
         ap.error(f"no {cap_file}: run the capacity step first")
     cap = json.loads(cap_file.read_text()) if cap_file.exists() else doc_meta["capacity"]
@@ -1209,8 +1207,10 @@ def main() -> int:
                      *(f"--variant={v}" for v in a.variant)]) != 0:
             return 1
     compare = json.loads((out / "compare.json").read_text())
-    if doc_meta:   # re-written from the raw data: keep the measuring command
-        meta.update(command=doc_meta["command"], rewritten=command)
+    if doc_meta:   # re-written from the raw data: keep the measuring command and where it ran
+        meta.update(command=doc_meta["command"], rewritten=command, provenance=doc_meta.get("provenance"))
+    else:
+        meta["provenance"] = provenance()
     if a.lengths == "azure":
         meta.update(lengths="azure", lengths_note=(
             f"the trace's own prompt and output lengths times {a.length_scale:g}, each request's total clipped to "
@@ -1268,13 +1268,14 @@ def main() -> int:
     an["twin"] = twin(out, meta["window"], reqs, groups, totals, a.repeat)
     an["ablation"] = ablation(reqs, variants)
     meta["variants"] = {n: json.dumps(over) for n, over in parsed.items()}
-    assets = DOCS / name
-    meta["raw"] = assets.relative_to(DOCS).as_posix()
+    meta["raw"] = raw.rel_archive(name)
     meta["raw_layout"] = "<system>/rep<k>"
-    copy_raw(out, assets, systems, a.repeat)
-    plot(assets.parent / f"{name}.png", an, systems, f"Regime {a.regime.upper()}: pooled burst-window TTFT")
-    write_json(DOCS / f"{name}.json", {"meta": meta, "analysis": an, "totals": totals, "send_lag": lag, "grouped": groups},
-               indent=1, clean=False, default=str)
+    plot(DOCS / f"{name}.png", an, systems, f"Regime {a.regime.upper()}: pooled burst-window TTFT")
+    page = json.loads(json.dumps({"meta": meta, "analysis": an, "totals": totals, "send_lag": lag, "grouped": groups},
+                                 default=str))
+    with tempfile.TemporaryDirectory() as tmp:
+        copy_raw(out, Path(tmp), systems, a.repeat)
+        raw.pack(Path(tmp), name, page)
     doc = DOCS / f"{name}.md"
     doc.write_text(render(a, meta, an, totals, lag, groups, systems, name))
     print(doc.read_text())

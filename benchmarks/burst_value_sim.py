@@ -1,14 +1,15 @@
 """Predict a burst_value run's pooled burst-window TTFT with the simulator, held out (issue 34).
 
-    python benchmarks/burst_value_sim.py --fit docs/benchmarks/burst_value_r1 \\
-        --predict docs/benchmarks/burst_value_r1_2x --out-name burst_value_sim
+    python -m benchmarks.burst_value_sim --fit docs/benchmarks/runs/burst_value_r1_2x_join.tar.xz \\
+        --predict docs/benchmarks/runs/burst_value_r1_epyc_head2.tar.xz --out-name burst_value_sim_epyc_head2
 
-Both arguments are ``benchmarks/burst_value.py`` runs (their ``compare.json``, and per system and
-repetition ``requests.csv`` and ``timeline.csv[.gz]``; the docs' raw copies hold both).
+Both arguments are ``benchmarks/burst_value.py`` runs: a run folder (its ``compare.json``, and per
+system and repetition ``requests.csv`` and ``timeline.csv[.gz]``) or a run's archive
+(``benchmarks/common/raw.py``), which holds both.
 
 **Fit** (``--fit``): per system, the decode step lines (one engine alone, and a pipeline group's
 cycle) from the clean seconds of every repetition's timeline pooled, and the prefill rate from the
-warm-phase requests: the estimators of ``vllm_kunserve/sim/runfit.py`` (``benchmarks/cluster_burst_sim.py``'s).
+warm-phase requests: the estimators of ``vllm_kunserve/sim/runfit.py``.
 Then each system's lines are scaled by one factor until the simulator reproduces the median TPOT of
 the fit run's repetitions (``sim.runfit.calibrate``): the clean seconds are a biased sample of a run's
 steps (warm phase and drain), and the uncalibrated lines give TPOTs 1.1-1.7x the measured.
@@ -24,7 +25,7 @@ the fit run (or has fewer than 30 residuals) takes the residuals of the system i
 **Predict** (``--predict``, another run: another burst rate): nothing measured in it is used but
 the requests it offered (arrival, prompt, output length asked for). Every repetition is simulated
 with its own requests; the burst window's TTFTs are pooled over the repetitions, and the pooled
-P50 / P90 / P99 compared with the measured ones (``bench.pooled``: lost requests count as infinite,
+P50 / P90 / P99 compared with the measured ones (``benchmarks.common.pooled``: lost requests count as infinite,
 95% bootstrap interval of the measured). Target: within 25% at P90 and P99 for every system.
 
 Systems, simulated as the harness runs them:
@@ -59,14 +60,16 @@ import random
 import re
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
-from vllm_kunserve.bench import pooled
+from benchmarks.common import pooled, raw
+from benchmarks.common.stats import fmt_num
 from vllm_kunserve.bench.report import command, md_row, md_table, write_json
 from vllm_kunserve.bench.systems import variant_configs
 from vllm_kunserve.sim import runfit   # the step estimators, calibration and the run simulator
 from vllm_kunserve.workload.records import read_csv
-from vllm_kunserve.workload.stats import percentiles
+from vllm_kunserve.workload.stats import percentiles, ratio
 from vllm_kunserve.workload.traces import parse_phases
 
 ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
@@ -215,8 +218,8 @@ def noise_summary(res: list[float], source: str) -> dict:
     return {"from": source, "n": len(res), "p50": q["p50"], "p90": q["p90"], "p99": q["p99"]}
 
 
-def fmt(x, nd=2) -> str:
-    return "-" if x is None else ("inf" if x == math.inf else f"{x:.{nd}f}")
+#: a cell's number; a lost request's tail (infinite) prints as inf
+fmt = partial(fmt_num, finite_only=False)
 
 
 def main() -> int:
@@ -233,7 +236,10 @@ def main() -> int:
                     "seed and phases): how close a real second run of each system came to the predicted run")
     ap.add_argument("--out-name", default="burst_value_sim", help="writes docs/benchmarks/<name>.{md,json}")
     a = ap.parse_args()
-    fit_run, pred_run, rerun = Path(a.fit), Path(a.predict), a.rerun and Path(a.rerun)
+    try:
+        fit_run, pred_run, rerun = raw.run_dir(a.fit), raw.run_dir(a.predict), a.rerun and raw.run_dir(a.rerun)
+    except FileNotFoundError as e:
+        raise SystemExit(str(e))
     for p in (fit_run, pred_run, rerun):
         if p and not (p / "compare.json").exists():
             raise SystemExit(f"{p}: no compare.json (a benchmarks/burst_value.py run directory)")
@@ -307,7 +313,7 @@ def main() -> int:
                "tpot_p50": {"measured": pooled.tpot(meas)["p50"], "predicted": pooled.tpot(pred)["p50"]}}
         for q in ("p50", "p90", "p99"):
             m, p = mt[q]["value"], pt[q]["value"]
-            row[f"ratio_{q}"] = p / m if m and p is not None and math.isfinite(m) and math.isfinite(p) else None
+            row[f"ratio_{q}"] = ratio(p, m)
         # the share of the window waiting over the TTFT SLO: stable where a percentile sits on the knee
         row["over_slo"] = {"measured": pooled.share_above(meas, SLOW_S), "predicted": pooled.share_above(pred, SLOW_S)}
         o = row["over_slo"]
@@ -506,7 +512,7 @@ def fixed_table(res: dict) -> list[str]:
     two = any(r.get("second_run") for r in rows)
     L = ["", "## Does the run fix its own tail? (a second run on the same arrivals)", "",
          "The runs' spread: the 95% interval of the pooled percentile over runs drawn like this one (its repetitions "
-         "resampled with replacement, then each one's requests: `bench.pooled.rerun_agreement`), wider than the "
+         "resampled with replacement, then each one's requests: `benchmarks.common.pooled.rerun_agreement`), wider than the "
          "interval above where a run's slow requests bunch in a few repetitions. A second run within 25%: the share of "
          "pairs of such draws within 25% of each other."
          + (f" A real second run: `{res['rerun']}`, its pooled percentile over this run's." if two else ""), ""]
@@ -573,7 +579,7 @@ def render(res: dict) -> str:
     L += fixed_table(res)
     L += ["", "## How", "",
           "- Decode step lines (`a + c b` ms at a batch of b per engine) from the fit run's timelines' clean seconds "
-          "(`vllm_kunserve/sim/runfit.py`, as `benchmarks/cluster_burst_sim.py` fits them), every repetition pooled; a group's cycle has its own line. "
+          "(`vllm_kunserve/sim/runfit.py`), every repetition pooled; a group's cycle has its own line. "
           "Prefill rate: the fit run's warm requests that had an engine to themselves.",
           machine_line(res.get("machine_speed")),
           noise_line(rows),

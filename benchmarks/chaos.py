@@ -8,9 +8,9 @@ takes minutes on two cores while the others serve: a restart may not finish with
 in turn every ``--ops-every`` seconds, forces a drop of two random ready engines, a drop of every
 ready engine (a regroup keeping the KV where a live group lies whole inside it) and a restore.
 Reference: the same requests on the same fleet before the driver starts. See
-``vllm_kunserve/bench/chaos.py``.
+``benchmarks/common/chaos.py``.
 
-    python benchmarks/chaos.py [--requests 400] [--duration 240]
+    python -m benchmarks.chaos [--requests 400] [--duration 240]
 
 Writes docs/benchmarks/chaos.{json,md}.
 """
@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from vllm_kunserve.bench.chaos import ChaosSpec, run_chaos, summarise
+from benchmarks.common.chaos import ChaosSpec, run_chaos, summarise
 from vllm_kunserve.bench.report import command, cpu_model, md_table, write_json
 from vllm_kunserve.cluster.fleet.launcher import KunserveCluster
 from vllm_kunserve.tools.make_model import CheckpointSpec, build_model
@@ -84,9 +84,10 @@ def main() -> int:
     lines += ["", "## TTFT (s)", "",
               "Near a kill: requests sent at most 10 s after a kill and still running at it (their engine may "
               "have died under them); calm: the rest.", ""]
-    fmt = lambda t: [t["n"], *(f"{t[k]:.3f}" for k in ("p50", "p99", "max"))] if t["n"] else [0, "-", "-", "-"]  # noqa: E731
+    tail_cells = lambda t: ([t["n"], *(f"{t[k]:.3f}" for k in ("p50", "p99", "max"))] if t["n"]  # noqa: E731
+                            else [0, "-", "-", "-"])
     lines += md_table(["requests", "n", "P50", "P99", "max"], "lrrrr",
-                      [["near a kill", *fmt(s["ttft_near_kill"])], ["calm", *fmt(s["ttft_calm"])]])
+                      [["near a kill", *tail_cells(s["ttft_near_kill"])], ["calm", *tail_cells(s["ttft_calm"])]])
     lines += ["", "Driver actions, in order: " + "; ".join(
         f"{x['t']:.0f} s {x['action']}" + (f" {x.get('instance', x.get('instances', ''))}" if x["action"] != "restore" else "")
         + (" (a regroup, KV kept)" if x.get("kept_kv") else "")

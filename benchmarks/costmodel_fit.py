@@ -1,9 +1,9 @@
 """Cost-model forms on every profile: held-out error of paper / extended / roofline, the auto choice.
 
 Usage:
-    python benchmarks/costmodel_fit.py [--data ../shared/data] [--out docs/benchmarks/costmodel_fit.json]
+    python -m benchmarks.costmodel_fit [--data ../shared/data] [--out docs/benchmarks/costmodel_fit.json]
                                        [--md docs/benchmarks/costmodel_fit.md]
-    python benchmarks/costmodel_fit.py --measure-cpu 4 --model models/small   # (re)measure the CPU runs first
+    python -m benchmarks.costmodel_fit --measure-cpu 4 --model models/small   # (re)measure the CPU runs first
 
 ``--measure-cpu N`` takes N vLLM-CPU runs (``benchmarks/profile_cpu_steps.py --quick --repeat 1``),
 each started only when the machine is idle, and keeps a run only if other processes used at most

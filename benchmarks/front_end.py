@@ -11,7 +11,7 @@ tokens per second, and the client's send lag (how late each request left the cli
 is not a slow server). Paired ratios (proxy / direct, same repetition) with their spread. Target
 (issue 12): <= 2 ms added P50 TTFT, no throughput lost at 200 streams.
 
-    python benchmarks/front_end.py [--reps 3] [--levels 1 32 200] [--output-len 32] [--min-requests 20]
+    python -m benchmarks.front_end [--reps 3] [--levels 1 32 200] [--output-len 32] [--min-requests 20]
         [--rounds] [--frontend-core N [--client-core M] [--no-load-arm]] [--analyse-only]
         [--out docs/benchmarks/front_end.json] [--md docs/benchmarks/front_end.md]
 
@@ -44,6 +44,7 @@ from pathlib import Path
 
 import aiohttp
 
+from benchmarks.common.stats import median_range
 from vllm_kunserve.bench.client import RequestSpec, completions_url, request
 from vllm_kunserve.bench.metrics import median_ci
 from vllm_kunserve.bench.report import cpu_device, doc_header, md_row, md_table, pyplot, rel, save_figure, write_json
@@ -233,10 +234,6 @@ def core_shares(before: dict[str, int], after: dict[str, int]) -> dict:
             "engine_cores_steal": round((after["steal"] - before["steal"]) / total, 3)}
 
 
-def spread(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-
-
 #: per wave: the client's means over every request, the engine's own (vLLM's histograms), its cores
 TIME_KEYS = ("ttft_mean_all_ms", "engine_ttft_mean_ms", "engine_queue_time_mean_ms", "e2e_mean_all_ms",
              "engine_e2e_mean_ms", "tail_mean_all_ms", "engine_cores_busy", "engine_cores_irq",
@@ -268,9 +265,9 @@ def summarize(rows: list[dict]) -> list[dict]:
         loaded = [r for r in level_rows if LOADED in r]
         if loaded:   # the stand-in load's arm: what a busy front-end core alone costs the engine
             s["loaded"] = {"reps": len(loaded),
-                           "load_over_direct": spread([r[LOADED]["tokens_per_s"] / r["direct"]["tokens_per_s"]
+                           "load_over_direct": median_range([r[LOADED]["tokens_per_s"] / r["direct"]["tokens_per_s"]
                                                        for r in loaded]),
-                           "proxy_over_load": spread([r["proxy"]["tokens_per_s"] / r[LOADED]["tokens_per_s"]
+                           "proxy_over_load": median_range([r["proxy"]["tokens_per_s"] / r[LOADED]["tokens_per_s"]
                                                       for r in loaded]),
                            "duty_asked": statistics.median(r[LOADED]["load_duty_asked"] for r in loaded),
                            "duty_taken": statistics.median(r[LOADED]["load_duty"] for r in loaded),

@@ -16,11 +16,11 @@ $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_na
 $PY -c "import cuda.bindings; print('cuda-bindings', cuda.bindings.__version__)"
 timeout 300 $PY -m pytest -m gpu -q -p no:cacheprovider tests/unit/test_memory_pool.py \
     tests/unit/test_streaming.py tests/gpu/test_mechanisms_cuda.py tests/gpu/test_stage_cuda.py 2>&1 | tee "$log"
-timeout 200 $PY benchmarks/memory_pool.py --backend cuda --out $D/mechanisms_memory_pool_gpu.json \
+timeout 200 $PY -m benchmarks.memory_pool --backend cuda --out $D/mechanisms_memory_pool_gpu.json \
     --md $D/mechanisms_memory_pool_gpu.md
-timeout 200 $PY benchmarks/weight_streaming.py --device cuda --steps 30 --out $D/mechanisms_weight_streaming_gpu.json \
+timeout 200 $PY -m benchmarks.weight_streaming --device cuda --steps 30 --out $D/mechanisms_weight_streaming_gpu.json \
     --md $D/mechanisms_weight_streaming_gpu.md
-timeout 300 $PY benchmarks/weight_streaming.py --device cuda --steps 30 --hidden 4096 --layers 16 \
+timeout 300 $PY -m benchmarks.weight_streaming --device cuda --steps 30 --hidden 4096 --layers 16 \
     --out $D/mechanisms_weight_streaming_gpu_h4096.json --md $D/mechanisms_weight_streaming_gpu_h4096.md
-timeout 400 $PY benchmarks/stage_link_gpu.py
+timeout 400 $PY -m benchmarks.stage_link_gpu
 if [ -n "${OUT:-}" ]; then cp "$log" $D/*_gpu*.json $D/*_gpu*.md $D/stage_link_gpu.* "$OUT"/ 2>/dev/null; fi

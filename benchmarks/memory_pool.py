@@ -5,7 +5,7 @@ region by the freed bytes (map + set access): no byte is copied. "Back" = shrink
 reload the layers (map + copy the host image in; the copy is timed separately).
 
 Usage:
-    python benchmarks/memory_pool.py [--gb N] [--chunk-mb 2 32] [--backend auto|host|cuda]
+    python -m benchmarks.memory_pool [--gb N] [--chunk-mb 2 32] [--backend auto|host|cuda]
         [--out docs/benchmarks/mechanisms_memory_pool.json] [--md docs/benchmarks/mechanisms_memory_pool.md]
 
 Default N: 10 on a GPU (the target: < 50 ms for 10 GB), 2 on the host backend (figures are also

@@ -1,28 +1,31 @@
 """Where a pipeline group's stages idle during a burst run, from its workers' step traces.
 
-    python benchmarks/pipeline_idle.py --trace DIR --run RUN_DIR --run-command "kunserve compare ..."
+    python -m benchmarks.pipeline_idle --trace DIR --run RUN_DIR --run-command "kunserve compare ..."
                                        [--name pipeline_idle]
 
 ``DIR``: the ``KUNSERVE_PIPELINE_TRACE`` directory of a ``kunserve compare`` run (the workers write
 it in parts as their group runs and when it splits);
 ``RUN_DIR``: that run's output (its requests, for the burst window's TTFT and TPOT). Writes
-``docs/benchmarks/NAME.md`` and ``.json`` (the analysis of ``bench/pipeline_trace.py`` and the
-distribution of each stage's time) and the traces themselves, gzipped, under ``NAME/``.
+``docs/benchmarks/NAME.md`` and one archive, ``docs/benchmarks/runs/NAME.tar.xz`` (``benchmarks/common/raw.py``:
+the traces themselves, and as ``page.json`` the analysis of ``benchmarks/common/pipeline_trace.py`` and
+the distribution of each stage's time).
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
+import json
 import shlex
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
-from vllm_kunserve.bench.burst import read_requests, window_stats
-from vllm_kunserve.bench.pipeline_trace import CYCLE_KINDS, analyse, load
-from vllm_kunserve.bench.pooled import QUANTILES, ratio, read_window, tail
-from vllm_kunserve.bench.report import command, cpu_model, md_row, md_table, rel, write_json
+from benchmarks.common import raw
+from benchmarks.common.burst import read_requests, window_stats
+from benchmarks.common.pipeline_trace import CYCLE_KINDS, analyse, load
+from benchmarks.common.pooled import QUANTILES, percentile_ratio, read_window, tail
+from vllm_kunserve.bench.report import command, cpu_model, md_row, md_table, rel
 from vllm_kunserve.workload.records import read_csv
 from vllm_kunserve.workload.stats import percentiles
 
@@ -156,7 +159,8 @@ def against(run: Path, system: str, other: str, window: tuple[float, float]) -> 
         a_, b_ = row[system], row[other]
         row["tokens_ratio"] = round(a_["tokens_per_s"] / b_["tokens_per_s"], 3) if b_["tokens_per_s"] else None
         row["running_ratio"] = round(a_["running"] / b_["running"], 3) if b_["running"] else None
-        row["ttft_ratio"] = {f"p{q:g}": ratio(reqs[part][system], reqs[part][other], q) for q in QUANTILES}
+        row["ttft_ratio"] = {f"p{q:g}": percentile_ratio(reqs[part][system], reqs[part][other], q)
+                            for q in QUANTILES}
         out["parts"][part] = row
     return out
 
@@ -227,12 +231,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--against {a.against}: no {a.against}/rep*/timeline.csv under --run {a.run}")
         out["against"] = against(Path(a.run), a.system, a.against, (lo, hi))
     docs = Path(a.docs)
-    raw = docs / a.name
-    raw.mkdir(parents=True, exist_ok=True)
-    for f in files:
-        with open(f, "rb") as src, gzip.GzipFile(raw / (f.name + ".gz"), "wb", mtime=0) as dst:  # same bytes each run
-            shutil.copyfileobj(src, dst)
-    write_json(docs / f"{a.name}.json", out, indent=1, clean=False, newline=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in files:
+            shutil.copy(f, Path(tmp) / f.name)
+        archive = raw.pack(Path(tmp), a.name, json.loads(json.dumps(out, default=str)), into=docs / "runs")
     L = ["# Where a pipeline group's stages idle (written by benchmarks/pipeline_idle.py)", "",
          f"Command: `{out['command']}`, where `RUN_COMMAND` is the run it reads (its workers wrote their traces "
          "in parts as their group ran and when it split):", "", "```", a.run_command, "```", "",
@@ -241,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
          "both microbatches are at the other one: a *collision* (this member's microbatch waits at the peer's "
          "stage behind the peer's own), *between steps* (this member's engine core is outputting and scheduling "
          "and the peer's microbatch is not here) or *in transit* (both between stages). From the workers' traces "
-         "(`KUNSERVE_PIPELINE_TRACE`, analysed by `vllm_kunserve/bench/pipeline_trace.py`, the middle 60% of "
+         "(`KUNSERVE_PIPELINE_TRACE`, analysed by `benchmarks/common/pipeline_trace.py`, the middle 60% of "
          "each group's life).", "", f"Machine: {cpu_model()}; the engines' threads and cores: those of the run above "
          "(its `--env` settings, or the regime its page states).", ""]
     for k, g in enumerate(out["groups"], 1):
@@ -278,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     L += md_table(["rep", "requests", "failed", "TTFT P50", "TTFT P99", "TPOT P50"], "lrrrrr",
                   ([rep, w["n"], w["failed"], _s(w["ttft_p50"]), _s(w["ttft_p99"]), _s(w["tpot_p50"])]
                    for rep, w in window.items()))
-    L += ["", f"Raw data: `{rel(docs / (a.name + '.json'))}` (this analysis), `{rel(raw)}/` (the workers' traces, "
-          "gzipped: `python -m vllm_kunserve.bench.pipeline_trace` reads them unzipped)."]
+    L += ["", f"Raw data: `{rel(archive)}` (this analysis as `page.json`, and the workers' traces: "
+          "`python -m benchmarks.common.pipeline_trace` reads them once unpacked)."]
     (docs / f"{a.name}.md").write_text("\n".join(L) + "\n")
     print("\n".join(L))
     return 0

@@ -1,8 +1,8 @@
 """Pipeline group in closed loop: two engines grouped vs the same two engines independent.
 
-    python benchmarks/pipeline_overhead.py [--repeat 3]
+    python -m benchmarks.pipeline_overhead [--repeat 3]
 
-The cluster_burst regime (the preset, dtype and thread count of docs/benchmarks/batch_scaling.json,
+The burst benchmarks' regime (the preset, dtype and thread count of docs/benchmarks/batch_scaling.json,
 KV for 1280 tokens per engine, each engine pinned to its own core with one compute thread at
 niceness 5, ``KUNSERVE_SHM_WAIT_MS=1``), one ``kunserve serve`` of 2 engines, no arrivals process:
 K streamed greedy requests sent at once (P prompt + N output tokens each, token-id prompts).
@@ -12,7 +12,7 @@ engines (``ops/drop``), the load, and restore (``ops/restore``): one group per l
 hop times (round trip, the peer's wait, its span, the link) are its own. Throughput: output tokens over the middle
 60% of all token arrivals; TPOT: each request's mean gap between tokens, P50 over requests. The
 workers trace their steps (``KUNSERVE_PIPELINE_TRACE``) and each group's trace is analysed
-(``vllm_kunserve/bench/pipeline_trace.py``): the shares of each stage's core and its idle time by
+(``benchmarks/common/pipeline_trace.py``): the shares of each stage's core and its idle time by
 cause. ``--stage-turn-ms 0,8`` runs each repetition once per stage turn (how long a peer's span
 waits for a member's own due work: its sampling, its next step; ``integration/vllm/pipeline.py``
 ``Turn``), each on a cluster of its own, and pairs them.
@@ -36,6 +36,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from benchmarks.common.stats import fmt_median_range, median_range
 from vllm_kunserve.bench.report import command as cmd
 from vllm_kunserve.bench.report import cpu_device, doc_header, md_row, md_table, write_json
 
@@ -107,7 +108,7 @@ def _turns(text: str) -> list[float]:
 
 def _trace(directory: Path, before: set[str]) -> dict | None:
     """The step-trace analysis of the group whose dumps appeared in ``directory`` since ``before``."""
-    from vllm_kunserve.bench.pipeline_trace import analyse, load
+    from benchmarks.common.pipeline_trace import analyse, load
 
     groups = load(f for f in directory.glob("*.json") if f.name not in before)
     return analyse(groups[-1]) if groups else None
@@ -179,13 +180,10 @@ def main() -> int:
                               "tok_s_over_independent": round(g["tok_s"] / ind["tok_s"], 3),
                               "tpot_over_independent": round(g["tpot_p50_ms"] / ind["tpot_p50_ms"], 3)})
 
-    def spread(v: list[float]) -> dict:
-        return {"median": round(statistics.median(v), 3), "min": min(v), "max": max(v), "n": len(v)}
-
-    summary = {f"{g:g}": {k: {"tok_s": spread([p["tok_s_over_independent"] for p in pairs
-                                                  if p["k"] == k and p["turn_ms"] == g]),
-                               "tpot": spread([p["tpot_over_independent"] for p in pairs
-                                               if p["k"] == k and p["turn_ms"] == g])}
+    summary = {f"{g:g}": {k: {"tok_s": median_range([p["tok_s_over_independent"] for p in pairs
+                                                     if p["k"] == k and p["turn_ms"] == g], 3),
+                               "tpot": median_range([p["tpot_over_independent"] for p in pairs
+                                                    if p["k"] == k and p["turn_ms"] == g], 3)}
                            for k in k_grp} for g in turns}
     versus = {}
     if len(turns) > 1:  # each turn's grouped tokens/s over the first one's, same repetition and K
@@ -193,8 +191,8 @@ def main() -> int:
             versus[f"{g:g}"] = {}
             for k in k_grp:
                 tok = {(r["rep"], r["turn_ms"]): r["tok_s"] for r in runs if r["mode"] == "grouped" and r["k"] == k}
-                versus[f"{g:g}"][k] = spread([round(tok[(rep, g)] / tok[(rep, turns[0])], 3)
-                                              for rep in range(1, a.repeat + 1)])
+                versus[f"{g:g}"][k] = median_range([round(tok[(rep, g)] / tok[(rep, turns[0])], 3)
+                                                    for rep in range(1, a.repeat + 1)], 3)
     command = cmd("pipeline_overhead.py")
     device = cpu_device(f"the benchmark's process; each engine: 1 compute thread, {scaling['preset']}")
     raw = DOCS / "pipeline_overhead.json"
@@ -205,7 +203,7 @@ def main() -> int:
     lines = doc_header(
         "Pipeline group in closed loop: grouped vs independent engines", "pipeline_overhead.py", device, raw,
         f"Command: `{command}`. Two engines of `{scaling['preset']}` ({spec.dtype}), KV for {a.kv_tokens} tokens "
-        f"each (the cluster_burst regime); K streamed greedy requests of {a.prompt_len} prompt + "
+        f"each (the burst benchmarks' regime); K streamed greedy requests of {a.prompt_len} prompt + "
         f"{a.output_len} output tokens sent at once. Independent at K = {k_ind} (the most the base KV holds), "
         f"grouped (forced drop, both engines) at K = {', '.join(map(str, k_grp))}; repetitions interleaved"
         + (f"; in each, one cluster per stage turn ({', '.join(f'{g:g}' for g in turns)} ms: how long a "
@@ -219,12 +217,11 @@ def main() -> int:
                       ([r["rep"], f"{r['turn_ms']:g}", r["mode"], r["k"], f"{r['tok_s']:.1f}", f"{r['tpot_p50_ms']:.1f}",
                         r["failed"]] for r in runs))
     lines += ["", "Paired with the same repetition's (and cluster's) independent run, median (min..max, n):", ""]
-    fmt = lambda s: f"{s['median']:.2f} ({s['min']:.2f}..{s['max']:.2f}, n={s['n']})"  # noqa: E731
     lines += md_table(["turn (ms)", "grouped K", "tokens/s vs independent", "TPOT vs independent"], "rrll",
-                      ([g, k, fmt(s["tok_s"]), fmt(s["tpot"])] for g, by_k in summary.items() for k, s in by_k.items()))
+                      ([g, k, fmt_median_range(s["tok_s"]), fmt_median_range(s["tpot"])] for g, by_k in summary.items() for k, s in by_k.items()))
     for g, by_k in versus.items():
         lines += ["", f"Grouped tokens/s with a {g} ms turn over the same repetition's with {turns[0]:g} ms, "
-                  "median (min..max, n): " + "; ".join(f"K={k}: {fmt(s)}" for k, s in by_k.items()) + "."]
+                  "median (min..max, n): " + "; ".join(f"K={k}: {fmt_median_range(s)}" for k, s in by_k.items()) + "."]
     hop_rows = [(r, inst, t) for r in runs for inst, t in sorted((r.get("pipeline") or {}).items())]
     if hop_rows:
         from vllm_kunserve.bench.compare import HOP_COLUMNS, HOP_NOTE, hop_cells
@@ -236,7 +233,7 @@ def main() -> int:
     if trace_rows:
         lines += ["", "## Where each stage's core goes", "",
                   "From the workers' step traces (`KUNSERVE_PIPELINE_TRACE`, analysed by "
-                  "`vllm_kunserve/bench/pipeline_trace.py`), the middle 60% of each group's life: the cycle (median "
+                  "`benchmarks/common/pipeline_trace.py`), the middle 60% of each group's life: the cycle (median "
                   "time between a member's steps) and the shares of its core: its own step's compute, the peer's "
                   "spans, its sampling, and idle as far as the workers go (the member's engine core and API server "
                   "run in part of it). Idle by cause: *collision* (this member's microbatch and the peer's own are "

@@ -1,7 +1,7 @@
 """Placement benchmark: instances an elastic cluster holds (round-robin, least-load, MELL) and, on
 fixed clusters, the P99 TTFT of every dispatch mode (simulated).
 
-    python benchmarks/placement.py --reps 3 --seed 0 --instances 2,8
+    python -m benchmarks.placement --reps 3 --seed 0 --instances 2,8
 
 (a) Elastic (``sim.elastic.replay``): an instance opens when no open one takes a request and is
 released when empty. Azure conversation-trace windows (offsets drawn from ``--seed``, one per
@@ -43,6 +43,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from benchmarks.common.stats import fmt_mean_sd, mean_sd
 from vllm_kunserve.bench.report import cpu_device, doc_header, md_row, md_table, pyplot, save_figure
 from vllm_kunserve.workload.stats import percentile
 
@@ -57,22 +58,6 @@ ATTRIBUTION = ("Attribution: Azure LLM inference trace 2023, Microsoft Azure, us
 
 # ------------------------------------------------------------------------------------------------
 # shared helpers
-
-def spread(xs: Sequence[float]) -> dict:
-    a = np.asarray([x for x in xs if x is not None], float)
-    if a.size == 0:
-        return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
-    return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if a.size > 1 else 0.0,
-            "min": float(a.min()), "max": float(a.max()), "n": int(a.size)}
-
-
-def fmt(s: dict, digits: int = 2, unit: str = "") -> str:
-    if s.get("mean") is None:
-        return "-"
-    if s["n"] == 1:
-        return f"{s['mean']:.{digits}f}{unit}"
-    return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f}{unit} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
-
 
 def windows(total_s: float, duration_s: float, reps: int, seed: int) -> list[float]:
     """``reps`` window offsets, whole 10 s, drawn from ``seed`` over the trace's span."""
@@ -103,7 +88,8 @@ def ttft_table(ttfts: Mapping[str, Sequence], reference: str | None = "least-loa
         [f"P99 / {ref}'s (mean, max)"] if ref else []) + cols
     lines = md_table(head, "l" * len(head))
     for p, rs in per.items():
-        row = [p, str(len(rs)), str(sum(len(r) for r in rs)), fmt(spread(p50[p]), 3), fmt(spread(p99[p]), 3)]
+        row = [p, str(len(rs)), str(sum(len(r) for r in rs)), fmt_mean_sd(mean_sd(p50[p]), 3),
+               fmt_mean_sd(mean_sd(p99[p]), 3)]
         if ref:
             ratio = [a / b for a, b in zip(p99[p], p99[ref]) if a is not None and b]
             row.append(f"{np.mean(ratio):.2f}x, {np.max(ratio):.2f}x" if ratio else "-")
@@ -154,10 +140,10 @@ def run_elastic(full, cfg, a, offsets) -> dict:
 
 def elastic_section(el: dict, a) -> list[str]:
     reps = el["reps"]
-    agg = {pol: {k: spread([r["policies"][pol][k] for r in reps]) for k in
+    agg = {pol: {k: mean_sd([r["policies"][pol][k] for r in reps]) for k in
                  ("mean_instances", "peak_instances", "mean_lower_bound", "migrations_per_s",
                   "moved_requests_per_s", "moved_gb_per_s")} for pol in ELASTIC}
-    fewer = {ref: spread([1 - r["policies"]["mell"]["mean_instances"] / r["policies"][ref]["mean_instances"]
+    fewer = {ref: mean_sd([1 - r["policies"]["mell"]["mean_instances"] / r["policies"][ref]["mean_instances"]
                           for r in reps]) for ref in ("round_robin", "worst_fit", "best_fit")}
     el["summary"] = {"per_policy": agg, "mell_fewer_instance_seconds_than": fewer}
     offs = ", ".join(f"{r['offset_s']:g}" for r in reps)
@@ -173,11 +159,12 @@ def elastic_section(el: dict, a) -> list[str]:
          "KV moved GB/s"], "lllllll")
     for pol in ELASTIC:
         g = agg[pol]
-        lines.append(f"| {ELASTIC_LABEL[pol]} | {fmt(g['mean_instances'])} | {fmt(g['peak_instances'], 1)} | "
-                     f"{fmt(g['mean_lower_bound'])} | {fmt(g['migrations_per_s'])} | {fmt(g['moved_requests_per_s'])} | "
-                     f"{fmt(g['moved_gb_per_s'], 3)} |")
+        c = fmt_mean_sd
+        lines.append(f"| {ELASTIC_LABEL[pol]} | {c(g['mean_instances'])} | {c(g['peak_instances'], 1)} | "
+                     f"{c(g['mean_lower_bound'])} | {c(g['migrations_per_s'])} | {c(g['moved_requests_per_s'])} | "
+                     f"{c(g['moved_gb_per_s'], 3)} |")
     lines += ["", "MELL's instance-seconds below: " + ", ".join(
-        f"{ELASTIC_LABEL[ref]} {fmt({k: (v * 100 if isinstance(v, float) else v) for k, v in s.items()}, 1, '%')}"
+        f"{ELASTIC_LABEL[ref]} {fmt_mean_sd({k: (v * 100 if isinstance(v, float) else v) for k, v in s.items()}, 1, '%')}"
         for ref, s in fewer.items()) + " (the MELL paper reports 9-31% fewer GPUs).", "",
         "A MELL migration moves one unit: a request, or a multi-item of tiny requests moved together "
         "(requests moved/s counts each). Round-robin and least-load migrate only a request that outgrows "
@@ -280,7 +267,7 @@ def fixed_section(fixed: dict, a, modes) -> list[str]:
         ttfts = {m: [x["ttft_s"] for x in base[m]] for m in modes}
         extra = {m: {"migrations (mean)": f"{np.mean([x['summary']['migrations'] for x in base[m]]):.0f}",
                      "preemptions (mean)": f"{np.mean([x['summary']['preemptions'] for x in base[m]]):.0f}",
-                     "P99 TPOT ms": fmt(spread([x["summary"]["tpot_s"]["p99"] * 1e3 for x in base[m]]), 0)}
+                     "P99 TPOT ms": fmt_mean_sd(mean_sd([x["summary"]["tpot_s"]["p99"] * 1e3 for x in base[m]]), 0)}
                  for m in modes}
         lines += ttft_table(ttfts, "least-load", extra) + [""]
         if all(m in modes for m in PAIRED):
@@ -359,7 +346,7 @@ REAL_MODES = ("round-robin", "least-load", "least-work", "mell")
 #: 8 layers of 3.1 MB (29 MB of fp32 weights) and 8 KiB of KV per token; KV 0.75x the weights
 REAL_SPEC = dict(layers=8, hidden=256, heads=4, kv_heads=2, intermediate=768, vocab=2048)
 REAL_KV_BYTES = 22 << 20
-#: as in cluster_burst: each engine on its own core with one compute thread, below the client and the
+#: as in the burst benchmarks: each engine on its own core with one compute thread, below the client and the
 #: front end (the client replays from a SCHED_FIFO thread: on 2 shared cores it sent up to 0.77 s late)
 REAL_ENV = {"KUNSERVE_ENGINE_CPUS": "0|1", "OMP_NUM_THREADS": "1", "KUNSERVE_ENGINE_NICE": "5"}
 REAL_ARGS = ["--served-model-name", "m", "--dtype", "float32", "--block-size", "32", "--kv-cache-memory-bytes",

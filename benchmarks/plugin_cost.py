@@ -2,7 +2,7 @@
 the plugin enabled (as ``kunserve serve`` starts a group member), offline, on one pinned core.
 
 Usage:
-    python benchmarks/plugin_cost.py [--model models/decode-fp32-mha] [--reps 4] [--core 1]
+    python -m benchmarks.plugin_cost [--model models/decode-fp32-mha] [--reps 4] [--core 1]
         [--variants stock,kunserve,kunserve-no-control] [--name plugin_cost]
 
 Why it exists (issue 34): in ``burst_value_r1_fp32.md`` kunserve's engines, never grouped, ran at
@@ -129,7 +129,7 @@ def ratio_ci(a: list[float], b: list[float], draws: int = 2000, seed: int = 0) -
     """mean(a) / mean(b) with a bootstrap 95% interval (repetitions resampled independently)."""
     import numpy as np
 
-    from vllm_kunserve.bench.pooled import interval
+    from benchmarks.common.pooled import interval
 
     rng = np.random.default_rng(seed)
     x, y = np.asarray(a, float), np.asarray(b, float)

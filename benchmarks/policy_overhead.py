@@ -1,7 +1,7 @@
 """Policy-core benchmark: decision latency, cost-model error, pipeline bubbles, placement quality.
 
 Usage:
-    python benchmarks/policy_overhead.py [OUT_JSON] [--data ../shared/data] [--md docs/benchmarks/policy.md]
+    python -m benchmarks.policy_overhead [OUT_JSON] [--data ../shared/data] [--md docs/benchmarks/policy.md]
 
 Writes OUT_JSON (default docs/benchmarks/policy.json) and the markdown summary. Pure CPU, about a
 minute. Needs the Azure trace and Vidur profiles under --data (falls back to tests/data slices).

@@ -8,7 +8,7 @@ prefills of several lengths, chunked prefills (prefix > 0) and decode batches at
 Output: the profile format of ``policy/costmodel.py`` (``{"attention": true, "rows": [{"chunks":
 [[prefix, tokens], ...], "ms": ...}], "meta": {...}}``), ready for ``kunserve costmodel fit``.
 
-    python benchmarks/profile_cpu_steps.py --model models/small --out docs/benchmarks/cpu_small_profile.json
+    python -m benchmarks.profile_cpu_steps --model models/small --out docs/benchmarks/cpu_small_profile.json
 """
 
 from __future__ import annotations

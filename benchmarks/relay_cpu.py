@@ -14,7 +14,7 @@ Each ``--ref`` (a git commit; ``HEAD`` and the working tree are ``.``) is run fr
 (``--step-ms``) default to what two tiny-model engines delivered in ``router_side_by_side.md``
 (about 3.1k tokens/s at 32 streams, 5.8k at 128).
 
-    python benchmarks/relay_cpu.py [--refs 9d66cf0,.] [--levels 32,128] [--reps 3] [--seconds 15]
+    python -m benchmarks.relay_cpu [--refs 9d66cf0,.] [--levels 32,128] [--reps 3] [--seconds 15]
         [--profile] [--out docs/benchmarks/relay_cpu.json] [--render-only]
 """
 

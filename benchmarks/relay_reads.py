@@ -14,7 +14,7 @@ front end (``/kunserve/status`` ``relay_reads``): where a front end reads an eng
 the tokens the engine made meanwhile wait in its socket and leave together. Fronts in an order
 shuffled per repetition, gaps pooled over repetitions. Writes ``docs/benchmarks/relay_reads.{md,json}``.
 
-    python benchmarks/relay_reads.py [--levels 32,128] [--reps 3] [--requests 4] [--output-len 64]
+    python -m benchmarks.relay_reads [--levels 32,128] [--reps 3] [--requests 4] [--output-len 64]
 """
 
 from __future__ import annotations
@@ -31,9 +31,7 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from router_side_by_side import ENGINE_BASE, Fronts, engine_args, front_status
-
+from benchmarks.router_side_by_side import ENGINE_BASE, Fronts, engine_args, front_status
 from vllm_kunserve.bench.report import command, cpu_model, md_table
 from vllm_kunserve.bench.router_fleet import engine_environ
 from vllm_kunserve.cluster.fleet.launcher import VllmServer, start_all

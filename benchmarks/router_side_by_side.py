@@ -20,7 +20,7 @@ TTFT, the client's median inter-token latency (tokens bunched by a late relay sh
 ITL near 0), each the mean over repetitions with a 95% bootstrap interval of that mean; the ratio
 to vllm-router round_robin. Writes ``docs/benchmarks/router_side_by_side.{md,json,png}``.
 
-    python benchmarks/router_side_by_side.py [--repeat 5] [--concurrency 1,32,128]
+    python -m benchmarks.router_side_by_side [--repeat 5] [--concurrency 1,32,128]
 
 ``--workload prefix`` asks the shared-prefix question instead (issue 37's cache-aware dispatch):
 ``vllm bench serve --dataset-name prefix_repetition`` (``--num-prefixes`` prompts of
@@ -30,7 +30,7 @@ and ``cache-aware`` dispatch (``kunserve``, ``kunserve-ca``: two front ends over
 with each run's prefix-cache hit rate from the engines' own counters (``vllm:prefix_cache_hits`` /
 ``vllm:prefix_cache_queries``). Writes ``router_side_by_side_prefix.{md,json,png}``.
 
-    python benchmarks/router_side_by_side.py --workload prefix --model decode-bf16 --kv-mib 48 \
+    python -m benchmarks.router_side_by_side --workload prefix --model decode-bf16 --kv-mib 48 \
         --num-prefixes 16 --prompts 96 --output-len 32
 
 ``--workload mooncake`` asks it on real conversations: the first ``--prompts`` requests of the
@@ -38,7 +38,7 @@ Mooncake FAST'25 conversation trace's multi-turn conversations, each 512-token b
 text of ``--block-tokens`` random tokens (new texts every run), in the trace's order (``vllm bench
 serve --dataset-name custom --disable-shuffle``). Writes ``router_side_by_side_mooncake.{md,json,png}``.
 
-    python benchmarks/router_side_by_side.py --workload mooncake --model decode-bf16 --kv-mib 48 \
+    python -m benchmarks.router_side_by_side --workload mooncake --model decode-bf16 --kv-mib 48 \
         --prompts 96 --output-len 32
 
 ``--layout own-core`` gives the front end a core of its own: the engines (every process of theirs)
@@ -72,6 +72,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common.stats import fmt_interval
 from vllm_kunserve.bench.compare import cpu_times
 from vllm_kunserve.bench.report import command, cpu_model, md_table, pyplot, save_figure, write_json
 from vllm_kunserve.bench.scrape import engine_metrics
@@ -322,17 +323,14 @@ def analyse(runs: list[dict], concs: list[int], fronts: tuple[str, ...] = FRONTS
     return out
 
 
-def fmt(c: dict, digits: int = 1) -> str:
-    return f"{c['mean']:.{digits}f} ({c['lo']:.{digits}f}..{c['hi']:.{digits}f})"
-
-
 def cell(fr: dict, f: str, m: str, digits: int, base: str) -> str:
     """A table cell: front ``f``'s mean of ``m`` with its interval and, for any front but ``base``,
     its ratio to ``base``'s mean ("-" where ``f`` has no ``m``)."""
     x, b = fr[f].get(m), fr.get(base, {}).get(m)
     if x is None:
         return "-"
-    return fmt(x, digits) + (f" [{x['mean'] / b['mean']:.2f}x]" if b and b["mean"] and f != base else "")
+    return fmt_interval(x, digits, point="mean") + (f" [{x['mean'] / b['mean']:.2f}x]"
+                                                     if b and b["mean"] and f != base else "")
 
 
 def target_line(c: str, what: str, mine: dict, ref: dict, bound: float | None, above: bool) -> str:
@@ -381,7 +379,7 @@ def stage_section(an: dict) -> list[str]:
     staged = [c for c, fr in an.items() if all(m in fr.get("kunserve", {}) for m in cols)]
     if not staged:
         return []
-    rows = [[c, *(fmt(an[c]["kunserve"][m], 1) for m in cols)] for c in staged]
+    rows = [[c, *(fmt_interval(an[c]["kunserve"][m], 1, point="mean") for m in cols)] for c in staged]
     c = max(staged, key=int)
     k = {m: an[c]["kunserve"][m]["mean"] for m in cols}
     before = k["admit_ms"] + k["unseen_ms"]
@@ -514,7 +512,8 @@ def render(meta: dict, an: dict) -> str:
         rows = []
         for c, fr in an.items():
             lp = fr.get("kunserve", {}).get("loop") or {}
-            cpu = [fmt(fr[f]["front_cpu_us_per_token"], 0) if "front_cpu_us_per_token" in fr.get(f, {}) else "-"
+            cpu = [fmt_interval(fr[f]["front_cpu_us_per_token"], 0, point="mean")
+                   if "front_cpu_us_per_token" in fr.get(f, {}) else "-"
                    for f in shown]
             share = (f"{lp['late']} late ({lp['late_s']:.1f} s): running {min(1.0, lp['late_cpu_s'] / lp['late_s']):.0%}, "
                      f"waiting for a core {min(1.0, lp['late_runq_s'] / lp['late_s']):.0%}") if lp.get("late_s") else "-"

@@ -1,7 +1,7 @@
 """Burstiness x memory demand at paper scale (simulated): where, if anywhere, KunServe's P99 TTFT is
 12.7x lower than tuned vLLM's, and how often real 10-minute windows are there (issue 34, item 5).
 
-Setup (as ``benchmarks/sim_paper_scale.py``): Qwen-2.5-14B on 8 x H100 80 GB, step times from the
+Setup: Qwen-2.5-14B on 8 x H100 80 GB, step times from the
 Vidur H100 profiles, the default ``least-work`` router, KunServe's default config. Arrival
 processes (rows):
 
@@ -15,8 +15,8 @@ processes (rows):
   the rows comparable; in the window analysis Mooncake's request i carries Azure's request i).
 
 Columns: the infinite-memory oracle's mean KV demand over the arrival period (``--demands``), set
-by compressing each row's window in time (``sim.scaling.fit_rate``, as ``sim_paper_scale.py``
-does; cold start, every request measured). Per cell: stock vLLM, ``vllm-tuned`` (the cap of
+by compressing each row's window in time (``sim.scaling.fit_rate``;
+cold start, every request measured). Per cell: stock vLLM, ``vllm-tuned`` (the cap of
 ``--caps`` plus stock's 1024 with the lowest P99 TTFT, picked per cell: ``sim.tuning.pick_vllm_cap``),
 ``kunserve``, and ``oracle-equal`` for each group size of ``--equal-groups`` (stock vLLM with the KV a
 KunServe group of that size reaches).
@@ -27,8 +27,8 @@ the window with the median request count at ``--window-target``, the paper-scale
 maps to the nearest cell (gamma row by log CV, demand column), and the doc reports the share that
 lands where KunServe / tuned vLLM >= 12.7x.
 
-    python benchmarks/sim_burstiness.py                    # the full sweep
-    python benchmarks/sim_burstiness.py --quick            # 2 CVs x 2 demands (+ the trace rows), short windows
+    python -m benchmarks.sim_burstiness                    # the full sweep
+    python -m benchmarks.sim_burstiness --quick            # 2 CVs x 2 demands (+ the trace rows), short windows
 
 Writes ``--out`` (markdown), and beside it ``.json`` (raw) and ``.png`` (heat map); everything from a
 ``## Reading`` heading on in an existing markdown file is kept. Data: "Azure LLM inference trace
@@ -48,9 +48,11 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common.stats import fmt_num
 from vllm_kunserve.bench.report import command, md_row, md_table, pyplot, rel, save_figure, write_doc, write_json
 from vllm_kunserve.bench.report import json_safe as clean  # noqa: F401  (JSON-safe: non-finite floats as None)
 from vllm_kunserve.sim.scaling import guess_factor  # noqa: F401  (the rate fit's next factor, fit_cell's step)
+from vllm_kunserve.workload.stats import ratio
 
 ROOT = Path(__file__).resolve().parents[1]   # this checkout: its docs and runs
 DATA = ROOT.parent / "shared" / "data" / "traces"
@@ -268,7 +270,7 @@ def row_traces(a, azure, mooncake, analysis: dict) -> list[dict]:
 
     W = a.warmup_s
     az_off = pick("azure", a.azure_offset) if "azure" in a.real else None
-    if az_off is None:  # no trace rows: the requests of sim_paper_scale's burstiest window
+    if az_off is None:  # no trace rows: the requests of the Azure trace's burstiest 600-s window
         az_off = 1140.0
     if az_off < W or az_off + a.window_s > azure[-1].arrival_s:
         raise SystemExit(f"azure window {az_off:g}:{a.window_s:g} with a {W:g}-s warm-up lies outside the trace "
@@ -346,21 +348,15 @@ def run_cell(cfg, trace, a, warm: float) -> dict:
     p99 = {n: p99_ttft(_as_summary(s)) for n, s in out["systems"].items()}
     out["p99_ttft_s"] = p99
     ks = p99["kunserve"]
-    out["ratio_tuned_over_kunserve"] = _ratio(p99["vllm-tuned"], ks)
-    out["ratio_stock_over_kunserve"] = _ratio(p99["vllm"], ks)
+    out["ratio_tuned_over_kunserve"] = ratio(p99["vllm-tuned"], ks)
+    out["ratio_stock_over_kunserve"] = ratio(p99["vllm"], ks)
     for g in a.equal_groups:
-        out[f"ratio_tuned_over_oracle_equal_g{g}"] = _ratio(p99["vllm-tuned"], p99[f"oracle-equal-g{g}"])
+        out[f"ratio_tuned_over_oracle_equal_g{g}"] = ratio(p99["vllm-tuned"], p99[f"oracle-equal-g{g}"])
     return out
 
 
 def _as_summary(b: dict) -> dict:
     return {"completed": b["completed"], "requests": b["requests"], "ttft_s": {"p99": b["p99_ttft_s"]}}
-
-
-def _ratio(x: float, y: float) -> float | None:
-    if not (math.isfinite(x) and math.isfinite(y)) or y <= 0:
-        return None
-    return x / y
 
 
 def fit_cell(cfg, row: dict, target: float, points: list, default: float, tol: float = 0.05, max_iter: int = 8):
@@ -393,20 +389,12 @@ def sweep(cfg, rows: list[dict], a, ref_factor: float) -> list[dict]:
             cells.append(cell)
             r = cell["ratio_tuned_over_kunserve"]
             print(f"{row['row']:>12} demand {d:.0%}: mean {info['mean_share']:.0%} peak {info['peak_share']:.0%} "
-                  f"x{info['scale']:.2f} | P99 TTFT s: vllm {_fmt(cell['p99_ttft_s']['vllm'])}, tuned "
-                  f"(cap {cell['tuned_cap']}) {_fmt(cell['p99_ttft_s']['vllm-tuned'])}, kunserve "
-                  f"{_fmt(cell['p99_ttft_s']['kunserve'])}, "
-                  + ", ".join(f"eq-g{g} {_fmt(cell['p99_ttft_s'][f'oracle-equal-g{g}'])}" for g in a.equal_groups)
-                  + f" | tuned/kunserve {_x(r)} | {cell['wall_s']:.0f} s wall, {cell['cpu_s']:.0f} s CPU", flush=True)
+                  f"x{info['scale']:.2f} | P99 TTFT s: vllm {fmt_num(cell['p99_ttft_s']['vllm'])}, tuned "
+                  f"(cap {cell['tuned_cap']}) {fmt_num(cell['p99_ttft_s']['vllm-tuned'])}, kunserve "
+                  f"{fmt_num(cell['p99_ttft_s']['kunserve'])}, "
+                  + ", ".join(f"eq-g{g} {fmt_num(cell['p99_ttft_s'][f'oracle-equal-g{g}'])}" for g in a.equal_groups)
+                  + f" | tuned/kunserve {fmt_num(r, suffix='x')} | {cell['wall_s']:.0f} s wall, {cell['cpu_s']:.0f} s CPU", flush=True)
     return cells
-
-
-def _fmt(v, digits: int = 2) -> str:
-    return "-" if v is None or not math.isfinite(v) else f"{v:.{digits}f}"
-
-
-def _x(v) -> str:
-    return "-" if v is None else f"{v:.2f}x"
 
 
 # ------------------------------------------------------------------------------------ windows -> cells
@@ -547,13 +535,13 @@ def render(a, cfg, meta: dict, rows: list[dict], cells: list[dict], analysis: di
          f"Qwen-2.5-14B (bf16, {cfg.model.param_bytes / 1e9:.1f} GB weights, {meta['droppable_gb']:.1f} GB of "
          f"them in decoder layers) on 8 x H100 80 GB (gpu_memory_utilization 0.9, "
          f"{cfg.base_kv_blocks() * cfg.block_size:,} KV tokens = {meta['kv_gb']:.1f} GB per instance), step times "
-         f"from Microsoft Vidur's H100 profiles (`{cfg.step_time.describe()['source']}`), the NVLink link of "
-         "`benchmarks/sim_paper_scale.py`, the default `least-work` router, KunServe's default config "
+         f"from Microsoft Vidur's H100 profiles (`{cfg.step_time.describe()['source']}`), the simulator's NVLink "
+         "link (Vidur's fit), the default `least-work` router, KunServe's default config "
          f"(groups of up to {meta['max_group_size']} instances). Every cell is one row's trace compressed in time "
-         "(`compress_time`, as `sim_paper_scale.py`) until the infinite-memory oracle's mean KV demand over "
+         "(`compress_time`) until the infinite-memory oracle's mean KV demand over "
          "the measured period is the column's share of capacity (within 5%; the factor is searched with oracle "
          "runs as `sim.scaling.fit_rate` does, stepping by log-log interpolation over the row's earlier tries). "
-         f"Unlike `sim_paper_scale.py` (cold start, every request measured) each trace starts with a "
+         f"Unlike a cold start (every request measured) each trace starts with a "
          f"{a.warmup_s:g}-s warm-up (source seconds; the requests before the window, under the row's arrival "
          "process) that is served but not measured, so the KV is in steady state when measurement starts and "
          "the mean demand is not diluted by the cluster filling up. Compression keeps the inter-arrival CV but "
@@ -647,9 +635,9 @@ def render(a, cfg, meta: dict, rows: list[dict], cells: list[dict], analysis: di
         p = c["p99_ttft_s"]
         s = c["systems"]
         L.append(f"| {c['row']} | {c['demand']:.0%} | {c['mean_share']:.0%} / {c['peak_share']:.0%} | "
-                 f"{c['factor']:.2f} | {c['requests']} | {_fmt(p['vllm'])} | {_fmt(p['vllm-tuned'])} ({c['tuned_cap']}) | "
-                 f"{_fmt(p['kunserve'])} | " + " | ".join(_fmt(p[f'oracle-equal-g{gg}']) for gg in a.equal_groups)
-                 + f" | {_x(c['ratio_tuned_over_kunserve'])} | {_x(c['ratio_stock_over_kunserve'])} | "
+                 f"{c['factor']:.2f} | {c['requests']} | {fmt_num(p['vllm'])} | {fmt_num(p['vllm-tuned'])} ({c['tuned_cap']}) | "
+                 f"{fmt_num(p['kunserve'])} | " + " | ".join(fmt_num(p[f'oracle-equal-g{gg}']) for gg in a.equal_groups)
+                 + f" | {fmt_num(c['ratio_tuned_over_kunserve'], suffix='x')} | {fmt_num(c['ratio_stock_over_kunserve'], suffix='x')} | "
                  f"{s['kunserve']['max_group']} | {s['vllm']['preemptions']} / {s['vllm-tuned']['preemptions']} / "
                  f"{s['kunserve']['preemptions']} | {c['wall_s']:.0f} |")
     # windows

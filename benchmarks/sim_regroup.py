@@ -19,8 +19,8 @@ variants:
 
 The stored cell's ``vllm-tuned`` and ``oracle-equal-g2`` / ``-g8`` P99s are quoted beside them.
 
-    python benchmarks/sim_regroup.py                       # every cell of sim_burstiness.json
-    python benchmarks/sim_regroup.py --rows azure --demands 0.6,0.9
+    python -m benchmarks.sim_regroup                       # every cell of sim_burstiness.json
+    python -m benchmarks.sim_regroup --rows azure --demands 0.6,0.9
 
 Writes ``--out`` (markdown), and beside it ``.json`` (raw) and ``.png``; everything from a
 ``## Reading`` heading on in an existing markdown file is kept.
@@ -35,10 +35,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import sim_burstiness as SB  # noqa: E402
-
+from benchmarks import sim_burstiness as SB
+from benchmarks.common.stats import fmt_num
 from vllm_kunserve.bench.report import command, md_row, md_table, pyplot, rel, save_figure, write_doc, write_json
+from vllm_kunserve.workload.stats import ratio
 
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = ROOT / "docs" / "benchmarks" / "sim_burstiness.json"
@@ -135,16 +135,11 @@ def sweep(a) -> list[dict]:
         cell["agrees_with_stored"] = (k_now is not None and k_then is not None
                                       and abs(k_now - k_then) <= AGREE * max(1.0, abs(k_then)))
         out.append(cell)
-        print(f"{c['row']:>12} {c['demand']:.0%}: P99 TTFT kunserve {SB._fmt(k_now)} (stored {SB._fmt(k_then)}), "
-              f"regroup {SB._fmt(v['regroup']['p99_ttft_s'])} (max group {v['regroup']['max_group']}, "
-              f"{v['regroup']['recomputed']} recomputed), regroup-kv {SB._fmt(v['regroup-kv']['p99_ttft_s'])}, "
-              f"eq-g8 {SB._fmt(stored.get('oracle-equal-g8'))} | {cell['wall_s']:.0f} s", flush=True)
+        print(f"{c['row']:>12} {c['demand']:.0%}: P99 TTFT kunserve {fmt_num(k_now)} (stored {fmt_num(k_then)}), "
+              f"regroup {fmt_num(v['regroup']['p99_ttft_s'])} (max group {v['regroup']['max_group']}, "
+              f"{v['regroup']['recomputed']} recomputed), regroup-kv {fmt_num(v['regroup-kv']['p99_ttft_s'])}, "
+              f"eq-g8 {fmt_num(stored.get('oracle-equal-g8'))} | {cell['wall_s']:.0f} s", flush=True)
     return out
-
-
-def ratio(x, y):
-    """``sim_burstiness``'s ratio, with a missing P99 (no request measured) read as no ratio."""
-    return None if x is None or y is None else SB._ratio(x, y)
 
 
 def summary(cells: list[dict]) -> dict:
@@ -183,7 +178,7 @@ def plot(path: Path, cells: list[dict]) -> None:
 
 
 def render(a, cells: list[dict], summ: dict, png: Path, raw: Path, wall: float) -> list[str]:
-    f = SB._fmt
+    f = fmt_num
     link = os.path.relpath(Path(a.cells).resolve(), png.parent.resolve())
     lines = ["# Regrouping at paper scale (simulated)", "",
              f"`{command('sim_regroup.py')}` ({wall:.0f} s); raw data [{raw.name}]({raw.name}); cells from "
@@ -203,13 +198,13 @@ def render(a, cells: list[dict], summ: dict, png: Path, raw: Path, wall: float) 
         k = v["kunserve"]["p99_ttft_s"]
         lines.append(md_row([c["row"], f"{c['demand']:.0%}", f(st["vllm-tuned"]), f(k), f(v["regroup"]["p99_ttft_s"]),
                              f(v["regroup-kv"]["p99_ttft_s"]), f(st["oracle-equal-g8"]), v["regroup"]["max_group"],
-                             v["regroup"]["recomputed"], SB._x(ratio(v["regroup"]["p99_ttft_s"], k)),
-                             SB._x(ratio(v["regroup-kv"]["p99_ttft_s"], k))]))
+                             v["regroup"]["recomputed"], fmt_num(ratio(v["regroup"]["p99_ttft_s"], k), suffix="x"),
+                             fmt_num(ratio(v["regroup-kv"]["p99_ttft_s"], k), suffix="x")]))
     lines += ["", "P99 TTFT in seconds over the measured requests.", "",
               "## Summary", ""]
     lines += md_table(["variant", "cells regrouped", "better by >= 5%", "worse by >= 5%", "median / kunserve"], "lrrrr",
                       [[n, f"{summ[n]['regrouped_cells']} of {summ['cells']}", summ[n]["better"], summ[n]["worse"],
-                        SB._x(summ[n]["median_ratio"])] for n in ("regroup", "regroup-kv")])
+                        fmt_num(summ[n]["median_ratio"], suffix="x")] for n in ("regroup", "regroup-kv")])
     lines += ["", f"Better / worse / median over the {summ['cells_with_room']} cells where the default's P99 is more "
               "than 1.1x oracle-equal-g8's (room for a larger group). The default kunserve's P99 "
               + ("agrees with the stored cell's in every cell (the cells are current)." if summ["all_agree_with_stored"]

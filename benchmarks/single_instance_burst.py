@@ -6,7 +6,7 @@ window with lengths scaled down for the CPU and arrivals scaled so the burst's p
 about 1.3x the base capacity, block size 32, and writes docs/benchmarks/single_instance_burst.md
 plus the raw compare.json next to it.
 
-    python benchmarks/single_instance_burst.py [--variant small|light] [--out DIR] [--repeat 3] [--render-only]
+    python -m benchmarks.single_instance_burst [--variant small|light] [--out DIR] [--repeat 3] [--render-only]
 
 Variants: ``small`` is ``kunserve make-model --preset small`` (hidden 512, 88 MB). On a 2-core CPU
 its 1.6x-weights KV budget (17k tokens) takes longer to fill by prefill than a burst lasts, so the

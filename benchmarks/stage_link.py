@@ -5,7 +5,7 @@ back (``vllm_kunserve.transfer.stage``: Unix socket + shared-memory payload). Th
 round trip with a handler that returns its input, for the payload sizes a decode step (a few
 KiB to 100s of KiB) and a prefill chunk (MiBs) move, with the server in another process.
 
-    python benchmarks/stage_link.py [--reps 200]
+    python -m benchmarks.stage_link [--reps 200]
 
 Writes docs/benchmarks/stage_link.{json,md}.
 """

@@ -21,7 +21,7 @@ What a pipeline group of CUDA engines moves through ``vllm_kunserve.transfer.sta
 Two processes on one GPU time-slice the device, which a real group (one GPU per member) does not:
 the overhead measured here includes those context switches, so it bounds a group's from above.
 
-    python benchmarks/stage_link_gpu.py [--parts hop,kv,pipeline] [--quick]
+    python -m benchmarks.stage_link_gpu [--parts hop,kv,pipeline] [--quick]
 
 Writes docs/benchmarks/stage_link_gpu.{json,md} (and a copy into $OUT when set).
 """

@@ -2,7 +2,7 @@
 Llama (plain torch + transformers, no vLLM, no KV prefix), on the CPU or a GPU.
 
 Usage:
-    python benchmarks/step_tokens.py [--device cpu|cuda] [--preset decode-bf16|7b] [--threads 1]
+    python -m benchmarks.step_tokens [--device cpu|cuda] [--preset decode-bf16|7b] [--threads 1]
         [--tokens 1,4,16,23,32,64,87,128,256,512] [--reps 15] [--eager]
         [--out docs/benchmarks/step_tokens.json] [--md docs/benchmarks/step_tokens.md]
 

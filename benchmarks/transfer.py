@@ -6,7 +6,7 @@ Two processes on 127.0.0.1 (gloo, CPU tensors). Latency is measured one way, fro
 During the bulk phases a feeder thread keeps the link busy with back-to-back bulk transfers.
 
 Usage:
-    python benchmarks/transfer.py [--acts 200] [--gap-ms 5] [--act-kb 16] [--bulk-mb 64]
+    python -m benchmarks.transfer [--acts 200] [--gap-ms 5] [--act-kb 16] [--bulk-mb 64]
         [--chunk-kb 64 256 1024 4096] [--out docs/benchmarks/mechanisms_transfer.json]
         [--md docs/benchmarks/mechanisms_transfer.md]
 

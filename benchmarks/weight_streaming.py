@@ -2,7 +2,7 @@
 the copy bandwidth the side stream achieved vs the peak of a plain (pinned, on CUDA) copy.
 
 Usage:
-    python benchmarks/weight_streaming.py [--device cpu|cuda] [--layers 8] [--hidden 1024]
+    python -m benchmarks.weight_streaming [--device cpu|cuda] [--layers 8] [--hidden 1024]
         [--batch 8] [--context 128] [--steps 20]
         [--out docs/benchmarks/mechanisms_weight_streaming.json] [--md docs/benchmarks/mechanisms_weight_streaming.md]
 
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common.stats import fmt_num
 from vllm_kunserve.bench.report import device_name, doc_header, md_row, md_table, write_json
 from vllm_kunserve.memory.streaming import install_streaming
 from vllm_kunserve.policy.remap import max_remapped
@@ -71,10 +72,6 @@ def step_times(models, cache, args, dev) -> tuple[list[list[float]], list[list[f
                     times.append(time.perf_counter() - t0)
                     host[models.index(m)].append(t1 - t0)
     return out, host
-
-
-def _fmt(x: float, spec: str, suffix: str = "") -> str:
-    return "-" if x != x else f"{x:{spec}}{suffix}"
 
 
 def plain_copy_peak(nbytes: int, dev: torch.device, reps: int = 10) -> float:
@@ -179,8 +176,8 @@ def main(argv=None) -> int:
     for r in rows:
         lines.append(md_row([r["slots"], r["alpha"], r["remapped"], "yes" if r["within_bound"] else "no",
                              f"{r['step_ms']:.2f}", f"{r['resident_step_ms']:.2f}", f"{r['ratio_vs_resident']:.2f}",
-                             f"{r['host_ms']:.2f} / {r['resident_host_ms']:.2f}", _fmt(r["copy_gbps"], ".2f"),
-                             _fmt(100 * r["copy_vs_peak"], ".0f", "%"), r["copies"], r["sync_loads"]]))
+                             f"{r['host_ms']:.2f} / {r['resident_host_ms']:.2f}", fmt_num(r["copy_gbps"], 2),
+                             fmt_num(100 * r["copy_vs_peak"], 0, "%"), r["copies"], r["sync_loads"]]))
     lines += ["", "When alpha <= slots every streamed layer keeps its own slot, so nothing is copied after "
               "install (no copy figure).", "",
               "Targets (GPU): copy >= 80% of peak; step <= 1.05x resident for alpha within the "

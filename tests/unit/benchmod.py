@@ -1,12 +1,8 @@
-"""Load a script of ``benchmarks/`` (not a package) as a module, for tests of its analysis code."""
+"""Import a script of ``benchmarks/`` (``benchmarks.<name>``, as ``python -m benchmarks.<name>`` runs
+it) for tests of its analysis code."""
 
-import importlib.util
-from pathlib import Path
+import importlib
 
 
 def load_benchmark(name: str):
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"benchmarks.{name}")

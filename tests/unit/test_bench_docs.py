@@ -1,4 +1,4 @@
-"""What the benchmarks' docs share (bench/report.py, bench/burst.py, workload/records.py), the one
+"""What the benchmarks' docs share (bench/report.py, benchmarks/common/burst.py, workload/records.py), the one
 percentile helper (workload/stats.py) with the rank rules the benchmarks keep, the rate fit that
 steps over a trace's earlier points (sim/scaling.py) and the static group as a simulator policy."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from vllm_kunserve.bench import report
-from vllm_kunserve.bench.burst import dispatch_split, window_stats
+from benchmarks.common.burst import dispatch_split, window_stats
 from vllm_kunserve.workload.records import read_csv
 from vllm_kunserve.workload.stats import percentile, percentiles
 
@@ -66,7 +66,7 @@ def test_one_percentile_helper_keeps_each_benchmarks_rank_rule():
         v = [rng.lognormvariate(0, 1) for _ in range(n)]
         s = sorted(v)
         for q in (50, 90, 99):
-            k = (n - 1) * q / 100   # linear interpolation (cluster_burst's window P99)
+            k = (n - 1) * q / 100   # linear interpolation (the burst window's P99)
             lo, hi = int(k), min(int(k) + 1, n - 1)
             assert percentile(v, q) == pytest.approx(s[lo] + (s[hi] - s[lo]) * (k - lo), rel=1e-12)
             # the nearest rank (front_end.py) and the order statistic at or above (stage_link.py)

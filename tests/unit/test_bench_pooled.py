@@ -1,4 +1,4 @@
-"""Pooled tail statistics with bootstrap intervals (bench/pooled.py) and the burst-value benchmark's
+"""Pooled tail statistics with bootstrap intervals (benchmarks/common/pooled.py) and the burst-value benchmark's
 analysis (benchmarks/burst_value.py): percentiles over repetitions, ratios, gap closed, goodput."""
 
 import math
@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_kunserve.bench import pooled as P
+from benchmarks.common import pooled as P
 
 from .benchmod import load_benchmark
 
@@ -51,7 +51,7 @@ def test_ratio_and_gap_closed():
     rng = np.random.default_rng(0)
     base = rng.exponential(1.0, 300)
     best, bound = reqs(base * 4), reqs(base)
-    r = P.ratio(best, bound, 99)
+    r = P.percentile_ratio(best, bound, 99)
     assert r["value"] == pytest.approx(4.0) and r["lo"] < 4.0 < r["hi"]
     closed = P.gap_closed(best, reqs(base), bound, 90)
     assert closed["value"] == pytest.approx(1.0) and closed["lo"] < 1.0 < closed["hi"]
@@ -77,8 +77,7 @@ def test_read_window_keeps_the_window(tmp_path):
 
 
 @pytest.fixture
-def bv(monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+def bv():
     return load_benchmark("burst_value")
 
 
@@ -128,7 +127,7 @@ def test_a_pooled_ratio_one_repetition_carries_is_not_called_met(bv):
     thrash = [r for k, x in enumerate(xs, 1) for r in reqs(x * (10 if k == 3 else 1), rep=k)]
     each = P.without_each_rep(kun, thrash, 99)
     assert [e["rep"] for e in each] == [1, 2, 3]
-    assert each[2]["value"] == pytest.approx(P.ratio([r for r in kun if r.rep < 3], [r for r in thrash if r.rep < 3],
+    assert each[2]["value"] == pytest.approx(P.percentile_ratio([r for r in kun if r.rep < 3], [r for r in thrash if r.rep < 3],
                                                      99)["value"])
     assert each[2]["value"] > 1.2 > max(e["value"] for e in each[:2])
     totals = {"kunserve": {"failed": 0}, "oracle-equal": {"failed": 0}}
@@ -148,7 +147,7 @@ def test_a_pooled_ratio_one_repetition_carries_is_not_called_met(bv):
 
 
 def test_each_runs_machine_speed_is_read_from_its_warm_decode_rate_and_a_slow_run_is_named(bv, tmp_path):
-    from vllm_kunserve.bench.burst import machine_speed
+    from benchmarks.common.burst import machine_speed
 
     def run(system, rep, tpot):
         d = tmp_path / system / f"rep{rep}"
@@ -269,11 +268,11 @@ def test_joins_are_read_per_system_from_each_front_ends_log(bv, tmp_path):
 
 def test_ratio_of_tpot_skips_requests_without_one():
     a = reqs([1.0] * 50, tpot=0.12) + [P.Request(1, 99.0, True, 1.0, None, 1, None)]
-    r = P.ratio(a, reqs([1.0] * 50, tpot=0.10), 50, metric="tpot")
+    r = P.percentile_ratio(a, reqs([1.0] * 50, tpot=0.10), 50, metric="tpot")
     assert r["value"] == pytest.approx(1.2) and r["lo"] == pytest.approx(1.2) and r["hi"] == pytest.approx(1.2)
-    assert P.ratio(a, a, 50)["value"] == pytest.approx(1.0)
+    assert P.percentile_ratio(a, a, 50)["value"] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="ttft or tpot"):
-        P.ratio(a, a, 50, metric="e2e")
+        P.percentile_ratio(a, a, 50, metric="e2e")
 
 
 def test_kunserve_against_its_stock_twin(bv, tmp_path):
@@ -334,8 +333,8 @@ def test_kv_cap_at_or_below_one_is_refused_before_anything_runs(tmp_path):
     import subprocess
     import sys
     root = Path(__file__).resolve().parents[2]
-    p = subprocess.run([sys.executable, str(root / "benchmarks" / "burst_value.py"), "--regime", "r0", "--kv-cap", "1",
-                        "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "benchmarks.burst_value", "--regime", "r0", "--kv-cap", "1",
+                        "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120, cwd=root)
     assert p.returncode == 2
     assert "--kv-cap 1: a group member's KV may grow to this multiple of its base; must be > 1" in p.stderr
     assert not (tmp_path / "run").exists()
@@ -368,7 +367,7 @@ def test_rerun_agreement_tells_a_run_that_fixes_its_tail_from_one_that_does_not(
 
 
 def test_grouped_seconds_become_spans_an_arrival_falls_in():
-    from vllm_kunserve.bench.burst import in_spans, spans
+    from benchmarks.common.burst import in_spans, spans
 
     assert spans([82.0, 80.0, 81.0, 85.0]) == [[80.0, 83.0], [85.0, 86.0]]
     assert spans([]) == []
@@ -378,7 +377,7 @@ def test_grouped_seconds_become_spans_an_arrival_falls_in():
 def test_the_groups_output_is_read_against_the_reference_over_the_same_seconds(tmp_path):
     import gzip
 
-    from vllm_kunserve.bench.burst import grouped_output
+    from benchmarks.common.burst import grouped_output
 
     def timeline(path, rows, gz=False):
         path.mkdir(parents=True)

@@ -65,7 +65,7 @@ def test_machine_speed_is_the_median_warm_tpot_ratio_over_systems(bvs, tmp_path)
 def test_noise_adds_a_drawn_residual_to_each_request_and_keeps_lost_ones_lost(bvs):
     import math
 
-    from vllm_kunserve.bench import pooled
+    from benchmarks.common import pooled
 
     pred = [pooled.Request(1, 40.0, True, 0.5, 0.1, 100, 10.0), pooled.Request(2, 41.0, True, 0.05, 0.1, 100, 10.0),
             pooled.Request(2, 42.0, False, math.inf, None, 0, None)]

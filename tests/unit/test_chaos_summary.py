@@ -1,10 +1,10 @@
-"""The chaos run's summary (vllm_kunserve/bench/chaos.py): token identity against the reference,
+"""The chaos run's summary (benchmarks/common/chaos.py): token identity against the reference,
 the requests in flight at a kill, the fleet's counters read from the front end's /metrics."""
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from vllm_kunserve.bench.chaos import ChaosRun, ChaosSpec, _counters, _specs, summarise
+from benchmarks.common.chaos import ChaosRun, ChaosSpec, _counters, _specs, summarise
 from vllm_kunserve.bench.client import RequestResult
 
 pytestmark = pytest.mark.unit

@@ -128,7 +128,7 @@ def test_the_stand_in_load_arm_is_summarised_beside_the_other_two():
     s = fe.summarize(rows)[0]
     ld = s["loaded"]
     assert ld["reps"] == 3
-    assert ld["load_over_direct"] == {"median": 0.95, "min": 0.95, "max": 1.0}
+    assert ld["load_over_direct"] == {"median": 0.95, "min": 0.95, "max": 1.0, "n": 3}
     assert ld["proxy_over_load"]["median"] == pytest.approx(90 / 95)
     assert ld["proxy_over_load"]["min"] == pytest.approx(0.8) and ld["proxy_over_load"]["max"] == pytest.approx(1.0)
     assert (ld["duty_asked"], ld["duty_taken"], ld["frontend_duty"]) == (0.2, 0.19, 0.2)

@@ -126,7 +126,7 @@ def test_a_traced_step_records_its_requests_tokens_and_prefill_tokens():
 
 
 def test_a_groups_trace_is_written_in_parts_that_load_joins_again(tmp_path, monkeypatch):
-    from vllm_kunserve.bench.pipeline_trace import load
+    from benchmarks.common.pipeline_trace import load
     from vllm_kunserve.integration.vllm import pipeline
 
     monkeypatch.setattr(pipeline, "_TRACE_DIR", str(tmp_path))

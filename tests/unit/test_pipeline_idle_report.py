@@ -2,6 +2,7 @@
 ran and their waits, and the doc it writes from a trace directory; bad input is refused."""
 
 import json
+import tarfile
 
 import pytest
 
@@ -56,9 +57,11 @@ def test_the_doc_is_written_from_a_trace_directory_and_bad_input_is_refused(tmp_
     md = (docs / "pipeline_idle.md").read_text()
     assert "kunserve compare --out run" in md and "| e0 |" in md and "| e1 |" in md
     assert "| rep1 | 1 | 0 | 0.400 | 0.400 | 0.120 |" in md      # only the window's arrival
-    saved = json.loads((docs / "pipeline_idle.json").read_text())
+    with tarfile.open(docs / "runs" / "pipeline_idle.tar.xz") as tar:   # one archive: the traces and the analysis
+        names = sorted(m.name for m in tar.getmembers())
+        saved = json.loads(tar.extractfile("pipeline_idle/page.json").read())
     assert set(saved["groups"][0]["analysis"]) == {"e0", "e1"}
-    assert sorted(p.name for p in (docs / "pipeline_idle").iterdir()) == ["e0-1-1.json.gz", "e1-1-1.json.gz"]
+    assert names == ["pipeline_idle/e0-1-1.json", "pipeline_idle/e1-1-1.json", "pipeline_idle/page.json"]
     for bad, needle in ((["--window", "9,3"], "--window"), (["--trace", str(tmp_path / "none")], "no worker traces")):
         with pytest.raises(SystemExit):
             pi.main(args + bad)
@@ -77,7 +80,9 @@ def test_the_doc_says_what_a_prompt_costs_the_group_when_steps_carry_their_load(
     assert pi.main(args) == 0
     md = (docs / "pipeline_idle.md").read_text()
     assert "### What a prompt costs the group" in md
-    cycles = json.loads((docs / "pipeline_idle.json").read_text())["groups"][0]["analysis"]["e0"]["prefill_cycles"]
+    with tarfile.open(docs / "runs" / "pipeline_idle.tar.xz") as tar:
+        saved = json.loads(tar.extractfile("pipeline_idle/page.json").read())
+    cycles = saved["groups"][0]["analysis"]["e0"]["prefill_cycles"]
     assert cycles["decode only"]["prefill_tokens"] == 0 and cycles["own prefill"]["prefill_tokens"] == 64
     # a cycle of its own prompt is 60 ms longer (its own stage ran 3x 30 ms)
     assert cycles["own prefill"]["cycle_p50_ms"] == pytest.approx(cycles["decode only"]["cycle_p50_ms"] + 60, abs=0.5)

@@ -1,4 +1,4 @@
-"""The pipeline trace analysis (bench/pipeline_trace.py): a member's core shares, its step's chain
+"""The pipeline trace analysis (benchmarks/common/pipeline_trace.py): a member's core shares, its step's chain
 and the idle time of its core by cause, on a hand-made two-member trace whose numbers are known."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from vllm_kunserve.bench.pipeline_trace import _merge, _minus, analyse, load, prefill_cycles
+from benchmarks.common.pipeline_trace import _merge, _minus, analyse, load, prefill_cycles
 
 pytestmark = pytest.mark.unit
 

@@ -142,6 +142,36 @@ def test_every_registered_name_resolves_to_its_policy():
     assert get_policy("least-work").on_period(units(), [], None) == ()
 
 
+def test_every_dispatch_help_lists_exactly_the_registrys_policies():
+    """``kunserve serve``, ``simulate`` and ``compare``'s ``--dispatch`` help texts name every policy of
+    the registry, in its order, each with its summary, and nothing else (``registry.describe``): a
+    policy registered is listed without editing any help text."""
+    import argparse
+    import re
+
+    from vllm_kunserve.cli.main import build_parser
+    from vllm_kunserve.cli.serve import _options
+    from vllm_kunserve.policy.dispatch import DEFAULT_DISPATCH, DISPATCH, POLICIES, describe
+
+    def dispatch(parser: argparse.ArgumentParser) -> argparse.Action:
+        return next(a for a in parser._actions if "--dispatch" in a.option_strings)
+
+    def command(name: str) -> argparse.ArgumentParser:
+        subs = next(a for a in build_parser([name])._actions if isinstance(a, argparse._SubParsersAction))
+        return subs.choices[name]
+
+    actions = {"serve": dispatch(_options()), "simulate": dispatch(command("simulate")),
+               "compare": dispatch(command("compare"))}
+    for name, action in actions.items():
+        listed = re.findall(r"(?:: |\| )([a-z][a-z-]*) \(", action.help)
+        assert listed == list(DISPATCH), name
+        for policy in POLICIES.values():
+            assert policy.summary and policy.summary in action.help, (name, policy.name)
+    assert actions["serve"].choices == DISPATCH and actions["serve"].default == DEFAULT_DISPATCH
+    assert actions["simulate"].default == DEFAULT_DISPATCH
+    assert f"{DEFAULT_DISPATCH} (default; " in describe() and "(default; " not in describe(None)
+
+
 @pytest.mark.parametrize("bad", ["fastest", "", "LEAST-WORK", None, 3, ["mell"], {"mode": "mell"}])
 def test_an_unknown_name_is_a_value_error_listing_the_names(bad):
     from vllm_kunserve.policy.dispatch import check_mode, get_policy

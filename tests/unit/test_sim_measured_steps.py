@@ -2,14 +2,13 @@
 
 import pytest
 
+from vllm_kunserve.sim import runfit
 from vllm_kunserve.sim.engine import SimConfig, Simulator
 from vllm_kunserve.sim.hardware import get_gpu
 from vllm_kunserve.sim.policies import build_policy
 from vllm_kunserve.sim.steptime import MeasuredStepTime
 from vllm_kunserve.sim.trace import TraceRequest
 from vllm_kunserve.workload.models import BUILTIN
-
-from tests.unit.benchmod import load_benchmark
 
 pytestmark = pytest.mark.unit
 
@@ -109,10 +108,6 @@ def test_linear_step_time_pays_the_fixed_part_once():
         MeasuredStepTime([(1, 0.04)], 400.0, prefill_fixed_s=-1.0)
 
 
-def _bench():
-    return load_benchmark("cluster_burst_sim")
-
-
 def _tl_row(sec, running, tokens, arrivals=0, waiting=0, completions=0, preemptions=0, layers=(12, 12)):
     r = {"second": str(sec), "arrivals": str(arrivals), "completions": str(completions), "running": str(running),
          "output_tokens": str(tokens), "waiting": str(waiting), "preemptions": str(preemptions)}
@@ -123,7 +118,6 @@ def _tl_row(sec, running, tokens, arrivals=0, waiting=0, completions=0, preempti
 
 def test_clean_seconds_and_the_run_line():
     """2 engines whose step is 40 ms + 5 ms per request: running R gives R / step(R/2) tokens/s."""
-    cb = _bench()
 
     def tok(run):
         return run / (0.04 + 0.005 * max(1.0, run / 2))
@@ -133,29 +127,27 @@ def test_clean_seconds_and_the_run_line():
     tl += [_tl_row(7, 8, tok(8), waiting=2, completions=1)]  # a finish admits a waiting request: out
     tl += [_tl_row(s, 8, tok(8), waiting=2) for s in range(8, 14)]  # waiting, nothing frees: decode only
     tl += [_tl_row(s, 20, tok(20), layers=(6, 6)) for s in range(14, 24)]  # grouped
-    secs = cb.clean_seconds(tl, 2)
+    secs = runfit.clean_seconds(tl, 2)
     assert [s["second"] for s in secs["single"]] == [2, 3, 4, 5, 6, 9, 10, 11, 12, 13]
     assert [s["second"] for s in secs["grouped"]] == list(range(15, 24))
-    fit = cb.fit_steps(secs["single"])
+    fit = runfit.fit_steps(secs["single"])
     assert fit["a_s"] == pytest.approx(0.04) and fit["c_s"] == pytest.approx(0.005)
-    g = cb.fit_steps(secs["grouped"])  # one batch size only: a constant step at it
+    g = runfit.fit_steps(secs["grouped"])  # one batch size only: a constant step at it
     assert g["c_s"] == 0.0 and g["a_s"] == pytest.approx(0.04 + 0.005 * 10)
 
 
 def test_fit_steps_keeps_tokens_a_paused_front_end_delivers_late():
     """A second read as 0 tokens and the next as twice its share: pooled in a run, the step is right."""
-    cb = _bench()
     secs = [{"second": float(s), "running": 4.0, "tokens": t, "batch": 2.0}
             for s, t in zip(range(10), [80, 80, 0, 160, 80, 80, 80, 0, 160, 80])]
     secs += [{"second": float(s), "running": 20.0, "tokens": 200.0, "batch": 10.0} for s in range(20, 30)]
-    fit = cb.fit_steps(secs)
+    fit = runfit.fit_steps(secs)
     assert fit["a_s"] + 2 * fit["c_s"] == pytest.approx(4 / 80)
     assert fit["a_s"] + 10 * fit["c_s"] == pytest.approx(20 / 200)
 
 
 def test_prefill_rate_from_warm_requests():
     """An idle engine: TTFT = fixed + prompt / rate; a busy one: 1.5 steps + prompt / rate."""
-    cb = _bench()
     fits = {"single": {"a_s": 0.05, "c_s": 0.01}, "grouped": None}
     tl = [_tl_row(s, 1, 20) for s in range(200)]
     rate = 400.0
@@ -168,41 +160,13 @@ def test_prefill_rate_from_warm_requests():
     ]
     csv_rows = [{"idx": str(i), "arrival_s": str(a), "send_s": str(s), "ttft_s": str(t), "e2e_s": str(e),
                  "ok": "1", "prompt_len": "64", "server_prompt_tokens": "64"} for i, a, s, t, e in rows]
-    got = cb.prefill_samples(csv_rows, 60.0, tl, 1, fits)  # one engine: request 1 finds request 0 running
+    got = runfit.prefill_samples(csv_rows, 60.0, tl, 1, fits)  # one engine: request 1 finds request 0 running
     assert got == [pytest.approx(1 / rate), pytest.approx(1 / rate)]
-
-
-def test_repetitions_skip_an_earlier_runs_leftovers(tmp_path):
-    """A run written into a directory that holds an earlier one: compare.json (the earlier run's end)
-    predates the new repetitions, so it is not used and the repetitions older than it are skipped."""
-    import os
-
-    cb = _bench()
-    for s, k, t in (("vllm", 1, 100), ("oracle", 1, 100), ("vllm", 2, 300), ("vllm", 1, 0)):
-        d = tmp_path / s / f"rep{k}"
-        d.mkdir(parents=True, exist_ok=True)
-        for f in ("summary.json", "requests.csv", "timeline.csv"):
-            (d / f).write_text("{}")
-            if t:
-                os.utime(d / f, (t, t))
-    (tmp_path / "compare.json").write_text("{}")
-    os.utime(tmp_path / "compare.json", (200, 200))
-    os.utime(tmp_path / "vllm" / "rep1" / "summary.json", (400, 400))  # rewritten by the new run
-    reps, note = cb.repetitions(tmp_path, ["vllm", "oracle"], 0)
-    assert [(s, k) for s, k, _ in reps] == [("vllm", 1), ("vllm", 2)]
-    assert "oracle/rep1" in note
-    os.utime(tmp_path / "compare.json", (500, 500))  # the run finished: every repetition is its own
-    reps, note = cb.repetitions(tmp_path, ["vllm", "oracle"], 0)
-    assert note is None and len(reps) == 3
-    assert [k for _, k, _ in cb.repetitions(tmp_path, ["vllm", "oracle"], 1)[0]] == [1, 1]
 
 
 def test_a_runs_variant_is_simulated_with_its_own_kunserve_config():
     """``--variant NAME=JSON`` systems of a run are simulated as kunserve with the merged config:
     here vLLM's admission in place of the group's peak-aware one."""
-    cb = _bench()
-    from vllm_kunserve.sim.steptime import MeasuredStepTime
-
     base = {"memory": {"max_kv_ratio": 2.0}, "lookahead": {"admission": "peak"}}
     from vllm_kunserve.bench.systems import variant_configs
 
@@ -212,17 +176,16 @@ def test_a_runs_variant_is_simulated_with_its_own_kunserve_config():
                 "model": "small", "instances": 2, "max_num_batched_tokens": 2048, "max_num_seqs": 128,
                 "oracle_x": 10.0, "dispatch": "least-work"}
     st = MeasuredStepTime.linear(0.04, 0.005, 400.0)
-    assert cb.make_sim(st, None, settings, "kunserve", []).policy.peak_admission is True
-    assert cb.make_sim(st, None, settings, "vllm-admit", []).policy.peak_admission is False
+    assert runfit.make_sim(st, None, settings, "kunserve", []).policy.peak_admission is True
+    assert runfit.make_sim(st, None, settings, "vllm-admit", []).policy.peak_admission is False
     with pytest.raises(ValueError, match="variant"):
-        cb.make_sim(st, None, settings, "nope", [])
-
+        runfit.make_sim(st, None, settings, "nope", [])
 
 
 def test_held_out_lines_come_from_the_other_repetitions_only():
-    """--held-out: repetition 1 is predicted from repetitions 2 and 3 (their seconds pooled but never
-    joined into one run across repetitions, their warm-request prefill samples), nothing of its own."""
-    cb = _bench()
+    """A held-out repetition (``pooled_fits(leave_out=1)``): repetition 1 is predicted from repetitions
+    2 and 3 (their seconds pooled but never joined into one run across repetitions, their warm-request
+    prefill samples), nothing of its own."""
 
     def secs(a, c, start):   # 5 seconds at a batch of 2, then 2 at a batch of 8
         return [{"second": float(s), "running": 2 * b, "tokens": 2 * b / (a + c * b), "batch": float(b)}
@@ -232,53 +195,21 @@ def test_held_out_lines_come_from_the_other_repetitions_only():
             ("vllm", 2): {"secs": {"single": secs(0.06, 0.002, 0), "grouped": []}, "pf": [0.003] * 6},
             ("vllm", 3): {"secs": {"single": secs(0.06, 0.002, 7), "grouped": []}, "pf": [0.003] * 6},
             ("oracle", 1): {"secs": {"single": secs(0.01, 0.001, 0), "grouped": []}, "pf": [0.009] * 6}}
-    fits, pf = cb.held_out(data, "vllm", 1)
+    fits, pf = runfit.pooled_fits(data, "vllm", leave_out=1)
     # rep 3's seconds 7.. follow rep 2's 0..6 in number; a run joining them would pool rep 2's batch-8
     # seconds with rep 3's batch-2 ones and bend the line: runs never span two repetitions
     assert fits["single"]["a_s"] == pytest.approx(0.06) and fits["single"]["c_s"] == pytest.approx(0.002)
     assert fits["single"]["runs"] == 4
     assert fits["grouped"] is None
     assert pf == [0.003] * 12
-    own, _ = cb.held_out(data, "vllm", 2)
+    own, _ = runfit.pooled_fits(data, "vllm", leave_out=2)
     assert own["single"]["a_s"] != pytest.approx(0.06)   # rep 1's line is in it
 
 
-def test_sensitivity_moves_the_prediction_with_the_step_times_and_jitter():
-    """--sensitivity: slower steps queue an overloaded stock cluster longer (P50 up), faster ones
-    shorter; arrival jitter gives a range that holds the unjittered prediction's neighbourhood; the
-    summary and the verdict line report it beside the measured spread."""
-    cb = _bench()
-    from vllm_kunserve.sim.trace import TraceRequest
-
-    settings = {"block_size": 16, "kv_tokens": 512, "kunserve_config": {}, "model": "small", "instances": 2,
-                "max_num_batched_tokens": 2048, "max_num_seqs": 128, "oracle_x": 10.0, "dispatch": "least-work",
-                "window": (0.0, 30.0)}
-    trace = [TraceRequest(i, 0.5 * i, 64, 128) for i in range(60)]   # twice what the KV holds: a queue
-    line = {"a_s": 0.04, "c_s": 0.004}
-    sv = cb.sensitivity(line, line, 400.0, settings, "vllm", trace)
-    from vllm_kunserve.sim.steptime import MeasuredStepTime
-
-    st = MeasuredStepTime.linear(0.04, 0.004, 400.0)
-    base = cb.predict(st, st, settings, "vllm", trace)
-    assert sv["steps_x0.9"]["ttft_p50"] < base["ttft_p50"] < sv["steps_x1.1"]["ttft_p50"]
-    lo, med, hi = sv["jitter"]["ttft_p50"]
-    assert lo <= med <= hi and lo > 0
-    rows = [{"system": "vllm", "rep": k, "sensitivity": sv, "predicted": base,
-             "measured": {"ttft_p50": m50, "ttft_p99": 2 * m50, "tpot_p50": 0.1 * k}}
-            for k, m50 in ((1, 10.0), (2, 25.0))]
-    summ = cb.sensitivity_summary(rows)["vllm"]
-    assert summ["ttft_p50"]["steps_x0.9"] == pytest.approx(sv["steps_x0.9"]["ttft_p50"] / base["ttft_p50"])
-    assert summ["ttft_p50"]["measured"] == [10.0, 17.5, 25.0]
-    assert summ["tpot_p50_measured"] == pytest.approx([0.1, 0.15, 0.2])
-    (line_out,) = cb.sensitivity_verdict(rows)
-    assert "10.00-25.00 s" in line_out and "(2.5x)" in line_out and "P50 TPOT moved 2.00x" in line_out
-
-
 def test_crossing_interpolates_where_the_curve_meets_one():
-    cb = _bench()
-    assert cb.crossing([(0.8, 0.9), (0.9, 0.95), (1.0, 1.05)]) == (pytest.approx(0.95), True)
-    assert cb.crossing([(0.8, 1.2), (0.9, 1.3)]) == (0.8, False)      # never crosses: the nearest, flagged
-    assert cb.crossing([(0.8, 0.7), (0.9, 0.8)]) == (0.9, False)
+    assert runfit.crossing([(0.8, 0.9), (0.9, 0.95), (1.0, 1.05)]) == (pytest.approx(0.95), True)
+    assert runfit.crossing([(0.8, 1.2), (0.9, 1.3)]) == (0.8, False)      # never crosses: the nearest, flagged
+    assert runfit.crossing([(0.8, 0.7), (0.9, 0.8)]) == (0.9, False)
 
 
 def _rows_from(sim_reqs, records):
@@ -296,7 +227,6 @@ def test_calibrate_finds_the_scale_the_runs_decoded_at():
     """Two repetitions whose engines really decoded at 0.8x the fitted line: the calibration, fed the
     unscaled line, finds a scale near 0.8 (the grid is 0.05 apart, interpolated), and the uncalibrated
     simulator's TPOT would have been at least 1.25x theirs (more: slower steps hold more requests at once)."""
-    cb = _bench()
     from vllm_kunserve.sim.steptime import MeasuredStepTime
     from vllm_kunserve.sim.trace import TraceRequest
 
@@ -308,73 +238,19 @@ def test_calibrate_finds_the_scale_the_runs_decoded_at():
     data = {}
     for k, gap in ((1, 0.5), (2, 0.4)):
         trace = [TraceRequest(i, gap * i, 64, 96 + 8 * (i % 5)) for i in range(60)]
-        sim = cb.make_sim(true, true, settings, "oracle", trace).run()
+        sim = runfit.make_sim(true, true, settings, "oracle", trace).run()
         data[("oracle", k)] = {"rows": _rows_from(sim.reqs, {r.id: r.record() for r in sim.reqs}), "tl": []}
-    cal = cb.calibrate(data, "oracle", [1, 2], line, line, settings, fixed_tps=400.0)
+    cal = runfit.calibrate(data, "oracle", [1, 2], line, line, settings, fixed_tps=400.0)
     assert cal["crossed"] and cal["scale"] == pytest.approx(0.8, abs=0.03)
     at_one = dict(cal["curve"])[1.0]
     assert at_one >= 1.2 and dict(cal["curve"])[0.8] == pytest.approx(1.0, abs=0.05)
     assert cal["tps"] == 400.0 and cal["source_reps"] == [1, 2]
 
 
-def test_calibration_summary_and_the_benchmarks_own_stock_over_oracle():
-    """Before / after medians per system; stock over the oracle as the benchmark reports it (median
-    over repetitions of each side), beside the per-repetition pairing."""
-    cb = _bench()
-
-    def row(system, rep, meas99, before99, after99):
-        m = {"ttft_p50": 1.0, "ttft_p99": meas99, "tpot_p50": 0.1}
-        return {"system": system, "rep": rep, "measured": m, "calibration": {"scale": 0.9, "crossed": True},
-                "uncalibrated": {**m, "ttft_p99": before99, "tpot_p50": 0.12},
-                "predicted": {**m, "ttft_p99": after99, "tpot_p50": 0.1}}
-    rows = [row("vllm", 1, 100.0, 120.0, 110.0), row("oracle", 1, 0.5, 0.5, 0.5),
-            row("vllm", 2, 50.0, 120.0, 110.0), row("oracle", 2, 1.0, 0.5, 0.5),
-            row("vllm", 3, 80.0, 120.0, 110.0), row("oracle", 3, 0.5, 0.5, 0.5)]
-    summ = cb.calibration_summary(rows)
-    assert summ["vllm"]["ttft_p99_before"] == pytest.approx(1.5) and summ["vllm"]["ttft_p99_after"] == pytest.approx(
-        110 / 80)
-    assert summ["vllm"]["tpot_p50_before"] == pytest.approx(1.2) and summ["vllm"]["tpot_p50_after_within"] == 3
-    # measured stock / oracle per repetition 200, 50, 160 (median 160); predicted 220 every time
-    assert summ["stock_over_oracle"]["after"] == pytest.approx(220 / 160)
-    paired = cb.stock_over_oracle(rows)
-    assert [round(g["ratio"], 3) for g in paired] == [1.1, 4.4, 1.375]
-
-
-def test_what_if_group_reads_each_factor_against_the_same_repetitions_oracle_and_stock(monkeypatch):
-    """--what-if-group: per repetition the grouped system's P99 at each factor over the oracle's
-    predicted P99, its P50 TPOT over stock's; the verdict names the largest factor meeting 1.3x."""
-    cb = _bench()
-
-    def row(system, rep, p99, tpot, whatif=None):
-        v = {"ttft_p50": 0.3, "ttft_p99": p99, "tpot_p50": tpot}
-        return {"system": system, "rep": rep, "measured": dict(v), "predicted": dict(v), "what_if_group": whatif}
-    rows = []
-    for k, o99 in ((1, 0.5), (2, 0.4)):
-        rows += [row("oracle", k, o99, 0.1), row("vllm", k, 80.0, 0.1),
-                 row("kunserve", k, 2 * o99, 0.13, {"1": {"ttft_p99": 2 * o99, "tpot_p50": 0.13},
-                                                    "0.7": {"ttft_p99": 1.2 * o99, "tpot_p50": 0.09},
-                                                    "0.7 +prefill": {"ttft_p99": 0.8 * o99, "tpot_p50": 0.08}})]
-    summ = cb.what_if_summary(rows)["kunserve"]
-    assert summ["1"]["p99_over_oracle"] == pytest.approx([2.0, 2.0])
-    assert summ["0.7"]["p99_over_oracle_median"] == pytest.approx(1.2)
-    assert summ["0.7"]["tpot_over_stock_median"] == pytest.approx(0.9)
-    assert summ["measured"]["p99_over_oracle_median"] == pytest.approx(2.0)
-    (line,) = cb.what_if_verdict(rows)
-    assert "1.3x the oracle's at x0.7;" in line and "P99 ratio 2.00 -> 1.20" in line
-    assert "prefill scaled by the same factor: x0.7 P99 0.80x" in line
-    assert [k for k in sorted(cb.what_if_summary(rows)["kunserve"], key=cb._factor)] == [
-        "measured", "1", "0.7", "0.7 +prefill"]
-    for bad in ("0.8,x", "0,1", "3"):
-        monkeypatch.setattr(cb.sys, "argv", ["cluster_burst_sim.py", "--run", ".", "--what-if-group", bad])
-        with pytest.raises(SystemExit, match="what-if-group"):
-            cb.main()
-
-
 def test_ttft_residuals_are_what_the_simulator_misses_where_neither_side_queued():
     """A run simulated on its own true line, then 'measured' with known delays added: the residuals
     are exactly those delays, for window requests only, and a request measured (or simulated) over
     the threshold is left out (its difference is a queue's, not noise)."""
-    from vllm_kunserve.sim import runfit
     from vllm_kunserve.sim.steptime import MeasuredStepTime
     from vllm_kunserve.sim.trace import TraceRequest
 
@@ -407,7 +283,6 @@ def test_a_measured_runs_group_drops_and_restores_under_its_kv_cap():
     demand falls and the group restores (its members' KV sized for the layers they take back, under
     the run's ``memory.max_kv_ratio``), and every request finishes. The restore once called the
     cluster's KV with the layers the members take back, which this subclass did not accept."""
-    from vllm_kunserve.sim import runfit
 
     settings = {"block_size": 16, "kv_tokens": 1024, "kunserve_config": {"memory": {"max_kv_ratio": 2.0}},
                 "model": "small", "instances": 2, "max_num_batched_tokens": 2048, "max_num_seqs": 128,

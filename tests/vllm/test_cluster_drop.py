@@ -513,14 +513,14 @@ def test_a_four_steps_down_into_pairs_while_requests_stream(forced):
 
 
 def test_chaos_every_request_completes_token_identical_while_engines_die(forced):
-    """Chaos under a burst (vllm_kunserve/bench/chaos.py; the longer run and its doc: benchmarks/chaos.py):
+    """Chaos under a burst (benchmarks/common/chaos.py; the longer run and its doc: benchmarks/chaos.py):
     the four engines serve streamed requests while a driver hard-kills a random engine every few
     seconds and forces drops and restores; every request completes with the tokens of a run without
     faults. On the 4-engine fleet, after its other tests (the same engines and flags a fleet of its own
     would start): the counts are the chaos pass's own."""
     if forced.n != 4:
         pytest.skip("the chaos drill runs on the 4-engine fleet")
-    from vllm_kunserve.bench.chaos import ChaosSpec, run_chaos, summarise
+    from benchmarks.common.chaos import ChaosSpec, run_chaos, summarise
 
     async def settled():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:

@@ -26,6 +26,7 @@ from vllm_kunserve.bench.runner import BenchRun
 from vllm_kunserve.bench.systems import LAUNCHERS, CommonArgs, SystemSpec
 from vllm_kunserve.cluster.fleet.launcher import ServerProcess, StartupExited, free_port
 from vllm_kunserve.runtime.looplag import lag_cause
+from vllm_kunserve.workload.stats import ratio
 
 # (key in the table, label, getter from a summary, scale for display)
 METRICS: list[tuple[str, str, Callable[[dict], Any], float]] = [
@@ -81,11 +82,13 @@ def aggregate(runs: dict[str, list[dict[str, Any]]], baseline: str) -> dict[str,
         for key in out[name]:
             b = base.get(key, {}).get("mean")
             m = out[name][key]["mean"]
-            out[name][key]["ratio"] = (m / b) if (m is not None and b not in (None, 0)) else None
+            out[name][key]["ratio"] = ratio(m, b)
     return out
 
 
-def _fmt(v: float | None, scale: float) -> str:
+def _number_cell(v: float | None, scale: float) -> str:
+    """``v`` x ``scale`` in a table cell: no decimals from 100 on (or when whole), one from 10, else three
+    significant digits."""
     if v is None:
         return "-"
     x = v * scale
@@ -105,9 +108,9 @@ def table(agg: dict[str, dict[str, dict[str, Any]]], systems: Sequence[str], bas
             if st["mean"] is None:
                 row.append("-")
                 continue
-            cell = _fmt(st["mean"], scale)
+            cell = _number_cell(st["mean"], scale)
             if st["n"] > 1 and st["min"] != st["max"]:
-                cell += f" [{_fmt(st['min'], scale)}-{_fmt(st['max'], scale)}]"
+                cell += f" [{_number_cell(st['min'], scale)}-{_number_cell(st['max'], scale)}]"
             if s != baseline and st.get("ratio") is not None:
                 cell += f" ({st['ratio']:.2f}x)"
             row.append(cell)
@@ -377,8 +380,7 @@ def write_compare(out: Path, res: CompareResult, names: Sequence[str]) -> str:
     return text
 
 
-def ratio(res: CompareResult, a: str, b: str, key: str) -> float | None:
-    """mean(metric of a) / mean(metric of b)."""
-    x, y = res.aggregate.get(a, {}).get(key, {}).get("mean"), res.aggregate.get(b, {}).get(key, {}).get("mean")
-    return x / y if x is not None and y else None
+def mean_ratio(res: CompareResult, a: str, b: str, key: str) -> float | None:
+    """mean(metric of a) / mean(metric of b) over the repetitions (``workload.stats.ratio``)."""
+    return ratio(res.aggregate.get(a, {}).get(key, {}).get("mean"), res.aggregate.get(b, {}).get(key, {}).get("mean"))
 

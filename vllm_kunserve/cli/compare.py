@@ -13,6 +13,7 @@ from vllm_kunserve.cli.bench import add_bench_args, bench_options, make_factory
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from vllm_kunserve.bench.workload import add_workload_args
+    from vllm_kunserve.policy.dispatch import describe
 
     p = sub.add_parser("compare", help="run stock vLLM, kunserve and the oracle on the same trace, side by side",
                        description="Start each system (vllm serve on 127.0.0.1, a free port), replay the same "
@@ -34,7 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cap.add_argument("--kv-capacity-tokens", type=int, help="base KV capacity in tokens (converted to bytes)")
     p.add_argument("--instances", type=int, default=1,
                    help="engines per system (> 1: each system is a `kunserve serve` cluster of that many engines)")
-    p.add_argument("--dispatch", default=None, help="the cluster's dispatch policy (kunserve serve --dispatch)")
+    p.add_argument("--dispatch", default=None, metavar="POLICY",
+                   help=f"the cluster's dispatch policy (kunserve serve --dispatch; default its own): {describe(None)}")
     p.add_argument("--oracle-kv-multiplier", type=float, default=10.0, help="oracle KV capacity / base capacity")
     p.add_argument("--oracle-equal-kv-multiplier", type=float, default=None,
                    help="adds the system oracle-equal: stock with this KV capacity / base capacity (the KV a "
@@ -87,7 +89,7 @@ def _parse_env(items: list[str]) -> tuple[tuple[str, str], ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_kunserve.bench.compare import compare, ratio, write_compare
+    from vllm_kunserve.bench.compare import compare, mean_ratio, write_compare
     from vllm_kunserve.bench.runner import run_bench
     from vllm_kunserve.bench.systems import CommonArgs, builtin_systems, select_systems, variant_systems
     from vllm_kunserve.config import parse_kunserve_config
@@ -168,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     text = write_compare(out, res, names)
     print(text)
     if "oracle" in names and res.baseline != "oracle":
-        r = ratio(res, res.baseline, "oracle", "ttft_p99")
+        r = mean_ratio(res, res.baseline, "oracle", "ttft_p99")
         if r is not None:
             print(f"\n{res.baseline}/oracle P99 TTFT ratio: {r:.2f}x")
     print(f"\nwrote {out / 'compare.json'}, {out / 'compare.md'}, {out / 'ttft_cdf.png'}")

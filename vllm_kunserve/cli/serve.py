@@ -1,7 +1,7 @@
 """``kunserve serve MODEL --instances N``: N vLLM engines behind one OpenAI-compatible endpoint.
 
     kunserve serve MODEL [--instances N] [--backend local|ray] [--host 127.0.0.1] [--port 8000]
-                         [--dispatch least-work|least-load|round-robin|mell|cache-aware]
+                         [--dispatch POLICY]
                          [--kunserve-config JSON|FILE] [any vLLM engine argument ...]
     kunserve serve MODEL --engine-url URL [--engine-url URL ...] [--engine-control-url URL ...] [--reuse-port]
 
@@ -16,7 +16,8 @@ Everything this command does not know is a vLLM engine argument, checked by vLLM
 serve`` parser before any engine starts and passed to every engine. With ``--kunserve-config``
 the engines run the kunserve plugin (each with a control port the front end polls); without it
 they are stock vLLM engines (the baseline), still behind the same front end, monitor and dispatch.
-Ctrl-C stops the front end and every engine.
+Ctrl-C stops the front end and every engine. The dispatch policies (``--dispatch``) are listed
+below, from the registry (``policy/dispatch/registry.py``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def options_help() -> str:
 
 def _options() -> argparse.ArgumentParser:
     from vllm_kunserve.cluster.fleet.backends import BACKENDS
-    from vllm_kunserve.policy.dispatch import DEFAULT_DISPATCH, DISPATCH
+    from vllm_kunserve.policy.dispatch import DEFAULT_DISPATCH, DISPATCH, describe
 
     p = argparse.ArgumentParser(prog="kunserve serve MODEL", add_help=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -71,7 +72,8 @@ def _options() -> argparse.ArgumentParser:
     p.add_argument("--ray-num-cpus", type=float, default=1.0, help="CPUs each engine's actor reserves")
     p.add_argument("--host", default="127.0.0.1", help="front end address")
     p.add_argument("--port", type=int, default=8000, help="front end port")
-    p.add_argument("--dispatch", choices=DISPATCH, default=DEFAULT_DISPATCH, help="dispatch policy")
+    p.add_argument("--dispatch", choices=DISPATCH, default=DEFAULT_DISPATCH, metavar="POLICY",
+                   help=f"dispatch policy: {describe(None)}")
     p.add_argument("--kunserve-config", default=None, help="the kunserve section: inline JSON or a JSON file; unset: stock vLLM engines")
     p.add_argument("--monitor-interval", type=float, default=0.5, help="seconds between engine polls")
     p.add_argument("--max-concurrency", type=int, default=1024, help="requests upstream at once")

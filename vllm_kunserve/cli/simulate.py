@@ -9,6 +9,8 @@ DEFAULT_POLICIES = "vllm,infercept,llumnix,mell,kunserve,oneiros,oracle"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from vllm_kunserve.policy.dispatch import DEFAULT_DISPATCH, describe
+
     p = sub.add_parser("simulate", help="discrete-event cluster simulation of a trace under several policies",
                        description="Simulate N instances serving a trace under each policy and print "
                                    "P50/P99 TTFT and TPOT with ratios to vLLM. See docs/simulator.md.")
@@ -33,11 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "kunserve-noexchange, kunserve-norestore, oracle-equal (stock vLLM with a 2-instance "
                         "group's KV), oracle-equal-gN (an N-instance group's), vllm-capN (stock with "
                         "max_num_seqs N per instance))")
-    p.add_argument("--dispatch", default="least-work",
-                   help="router of every policy but MELL (which places with its own placer): least-work "
-                        "(default; queue-aware: among instances with room for the prompt, the least queued "
-                        "prefill per GPU) | least-load (lowest share of KV in use, queue included) | "
-                        "round-robin")
+    p.add_argument("--dispatch", default=DEFAULT_DISPATCH,
+                   help=f"router of every policy but MELL (which places with its own placer): {describe()}")
     p.add_argument("--kunserve-config", default=None, help="JSON (file or inline) of the kunserve config")
     p.add_argument("--window", default=None, metavar="OFFSET:DURATION",
                    help="seconds of the trace to keep, e.g. 1500:600")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_kunserve.workload.stats import percentiles
+from vllm_kunserve.workload.stats import percentiles, ratio
 
 PCTS = (50, 90, 99, 99.9)  # percentiles() also gives the mean and the max
 
@@ -44,13 +44,6 @@ def summarize(sim, warmup_s: float = 0.0, end_s: float | None = None) -> dict:
         # idle share of the groups' stage time (long steps weigh more; what the pipeline costs)
         "pipeline_bubble_time": sum(g[2] for g in groups) / gtime if gtime > 0 else None,
     }
-
-
-def ratio(a, b):
-    """``a / b`` or None when either is missing or b is 0."""
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
 
 
 def ratios_to(results: dict, ref: str = "vllm") -> dict:

@@ -1,6 +1,5 @@
 """The simulator fitted to a measured harness run (``kunserve compare`` output, as
-``benchmarks/cluster_burst.py`` and ``benchmarks/burst_value.py`` write it), for
-``benchmarks/cluster_burst_sim.py`` and ``benchmarks/burst_value_sim.py``:
+``benchmarks/burst_value.py`` writes it), for ``benchmarks/burst_value_sim.py``:
 
 * step times from the run itself: decode lines (``step = a + c * batch``) fitted to a timeline's
   "clean" seconds (:func:`clean_seconds`, :func:`fit_steps`; a pipeline group's seconds get their own

@@ -10,7 +10,7 @@ apply a factor (``method``):
 * ``compress`` (``workload.traces.compress_time``): timestamps divided by the factor. A burst of B s
   becomes B/factor s, shorter than the requests it holds, so KV demand averages it away; kept as
   the default of :func:`scale_to_mem_share` only so earlier runs (``kunserve simulate
-  --target-mem-share``, ``benchmarks/sim_paper_scale.py``) reproduce.
+  --target-mem-share``) reproduce.
 """
 
 from __future__ import annotations

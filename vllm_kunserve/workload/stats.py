@@ -1,4 +1,5 @@
-"""The percentile summary the benchmark harness, the benchmarks and the simulator report latencies with.
+"""The percentile summary the benchmark harness, the benchmarks and the simulator report latencies with,
+and the one plain ratio (:func:`ratio`) they set two values side by side with.
 
 Percentiles use numpy's linear interpolation unless a caller names another of numpy's methods
 (``nearest``: the nearest rank, ``higher``: the order statistic at or above); NaN values (a request
@@ -7,6 +8,7 @@ without the measure) are left out.
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -38,3 +40,12 @@ def percentile(values: Iterable[float], p: float, method: str = "linear") -> flo
     """The ``p``-th percentile of ``values`` (as :func:`percentiles` takes it); None when empty."""
     v = _values(values)
     return float(np.percentile(v, p, method=method)) if v.size else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``: the one plain ratio of two measured values (``kunserve compare``'s ratios to the
+    baseline, the simulator's ratios between policies, the benchmarks' tables). None where either is
+    missing or not finite, or ``b`` is not positive: there is no ratio to read."""
+    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)) or b <= 0:
+        return None
+    return a / b

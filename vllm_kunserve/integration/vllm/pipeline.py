@@ -65,7 +65,7 @@ class Turn:
     ``execute_model`` returns, then outputs and schedules the next step in a few milliseconds) it
     comes straight back. A peer's span that took the core in such a gap held this member's
     sampling or next step for a whole span while the peer's own stage had nothing to run: a
-    *collision*, both microbatches at one stage (``bench/pipeline_trace.py`` measures them). So the
+    *collision*, both microbatches at one stage (``benchmarks/common/pipeline_trace.py`` measures them). So the
     member marks its turn due from the end of a step until its next step hops (sampling due, then
     the next step expected within ``turn_s``), and a span waits for the turn to pass, at most
     ``turn_s``: the two stages alternate between their own microbatch and the peer's. ``turn_s``
@@ -136,7 +136,7 @@ class GroupError(RuntimeError):
 #: prefill tokens). It writes them to ``DIR`` in parts as it goes (every ``_TRACE_PART_EVENTS``
 #: events or ``_TRACE_PART_S`` seconds, a few ms each; so a group still formed when its engines
 #: are stopped is traced too: vLLM kills the worker process at shutdown) and when its group
-#: splits, for ``bench/pipeline_trace.py`` (where a stage idles, what a prompt costs the group),
+#: splits, for ``benchmarks/common/pipeline_trace.py`` (where a stage idles, what a prompt costs the group),
 #: which joins a group's parts again.
 _TRACE_DIR = os.environ.get("KUNSERVE_PIPELINE_TRACE", "")
 _TRACE: list[tuple] = []

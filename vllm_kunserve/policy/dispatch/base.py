@@ -47,6 +47,9 @@ class DispatchPolicy:
 
     #: the mode's name (``--dispatch``, ``/kunserve/ops/dispatch``, ``choose_instance``)
     name: ClassVar[str] = ""
+    #: what it chooses, in a line: the ``--dispatch`` help texts list every policy with it
+    #: (``registry.describe``)
+    summary: ClassVar[str] = ""
     #: True: the front end runs :meth:`on_period` every monitor period (it needs the migration planner)
     periodic: ClassVar[bool] = False
     #: True: the caller fills each unit's ``prefix_share`` and ``affinity`` for the request

@@ -28,6 +28,7 @@ class CacheAware(DispatchPolicy):
     """Session or prefix match within a load bound; else least-work."""
 
     name = "cache-aware"
+    summary = "the unit likely holding the prompt's prefix, or the session's, unless much busier; else least-work"
     uses_prefix = True
 
     def choose(self, units: Sequence[InstanceLoad], prompt_blocks: int = 0, turn: int = 0) -> int:

@@ -11,6 +11,7 @@ class LeastLoad(DispatchPolicy):
     """Least KV demand share, then fewest requests."""
 
     name = "least-load"
+    summary = "the lowest share of KV in use, queue included; blind to compute"
 
     def choose(self, units: Sequence[InstanceLoad], prompt_blocks: int = 0, turn: int = 0) -> int:
         return min(units, key=lambda u: (u.load, u.requests, u.instance_id)).instance_id

@@ -11,11 +11,10 @@ to 26 / 39, and the stock pair's window P99 TTFT followed the split (1.7 s at 31
 The same order balances the members of a pipeline group (each listed with its ``group``):
 every member's step is a microbatch through the same stages, so the group's cycle is twice the
 larger microbatch, and a decode step's cost is set by its batch, not by its KV tokens. Measured
-on the cluster burst (``benchmarks/cluster_burst.py`` reports each run's split): balancing KV
-sent one member 29-30 of a burst's 48 arrivals in four of five runs, and a traced run with a
-44/34 split had one member's microbatch costing 1.5-1.9x the other's through most of the burst;
-ordering members by requests gave 22-26 per member (docs/benchmarks/cluster_burst_balanced.md,
-in git history).
+on the cluster burst (a retired benchmark reported each run's split; git history keeps it and its
+pages): balancing KV sent one member 29-30 of a burst's 48 arrivals in four of five runs, and a
+traced run with a 44/34 split had one member's microbatch costing 1.5-1.9x the other's through
+most of the burst; ordering members by requests gave 22-26 per member.
 """
 
 from __future__ import annotations
@@ -29,6 +28,8 @@ class LeastWork(DispatchPolicy):
     """Least queued prefill, then fewest requests, per instance of compute; then least KV demand."""
 
     name = "least-work"
+    summary = ("queue-aware: among units with room for the prompt, the least queued prefill per instance "
+               "of compute, then the fewest requests")
 
     def choose(self, units: Sequence[InstanceLoad], prompt_blocks: int = 0, turn: int = 0) -> int:
         def key(u: InstanceLoad):

@@ -41,6 +41,7 @@ class Mell(DispatchPolicy):
     """Most KV headroom after placing the request where it fits; bounded migrations every period."""
 
     name = "mell"
+    summary = "MELL on a fixed cluster: the most KV headroom after placing, bounded migrations every monitor period"
     periodic = True
 
     def choose(self, units: Sequence[InstanceLoad], prompt_blocks: int = 0, turn: int = 0) -> int:

@@ -13,7 +13,7 @@ from vllm_kunserve.policy.dispatch.least_work import LeastWork
 from vllm_kunserve.policy.dispatch.mell import Mell
 from vllm_kunserve.policy.dispatch.round_robin import RoundRobin
 
-__all__ = ["DEFAULT_DISPATCH", "DISPATCH", "POLICIES", "check_mode", "get_policy"]
+__all__ = ["DEFAULT_DISPATCH", "DISPATCH", "POLICIES", "check_mode", "describe", "get_policy"]
 
 #: every policy by name, in the order ``--dispatch`` lists them
 POLICIES: dict[str, DispatchPolicy] = {p.name: p for p in (LeastWork(), LeastLoad(), RoundRobin(), Mell(),
@@ -33,3 +33,9 @@ def get_policy(mode: Any) -> DispatchPolicy:
 def check_mode(mode: str) -> str:
     get_policy(mode)
     return mode
+
+
+def describe(default: str | None = DEFAULT_DISPATCH) -> str:
+    """Every policy of the registry, in its order, with its summary, ``default`` marked: the
+    ``--dispatch`` help texts' list (``name (summary) | ...``), so no help names a policy by hand."""
+    return " | ".join(f"{n} ({'default; ' if n == default else ''}{p.summary})" for n, p in POLICIES.items())

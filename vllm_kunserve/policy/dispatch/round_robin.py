@@ -11,6 +11,7 @@ class RoundRobin(DispatchPolicy):
     """Each unit in turn."""
 
     name = "round-robin"
+    summary = "each accepting unit in turn"
 
     def choose(self, units: Sequence[InstanceLoad], prompt_blocks: int = 0, turn: int = 0) -> int:
         return units[turn % len(units)].instance_id

@@ -16,7 +16,7 @@ instances: the placer's bins map to distinct instances, bins beyond the instance
 least-loaded ones; departures and KV growth are batched every ``tick_s`` (``apply_batch``) and its
 migrations move requests like ``kv`` above. This is what the simulator ran as ``mell`` before: it
 packs arrivals onto few instances (P99 TTFT 30x least-load's on 8 instances in
-an earlier benchmarks/sim_paper_scale.py run, 8x on average in docs/benchmarks/placement.md) and is kept as
+an earlier paper-scale simulation, 8x on average in docs/benchmarks/placement.md) and is kept as
 the reference the fixed mode is measured against (``benchmarks/placement.py``).
 """
 
