@@ -68,10 +68,8 @@ test-gpu: setup
 check-vllm: setup
 	$(BIN)/python scripts/check_vllm.py --cache $(VLLM_SRC_CACHE)
 
-# as a module from the checkout's root, so the demo imports benchmarks/common/demo.py (the comparison
-# benchmarks/demo_spread.py repeats)
 demo: setup
-	$(BIN)/python -m examples.demo
+	$(BIN)/python examples/demo.py
 
 docs: setup
 	$(BIN)/kunserve config-docs > docs/config.md
