@@ -77,6 +77,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import pooled, raw
+from benchmarks.common.pooled import load_runs, request_files
 from benchmarks.common.burst import (LATE_S, SLOW_SHARE, add_phase_args, dispatch_split, group_times, grouped_output,
                                       in_spans,
                                        kunserve_config, machine_speed, scaling_table)
@@ -216,26 +217,6 @@ def window_of(a: argparse.Namespace) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------------------------------ analysis
-def request_files(run: Path, system: str, reps: int | None = None) -> list[tuple[int, Path]]:
-    """(repetition, requests.csv) of each of ``system``'s runs, in order: laid out ``<system>/rep<k>/``
-    (``kunserve compare``) or ``rep<k>/<system>/`` (a doc's copy of them); ``reps``: the first ``reps``
-    only (a comparison rendered from the repetitions it finished, while a later one had begun)."""
-    files = [(int(f.parent.name[3:]), f) for f in (run / system).glob("rep*/requests.csv")] or \
-            [(int(f.parent.parent.name[3:]), f) for f in run.glob(f"rep*/{system}/requests.csv")]
-    return sorted(x for x in files if reps is None or x[0] <= reps)
-
-
-def load_runs(run: Path, systems: list[str], window: tuple[float, float],
-              reps: int | None = None) -> dict[str, list[pooled.Request]]:
-    """Per system, the requests of every repetition (the first ``reps``) arriving in ``window``."""
-    out: dict[str, list[pooled.Request]] = {}
-    for s in systems:
-        reqs = [r for k, f in request_files(run, s, reps) for r in pooled.read_window(f, k, *window)]
-        if reqs:
-            out[s] = reqs
-    return out
-
-
 def send_lag(run: Path, systems: list[str], window: tuple[float, float], reps: int | None = None) -> dict[str, dict]:
     """Per system: the largest client send lag (ms) over every run, how many requests went > 50 ms
     late and, where any did, the window's pooled TTFT percentiles counted from each request's arrival
@@ -314,8 +295,8 @@ TWIN = ("kunserve", "vllm")
 
 def pair_ratios(a: list[pooled.Request], b: list[pooled.Request]) -> dict:
     """``a`` over ``b``, pooled with intervals: TTFT P50 / P90 / P99 and P50 TPOT, and each side's count."""
-    return {"n": [len(a), len(b)], **{f"ttft_p{q}": pooled.ratio(a, b, q) for q in (50, 90, 99)},
-            "tpot_p50": pooled.ratio(a, b, 50, metric="tpot")}
+    return {"n": [len(a), len(b)], **{f"ttft_p{q}": pooled.percentile_ratio(a, b, q) for q in (50, 90, 99)},
+            "tpot_p50": pooled.percentile_ratio(a, b, 50, metric="tpot")}
 
 
 def apart(x: dict) -> list[str]:
@@ -442,11 +423,11 @@ def analyse(reqs: dict[str, list[pooled.Request]], ttft_slo: float, tpot_slo: fl
         for q in ("p50", "p90", "p99"):
             qq = float(q[1:])
             if equal in reqs:
-                c[f"{q}_over_equal"] = pooled.ratio(reqs[s], reqs[equal], qq)
+                c[f"{q}_over_equal"] = pooled.percentile_ratio(reqs[s], reqs[equal], qq)
                 if s != equal:
                     c[f"{q}_over_equal_each_out"] = pooled.without_each_rep(reqs[s], reqs[equal], qq)
             if q in best:
-                c[f"{q}_over_best"] = pooled.ratio(reqs[s], reqs[best[q]], qq)
+                c[f"{q}_over_best"] = pooled.percentile_ratio(reqs[s], reqs[best[q]], qq)
                 if equal in reqs and s != equal:
                     c[f"{q}_gap_closed"] = pooled.gap_closed(reqs[best[q]], reqs[s], reqs[equal], qq)
         cmp[s] = c
@@ -454,7 +435,7 @@ def analyse(reqs: dict[str, list[pooled.Request]], ttft_slo: float, tpot_slo: fl
     if equal in reqs:
         for q in ("p90", "p99"):
             if q in best:   # against an equal whose tail is a lost request there is no gap to read
-                extra[f"best_{q}_over_equal"] = (pooled.ratio(reqs[best[q]], reqs[equal], float(q[1:]))
+                extra[f"best_{q}_over_equal"] = (pooled.percentile_ratio(reqs[best[q]], reqs[equal], float(q[1:]))
                                                  if math.isfinite(stats[equal]["ttft"][q]["value"]) else
                                                  {"value": None, "lo": None, "hi": None, "equal_lost": True})
     return {"stats": stats, "best": best, "compare": cmp, "equal": equal, **extra}
@@ -1048,10 +1029,8 @@ def provenance() -> dict:
 
 
 def copy_raw(run: Path, assets: Path, systems: list[str], reps: int | None = None) -> None:
-    """The run's raw data: compare.json and, per run, requests.csv and timeline.csv gzipped (the
+    """The run's raw data, for its archive: compare.json and, per run, requests.csv and timeline.csv (the
     per-second engine counters ``benchmarks/burst_value_sim.py`` fits the simulator's step times to)."""
-    import gzip
-
     assets.mkdir(parents=True, exist_ok=True)
     if (run / "compare.json").exists():
         (assets / "compare.json").write_text((run / "compare.json").read_text())
@@ -1062,9 +1041,8 @@ def copy_raw(run: Path, assets: Path, systems: list[str], reps: int | None = Non
             if f.resolve() != dst.resolve():
                 dst.write_bytes(f.read_bytes())
             tl = f.parent / "timeline.csv"
-            if tl.exists():   # mtime 0 in the header: the same bytes from the same timeline
-                with open(tl, "rb") as src, gzip.GzipFile(dst.parent / "timeline.csv.gz", "wb", mtime=0) as out:
-                    out.write(src.read())
+            if tl.exists() and tl.resolve() != (dst.parent / tl.name).resolve():
+                (dst.parent / tl.name).write_bytes(tl.read_bytes())
 
 
 def main() -> int:
@@ -1271,8 +1249,7 @@ def main() -> int:
     meta["raw"] = raw.rel_archive(name)
     meta["raw_layout"] = "<system>/rep<k>"
     plot(DOCS / f"{name}.png", an, systems, f"Regime {a.regime.upper()}: pooled burst-window TTFT")
-    page = json.loads(json.dumps({"meta": meta, "analysis": an, "totals": totals, "send_lag": lag, "grouped": groups},
-                                 default=str))
+    page = {"meta": meta, "analysis": an, "totals": totals, "send_lag": lag, "grouped": groups}
     with tempfile.TemporaryDirectory() as tmp:
         copy_raw(out, Path(tmp), systems, a.repeat)
         raw.pack(Path(tmp), name, page)

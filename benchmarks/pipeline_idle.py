@@ -14,7 +14,6 @@ the distribution of each stage's time).
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import shutil
 import sys
@@ -234,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for f in files:
             shutil.copy(f, Path(tmp) / f.name)
-        archive = raw.pack(Path(tmp), a.name, json.loads(json.dumps(out, default=str)), into=docs / "runs")
+        archive = raw.pack(Path(tmp), a.name, out, into=docs / "runs")
     L = ["# Where a pipeline group's stages idle (written by benchmarks/pipeline_idle.py)", "",
          f"Command: `{out['command']}`, where `RUN_COMMAND` is the run it reads (its workers wrote their traces "
          "in parts as their group ran and when it split):", "", "```", a.run_command, "```", "",

@@ -29,9 +29,9 @@ import csv
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -41,11 +41,6 @@ from vllm_kunserve.bench.report import md_row, md_table
 REF = "oracle-equal"
 TTFT_SLO_S = 2.0
 METRICS = (("ttft", 50), ("ttft", 90), ("ttft", 99), ("tpot", 50), ("e2e", 50), ("e2e", 99))
-VALUE: dict[str, Callable[[pooled.Request], float | None]] = {
-    "ttft": lambda r: r.ttft_s,
-    "tpot": lambda r: r.tpot_s,
-    "e2e": lambda r: r.e2e_s if r.ok else math.inf,
-}
 ORDER = ("vllm", "vllm-router", "vllm-router-rr", "vllm-tuned", "static", "kunserve", REF)
 LABEL = {"vllm": "stock vLLM", "vllm-router": "vllm-router (cache_aware)", "vllm-router-rr": "vllm-router (round_robin)",
          "vllm-tuned": "stock, tuned batch cap", "static": "static PP=2 group", "kunserve": "kunserve (cluster drop)",
@@ -90,13 +85,9 @@ def key(meta: dict) -> tuple:
             meta.get("oracle_equal_x"), (meta.get("provenance") or {}).get("serving_code"))
 
 
-def _files(folder: Path, system: str) -> list[tuple[int, Path]]:
-    return sorted((int(f.parent.name[3:]), f) for f in (folder / system).glob("rep*/requests.csv"))
-
-
 def _median_running(folder: Path, system: str, window: tuple[float, float], instances: int) -> float | None:
     vals = []
-    for _, f in _files(folder, system):
+    for _, f in pooled.request_files(folder, system):
         tl = f.parent / "timeline.csv"
         if not tl.exists():
             continue
@@ -112,13 +103,8 @@ def load(name: str) -> Run:
     meta = raw.page(name)["meta"]
     window = tuple(meta["window"])
     systems = [p.name for p in folder.iterdir() if p.is_dir()]
-    reqs, warm = {}, {}
-    for s in systems:
-        rows = [(k, f) for k, f in _files(folder, s)]
-        w = [r for k, f in rows for r in pooled.read_window(f, k, *window)]
-        if w:
-            reqs[s] = w
-            warm[s] = [r for k, f in rows for r in pooled.read_window(f, k, 0.0, window[0])]
+    reqs = pooled.load_runs(folder, systems, window)
+    warm = pooled.load_runs(folder, list(reqs), (0.0, window[0]))
     inst = int((meta.get("capacity") or {}).get("instances") or 2)
     return Run(name, meta, reqs, warm, _median_running(folder, REF, window, inst), folder)
 
@@ -137,26 +123,16 @@ def step_ms_at(rows: Sequence[dict], batch: float) -> float | None:
     return s1 + (s1 - s0) * (batch - b1) / (b1 - b0)   # beyond the table: its last slope
 
 
-def _groups(runs: Sequence[Run], system: str, metric: str) -> list[np.ndarray]:
-    """Per (run, repetition) the system's values: the pooled bootstrap's strata."""
-    out = []
-    for run in runs:
-        out += pooled.by_rep(run.reqs.get(system, []), VALUE[metric])
-    return out
-
-
-def pooled_ratio(runs: Sequence[Run], system: str, metric: str, q: float, seed: int = 0) -> dict:
-    ga, gb = _groups(runs, system, metric), _groups(runs, REF, metric)
-    if not ga or not gb:
-        return {"value": None, "lo": None, "hi": None}
-    with np.errstate(divide="ignore", invalid="ignore"):
-        x = pooled.draws(ga, q, seed=seed) / pooled.draws(gb, q, seed=seed + 1)
-    lo, hi = pooled.interval(x)
-    return {"value": pooled.point(ga, q) / pooled.point(gb, q), "lo": lo, "hi": hi}
+def across(runs: Sequence[Run], system: str) -> list[pooled.Request]:
+    """The system's window requests of every run, each run's repetitions numbered apart (the pooled
+    bootstrap's strata are a run's repetitions)."""
+    return [replace(r, rep=i * 1000 + r.rep) for i, run in enumerate(runs) for r in run.reqs.get(system, [])]
 
 
 def run_ratio(run: Run, system: str, metric: str, q: float) -> float | None:
-    ga, gb = pooled.by_rep(run.reqs.get(system, []), VALUE[metric]), pooled.by_rep(run.reqs.get(REF, []), VALUE[metric])
+    """The point ratio of one run (``pooled.percentile_ratio``'s value, without its draws)."""
+    ga = pooled.by_rep(run.reqs.get(system, []), pooled.METRIC[metric])
+    gb = pooled.by_rep(run.reqs.get(REF, []), pooled.METRIC[metric])
     if not ga or not gb:
         return None
     return pooled.point(ga, q) / pooled.point(gb, q)
@@ -186,7 +162,7 @@ def summarize(runs: Sequence[Run]) -> dict:
         warm = [x for r in runs for x in r.warm.get(s, [])]
         row: dict = {"runs": len(have), "n": len(reqs), "lost": sum(not x.ok for x in reqs), "abs": {}, "ratio": {}}
         for metric, q in METRICS:
-            g = _groups(runs, s, metric)
+            g = pooled.by_rep(across(runs, s), pooled.METRIC[metric])
             v = pooled.point(g, q) if g else None
             row["abs"][f"{metric}_p{q}"] = v
             if s == REF:
@@ -195,7 +171,7 @@ def summarize(runs: Sequence[Run]) -> dict:
             row["ratio"][f"{metric}_p{q}"] = {
                 "median": float(np.median(per)) if per else None, "min": min(per) if per else None,
                 "max": max(per) if per else None, "per_run": {r.name: run_ratio(r, s, metric, q) for r in have},
-                "pooled": pooled_ratio(have, s, metric, q)}
+                "pooled": pooled.percentile_ratio(across(have, s), across(have, REF), q, metric=metric)}
         if bound["tpot_s"]:
             row["goodput"] = pooled.goodput(reqs, bound["ttft_s"], bound["tpot_s"])
             row["goodput_warm"] = pooled.goodput(warm, bound["ttft_s"], bound["tpot_s"]) if warm else None

@@ -56,6 +56,26 @@ def read_window(path: Path, rep: int, lo: float, hi: float) -> list[Request]:
     return out
 
 
+def request_files(run: Path, system: str, reps: int | None = None) -> list[tuple[int, Path]]:
+    """(repetition, requests.csv) of each of ``system``'s runs, in order: laid out ``<system>/rep<k>/``
+    (``kunserve compare``) or ``rep<k>/<system>/`` (a doc's copy of them); ``reps``: the first ``reps``
+    only (a comparison rendered from the repetitions it finished, while a later one had begun)."""
+    files = [(int(f.parent.name[3:]), f) for f in (run / system).glob("rep*/requests.csv")] or \
+            [(int(f.parent.parent.name[3:]), f) for f in run.glob(f"rep*/{system}/requests.csv")]
+    return sorted(x for x in files if reps is None or x[0] <= reps)
+
+
+def load_runs(run: Path, systems: list[str], window: tuple[float, float],
+              reps: int | None = None) -> dict[str, list[Request]]:
+    """Per system, the requests of every repetition (the first ``reps``) arriving in ``window``."""
+    out: dict[str, list[Request]] = {}
+    for s in systems:
+        reqs = [r for k, f in request_files(run, s, reps) for r in read_window(f, k, *window)]
+        if reqs:
+            out[s] = reqs
+    return out
+
+
 def by_rep(reqs: Sequence[Request], value) -> list[np.ndarray]:
     """Per repetition (in order), the array of ``value(request)`` (None values dropped)."""
     reps = sorted({r.rep for r in reqs})
@@ -139,12 +159,17 @@ def tail(reqs: Sequence[Request], qs: Iterable[float] = QUANTILES, seed: int = 0
     return out
 
 
+#: a request's value of each metric a ratio reads: a lost request's TTFT and end-to-end latency are
+#: infinite, it has no TPOT
+METRIC = {"ttft": lambda r: r.ttft_s, "tpot": lambda r: r.tpot_s, "e2e": lambda r: r.e2e_s if r.ok else math.inf}
+
+
 def percentile_ratio(a: Sequence[Request], b: Sequence[Request], q: float, seed: int = 0, metric: str = "ttft") -> dict:
-    """P{q} TTFT (``metric="tpot"``: TPOT, over the requests that have one) of ``a`` over ``b``,
-    pooled, with the interval of independent resamples."""
-    if metric not in ("ttft", "tpot"):
-        raise ValueError(f"metric {metric!r}: ttft or tpot")
-    value = (lambda r: r.ttft_s) if metric == "ttft" else (lambda r: r.tpot_s)
+    """P{q} TTFT (``metric="tpot"``: TPOT, over the requests that have one; ``"e2e"``: end-to-end latency)
+    of ``a`` over ``b``, pooled, with the interval of independent resamples."""
+    if metric not in METRIC:
+        raise ValueError(f"metric {metric!r}: one of {', '.join(METRIC)}")
+    value = METRIC[metric]
     ga, gb = by_rep(a, value), by_rep(b, value)
     if not ga or not gb:
         return {"value": None, "lo": None, "hi": None}
@@ -153,10 +178,6 @@ def percentile_ratio(a: Sequence[Request], b: Sequence[Request], q: float, seed:
     lo, hi = interval(x)
     v = point(ga, q) / point(gb, q)
     return {"value": None if math.isnan(v) else v, "lo": lo, "hi": hi}   # None: both tails lost requests
-
-
-#: the old name, still called by ``benchmarks/burst_value.py``; delete once its calls say ``percentile_ratio``
-ratio = percentile_ratio
 
 
 def without_each_rep(a: Sequence[Request], b: Sequence[Request], q: float) -> list[dict]:

@@ -14,8 +14,8 @@ from .benchmod import load_benchmark
 pytestmark = pytest.mark.unit
 
 
-def reqs(values, rep=1, tpot=0.05, ok=True):
-    return [P.Request(rep, float(i), ok, v if ok else math.inf, tpot if ok else None, 10, None)
+def reqs(values, rep=1, tpot=0.05, ok=True, e2e=None):
+    return [P.Request(rep, float(i), ok, v if ok else math.inf, tpot if ok else None, 10, e2e if ok else None)
             for i, v in enumerate(values)]
 
 
@@ -271,8 +271,11 @@ def test_ratio_of_tpot_skips_requests_without_one():
     r = P.percentile_ratio(a, reqs([1.0] * 50, tpot=0.10), 50, metric="tpot")
     assert r["value"] == pytest.approx(1.2) and r["lo"] == pytest.approx(1.2) and r["hi"] == pytest.approx(1.2)
     assert P.percentile_ratio(a, a, 50)["value"] == pytest.approx(1.0)
-    with pytest.raises(ValueError, match="ttft or tpot"):
-        P.percentile_ratio(a, a, 50, metric="e2e")
+    lost = [P.Request(1, 98.0, False, math.inf, None, 0, None)]   # a lost request's end-to-end latency is infinite
+    e2e = P.percentile_ratio(reqs([1.0] * 50, e2e=3.0) + lost, reqs([1.0] * 50, e2e=2.0), 50, metric="e2e")
+    assert e2e["value"] == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="one of ttft, tpot, e2e"):
+        P.percentile_ratio(a, a, 50, metric="itl")
 
 
 def test_kunserve_against_its_stock_twin(bv, tmp_path):
