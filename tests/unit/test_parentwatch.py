@@ -151,3 +151,58 @@ def test_launcher_passes_its_pid(tmp_path):
     line = [ln for ln in log.read_text().splitlines() if ln.startswith("parent")][0]
     _, passed, ppid = line.split()
     assert int(passed) == os.getpid() == int(ppid)
+
+
+SPAWNER = """
+import multiprocessing, os, signal, sys, time
+from vllm_kunserve.runtime.parentwatch import watch_from_env
+
+
+def idle():
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # a spawned child, as vllm serve spawns its engine core: multiprocessing starts its resource
+    # tracker, a member of this group that exits only once this process has
+    child = multiprocessing.get_context("spawn").Process(target=idle, daemon=True)
+    child.start()
+    watch_from_env(interval_s=0.05, grace_s=20)
+    os.write(1, f"server {os.getpid()}\\n".encode())
+    try:
+        time.sleep(600)
+    except KeyboardInterrupt:   # the server's own shutdown stops its child
+        child.kill()
+        child.join()
+        sys.exit(0)
+"""
+
+
+def test_a_spawning_server_stops_without_waiting_out_the_grace_period(tmp_path):
+    """The resource tracker a spawning server started (vLLM's engine core is spawned) exits only
+    after the server does: the stop does not wait for it, so the group is gone well inside its
+    grace period (before: the whole 20 s, then SIGKILL)."""
+    server = tmp_path / "spawner.py"
+    server.write_text(SPAWNER)
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(LAUNCHER.format(env=ENV_PARENT, server=str(server)))
+    out = tmp_path / "out.txt"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop(ENV_PARENT, None)
+    proc = subprocess.Popen([sys.executable, str(launcher), "polite"], stdout=open(out, "w"), env=env)
+    deadline = time.monotonic() + 60
+    while not out.read_text().startswith("server "):
+        assert time.monotonic() < deadline and proc.poll() is None, out.read_text()
+        time.sleep(0.05)
+    pid = int(out.read_text().split()[1])
+    while len(group_members(pid)) < 3:   # the server, its tracker and its child
+        assert time.monotonic() < deadline, group_members(pid)
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    proc.kill()
+    proc.wait()
+    while group_members(pid) and time.monotonic() - t0 < 30:
+        time.sleep(0.05)
+    took = time.monotonic() - t0
+    assert not group_members(pid) and took < 10, (group_members(pid), took)

@@ -63,16 +63,31 @@ def group_members(pgid: int, exclude: int | None = None) -> list[int]:
     return out
 
 
+def _exits_after_us() -> set[int]:
+    """Group members that exit only once this process has: multiprocessing's resource tracker, which
+    this process started when it spawned a child (vLLM's engine core) and which stops when the last
+    process holding its pipe, this one, has exited. Waiting for it would wait out the grace period
+    (every orphaned ``vllm serve`` took its full ``grace_s`` to go)."""
+    try:
+        from multiprocessing import resource_tracker
+
+        pid = resource_tracker._resource_tracker._pid
+    except Exception:  # noqa: BLE001 - a private attribute: without it, wait for every member
+        return set()
+    return {pid} if pid else set()
+
+
 def stop_group(grace_s: float, poll_s: float = 0.2) -> None:
     """SIGINT this process's group, then SIGKILL it (this process included) if, after ``grace_s``,
     this process's main thread still runs (it did not stop on SIGINT: a server still starting, say)
     or another member is left. Run from a non-daemon thread: the interpreter's exit waits for it, so
-    it returns as soon as the main thread has finished and the rest of the group is gone."""
+    it returns as soon as the main thread has finished and the rest of the group is gone (but for a
+    member that exits after this process does: :func:`_exits_after_us`)."""
     me, pgid = os.getpid(), os.getpgrp()
     os.killpg(pgid, signal.SIGINT)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
-        if not threading.main_thread().is_alive() and not group_members(pgid, exclude=me):
+        if not threading.main_thread().is_alive() and not set(group_members(pgid, exclude=me)) - _exits_after_us():
             return
         time.sleep(poll_s)
     logger.warning("kunserve: process group %d still alive %.0f s after SIGINT; SIGKILL", pgid, grace_s)
