@@ -183,3 +183,47 @@ def test_run_bench_writes_outputs(fake, tmp_path):
     assert "kunserve:groups" in tl[0] and tl[-1]["kunserve:groups"] == "3.0"
     assert float(tl[-1]["preemptions"]) == 10.0
     assert json.loads((out / "summary.json").read_text())["completed"] == 5
+
+
+def _in_flight_peak(res) -> list[tuple[float, int]]:
+    """(time, requests in flight) after every send and end, from the results' own times."""
+    events = sorted([(r.send_s, 1) for r in res] + [(r.send_s + r.e2e_s, -1) for r in res])
+    n, out = 0, []
+    for t, d in events:
+        n += d
+        out.append((t, n))
+    return out
+
+
+def test_max_concurrency_is_a_closed_loop(fake):
+    """Six requests all due at 0 with two slots: never more than two in flight, sent in order as slots
+    free, each recorded as arriving when it got its slot (so no send counts as late)."""
+    specs = [_spec(i, 0.0, 5, 4) for i in range(6)]
+    res = asyncio.run(replay(fake.endpoint, "m", specs, progress=False, max_concurrency=2))
+    assert all(r.ok for r in res)
+    assert max(n for _, n in _in_flight_peak(res)) == 2
+    sends = [r.send_s for r in res]
+    assert sends == sorted(sends) and sends[2] >= res[0].e2e_s - 0.02   # the third waited for a slot
+    assert all(r.arrival_s == pytest.approx(r.send_s, abs=0.01) for r in res)
+
+
+def test_concurrency_schedule_raises_the_limit_on_time(fake):
+    """One slot, then three from 0.4 s: the waiting requests go out at 0.4 s, not after the first ends."""
+    specs = [_spec(i, 0.0, 5, 20) for i in range(3)]   # each lasts ~0.12 + 19 x 0.03 = 0.69 s
+    res = asyncio.run(replay(fake.endpoint, "m", specs, progress=False, max_concurrency=[(0.0, 1), (0.4, 3)]))
+    assert all(r.ok for r in res)
+    assert res[0].send_s < 0.05
+    assert res[1].send_s == pytest.approx(0.4, abs=0.08) and res[2].send_s == pytest.approx(0.4, abs=0.08)
+    assert res[1].send_s < res[0].e2e_s
+
+
+@pytest.mark.parametrize("text, ok", [("4", [(0.0, 4)]), ("4,8@10,4@25.5", [(0.0, 4), (10.0, 8), (25.5, 4)]),
+                                      ("0", None), ("4,8", None), ("4,8@10,2@5", None), ("4@3", None), ("x", None)])
+def test_parse_concurrency(text, ok):
+    from vllm_kunserve.bench.client import parse_concurrency
+
+    if ok is None:
+        with pytest.raises(ValueError, match="--max-concurrency"):
+            parse_concurrency(text)
+    else:
+        assert parse_concurrency(text) == ok

@@ -177,11 +177,70 @@ async def request(session: aiohttp.ClientSession, url: str, body: dict, spec: Re
     return res
 
 
+def parse_concurrency(text: str) -> list[tuple[float, int]]:
+    """``N`` or ``N,N@SECONDS,...`` (e.g. ``14,28@15,14@30``): the in-flight limit from each time on
+    (seconds from the replay's start, increasing; the first from 0)."""
+    out: list[tuple[float, int]] = []
+    for k, part in enumerate(p.strip() for p in str(text).split(",")):
+        n, _, at = part.partition("@")
+        try:
+            t, c = (float(at) if at else 0.0), int(n)
+        except ValueError:
+            raise ValueError(f"--max-concurrency {text!r}: expected N or N,N@SECONDS,...") from None
+        if c < 1 or (k == 0 and t != 0) or (k > 0 and (not at or t <= out[-1][0])):
+            raise ValueError(f"--max-concurrency {text!r}: limits >= 1, the first from 0, then at increasing times")
+        out.append((t, c))
+    return out
+
+
+class Slots:
+    """At most ``limit(t)`` requests in flight, ``t`` seconds after ``t0``, granted in arrival order."""
+
+    def __init__(self, schedule: list[tuple[float, int]], t0: float):
+        self.schedule, self.t0, self.busy = schedule, t0, 0
+        self.cond = asyncio.Condition()
+
+    def limit(self) -> int:
+        now = time.perf_counter() - self.t0
+        return [c for t, c in self.schedule if t <= now][-1]
+
+    async def acquire(self) -> None:
+        async with self.cond:
+            await self.cond.wait_for(lambda: self.busy < self.limit())
+            self.busy += 1
+
+    def release(self) -> None:
+        self.busy -= 1
+        asyncio.get_running_loop().create_task(self._wake())
+
+    async def _wake(self) -> None:
+        async with self.cond:
+            self.cond.notify_all()
+
+    async def tick(self) -> None:
+        """Wake the waiters at each later limit's start (a limit that rises frees slots by itself)."""
+        for t, _ in self.schedule[1:]:
+            await asyncio.sleep(max(0.0, self.t0 + t - time.perf_counter()))
+            await self._wake()
+
+
 async def _one(session: aiohttp.ClientSession, url: str, model: str, spec: RequestSpec, t0: float,
-               timeout_s: float, extra: dict | None, on_done: Callable[[RequestResult], None]) -> RequestResult:
+               timeout_s: float, extra: dict | None, on_done: Callable[[RequestResult], None],
+               slots: Slots | None = None) -> RequestResult:
     res = RequestResult(spec.idx, spec.arrival_s, spec.prompt_len, spec.output_len)
     try:
-        await _send(session, url, _body(model, spec, extra), res, t0, timeout_s)
+        if slots is None:
+            await _send(session, url, _body(model, spec, extra), res, t0, timeout_s)
+        else:
+            delay = t0 + spec.arrival_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await slots.acquire()   # FIFO: the request arrives when a slot frees (its user's previous one ended)
+            try:
+                res.arrival_s = max(spec.arrival_s, time.perf_counter() - t0)
+                await _send(session, url, _body(model, spec, extra), res, t0, timeout_s)
+            finally:
+                slots.release()
     except asyncio.CancelledError:
         res.ok = False
         res.error = "overall deadline reached" + ("" if res.send_s == res.send_s else " before sending")
@@ -193,8 +252,16 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, spec: Reque
 
 async def replay(endpoint: str, model: str, specs: list[RequestSpec], *, request_timeout_s: float = 300.0,
                  deadline_s: float | None = None, progress: bool = True, extra_body: dict | None = None,
-                 on_start: Callable[[float], None] | None = None) -> list[RequestResult]:
+                 on_start: Callable[[float], None] | None = None,
+                 max_concurrency: int | list[tuple[float, int]] | None = None) -> list[RequestResult]:
     """Send every spec at its arrival time; return one result per spec, in spec order.
+
+    ``max_concurrency``: at most this many requests in flight (``vllm bench serve --max-concurrency``'s
+    meaning): a request whose arrival time has come waits for a free slot, in arrival order, and its
+    recorded arrival becomes the moment it got one. With every arrival at 0 that is a closed loop of
+    that many users, each sending its next request when its previous one ends: a load that depends on
+    the requests' lengths and the KV they hold, not on how fast the machine is. A schedule
+    (``parse_concurrency``) changes the limit over time: a closed loop whose users come and go.
 
     ``deadline_s`` bounds the whole replay (from its start); requests still running or not yet sent
     then are cancelled and recorded as failed. ``on_start(t0)`` is called with the replay's zero
@@ -222,13 +289,18 @@ async def replay(endpoint: str, model: str, specs: list[RequestSpec], *, request
             t0 = time.perf_counter()
             if on_start:
                 on_start(t0)
-            tasks = [asyncio.create_task(_one(session, url, model, s, t0, request_timeout_s, extra_body, on_done))
-                     for s in specs]
+            schedule = [(0.0, max_concurrency)] if isinstance(max_concurrency, int) else max_concurrency
+            slots = Slots(schedule, t0) if schedule else None
+            tasks = [asyncio.create_task(_one(session, url, model, s, t0, request_timeout_s, extra_body, on_done,
+                                              slots)) for s in specs]
+            ticker = asyncio.create_task(slots.tick()) if slots else None
             if tasks:
                 _, pending = await asyncio.wait(tasks, timeout=deadline_s)
                 for t in pending:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+            if ticker:
+                ticker.cancel()
     finally:
         bar.close()
     return [results[s.idx] for s in specs]

@@ -40,6 +40,7 @@ class BenchOptions:
     ref_tpot_s: float | None = None
     title: str = ""
     realtime: bool = False  # replay from a SCHED_FIFO thread (see client_sched)
+    max_concurrency: list[tuple[float, int]] | None = None  # in-flight limit from each time on (client.replay)
 
 
 @contextmanager
@@ -116,7 +117,8 @@ async def _run(opts: BenchOptions, factory: PromptFactory, specs: list[RequestSp
     try:
         with client_sched(opts.realtime, sched):
             results = await replay(opts.endpoint, opts.model, specs, request_timeout_s=opts.request_timeout_s,
-                                   deadline_s=deadline_s, progress=opts.progress, on_start=on_start)
+                                   deadline_s=deadline_s, progress=opts.progress, on_start=on_start,
+                                   max_concurrency=opts.max_concurrency)
     finally:
         gc_pauses.remove()
         await loop_lag.stop()
@@ -146,7 +148,9 @@ def run_bench(trace: Trace, factory: PromptFactory, opts: BenchOptions, out: Pat
     if len(trace) == 0:
         raise ValueError("the trace holds no request")
     specs = build_specs(trace, factory)
-    deadline = opts.deadline_s if opts.deadline_s else trace.duration_s + opts.request_timeout_s + 5.0
+    # a closed loop's requests wait their turn: each slot runs its share of them one after another
+    turns = -(-len(trace) // min(c for _, c in opts.max_concurrency)) if opts.max_concurrency else 1
+    deadline = opts.deadline_s if opts.deadline_s else trace.duration_s + turns * opts.request_timeout_s + 5.0
     t0s: list[float] = []
     gc_pauses, loop_lag, sched = GcPauses(), LoopLag(), {}
     results, scraper = asyncio.run(_run(opts, factory, specs, deadline, t0s, gc_pauses, loop_lag, sched))

@@ -21,6 +21,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-scrape", action="store_true", help="do not scrape the server's /metrics")
     g.add_argument("--slo-ref-ttft", type=float, help="reference P50 TTFT (s) for SLO attainment (default: own)")
     g.add_argument("--slo-ref-tpot", type=float, help="reference P50 TPOT (s) for SLO attainment (default: own)")
+    g.add_argument("--max-concurrency", metavar="N[,N@SECONDS...]",
+                   help="at most N requests in flight (vllm bench serve's meaning): a request whose arrival time has "
+                        "come waits for a free slot and counts as arriving when it gets one; with every arrival at 0 "
+                        "(a high --rate) a closed loop of N users. N,N@SECONDS,... changes N over time (e.g. "
+                        "14,28@15,14@30: a burst of users from 15 s to 30 s)")
     g.add_argument("--client-realtime", action="store_true",
                    help="replay from a real-time thread (SCHED_FIFO, not inherited by anything it starts): on a host "
                         "whose cores the servers fill, the client then sends on time (needs root or CAP_SYS_NICE)")
@@ -77,10 +82,14 @@ def bench_options(args: argparse.Namespace, endpoint: str, model: str, title: st
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {v}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    from vllm_kunserve.bench.client import parse_concurrency
+
+    schedule = parse_concurrency(args.max_concurrency) if args.max_concurrency is not None else None
     return BenchOptions(endpoint=endpoint, model=model, request_timeout_s=args.request_timeout,
                         deadline_s=args.deadline, warmup=args.warmup, progress=not args.no_progress and sys.stderr.isatty(),
                         scrape=not args.no_scrape, plots=not args.no_plots, ref_ttft_s=args.slo_ref_ttft,
-                        ref_tpot_s=args.slo_ref_tpot, title=title, realtime=args.client_realtime)
+                        ref_tpot_s=args.slo_ref_tpot, title=title, realtime=args.client_realtime,
+                        max_concurrency=schedule)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -149,8 +149,10 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     log(f"trace: {json.dumps(trace.describe())}")
-    log(f"KV capacity {cap_tokens} tokens ({kv_bytes} bytes); estimated demand mean "
-        f"{winfo.get('est_kv_demand_mean_share', 0):.2f}x, peak {winfo.get('est_kv_demand_peak_share', 0):.2f}x")
+    log(f"KV capacity {cap_tokens} tokens ({kv_bytes} bytes); " + (
+        f"in flight at most {args.max_concurrency} (a closed loop: the trace's arrival times set only the order)"
+        if args.max_concurrency else f"estimated demand mean {winfo.get('est_kv_demand_mean_share', 0):.2f}x, "
+                                     f"peak {winfo.get('est_kv_demand_peak_share', 0):.2f}x"))
 
     def bench(spec, rep, endpoint, run_dir):
         opts = bench_options(args, endpoint, common.served_name, title=f"{spec.name} rep {rep + 1}")
