@@ -185,7 +185,7 @@ def measure_cpu(runs: int, model: str, max_foreign: float = 0.05, max_wait_s: fl
         k += 1
         doc["meta"].update({"command": " ".join(["python", "benchmarks/profile_cpu_steps.py"] + cmd[2:-2]
                                                 + ["--out", f"docs/benchmarks/costmodel_fit_cpu_run{k}.json"]),
-                            "taken_by": "python benchmarks/costmodel_fit.py --measure-cpu",
+                            "taken_by": "python -m benchmarks.costmodel_fit --measure-cpu",
                             "foreign_cpu_share": foreign, "wall_s": wall, "runs_rejected_before": len(rejected),
                             "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                             "model": model})
@@ -327,7 +327,7 @@ def render(r: dict, cmd: str) -> str:
                      f"{rn['max_rel_dev']:.0%}; {rn['rows']} rows).")
     if cpu.get("runs"):
         b = cpu["between_run_noise"]
-        L += ["", f"Re-measured: {len(cpu['runs'])} runs of `python benchmarks/profile_cpu_steps.py --model <small> "
+        L += ["", f"Re-measured: {len(cpu['runs'])} runs of `python -m benchmarks.profile_cpu_steps --model <small> "
               "--quick --repeat 1` (the model built by `kunserve make-model --preset small`), taken by `python "
               "benchmarks/costmodel_fit.py --measure-cpu N`: a run starts only when the machine is idle and is kept "
               "only if other processes used at most 5% of the CPU while it ran (the 2 cores are shared with other "
@@ -361,7 +361,7 @@ def main(argv=None) -> int:
     if a.measure_cpu:
         measure_cpu(a.measure_cpu, a.model, a.max_foreign, a.max_wait)
     r = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "python": platform.python_version(),
-         "command": "python benchmarks/costmodel_fit.py", "vidur": bench_vidur(Path(a.data)), "cpu": bench_cpu()}
+         "command": "python -m benchmarks.costmodel_fit", "vidur": bench_vidur(Path(a.data)), "cpu": bench_cpu()}
     write_json(a.out, r, indent=1, clean=False)
     Path(a.md).write_text(render(r, r["command"]))
     print(json.dumps({"vidur_meet_target": sum(c["meets_target"] for c in r["vidur"]), "vidur": len(r["vidur"]),

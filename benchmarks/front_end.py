@@ -296,7 +296,7 @@ def write_md(path: Path, raw: Path, png: Path | None, summary: list[dict], args,
     """``argv``: the measuring run's arguments where the doc is re-written from its raw data."""
     lines = doc_header("Front-end overhead: straight to the engine vs through kunserve serve", "front_end.py",
                        device, raw,
-                       f"Command: `python benchmarks/front_end.py --reps {args.reps} --levels "
+                       f"Command: `python -m benchmarks.front_end --reps {args.reps} --levels "
                        f"{' '.join(map(str, args.levels))} --output-len {args.output_len} --min-requests "
                        f"{args.min_requests} --frontend-core {args.frontend_core}"
                        + (f" --client-core {args.client_core}" if getattr(args, "client_core", -1) >= 0 else "")

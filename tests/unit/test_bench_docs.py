@@ -52,10 +52,10 @@ def test_write_json_cleans_or_keeps_non_finite_values(tmp_path):
 
 def test_command_and_rel(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "argv", ["/x/benchmarks/tool.py", "--name", "a b", "--j", '{"k": 1}'])
-    assert report.command("tool.py") == """python benchmarks/tool.py --name 'a b' --j '{"k": 1}'"""
-    assert report.command("tool.py", quote=False) == 'python benchmarks/tool.py --name a b --j {"k": 1}'
-    assert report.command("other.py") == "python benchmarks/other.py"       # not the program that runs
-    assert report.command("other.py", ["--x"]) == "python benchmarks/other.py --x"
+    assert report.command("tool.py") == """python -m benchmarks.tool --name 'a b' --j '{"k": 1}'"""
+    assert report.command("tool.py", quote=False) == 'python -m benchmarks.tool --name a b --j {"k": 1}'
+    assert report.command("other.py") == "python -m benchmarks.other"       # not the program that runs
+    assert report.command("other.py", ["--x"]) == "python -m benchmarks.other --x"
     assert report.rel(report.REPO / "docs" / "benchmarks" / "x.json") == "docs/benchmarks/x.json"
     assert report.rel(tmp_path / "y") == (tmp_path / "y").resolve().as_posix()
 

@@ -199,6 +199,6 @@ def test_analyse_only_quotes_the_measuring_run_not_the_re_render(tmp_path):
     assert fe.main(["--analyse-only", "--out", str(raw), "--md", str(md)]) == 0
     text = md.read_text()
     assert text.splitlines()[2].startswith(
-        "Produced by `python benchmarks/front_end.py --reps 7 --levels 1 32 --no-load-arm --frontend-core 1`")
+        "Produced by `python -m benchmarks.front_end --reps 7 --levels 1 32 --no-load-arm --frontend-core 1`")
     assert "--analyse-only" not in text and "(1-min load average at the end, " in text
     assert "cores): 0.5;" in text

@@ -39,7 +39,7 @@ def test_report_writes_the_table_and_flags_differing_outputs(tmp_path):
     assert "cores): not recorded in the raw data" in doc
     raw["argv"], raw["load_avg"] = ["--reps", "2"], 0.5   # a doc re-written later quotes the measuring run
     pc.report(dict(raw), md, js)
-    assert "Produced by `python benchmarks/plugin_cost.py --reps 2`" in md.read_text()
+    assert "Produced by `python -m benchmarks.plugin_cost --reps 2`" in md.read_text()
     assert "cores): 0.5;" in md.read_text()
     raw["runs"][1] = _run("kunserve", 1, 53.0, outputs="other")
     pc.report(dict(raw), md, js)

@@ -227,12 +227,12 @@ def rel(path: Path | str) -> str:
 
 
 def command(script: str, args: Sequence[str] | None = None, quote: bool = True) -> str:
-    """``python benchmarks/<script> ARGS``: the command line that ran ``script`` with ``args``
+    """``python -m benchmarks.<name> ARGS``: the command line that ran ``script`` (``<name>.py``) with ``args``
     (default: its arguments as given when it runs as a program, by path or as ``python -m
     benchmarks.<name>``; none when called otherwise), each shell-quoted unless not ``quote``."""
     if args is None:
         args = sys.argv[1:] if Path(sys.argv[0]).name == script else []
-    return " ".join(["python", f"benchmarks/{script}", *(map(shlex.quote, args) if quote else args)])
+    return " ".join(["python", "-m", f"benchmarks.{Path(script).stem}", *(map(shlex.quote, args) if quote else args)])
 
 
 def doc_header(title: str, script: str, device: str, raw: Path, *paragraphs: str,
