@@ -1,7 +1,7 @@
 """`kunserve serve --engine-url` over two real `vllm serve` engines started elsewhere (issue 37):
 answers token-identical to the engines' own, two front ends on one port (--reuse-port) both relay,
-a hung engine (SIGSTOP) is retried around after --first-byte-timeout and tripped, a killed one is
-failed over and never restarted by the front end."""
+a hung engine (SIGSTOP) is retried around after --first-byte-timeout and tripped, one answering 500
+is retried around, a killed one is failed over and never restarted by the front end."""
 
 from __future__ import annotations
 
@@ -34,15 +34,22 @@ def attach_front(model, engines: list[VllmServer], tmp_path, *extra: str, kcfg: 
     return front
 
 
-def test_attached_real_engines_hung_and_killed(tiny_model, tmp_path):
+def test_attached_real_engines_hung_answering_500_and_killed(tiny_model, tmp_path):
+    """Three `vllm serve` engines started together (one start-up for the three drills): engines 0
+    and 1 behind two front ends on one port, then engine 1 hung (SIGSTOP); engine 2 answering 500
+    behind a second front end over engines 0 and 2 (``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1``, vLLM's own
+    switch: its engine core killed, its API server answers every request with 500); then engine 0
+    killed, its requests going to engine 1."""
     engines = [VllmServer(str(tiny_model), ARGS, log_path=tmp_path / f"engine{i}.log", startup_timeout_s=400)
                for i in range(2)]
+    engines.append(VllmServer(str(tiny_model), ARGS, env={"VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"},
+                              log_path=tmp_path / "engine2.log", startup_timeout_s=400))
     start_all(engines)
-    front = replica = stopped = None
+    front = replica = front500 = stopped = None
     try:
         flags = ("--dispatch", "round-robin", "--first-byte-timeout", "3", "--reuse-port")
-        front = attach_front(tiny_model, engines, tmp_path, *flags)
-        replica = attach_front(tiny_model, engines, tmp_path, *flags, port=front.port, log="replica.log")
+        front = attach_front(tiny_model, engines[:2], tmp_path, *flags)
+        replica = attach_front(tiny_model, engines[:2], tmp_path, *flags, port=front.port, log="replica.log")
 
         async def shared() -> tuple[list, list[int]]:
             """Each request on a connection of its own, kept open: the kernel spreads the connections over
@@ -73,15 +80,39 @@ def test_attached_real_engines_hung_and_killed(tiny_model, tmp_path):
                 st_hung = await status(s, front.url)
                 os.kill(stopped, signal.SIGCONT)
                 stopped = None
+                return direct, via, hung, hung_s, st_hung
+        direct, via, hung, hung_s, st_hung = asyncio.run(go())
+
+        # engine 2 answers 500, behind a front end over engines 0 and 2 (its instance 1)
+        front500 = attach_front(tiny_model, [engines[0], engines[2]], tmp_path, "--dispatch", "round-robin",
+                                log="front500.log")
+
+        async def answering_500():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+                os.kill(engine_core_pid(engines[2]), signal.SIGKILL)
+                t0 = time.monotonic()
+                while True:   # vLLM notices its engine core died: from then on it answers 500
+                    broken = await complete(s, engines[2].url, PROMPTS[0], max_tokens=24)
+                    if broken.status != 200 or time.monotonic() - t0 > 60:
+                        break
+                    await asyncio.sleep(0.1)
+                via500 = await asyncio.gather(*(complete(s, front500.url, p, max_tokens=24, stream=k % 2 == 0)
+                                                for k, p in enumerate(PROMPTS * 2)))
+                return broken, via500, await status(s, front500.url)
+        broken, via500, st500 = asyncio.run(answering_500())
+        front500.stop()
+
+        async def killed_engine():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
                 engines[0].stop()                   # engine 0 dies: its requests go to engine 1
                 killed = [await complete(s, front.url, p, max_tokens=24, stream=k % 2 == 0)
                           for k, p in enumerate(PROMPTS)]
-                return direct, via, hung, hung_s, st_hung, killed, await status(s, front.url)
-        direct, via, hung, hung_s, st_hung, killed, st = asyncio.run(go())
+                return killed, await status(s, front.url)
+        killed, st = asyncio.run(killed_engine())
     finally:
         if stopped is not None:
             os.kill(stopped, signal.SIGCONT)
-        for f in (replica, front):
+        for f in (replica, front500, front):
             if f is not None:
                 f.stop()
         for e in engines:
@@ -97,6 +128,14 @@ def test_attached_real_engines_hung_and_killed(tiny_model, tmp_path):
     retries = [e for e in st_hung["events"] if e["event"] == "retry"]
     assert retries and all(e["src"] == 1 and "no response in 3 s" in e["reason"] for e in retries)
     assert hung_s < 3 * (len(retries) + 1) + 30
+    # engine 2 answering 500: every request completed token-identical, none reached the client as an
+    # error; round-robin sent some to it while the front end still counted it ready: each came back
+    # from vLLM as a 500 and went to engine 0
+    assert broken.status == 500, (broken.status, broken.error)
+    assert all(a.status == 200 and a.error is None for a in via500), [(a.status, a.error) for a in via500]
+    assert [a.token_ids for a in via500] == ref * 2
+    retries = [e for e in st500["events"] if e["event"] == "retry"]
+    assert retries and all(e["src"] == 1 and "answered 500" in e["reason"] for e in retries), retries
     assert [a.token_ids for a in killed] == ref and all(a.status == 200 and a.error is None for a in killed)
     # attached: the front end never restarts what it did not start
     assert st["instances"][0]["restarts"] == 0
@@ -118,46 +157,6 @@ def engine_core_pid(server: VllmServer) -> int:
     cores = [k.pid for k in kids if "EngineCore" in " ".join([k.name(), *k.cmdline()])]
     assert len(cores) == 1, [(k.pid, k.name()) for k in kids]
     return cores[0]
-
-
-def test_attached_engine_answering_500_is_retried_around(tiny_model, tmp_path):
-    """A real engine that answers 500: its engine core is killed while its API server stays up
-    (``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1``, vLLM's own switch), so vLLM itself answers every request
-    with 500 (``EngineDeadError``). Requests the front end sends there are retried on the other engine
-    before their first token, token-identical, and none reaches the client as an error."""
-    engines = [VllmServer(str(tiny_model), ARGS, env={"VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"},
-                          log_path=tmp_path / f"engine{i}.log", startup_timeout_s=400) for i in range(2)]
-    front = None
-    try:
-        start_all(engines)
-        front = attach_front(tiny_model, engines, tmp_path, "--dispatch", "round-robin")
-
-        async def go():
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
-                ref = [await complete(s, engines[0].url, p, max_tokens=24) for p in PROMPTS]
-                os.kill(engine_core_pid(engines[1]), signal.SIGKILL)
-                t0 = time.monotonic()
-                while True:   # vLLM notices its engine core died: from then on it answers 500
-                    broken = await complete(s, engines[1].url, PROMPTS[0], max_tokens=24)
-                    if broken.status != 200 or time.monotonic() - t0 > 60:
-                        break
-                    await asyncio.sleep(0.1)
-                via = await asyncio.gather(*(complete(s, front.url, p, max_tokens=24, stream=k % 2 == 0)
-                                             for k, p in enumerate(PROMPTS * 2)))
-                return ref, broken, via, await status(s, front.url)
-        ref, broken, via, st = asyncio.run(go())
-    finally:
-        if front is not None:
-            front.stop()
-        for e in engines:
-            e.stop()
-    assert broken.status == 500, (broken.status, broken.error)
-    assert all(a.status == 200 and a.error is None for a in via), [(a.status, a.error) for a in via]
-    assert [a.token_ids for a in via] == [a.token_ids for a in ref] * 2
-    # round-robin sent some to engine 1 while the front end still counted it ready: each came back
-    # from vLLM as a 500 and went to engine 0
-    retries = [e for e in st["events"] if e["event"] == "retry"]
-    assert retries and all(e["src"] == 1 and "answered 500" in e["reason"] for e in retries), retries
 
 
 @pytest.mark.covering
