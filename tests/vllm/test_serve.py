@@ -1,4 +1,5 @@
-"""`vllm serve` with the plugin: the OpenAI server works, and a bad option refuses to start."""
+"""`vllm serve` with the plugin: the OpenAI server works, and a bad option refuses to start. The burst
+and control port tests share one server (``remap_server``)."""
 
 import json
 import urllib.request
@@ -29,22 +30,55 @@ def test_serve_refuses_unknown_key_and_names_it(tiny_model, tmp_path):
     assert "kunserve.bogus: unknown key" in log
 
 
-def test_serve_remap_burst_metrics_and_idle_revert(burst_model, tmp_path):
+@pytest.fixture(scope="module")
+def remap_server(burst_model, tmp_path_factory):
+    """One mp `vllm serve` (engine core + worker processes) with remap on and its control port behind
+    a token, for the burst test and the control port test (one engine start-up for both): the burst
+    test runs on it first, with the engine's own policy (auto), and leaves it at its base; the
+    control port test switches auto off for its forced remap and back on after."""
+    import socket
+
+    from tests.vllm.conftest import BURST_KV_BYTES
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tmp = tmp_path_factory.mktemp("serve-remap")
+    kc = {"kunserve": {"remap": {"enable": True, "max_fraction": 0.75, "revert_hold_s": 1.0,
+                                 "h2d_bandwidth_gbps": 50.0},
+                       "control": {"port": port, "token": "s3cret"}}}
+    prom = tmp / "prom"
+    prom.mkdir()
+    srv = VllmServer(str(burst_model), ["--served-model-name", "m", "--dtype", "float32", "--block-size", "32",
+                                        "--kv-cache-memory-bytes", str(BURST_KV_BYTES), "--max-model-len", "512",
+                                        "--enforce-eager"], kc,
+                     env={"PROMETHEUS_MULTIPROC_DIR": str(prom)}, log_path=tmp / "serve.log")
+    srv.control = f"http://127.0.0.1:{port}"
+    with srv:
+        yield srv
+
+
+def _call(ctl: str, path: str, body=None, token="s3cret"):
+    import urllib.error
+
+    req = urllib.request.Request(ctl + path, body, {"Content-Type": "application/json"} |
+                                 ({"Authorization": f"Bearer {token}"} if token else {}),
+                                 method="POST" if body is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_serve_remap_burst_metrics_and_idle_revert(remap_server):
     """mp engine core + worker processes: a burst remaps, /metrics shows it, idle reverts it."""
     import random
     import threading
     import time
 
-    from tests.vllm.conftest import BURST_KV_BYTES
-
-    kc = {"kunserve": {"remap": {"enable": True, "max_fraction": 0.75, "revert_hold_s": 1.0,
-                                 "h2d_bandwidth_gbps": 50.0}}}
-    prom = tmp_path / "prom"
-    prom.mkdir()
-    srv = VllmServer(str(burst_model), ["--served-model-name", "m", "--dtype", "float32", "--block-size", "32",
-                                        "--kv-cache-memory-bytes", str(BURST_KV_BYTES), "--max-model-len", "512",
-                                        "--enforce-eager"], kc,
-                     env={"PROMETHEUS_MULTIPROC_DIR": str(prom)}, log_path=tmp_path / "serve.log")
+    srv = remap_server
+    assert _call(srv.control, "/ops/auto", b'{"enable": true}')[0] == 200   # the engine's own policy
     rng = random.Random(1)
     bodies = [json.dumps({"model": "m", "prompt": [rng.randrange(3, 2048) for _ in range(160)],
                           "max_tokens": 80, "ignore_eos": True, "temperature": 0}).encode() for _ in range(16)]
@@ -58,67 +92,45 @@ def test_serve_remap_burst_metrics_and_idle_revert(burst_model, tmp_path):
     def metric(text: str, name: str) -> float:
         return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith(name)))
 
-    with srv:
-        threads = [threading.Thread(target=send, args=(b,)) for b in bodies]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-        time.sleep(4.0)  # > revert_hold_s: the idle engine core must wake up and revert
-        after = urllib.request.urlopen(f"{srv.url}/metrics", timeout=30).read().decode()
+    threads = [threading.Thread(target=send, args=(b,)) for b in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    time.sleep(4.0)  # > revert_hold_s: the idle engine core must wake up and revert
+    after = urllib.request.urlopen(f"{srv.url}/metrics", timeout=30).read().decode()
     assert done == [80] * 16
     assert metric(after, "vllm:num_preemptions_total") == 0
     assert metric(after, "kunserve:remapped_layers") == 0
     assert metric(after, 'kunserve:kv_blocks_total') == metric(after, "kunserve:kv_blocks_base")
     assert metric(after, 'kunserve:memory_events_total{engine="0",kind="remap",outcome="ok"}') >= 1
     assert metric(after, 'kunserve:memory_events_total{engine="0",kind="revert",outcome="ok"}') >= 1
-    log = (tmp_path / "serve.log").read_text()
+    log = srv.log_path.read_text()
     assert "kunserve remap ok" in log and "kunserve revert ok" in log and "'reason': 'idle'" in log
 
 
-def test_control_port_under_vllm_serve(burst_model, tmp_path):
+def test_control_port_under_vllm_serve(remap_server):
     """State read and operations requested from outside the engine process; wrong token and bad
     requests are refused with a clear error and change nothing; the server completes requests and
     its log carries the plugin's banner."""
-    import urllib.error
-
-    import socket
-
-    from tests.vllm.conftest import BURST_KV_BYTES
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    kc = {"kunserve": {"remap": {"enable": True, "revert_hold_s": 0, "h2d_bandwidth_gbps": 50.0},
-                       "control": {"port": port, "token": "s3cret"}}}
-    srv = VllmServer(str(burst_model), ["--served-model-name", "m", "--dtype", "float32", "--block-size", "32",
-                                        "--kv-cache-memory-bytes", str(BURST_KV_BYTES), "--max-model-len", "512",
-                                        "--enforce-eager"], kc, log_path=tmp_path / "serve.log")
-    ctl = f"http://127.0.0.1:{port}"
+    srv = remap_server
 
     def call(path, body=None, token="s3cret"):
-        req = urllib.request.Request(ctl + path, body, {"Content-Type": "application/json"} |
-                                     ({"Authorization": f"Bearer {token}"} if token else {}),
-                                     method="POST" if body is not None else "GET")
-        try:
-            with urllib.request.urlopen(req, timeout=120) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
+        return _call(srv.control, path, body, token)
 
-    with srv:
-        code, st = call("/state")
-        assert code == 200 and st["phase"] == "base" and st["capacity"]["blocks_total"] == st["capacity"]["blocks_base"]
-        assert len(st["layers"]) == 8 and {x["state"] for x in st["layers"]} == {"resident"}
-        base = st["capacity"]["blocks_total"]
-        refused = [call("/state", token=None), call("/state", token="nope"), call("/ops/remap", b"{not json"),
-                   call("/ops/remap", b"[1]"), call("/ops/explode", b"{}"), call("/ops/remap", b'{"alpha": 99}')]
-        assert [c for c, _ in refused] == [401, 403, 400, 400, 400, 400]
-        assert all(b["error"]["message"] for _, b in refused)
-        assert "token" in refused[0][1]["error"]["message"] and "explode" in refused[4][1]["error"]["message"]
-        code, st = call("/state")
-        assert st["phase"] == "base" and st["capacity"]["blocks_total"] == base  # unchanged
-        assert call("/ops/auto", b'{"enable": false}') == (200, {"auto": False})  # no idle revert in between
+    code, st = call("/state")
+    assert code == 200 and st["phase"] == "base" and st["capacity"]["blocks_total"] == st["capacity"]["blocks_base"]
+    assert len(st["layers"]) == 8 and {x["state"] for x in st["layers"]} == {"resident"}
+    base = st["capacity"]["blocks_total"]
+    refused = [call("/state", token=None), call("/state", token="nope"), call("/ops/remap", b"{not json"),
+               call("/ops/remap", b"[1]"), call("/ops/explode", b"{}"), call("/ops/remap", b'{"alpha": 99}')]
+    assert [c for c, _ in refused] == [401, 403, 400, 400, 400, 400]
+    assert all(b["error"]["message"] for _, b in refused)
+    assert "token" in refused[0][1]["error"]["message"] and "explode" in refused[4][1]["error"]["message"]
+    code, st = call("/state")
+    assert st["phase"] == "base" and st["capacity"]["blocks_total"] == base  # unchanged
+    assert call("/ops/auto", b'{"enable": false}') == (200, {"auto": False})  # no idle revert in between
+    try:
         code, ev = call("/ops/remap", json.dumps({"alpha": 2, "slots": 1}).encode())
         assert code == 200 and ev["outcome"] == "ok"
         code, st = call("/state")
@@ -131,5 +143,7 @@ def test_control_port_under_vllm_serve(burst_model, tmp_path):
         code, st = call("/state")
         assert st["phase"] == "base" and st["capacity"]["blocks_total"] == base
         assert [e["event"] for e in st["events"]][-3:] == ["remap", "revert", "revert"]
-    log = (tmp_path / "serve.log").read_text()   # the plugin announced itself, once per process
+    finally:
+        call("/ops/auto", b'{"enable": true}')
+    log = srv.log_path.read_text()   # the plugin announced itself, once per process
     assert "kunserve active:" in log and "patches: worker_extension" in log
