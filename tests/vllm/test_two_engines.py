@@ -61,8 +61,12 @@ def check_engine(rec: dict, additional) -> None:
         assert rec["problems"] == []
 
 
-@pytest.mark.parametrize("configs", [[REMAP, None], [None, REMAP], [REMAP, PLAIN, REMAP_SMALL]],
-                         ids=["kunserve-then-stock", "stock-then-kunserve", "remap-plain-remap15"])
+#: ``stock-kunserve-stock``: a stock engine in a fresh process, then the process's first kunserve engine
+#: (built after a stock one), then a stock engine after a kunserve one: both orders in one process
+#: (what ``kunserve-then-stock`` and ``stock-then-kunserve`` each checked, one engine start fewer);
+#: ``remap-plain-remap15`` starts with a kunserve engine in a fresh process.
+@pytest.mark.parametrize("configs", [[None, REMAP, None], [REMAP, PLAIN, REMAP_SMALL]],
+                         ids=["stock-kunserve-stock", "remap-plain-remap15"])
 def test_engines_in_one_process_each_behave_as_configured(burst_model, configs):
     res = run_engines(burst_model, configs)
     assert len(res["engines"]) == len(configs)
