@@ -18,7 +18,7 @@ def test_enabled_plugin_generates_and_reaches_worker(tiny_model, probe):
 
 
 def test_no_kunserve_key_patches_nothing(tiny_model, probe):
-    res, log = probe(tiny_model, "uni", {"unrelated": 1})
+    res, log = probe(tiny_model, "uni", {"unrelated": 1}, reuse=True)
     assert res["n_tokens"] == [6, 6]
     assert res["main_active"] is False and res["main_patches"] == []
     assert res["integration_imported"] is False
@@ -28,8 +28,12 @@ def test_no_kunserve_key_patches_nothing(tiny_model, probe):
 
 
 def test_greedy_output_identical_with_and_without_plugin(tiny_model, probe):
+    """Without: an engine without a ``kunserve`` key, which the plugin leaves untouched (the run of
+    test_no_kunserve_key_patches_nothing, which checks that nothing was patched; an engine without
+    any additional config passes the same gate: test_two_engines' stock engines)."""
     on, _ = probe(tiny_model, "uni", {"kunserve": {}}, reuse=True)   # the run of the first test
-    off, _ = probe(tiny_model, "uni", None)
+    off, _ = probe(tiny_model, "uni", {"unrelated": 1}, reuse=True)
+    assert off["main_active"] is False and off["main_patches"] == []
     assert on["texts"] == off["texts"]
 
 
