@@ -3,7 +3,7 @@ this machine, and the spread of each system's ratios to stock, recorded per mach
 
     python -m benchmarks.demo_spread [--runs 3]
 
-Each run is exactly `make demo`'s (``vllm_kunserve/bench/demo.py``: the same model, memory, burst
+Each run is exactly `make demo`'s (``vllm_kunserve/cli/demo.py``: the same model, memory, burst
 rule and seed; each run probes the decode step again and derives its own rate). Writes
 ``docs/benchmarks/demo_spread.{md,json,png}``: the runs of this machine kind replace that kind's
 earlier ones, other kinds' runs are kept from the JSON. Raw data: one archive per run,
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from benchmarks.common import raw
 from benchmarks.common.stats import median_range
-from vllm_kunserve.bench.demo import SYSTEMS, TARGETS, run_demo
+from vllm_kunserve.cli.demo import SYSTEMS, TARGETS, run_demo
 from vllm_kunserve.bench.report import REPO, command, md_table, pyplot, save_figure, write_json
 
 PAGE = REPO / "docs" / "benchmarks" / "demo_spread"
@@ -45,7 +45,7 @@ def row(k: int, d: dict) -> list:
 
 def render(runs: dict[str, list[dict]], cmd: str) -> list[str]:
     L = ["# Does `make demo` show the effect every time? (written by benchmarks/demo_spread.py)", "",
-         f"Command: `{cmd}`. Each run is `make demo`'s comparison (vllm_kunserve/bench/demo.py: stock vLLM, "
+         f"Command: `{cmd}`. Each run is `make demo`'s comparison (vllm_kunserve/cli/demo.py: stock vLLM, "
          "kunserve's cluster drop and oracle-equal on 2 engines each, one burst where KV binds and compute does "
          "not); ratios are each system's value / stock's in the same run. Rule fixed before the runs: a machine "
          f"kind passes when every run meets the demo's targets (kunserve's P99 TTFT <= {TARGETS['ttft_p99']}x "

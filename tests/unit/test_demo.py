@@ -3,7 +3,7 @@ blocks at the stated weight share, and its schedule is one the client accepts.""
 
 import pytest
 
-from vllm_kunserve.bench import demo
+from vllm_kunserve.cli import demo
 from vllm_kunserve.bench.client import parse_concurrency
 
 pytestmark = pytest.mark.unit

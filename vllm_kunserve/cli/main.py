@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "costmodel": "fit and evaluate the batch cost model",
     "bench": "replay a trace against an OpenAI-compatible endpoint",
     "compare": "run stock vLLM, kunserve and the oracle on the same trace, side by side",
+    "demo": "one burst on three 2-engine clusters (stock, kunserve, oracle-equal), side by side (make demo)",
     "simulate": "discrete-event cluster simulation of a trace under several policies",
     "serve": "serve N vLLM engines behind one OpenAI-compatible endpoint (front end, monitor, dispatch)",
     "status": "print an engine's (or a kunserve front end's) state from its control port as a table",
