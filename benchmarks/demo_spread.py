@@ -19,6 +19,7 @@ import json
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from benchmarks.common import raw
@@ -34,9 +35,15 @@ def kind_slug(m: dict) -> str:
     return re.sub(r"[^a-z0-9]+", "_", f"{m['cpu']} {m['kind']}".lower()).strip("_")
 
 
+def spread(xs: list[float]) -> str:
+    m = median_range(xs)
+    return f"{m['median']:.2f}x ({m['min']:.2f}-{m['max']:.2f}x)"
+
+
 def row(k: int, d: dict) -> list:
     r = d["ratios"]
-    cells = [k, f"{d['wall_s']:.0f}", f"{d['burst']['rate_rps']:.2f}"]
+    g = d["facts"]["kunserve"].get("grouped_s")
+    cells = [k, f"{d['wall_s']:.0f}", f"{g[0]:.0f}-{g[1]:.0f}" if g else "never"]
     for s in ("kunserve", "oracle-equal"):
         cells += [f"{r[s][key]:.2f}x" if r[s][key] is not None else "-" for key, _ in KEYS]
     cells.append("yes" if all(d["met"].values()) else "no")
@@ -55,16 +62,20 @@ def render(runs: dict[str, list[dict]], cmd: str) -> list[str]:
         ok = sum(all(d["met"].values()) for d in rs)
         L += [f"## {m['cpu']} ({m['kind']}), {m['cores']} cores", "",
               f"**{'Passes' if ok == len(rs) else 'Fails'}: {ok} of {len(rs)} runs meet both targets.** "
-              + "; ".join(f"kunserve {label} {median_range([d['ratios']['kunserve'][key] for d in rs], 'x')}"
+              + "; ".join(f"kunserve {label} {spread([d['ratios']['kunserve'][key] for d in rs])}"
                           for key, label in KEYS) + " (median, range).", ""]
-        L += md_table(["run", "wall (s)", "rate (req/s)"]
+        L += md_table(["run", "wall (s)", "kunserve grouped (s)"]
                       + [f"{s} {label}" for s in ("kunserve", "oracle-equal") for _, label in KEYS] + ["targets met"],
                       "rrr" + "r" * 6 + "l", (row(k + 1, d) for k, d in enumerate(rs)))
         L.append("")
         first = rs[0]
-        L += [f"Stock's absolute figures in run 1: TTFT P99 {first['absolute']['vllm']['ttft_p99']:.2f} s, TPOT P50 "
-              f"{1e3 * first['absolute']['vllm']['tpot_p50']:.0f} ms, E2E P99 {first['absolute']['vllm']['e2e_p99']:.1f} s; "
-              f"decode step probe {first['probe_step_ms']} (batch: ms).", ""]
+        L += ["Stock's absolute figures: " + "; ".join(
+            f"run {k + 1} TTFT P99 {d['absolute']['vllm']['ttft_p99']:.2f} s, TPOT P50 "
+            f"{1e3 * d['absolute']['vllm']['tpot_p50']:.0f} ms, E2E P99 {d['absolute']['vllm']['e2e_p99']:.1f} s"
+            for k, d in enumerate(rs)) + f". The burst: {rs[0]['burst']['requests']} requests from a closed loop of "
+              f"users, {rs[0]['burst']['schedule']} (users from each second on), prompt {rs[0]['burst']['prompt']}, "
+              f"outputs {rs[0]['burst']['outputs'][0]}-{rs[0]['burst']['outputs'][1]} tokens; weight share "
+              f"{rs[0]['weight_share']}.", ""]
     L += ["![ratios per run](demo_spread.png)", ""]
     return L
 
@@ -88,11 +99,24 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
     save_figure(fig, path)
 
 
+def pack(run: Path, name: str, page: dict) -> Path:
+    """The run's raw data, its pictures left out (the page's picture and the run's are drawn from it)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copytree(run, Path(tmp) / name, ignore=shutil.ignore_patterns("*.png"))
+        return raw.pack(Path(tmp) / name, name, page=page)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default=str(REPO / "runs" / "demo_spread"))
+    ap.add_argument("--render", action="store_true", help="run nothing: rewrite the page and picture from its JSON")
     a = ap.parse_args()
+    if a.render:
+        page = json.loads(PAGE.with_suffix(".json").read_text())
+        plot(page["runs"], PAGE.with_suffix(".png"))
+        PAGE.with_suffix(".md").write_text("\n".join(render(page["runs"], page["command"])))
+        return 0
     if a.runs < 1:
         ap.error("--runs must be >= 1")
     out = Path(a.out)
@@ -114,7 +138,7 @@ def main() -> int:
     for p in raw.ARCHIVES.glob(f"demo_spread_{kind}_*{raw.SUFFIX}"):
         p.unlink()
     for k, (d_out, d) in enumerate(done):
-        raw.pack(d_out, f"demo_spread_{kind}_{k + 1}", page=d)
+        pack(d_out, f"demo_spread_{kind}_{k + 1}", d)
     cmd = command("demo_spread.py", sys.argv[1:])
     write_json(PAGE.with_suffix(".json"), {"command": cmd, "targets": TARGETS, "runs": runs}, indent=1)
     plot(runs, PAGE.with_suffix(".png"))
