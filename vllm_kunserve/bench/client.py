@@ -209,9 +209,10 @@ class Slots:
             await self.cond.wait_for(lambda: self.busy < self.limit())
             self.busy += 1
 
-    def release(self) -> None:
-        self.busy -= 1
-        asyncio.get_running_loop().create_task(self._wake())
+    async def release(self) -> None:
+        async with self.cond:
+            self.busy -= 1
+            self.cond.notify_all()
 
     async def _wake(self) -> None:
         async with self.cond:
@@ -240,7 +241,7 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, spec: Reque
                 res.arrival_s = max(spec.arrival_s, time.perf_counter() - t0)
                 await _send(session, url, _body(model, spec, extra), res, t0, timeout_s)
             finally:
-                slots.release()
+                await slots.release()
     except asyncio.CancelledError:
         res.ok = False
         res.error = "overall deadline reached" + ("" if res.send_s == res.send_s else " before sending")
