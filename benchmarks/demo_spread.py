@@ -4,7 +4,7 @@ this machine, and the spread of each system's ratios to stock, recorded per mach
     python -m benchmarks.demo_spread [--runs 3]
 
 Each run is exactly `make demo`'s (``vllm_kunserve/cli/demo.py``: the same model, memory, burst
-rule and seed; each run probes the decode step again and derives its own rate). Writes
+rule and seed; the users' closed loop sets the load, so nothing is sized from the machine's speed). Writes
 ``docs/benchmarks/demo_spread.{md,json,png}``: the runs of this machine kind replace that kind's
 earlier ones, other kinds' runs are kept from the JSON. Raw data: one archive per run,
 ``docs/benchmarks/runs/demo_spread_<kind>_<k>.tar.xz``. The verdict rule, fixed before the runs:
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from benchmarks.common import raw
 from benchmarks.common.stats import median_range
-from vllm_kunserve.cli.demo import SYSTEMS, TARGETS, run_demo
+from vllm_kunserve.cli.demo import TARGETS, run_demo
 from vllm_kunserve.bench.report import REPO, command, md_table, pyplot, save_figure, write_json
 
 PAGE = REPO / "docs" / "benchmarks" / "demo_spread"
@@ -126,11 +126,7 @@ def main() -> int:
         d_out = out / f"run{k + 1}"
         shutil.rmtree(d_out, ignore_errors=True)
         print(f"== demo run {k + 1} of {a.runs}", flush=True)
-        d = run_demo(model, d_out)
-        res = json.loads((d_out / "compare.json").read_text())
-        d["absolute"] = {s: {key: res["aggregate"][s][key]["mean"] for key in ("ttft_p99", "tpot_p50", "e2e_p99")}
-                         for s in SYSTEMS}
-        done.append((d_out, d))
+        done.append((d_out, run_demo(model, d_out)))
     kind = kind_slug(done[0][1]["machine"])
     old = json.loads(PAGE.with_suffix(".json").read_text()) if PAGE.with_suffix(".json").exists() else {}
     runs = {k: v for k, v in old.get("runs", {}).items() if k != kind}
