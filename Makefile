@@ -22,6 +22,9 @@ BIN    := $(VENV)/bin
 BASE   := $(VENV)/.stamp-base-$(VLLM_RELEASE)
 DEV    := $(VENV)/.stamp-dev
 PYTEST_ARGS ?=
+# make test runs the suite on this many pytest-xdist workers, a test module per worker at a time
+# (module-scoped fleets stay shared); 0 runs it in this process
+TEST_WORKERS ?= 2
 # the vLLM release sources make check-vllm reads (downloaded once, outside the checkout)
 VLLM_SRC_CACHE ?= $(HOME)/.cache/vllm-kunserve/vllm-src
 
@@ -47,7 +50,7 @@ $(DEV): $(BASE) pyproject.toml setup.py
 	touch $@
 
 test: setup
-	$(BIN)/python -m pytest $(TEST_SELECT) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(TEST_SELECT) $(PYTEST_ARGS)
 
 # what CI runs (.ci/run): every touchpoint against every release's source, the 0.26 line on its
 # covering subset, the 0.32 line in full
@@ -60,7 +63,7 @@ test-unit: setup
 	$(BIN)/python -m pytest -m unit $(PYTEST_ARGS)
 
 test-vllm: setup
-	$(BIN)/python -m pytest -m vllm $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m vllm $(PYTEST_ARGS)
 
 test-gpu: setup
 	$(BIN)/python -m pytest -m gpu $(PYTEST_ARGS)

@@ -141,7 +141,17 @@ def test_serve_divides_a_cpu_hosts_memory_among_its_engines_and_refuses_an_impos
     args, line = memory_split(2, ["--dtype", "bfloat16"], device="cpu", backend="local", available=20 * GiB,
                               total=24 * GiB, weights=GiB, env={})
     assert args[0] == "--gpu-memory-utilization" and 0.37 <= float(args[1]) <= 0.375   # 0.9 x 20 / 2 of 24
-    assert "2 engines share" in line and "--kv-cache-memory-bytes" in line
+    assert "2 engines share 90%" in line and "--kv-cache-memory-bytes" in line
+    args, line = memory_split(2, [], device="cpu", backend="local", available=20 * GiB, total=24 * GiB, weights=GiB,
+                              env={}, share=0.3)   # --host-memory-share 0.3
+    assert 0.12 <= float(args[1]) <= 0.125 and "2 engines share 30%" in line
+    import argparse
+
+    from vllm_kunserve.cli.serve import parse
+    assert parse(argparse.Namespace(model="m", rest=["--host-memory-share", "0.3"]))[0].host_memory_share == 0.3
+    for bad in ("0", "1.5", "-0.2", "nan"):
+        with pytest.raises(ValueError, match="--host-memory-share must be in"):
+            parse(argparse.Namespace(model="m", rest=["--host-memory-share", bad]))
     # the user sized the engines, or one engine, or a GPU, or Ray: left to vLLM
     for kw in ({"engine_args": ["--kv-cache-memory-bytes", "1000000"]}, {"engine_args": ["--gpu-memory-utilization=0.3"]},
                {"env": {"VLLM_CPU_KVCACHE_SPACE": "4"}}, {"instances": 1}, {"device": "cuda"}, {"backend": "ray"}):

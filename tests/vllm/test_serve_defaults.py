@@ -3,7 +3,9 @@ on a CPU host (the front end divides the host's memory among the engines and say
 each stock engine asks vLLM-CPU's default 92% of the host and the second cannot start); and killed
 with SIGKILL (no shutdown of its own) it leaves no engine behind: each engine server sees its
 launcher gone and stops its process group (vllm_kunserve/runtime/parentwatch.py). One fleet for
-both: its start-up (two engines zeroing their KV caches of the host's memory) is most of the time."""
+both: its start-up (two engines zeroing their KV caches of the host's memory) is most of the time, so
+the engines divide 20% of it (--host-memory-share) rather than the default 90%: the same split, a
+fifth of the zeroing, and room for the engines of a test running beside it."""
 
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def test_two_engines_start_with_no_memory_flag_serve_and_stop_when_the_front_end
     log = tmp_path / "serve.log"
     srv = KunserveCluster(str(tiny_model), ["--served-model-name", "m", "--max-model-len", "256", "--enforce-eager"],
                           None, log_path=log, instances=2, startup_timeout_s=400,
-                          extra=["--log-dir", str(tmp_path)])
+                          extra=["--log-dir", str(tmp_path), "--host-memory-share", "0.2"])
     with srv:
         body = json.dumps({"model": "m", "prompt": "the cache", "max_tokens": 4, "temperature": 0}).encode()
         req = urllib.request.Request(f"{srv.url}/v1/completions", body, {"Content-Type": "application/json"})
@@ -60,7 +62,7 @@ def test_two_engines_start_with_no_memory_flag_serve_and_stop_when_the_front_end
         for p in left:  # a failure leaves no orphans to the next test
             os.kill(p, signal.SIGKILL)
     assert out["usage"]["completion_tokens"] == 4
-    assert "[kunserve] memory: 2 engines share" in text and "--gpu-memory-utilization" in text
+    assert "[kunserve] memory: 2 engines share 20%" in text and "--gpu-memory-utilization" in text
     assert "Traceback" not in text
     assert not left, f"engine processes {left} outlived their front end by {time.monotonic() - t0:.0f} s"
     logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("*.log"))

@@ -56,6 +56,9 @@ def _options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kunserve serve MODEL", add_help=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--instances", type=int, default=1, help="engines to start")
+    p.add_argument("--host-memory-share", type=float, default=MEMORY_HEADROOM, metavar="FRACTION",
+                   help="local CPU engines with no memory flag divide this share of the host's available memory "
+                        "(the rest: the front end, the engines' own growth, the OS)")
     p.add_argument("--backend", choices=BACKENDS, default=BACKENDS[0],
                    help="local: one process per engine on this machine; ray: one Ray actor per engine")
     p.add_argument("--engine-url", action="append", default=[], metavar="URL",
@@ -170,6 +173,8 @@ def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
             if dup:
                 raise ValueError(f"{name} {dup} given twice: one engine, one URL")
         opts.instances, opts.backend = len(opts.engine_url), ATTACH
+    if not 0 < opts.host_memory_share <= 1:
+        raise ValueError(f"--host-memory-share must be in (0, 1], got {opts.host_memory_share:g}")
     if opts.instances < 1 or opts.instances > 256:
         raise ValueError(f"--instances must be 1..256, got {opts.instances}")
     if not 0 < opts.port < 65536:
@@ -210,29 +215,29 @@ def weight_bytes(model: str) -> int:
 
 
 def memory_split(instances: int, engine_args: list[str], *, device: str, backend: str, available: int, total: int,
-                 weights: int, env: dict | None = None) -> tuple[list[str], str]:
+                 weights: int, env: dict | None = None, share: float = MEMORY_HEADROOM) -> tuple[list[str], str]:
     """The engine arguments that divide one host's memory among the ``instances`` engines
     ``kunserve serve`` starts on it, and the line that says so.
 
     vLLM on CPU sizes each engine's memory as ``--gpu-memory-utilization`` (0.92 by default) of the
     whole host, so the second of two engines cannot start. Unless the user sized the engines
     (``--gpu-memory-utilization``, ``--kv-cache-memory-bytes`` or ``VLLM_CPU_KVCACHE_SPACE``),
-    each of N local CPU engines gets ``MEMORY_HEADROOM`` of the available memory / N, as a
-    utilization of the host; a share that cannot hold the model's weights and some KV is refused
+    each of N local CPU engines gets ``share`` (``--host-memory-share``, default ``MEMORY_HEADROOM``) of
+    the available memory / N, as a utilization of the host; a share that cannot hold the model's weights and some KV is refused
     before anything starts. One engine keeps vLLM's own default; GPU engines size themselves per
     device, and Ray engines may be on other hosts: both are left as they are."""
     env = os.environ if env is None else env
     given = any(a.split("=", 1)[0] in _MEMORY_FLAGS for a in engine_args) or bool(env.get(_MEMORY_ENV))
     if given or instances < 2 or device != "cpu" or backend != "local":
         return [], ""
-    per = MEMORY_HEADROOM * available / instances
+    per = share * available / instances
     need = weights + max(256 << 20, weights // 10) if weights else 0
     if per < need:
         raise ValueError(f"--instances {instances}: each engine would get {per / GiB:.2f} GiB of the {available / GiB:.1f} "
                          f"GiB this host has available, less than the model's {weights / GiB:.2f} GiB of weights and "
                          f"a KV cache; start fewer engines, or size them with --kv-cache-memory-bytes")
     util = max(0.001, int(per / total * 1000) / 1000)
-    line = (f"[kunserve] memory: {instances} engines share {MEMORY_HEADROOM:.0%} of the {available / GiB:.1f} GiB "
+    line = (f"[kunserve] memory: {instances} engines share {share:.0%} of the {available / GiB:.1f} GiB "
             f"available (of {total / GiB:.1f} GiB): each --gpu-memory-utilization {util:g} ({util * total / GiB:.2f} GiB "
             f"for its weights{f' ({weights / GiB:.2f} GiB)' if weights else ''}, runtime and KV cache); pass "
             f"--gpu-memory-utilization or --kv-cache-memory-bytes to choose")
@@ -359,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
         vm = psutil.virtual_memory()
         extra, line = memory_split(opts.instances, engine_args, device=current_platform.device_type,
                                    backend=opts.backend, available=vm.available, total=vm.total,
-                                   weights=weight_bytes(args.model))
+                                   weights=weight_bytes(args.model), share=opts.host_memory_share)
         if extra:   # vLLM's own flag, already checked by the parse above; nothing it parsed changes
             engine_args = [*engine_args, *extra]
             print(line, flush=True)
