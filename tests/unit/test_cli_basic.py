@@ -162,6 +162,23 @@ def test_serve_divides_a_cpu_hosts_memory_among_its_engines_and_refuses_an_impos
         memory_split(8, [], device="cpu", backend="local", available=10 * GiB, total=24 * GiB, weights=2 * GiB, env={})
 
 
+def test_serve_gives_each_local_cpu_engine_cores_of_its_own_unless_told():
+    from vllm_kunserve.cli.serve import cpu_split
+    from vllm_kunserve.cluster.fleet.spec import EngineSpec, engine_env
+
+    env, line = cpu_split(2, device="cpu", backend="local", cpus=[1, 0], env={})
+    assert env == {"KUNSERVE_ENGINE_CPUS": "0|1"} and "set KUNSERVE_ENGINE_CPUS to choose" in line
+    assert [engine_env(EngineSpec("m", env=env), i)["VLLM_CPU_OMP_THREADS_BIND"] for i in range(2)] == ["0", "1"]
+    assert cpu_split(2, device="cpu", backend="local", cpus=list(range(8)) + [10, 11, 12], env={})[0] == \
+        {"KUNSERVE_ENGINE_CPUS": "0-4|5-7,10-11"}   # equal runs, a gap written as vLLM's id list
+    assert cpu_split(4, device="cpu", backend="local", cpus=[0, 1], env={})[0] == {"KUNSERVE_ENGINE_CPUS": "0|1|0|1"}
+    # the user chose, or one engine, or not a CPU, or not local engines: left to vLLM
+    for kw in ({"env": {"KUNSERVE_ENGINE_CPUS": "0"}}, {"env": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}},
+               {"instances": 1}, {"device": "cuda"}, {"backend": "ray"}, {"backend": "attach"}):
+        a = {"instances": 2, "device": "cpu", "backend": "local", "env": {}, **kw}
+        assert cpu_split(a["instances"], device=a["device"], backend=a["backend"], cpus=[0, 1], env=a["env"]) == ({}, "")
+
+
 def test_serve_puts_one_engine_on_each_gpu_and_refuses_more_engines_than_gpus():
     from vllm_kunserve.cli.serve import device_split
     from vllm_kunserve.cluster.fleet.spec import EngineSpec, engine_env

@@ -28,6 +28,16 @@ def tiny_model(tmp_path_factory) -> Path:
 _REUSED: dict[tuple, tuple[dict, str]] = {}
 
 
+def worker_cpu() -> dict[str, str]:
+    """Under ``make test``'s xdist workers, worker k's probe engines compute on CPU k (cycling):
+    vLLM-CPU's automatic binding would put every worker's engines on the same core."""
+    w = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not w.startswith("gw") or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[int(w[2:]) % len(cpus)])}
+
+
 def run_script(script: str, args: list, env_extra=None, timeout=300, reuse: bool = False) -> tuple[dict, str]:
     """Run ``tests/vllm/<script>`` in a fresh process; returns its ``PROBE_RESULT`` JSON and its log.
     ``reuse``: the result of the same probe run earlier in this session, where one was run with
@@ -36,7 +46,7 @@ def run_script(script: str, args: list, env_extra=None, timeout=300, reuse: bool
     key = (script, tuple(map(str, args)), tuple(sorted((env_extra or {}).items())))
     if reuse and key in _REUSED:
         return _REUSED[key]
-    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", **(env_extra or {}))
+    env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", **worker_cpu(), **(env_extra or {})}
     r = subprocess.run([sys.executable, str(HERE / script), *map(str, args)],
                        capture_output=True, text=True, timeout=timeout, env=env)
     log = r.stdout + r.stderr

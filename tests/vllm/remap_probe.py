@@ -47,7 +47,7 @@ if __name__ == "__main__":
     scenarios = scenario.split(",")
     tp = 2 if "faults-tp2" in scenarios else 1
     if tp > 1:  # one core per worker process (vLLM-CPU's auto binding wants a NUMA node per worker)
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp)))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp))
     from vllm import LLM, SamplingParams
 
     kwargs = dict(dtype="float32", distributed_executor_backend="mp" if tp > 1 else "uni", enforce_eager=True,

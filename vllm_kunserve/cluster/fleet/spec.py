@@ -54,7 +54,8 @@ class EngineSpec:
 
 #: ``KUNSERVE_ENGINE_CPUS="0|1"``: engine i runs its model on the i-th entry (vLLM-CPU's
 #: ``VLLM_CPU_OMP_THREADS_BIND`` syntax, e.g. ``0|1`` or ``0-1|2-3``), cycling; without it vLLM binds
-#: every engine the same way and engines on one host share a core
+#: every engine the same way and engines on one host share a core (``kunserve serve`` sets one run of
+#: CPUs per local CPU engine unless told otherwise: ``cli/serve.py`` ``cpu_split``)
 ENGINE_CPUS = "KUNSERVE_ENGINE_CPUS"
 #: ``KUNSERVE_ENGINE_GPUS="0|1"``: engine i sees the i-th entry as its CUDA devices
 #: (``CUDA_VISIBLE_DEVICES``, e.g. ``0|1`` or ``0,1|2,3``), cycling (``kunserve serve`` sets one GPU per
