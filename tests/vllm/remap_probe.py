@@ -258,5 +258,6 @@ if __name__ == "__main__":
             time.sleep(max(0.0, core._kunserve.backoff_until - time.monotonic()))
             llm.reset_prefix_cache()
             rpc("kunserve_auto", args=(True,))
-        results[name] = run(name)
+        t = time.monotonic()
+        results[name] = {**run(name), "wall_s": round(time.monotonic() - t, 2)}
     print("PROBE_RESULT " + json.dumps(results if len(scenarios) > 1 else results[scenarios[0]]), flush=True)
