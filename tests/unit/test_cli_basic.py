@@ -163,8 +163,7 @@ def test_serve_divides_a_cpu_hosts_memory_among_its_engines_and_refuses_an_impos
 
 
 def test_serve_gives_each_local_cpu_engine_cores_of_its_own_unless_told():
-    from vllm_kunserve.cli.serve import cpu_split
-    from vllm_kunserve.cluster.fleet.spec import EngineSpec, engine_env
+    from vllm_kunserve.cluster.fleet.spec import EngineSpec, cpu_split, engine_env
 
     env, line = cpu_split(2, device="cpu", backend="local", cpus=[1, 0], env={})
     assert env == {"KUNSERVE_ENGINE_CPUS": "0|1"} and "set KUNSERVE_ENGINE_CPUS to choose" in line

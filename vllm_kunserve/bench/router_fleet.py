@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
-from vllm_kunserve.cluster.fleet.spec import ENGINE_CPUS, engine_nice
+from vllm_kunserve.cluster.fleet.spec import ENGINE_CPUS, cpu_split, engine_nice
 from vllm_kunserve.cluster.fleet.launcher import cpu_env, free_port, serve_argv
 
 #: the router's policies (vllm-router 0.1.17 ``--policy``); its default is cache_aware
@@ -94,6 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--instances must be >= 1, got {a.instances}")
     binary = router_binary()
     base = dict(os.environ)
+    # unpinned, the engines get cores of their own as kunserve serve's do (vLLM's auto binding shares one)
+    base.update(cpu_split(a.instances, device="cuda" if Path("/dev/nvidiactl").exists() else "cpu", backend="local",
+                          cpus=sorted(os.sched_getaffinity(0)), env=base)[0])
     nice = engine_nice(base)
     procs: list[subprocess.Popen] = []
 

@@ -244,42 +244,6 @@ def memory_split(instances: int, engine_args: list[str], *, device: str, backend
     return ["--gpu-memory-utilization", f"{util:g}"], line
 
 
-def _cpu_list(cpus: list[int]) -> str:
-    """CPU ids in vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` syntax: runs as ranges (``0-3,6``)."""
-    runs: list[list[int]] = []
-    for c in sorted(cpus):
-        if runs and c == runs[-1][1] + 1:
-            runs[-1][1] = c
-        else:
-            runs.append([c, c])
-    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
-
-
-def cpu_split(instances: int, *, device: str, backend: str, cpus: list[int], env: dict | None = None
-              ) -> tuple[dict[str, str], str]:
-    """On a CPU host, cores of their own for each of N local engines: the engine environment that
-    binds engine i's compute threads to the i-th of N equal runs of this process's CPUs
-    (``KUNSERVE_ENGINE_CPUS``), one CPU each, shared in turn, where there are more engines than CPUs,
-    and the line that says so. vLLM-CPU's automatic binding would put every engine on the same cores.
-    Left alone where the user chose (``KUNSERVE_ENGINE_CPUS`` or ``VLLM_CPU_OMP_THREADS_BIND`` set),
-    for one engine, off CPU and off the local backend (Ray places its engines, attached ones were
-    started elsewhere)."""
-    from vllm_kunserve.cluster.fleet.spec import ENGINE_CPUS
-
-    env = os.environ if env is None else env
-    if (device != "cpu" or backend != "local" or instances < 2 or not cpus or env.get(ENGINE_CPUS)
-            or env.get("VLLM_CPU_OMP_THREADS_BIND")):
-        return {}, ""
-    cpus = sorted(cpus)
-    if instances >= len(cpus):
-        parts = [str(cpus[i % len(cpus)]) for i in range(instances)]
-    else:
-        per = len(cpus) // instances
-        parts = [_cpu_list(cpus[i * per:(i + 1) * per]) for i in range(instances)]
-    return {ENGINE_CPUS: "|".join(parts)}, (f"[kunserve] cpus: engine i computes on the i-th of {'|'.join(parts)} "
-                                             f"(of this host's {len(cpus)}); set {ENGINE_CPUS} to choose")
-
-
 def device_split(instances: int, *, device: str, backend: str, devices: int, env: dict | None = None
                  ) -> tuple[dict[str, str], str]:
     """On a CUDA host, one engine per device: the engine environment that gives engine i GPU i
@@ -410,6 +374,8 @@ def run(args: argparse.Namespace) -> int:
 
             gpu_env, gpu_line = device_split(opts.instances, device="cuda", backend=opts.backend,
                                              devices=torch.cuda.device_count())
+        from vllm_kunserve.cluster.fleet.spec import cpu_split
+
         cpu_env, cpu_line = cpu_split(opts.instances, device=current_platform.device_type, backend=opts.backend,
                                       cpus=sorted(os.sched_getaffinity(0)))
         for ln in (gpu_line, cpu_line):

