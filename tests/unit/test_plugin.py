@@ -86,8 +86,10 @@ def test_shm_wait_setting_makes_every_queue_reader_sleep_instead_of_spinning(mon
 
     from vllm_kunserve.integration.vllm import shm_wait
 
-    def waits(n: int = 5) -> tuple[float, float, float]:
-        """(CPU s, wall s) of n busy-window waits with no writer signal, and the wall s of one wait
+    SLICE, n_waits = 0.1, 5
+
+    def waits() -> tuple[float, float, float]:
+        """(CPU s, wall s) of n_waits busy-window waits with no writer signal, and the wall s of one wait
         the writer signalled (the reader must return on the signal, well before its slice)."""
         ctx = zmq.Context()
         try:
@@ -96,7 +98,7 @@ def test_shm_wait_setting_makes_every_queue_reader_sleep_instead_of_spinning(mon
             reader = shm_broadcast.SpinCondition(True, ctx, addr)
             reader.busy_loop_s = 60.0  # in the busy window throughout
             c, t = time.thread_time(), time.perf_counter()
-            for _ in range(n):
+            for _ in range(n_waits):
                 reader.wait(timeout_ms=5000)
             cpu, wall = time.thread_time() - c, time.perf_counter() - t
             time.sleep(0.2)  # the subscription has propagated
@@ -112,7 +114,6 @@ def test_shm_wait_setting_makes_every_queue_reader_sleep_instead_of_spinning(mon
         finally:
             ctx.term()
 
-    SLICE, n_waits = 0.1, 5
     monkeypatch.delenv(shm_wait.ENV, raising=False)
     assert shm_wait.apply_from_env() is None
     _, stock_wall, _ = waits()

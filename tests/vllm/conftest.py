@@ -81,6 +81,6 @@ def burst_model(tmp_path_factory) -> Path:
     return build_model(tmp_path_factory.mktemp("models") / "burst8", CheckpointSpec(**BURST_SPEC))
 
 
-def run_remap_probe(model: Path, scenario: str, additional, timeout=600, reuse: bool = False) -> dict:
+def run_remap_probe(model: Path, scenario: str, additional, timeout=600) -> dict:
     extra = "none" if additional is None else json.dumps(additional)
-    return run_script("remap_probe.py", [model, scenario, BURST_KV_BYTES, extra], timeout=timeout, reuse=reuse)[0]
+    return run_script("remap_probe.py", [model, scenario, BURST_KV_BYTES, extra], timeout=timeout)[0]

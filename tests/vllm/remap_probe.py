@@ -57,7 +57,7 @@ if __name__ == "__main__":
         kwargs["additional_config"] = json.loads(extra)
     llm = LLM(model, **kwargs)
     vocab = llm.llm_engine.model_config.get_vocab_size()
-    base_sp = SamplingParams(max_tokens=OUTPUT, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=OUTPUT, temperature=0, ignore_eos=True)
     rpc = llm.collective_rpc
     def state():
         st = rpc("kunserve_state")[0]
@@ -68,10 +68,11 @@ if __name__ == "__main__":
     def outcomes(st):
         return [(e["event"], e["outcome"]) for e in st["events"] if e["outcome"] != "draining"]
 
+    core = llm.llm_engine.engine_core.engine_core
+
     def run(scenario: str) -> dict:
         """One scenario on the engine as it stands; returns its facts."""
         res: dict = {"scenario": scenario}
-        sp = base_sp
         if scenario == "identity":
             rpc("kunserve_auto", args=(False,))
             ps = prompts(vocab)[:4]
@@ -85,7 +86,7 @@ if __name__ == "__main__":
                 gauges = {k: REGISTRY.get_sample_value(f"kunserve:{k}", {"engine": "0"})
                           for k in ("remapped_layers", "kv_blocks_total", "kv_blocks_base")}
                 ngb = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
-                usage = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.get_usage()
+                usage = core.scheduler.kv_cache_manager.block_pool.get_usage()
                 out = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
                 w_gen = state()["workers"][0]
                 rev = rpc("kunserve_revert")[0]
@@ -144,17 +145,16 @@ if __name__ == "__main__":
         elif scenario == "liveness":
             import random
 
-            core = llm.llm_engine.engine_core.engine_core
             agent, eng = core._kunserve, llm.llm_engine
             kcm, bs = core.scheduler.kv_cache_manager, llm.llm_engine.vllm_config.cache_config.block_size
             rng = random.Random(11)
             everything = prompts(vocab) + [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(PROMPT)]}
                                            for _ in range(LIVE_STEADY)]
-            sp = SamplingParams(max_tokens=LIVE_OUTPUT, temperature=0, ignore_eos=True)
+            live_sp = SamplingParams(max_tokens=LIVE_OUTPUT, temperature=0, ignore_eos=True)
             rpc("kunserve_auto", args=(False,))
             # the reference: the same prompts on the same engine before any remap (batches that fit)
             ref = [list(o.outputs[0].token_ids) for k in range(0, len(everything), 8)
-                   for o in llm.generate(everything[k:k + 8], sp, use_tqdm=False)]
+                   for o in llm.generate(everything[k:k + 8], live_sp, use_tqdm=False)]
             llm.reset_prefix_cache()
             base = state()["kv_blocks_base"]
             remap = rpc("kunserve_remap", kwargs={"alpha": LIVE_ALPHA, "slots": 1})[0]
@@ -163,7 +163,7 @@ if __name__ == "__main__":
 
             def add(k):
                 p = everything[k % len(everything)]  # prompts come round again if the engine is fast
-                internal[f"r{k}"], added[f"r{k}"] = eng.add_request(f"r{k}", p, sp), time.monotonic()
+                internal[f"r{k}"], added[f"r{k}"] = eng.add_request(f"r{k}", p, live_sp), time.monotonic()
 
             def step():
                 for o in eng.step():
@@ -250,7 +250,6 @@ if __name__ == "__main__":
                            problems=rpc("kunserve_check")[0]["problems"])
         return res
 
-    core = llm.llm_engine.engine_core.engine_core
     results = {}
     for n, name in enumerate(scenarios):
         if n:  # the next scenario starts as on a fresh engine: no backoff, no cached prefixes, auto on

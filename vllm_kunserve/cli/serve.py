@@ -223,8 +223,8 @@ def memory_split(instances: int, engine_args: list[str], *, device: str, backend
     whole host, so the second of two engines cannot start. Unless the user sized the engines
     (``--gpu-memory-utilization``, ``--kv-cache-memory-bytes`` or ``VLLM_CPU_KVCACHE_SPACE``),
     each of N local CPU engines gets ``share`` (``--host-memory-share``, default ``MEMORY_HEADROOM``) of
-    the available memory / N, as a utilization of the host; a share that cannot hold the model's weights and some KV is refused
-    before anything starts. One engine keeps vLLM's own default; GPU engines size themselves per
+    the available memory / N, as a utilization of the host; a share that cannot hold the model's
+    weights and some KV is refused before anything starts. One engine keeps vLLM's own default; GPU engines size themselves per
     device, and Ray engines may be on other hosts: both are left as they are."""
     env = os.environ if env is None else env
     given = any(a.split("=", 1)[0] in _MEMORY_FLAGS for a in engine_args) or bool(env.get(_MEMORY_ENV))
