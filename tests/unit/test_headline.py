@@ -91,3 +91,23 @@ def test_the_readme_shows_what_the_script_computed():
     block = headline.readme_block(heads, "docs/benchmarks/burst_value_headline.md",
                                   "docs/benchmarks/burst_value_headline.png")
     assert "\n".join(block) in (ROOT / "README.md").read_text()
+
+
+def test_every_tracked_burst_run_was_measured_at_a_commit_of_this_repository():
+    """The README's headline pools every archived ``burst_value`` run: a test's fixture or a run of
+    another tree left in ``docs/benchmarks/runs`` would enter it (five such files once did)."""
+    import subprocess
+    git = ["git", "-C", str(ROOT)]
+    if subprocess.run([*git, "rev-parse", "--is-shallow-repository"], capture_output=True,
+                      text=True).stdout.strip() != "false":
+        pytest.skip("needs the repository's full history")
+    names = [n for n in raw.names() if n.startswith("burst_value_")]
+    assert names
+    missing = {}
+    for n in names:
+        meta = raw.page(n)["meta"]
+        commits = {meta["provenance"]["commit"], meta["provenance"]["serving_code"]}
+        for c in commits:
+            if subprocess.run([*git, "cat-file", "-e", f"{c}^{{commit}}"], capture_output=True).returncode:
+                missing[n] = c
+    assert not missing, f"archived runs naming no commit of this repository: {missing}"
