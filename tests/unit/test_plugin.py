@@ -156,11 +156,30 @@ def test_a_group_member_refuses_a_cuda_platform_unless_told(monkeypatch):
     H.check_group_device(member, "cpu")
     H.check_group_device(parse_config({"remap": {"enable": True}}), "cuda")
     forced = parse_config({"drop": {"group_member": True, "allow_unvalidated_cuda": True}})
-    H.check_group_device(forced, "cuda", (0, 32))
-    with pytest.raises(KunServeConfigError, match=r"needs vLLM >= 0\.32") as e:   # 0.26-0.31: refused anyway
-        H.check_group_device(forced, "cuda", (0, 31))
-    assert "\n" not in str(e.value)
+    H.check_group_device(forced, "cuda")
     monkeypatch.setattr(H, "platform_device", lambda: "cuda")
     holder = types.SimpleNamespace(enforce_eager=True)
     with pytest.raises(KunServeConfigError, match="CPU only"):
         H.EngineCorePatch().configure(member, holder)
+
+
+def test_a_group_member_runs_eager_and_without_cascade_attention():
+    """Dropped layers' forwards are replaced and a peer's span carries one FA plan: a member's
+    EngineArgs get enforce_eager and disable_cascade_attn; a built config that has cascade on is
+    refused in one line; a remap-only engine keeps the user's cascade setting."""
+    from vllm_kunserve.config import KunServeConfigError, parse_config
+    from vllm_kunserve.integration.vllm import engine_hooks as H
+
+    member = parse_config({"drop": {"group_member": True}})
+    args = types.SimpleNamespace(enforce_eager=False, disable_cascade_attn=False)
+    H.EngineCorePatch().configure(member, args)
+    assert args.enforce_eager is True and args.disable_cascade_attn is True
+    remap = types.SimpleNamespace(enforce_eager=False, disable_cascade_attn=False)
+    H.EngineCorePatch().configure(parse_config({"remap": {"enable": True}}), remap)
+    assert remap.enforce_eager is True and remap.disable_cascade_attn is False
+    built = types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=True, disable_cascade_attn=False))
+    with pytest.raises(KunServeConfigError, match="without cascade attention") as e:
+        H.EngineCorePatch().configure(member, built)
+    assert "\n" not in str(e.value)
+    built.model_config.disable_cascade_attn = True
+    H.EngineCorePatch().configure(member, built)

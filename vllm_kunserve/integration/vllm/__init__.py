@@ -18,6 +18,7 @@ from vllm_kunserve.integration.vllm.kv_alloc import KVAllocationPatch
 from vllm_kunserve.integration.vllm.kv_plan import KVPlanPatch
 from vllm_kunserve.integration.vllm.registry import APPLIED as _instances
 from vllm_kunserve.integration.vllm.registry import applied
+from vllm_kunserve.integration.vllm.runner import RunnerSelectionPatch
 from vllm_kunserve.integration.vllm.scheduler import SchedulerPatch
 from vllm_kunserve.integration.vllm.worker_extension import WorkerExtensionPatch
 
@@ -25,7 +26,8 @@ logger = logging.getLogger("vllm.kunserve")
 
 #: every touchpoint, in application order
 PATCH_CLASSES: list[type[VllmPatch]] = [
-    WorkerExtensionPatch, KVPlanPatch, EngineCorePatch, KVAllocationPatch, CpuLinearPatch, SchedulerPatch]
+    WorkerExtensionPatch, RunnerSelectionPatch, KVPlanPatch, EngineCorePatch, KVAllocationPatch, CpuLinearPatch,
+    SchedulerPatch]
 
 def apply_named(names: list[str]) -> list[str]:
     """Apply the named touchpoints once each (in ``PATCH_CLASSES`` order). A vLLM outside the

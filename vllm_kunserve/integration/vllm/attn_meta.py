@@ -17,6 +17,11 @@ What each backend needs before this worker's layers can use it, read from vLLM 0
   with full CUDA graphs, is a view of the caller builder's persistent buffer: it is made again with
   this worker's builder (``_get_scheduler_metadata``), eager (a peer's span is not captured).
   Decode context parallelism (``dcp_context_kv_lens``) is refused: a group's member is one rank.
+  vLLM 0.26-0.31 (read from their source) add cascade attention's fields (``use_cascade``, the
+  prefix's lengths and plan): a group member starts with ``disable_cascade_attn`` (vLLM's default;
+  ``engine_hooks``), and a span that arrives with cascade on is refused. 0.26-0.27 make the FA3 plan
+  inside ``build()`` (no ``_get_scheduler_metadata``): it is made again here with the same call,
+  ``get_scheduler_metadata`` with the builder's heads, head size, KV dtype, block size and window.
 
 Any other metadata type is refused with a :class:`AttentionMetadataError` naming it, rather than run
 with a plan that may not be this process's. Mechanism-level only on CUDA: vLLM on CUDA has not run
@@ -41,6 +46,28 @@ FLASH_FIELDS = (
     "num_decode_tokens", "num_prefill_tokens", "scheduler_metadata", "max_num_splits", "causal",
     "mm_prefix_query_range_tensor", "rswa_prefix_lens", "rswa_window", "rswa_window_tensor",
 )
+#: vLLM 0.28-0.31: cascade attention's fields too
+FLASH_FIELDS_028 = (
+    "num_actual_tokens", "max_query_len", "query_start_loc", "max_seq_len", "seq_lens", "block_table",
+    "slot_mapping", "use_cascade", "common_prefix_len", "cu_prefix_query_lens", "prefix_kv_lens", "suffix_kv_lens",
+    "max_dcp_context_kv_len", "dcp_context_kv_lens", "num_decode_reqs", "num_prefill_reqs", "num_decode_tokens",
+    "num_prefill_tokens", "scheduler_metadata", "prefix_scheduler_metadata", "max_num_splits", "causal",
+    "mm_prefix_query_range_tensor", "rswa_prefix_lens", "rswa_window", "rswa_window_tensor",
+)
+#: vLLM 0.26-0.27: also a ``sliding_window`` tuple, and the multimodal ranges under an older name
+FLASH_FIELDS_026 = (
+    "num_actual_tokens", "max_query_len", "query_start_loc", "max_seq_len", "seq_lens", "block_table",
+    "slot_mapping", "use_cascade", "common_prefix_len", "cu_prefix_query_lens", "prefix_kv_lens", "suffix_kv_lens",
+    "max_dcp_context_kv_len", "dcp_context_kv_lens", "num_decode_reqs", "num_prefill_reqs", "num_decode_tokens",
+    "num_prefill_tokens", "scheduler_metadata", "prefix_scheduler_metadata", "max_num_splits", "causal",
+    "sliding_window", "mm_prefix_range_tensor", "rswa_prefix_lens", "rswa_window", "rswa_window_tensor",
+)
+
+
+def flash_fields(rel: tuple[int, int] | None = None) -> tuple[str, ...]:
+    """The FlashAttentionMetadata fields read here for vLLM release ``rel`` (default: the running one)."""
+    rel = rel or release()
+    return FLASH_FIELDS_026 if rel < (0, 28) else FLASH_FIELDS_028 if rel < (0, 32) else FLASH_FIELDS
 
 
 class AttentionMetadataError(RuntimeError):
@@ -95,16 +122,39 @@ def _flash(name: str, md: Any, device: torch.device, builders: Callable[[], dict
     if getattr(md, "dcp_context_kv_lens", None) is not None:
         raise AttentionMetadataError(
             f"layer {name}: decode context parallelism (dcp_context_kv_lens) is not supported in a pipeline group")
+    if getattr(md, "use_cascade", False):   # vLLM 0.26-0.31
+        raise AttentionMetadataError(
+            f"layer {name}: cascade attention is not supported in a pipeline group (its members start with "
+            "disable_cascade_attn)")
     for f in dataclasses.fields(md):
         v = getattr(md, f.name)
         if isinstance(v, torch.Tensor) and v.device != device:
             setattr(md, f.name, v.to(device))
     if md.scheduler_metadata is not None:
         b = _builder(name, builders)
+        if not hasattr(b, "_get_scheduler_metadata"):   # vLLM 0.26-0.27: made inside build()
+            md.scheduler_metadata = _fa3_plan_026(b, md)
+            return
         md.scheduler_metadata = b._get_scheduler_metadata(
             aot_schedule=True, batch_size=md.query_start_loc.numel() - 1, cu_query_lens=md.query_start_loc,
             max_query_len=md.max_query_len, seqlens=md.seq_lens, max_seq_len=md.max_seq_len,
             causal=md.causal, max_num_splits=md.max_num_splits)
 
 
-__all__ = ["AttentionMetadataError", "FLASH_FIELDS", "localize"]
+def _fa3_plan_026(b: Any, md: Any) -> Any:
+    """vLLM 0.26-0.27's ``FlashAttentionMetadataBuilder.build`` plan (its inner ``schedule``, the
+    non-cascade, non-DCP call) for this worker's builder ``b``."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends import flash_attn as fa
+
+    qkv_dtype = (current_platform.fp8_dtype() if fa.is_quantized_kv_cache(b.cache_config.cache_dtype)
+                 else b.kv_cache_dtype)
+    return fa.get_scheduler_metadata(
+        batch_size=md.query_start_loc.numel() - 1, max_seqlen_q=md.max_query_len, max_seqlen_k=md.max_seq_len,
+        num_heads_q=b.num_heads_q * b.dcp_world_size, num_heads_kv=b.num_heads_kv, headdim=b.headdim,
+        cache_seqlens=md.seq_lens, qkv_dtype=qkv_dtype, cu_seqlens_q=md.query_start_loc, page_size=b.block_size,
+        causal=md.causal, window_size=fa._maybe_symmetrize_window(b.aot_sliding_window, md.causal),
+        num_splits=md.max_num_splits)
+
+
+__all__ = ["AttentionMetadataError", "FLASH_FIELDS", "flash_fields", "localize"]

@@ -65,14 +65,7 @@ class VllmPatch:
         if getattr(current, _TAG, None) == self.name:
             return False
         if params is not None:
-            try:
-                got = tuple(inspect.signature(current).parameters)
-            except (TypeError, ValueError):
-                got = ()
-            if got[:len(params)] != params:
-                raise PatchShapeError(
-                    f"kunserve patch {self.name}: {where} has parameters {got}, expected {params} "
-                    f"(verified on vllm{self.versions}); refusing to start")
+            self.check_params(current, params, where)
         new = make(current)
         try:
             setattr(new, _TAG, self.name)
@@ -81,6 +74,17 @@ class VllmPatch:
         setattr(owner, attr, new)
         self._saved.append((owner, attr, current))
         return True
+
+    def check_params(self, fn: Any, params: tuple[str, ...], where: str) -> None:
+        """Refuse to start (:class:`PatchShapeError`) unless ``fn``'s parameters start with ``params``."""
+        try:
+            got = tuple(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            got = ()
+        if got[:len(params)] != params:
+            raise PatchShapeError(
+                f"kunserve patch {self.name}: {where} has parameters {got}, expected {params} "
+                f"(verified on vllm{self.versions}); refusing to start")
 
     # -- lifecycle ---------------------------------------------------------------------------
     def supported(self, version: str | None = None) -> bool:

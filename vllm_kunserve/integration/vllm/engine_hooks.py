@@ -46,13 +46,6 @@ CUDA_GROUP_REFUSED = (
     "refusing to start on a CUDA platform (set drop.allow_unvalidated_cuda=true to start anyway)")
 
 
-#: vLLM 0.26-0.31 on CUDA: a peer's FlashAttention metadata is read as 0.32's (attn_meta._flash)
-CUDA_GROUP_NEEDS_032 = (
-    "kunserve drop.group_member on CUDA needs vLLM >= 0.32: a peer's FlashAttentionMetadata is read as 0.32's, "
-    "and 0.26-0.31 add cascade attention (use_cascade, prefix_scheduler_metadata; 0.26-0.27 also lack "
-    "FlashAttentionMetadataBuilder._get_scheduler_metadata): refusing to start")
-
-
 def platform_device() -> str:
     """vLLM's current platform's device type (``cpu``, ``cuda``, ...); ``unknown`` if it cannot tell."""
     try:
@@ -63,15 +56,10 @@ def platform_device() -> str:
         return "unknown"
 
 
-def check_group_device(cfg: Any, device: str, vllm_release: tuple[int, int] | None = None) -> None:
-    """Refuse a pipeline group member on CUDA unless ``drop.allow_unvalidated_cuda`` is set, and on
-    CUDA with vLLM 0.26-0.31 in any case."""
-    if not (cfg.drop.group_member and device == "cuda"):
-        return
-    if not cfg.drop.allow_unvalidated_cuda:
+def check_group_device(cfg: Any, device: str) -> None:
+    """Refuse a pipeline group member on CUDA unless ``drop.allow_unvalidated_cuda`` is set."""
+    if cfg.drop.group_member and device == "cuda" and not cfg.drop.allow_unvalidated_cuda:
         raise KunServeConfigError(CUDA_GROUP_REFUSED)
-    if (vllm_release or release()) < (0, 32):  # vLLM 0.26-0.31: FlashAttentionMetadata with cascade fields
-        raise KunServeConfigError(CUDA_GROUP_NEEDS_032)
 
 
 class EngineCorePatch(VllmPatch):
@@ -80,21 +68,33 @@ class EngineCorePatch(VllmPatch):
     requires = ("moves_memory",)
 
     def configure(self, cfg: Any, holder: Any) -> None:
-        """Streaming uses forward hooks and side copies, which need eager execution. A pipeline
-        group member refuses a CUDA platform unless told otherwise (:func:`check_group_device`)."""
+        """Streaming uses forward hooks and side copies, and a pipeline group replaces dropped layers'
+        forwards: both need eager execution, so no CUDA graph is captured for such an engine (a graph
+        replays the kernels of the layers it captured, whatever has left since). A group member runs
+        without cascade attention (vLLM's default; a peer's span carries one plan, ``attn_meta.py``),
+        and refuses a CUDA platform unless told otherwise (:func:`check_group_device`)."""
         if not cfg.moves_memory:
             return
         check_group_device(cfg, platform_device())
         if hasattr(holder, "enforce_eager"):  # EngineArgs: still time to switch it on
             if not holder.enforce_eager:
-                logger.info("kunserve: remap and pipeline groups replace layer forwards; enabling enforce_eager")
+                logger.info("kunserve: remap and pipeline groups replace layer forwards; enabling enforce_eager "
+                            "(no CUDA graphs for this engine)")
                 holder.enforce_eager = True
+            if cfg.drop.group_member and getattr(holder, "disable_cascade_attn", True) is False:
+                logger.info("kunserve: a pipeline group member runs without cascade attention; "
+                            "setting disable_cascade_attn")
+                holder.disable_cascade_attn = True
             return
         model_config = getattr(holder, "model_config", None)
         if model_config is not None and not model_config.enforce_eager:
             raise KunServeConfigError(
                 "kunserve remap / drop.group_member: weight streaming and pipeline groups need eager execution; "
                 "start vLLM with --enforce-eager (or LLM(..., enforce_eager=True))")
+        if cfg.drop.group_member and getattr(model_config, "disable_cascade_attn", True) is False:
+            raise KunServeConfigError(
+                "kunserve drop.group_member: a pipeline group runs without cascade attention; "
+                "start vLLM without --no-disable-cascade-attn")
 
     def patch(self) -> None:
         EngineCore = self.resolve(_CORE)

@@ -12,8 +12,9 @@ vLLM 0.26-0.28 have no ``allocate_kv_cache``: the runner allocates one raw buffe
 (``GPUModelRunner._allocate_kv_cache_tensors``) and views them itself (``_reshape_kv_cache_tensors``),
 so there we wrap ``_allocate_kv_cache_tensors`` to hand it the layers' KV regions as those buffers.
 
-The GPU V2 runner (``vllm.v1.worker.gpu``) is not wrapped: its module needs Triton, so it could not
-be run here; an engine that plans a growable KV cache on it refuses with a clear message.
+Model Runner V2 (``vllm.v1.worker.gpu``, vLLM's CUDA default since 0.25) is not wrapped: an engine
+that moves memory runs the V1 runner (``runner.py`` answers vLLM's switch for it), and a growable
+plan that still reaches another runner refuses with a clear message.
 """
 
 from __future__ import annotations

@@ -152,6 +152,11 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
         Symbol("vllm.v1.request:Request", attrs=(
             "num_tokens", "num_prompt_tokens", "num_computed_tokens", "max_tokens", "num_output_tokens")),
     )),
+    Touchpoint("runner_select", "RunnerSelectionPatch", (
+        _m("vllm.config.vllm:VllmConfig.use_v2_model_runner", "self",
+           why="a property, read in every process: answers V1 for an engine that moves memory"),
+        Symbol("vllm.envs:VLLM_USE_V2_MODEL_RUNNER", why="vLLM's own switch; =1 with remap or a group refuses"),
+    ), versions=_V1_RUNNER, gap=_V1_GONE),
     Touchpoint("kv_allocation", "KVAllocationPatch", (
         _m("vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache_tensors", "self", "kv_cache_config"),
         _m("vllm.v1.worker.gpu_model_runner:allocate_kv_cache", "kv_cache_config", "device", "layout",
@@ -261,8 +266,23 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
             "scheduler_metadata", "dcp_context_kv_lens")),
         _m("vllm.v1.attention.backends.flash_attn:FlashAttentionMetadataBuilder._get_scheduler_metadata", "self",
            "aot_schedule", "batch_size", "cu_query_lens", "max_query_len", "seqlens", "max_seq_len", "causal",
-           "max_num_splits", why="every argument by keyword; 0.26-0.27 build it inside build(): a CUDA group "
-           "member refuses there (engine_hooks.CUDA_GROUP_NEEDS_032)", versions=">=0.28,<0.35"),
+           "max_num_splits", why="every argument by keyword", versions=">=0.28,<0.35"),
+        # vLLM 0.26-0.27: the FA3 plan is made inside build(); attn_meta._fa3_plan_026 makes the same call
+        Symbol("vllm.v1.attention.backends.flash_attn:get_scheduler_metadata", versions=">=0.26,<0.28",
+               why="imported there from fa_utils (from vllm_flash_attn on CUDA)"),
+        _m("vllm.vllm_flash_attn.flash_attn_interface:get_scheduler_metadata", "batch_size", "max_seqlen_q",
+           "max_seqlen_k", "num_heads_q", "num_heads_kv", "headdim", "cache_seqlens", "qkv_dtype",
+           why="by keyword, with cu_seqlens_q, page_size, causal, window_size, num_splits", versions=">=0.26,<0.28"),
+        _m("vllm.v1.attention.backends.flash_attn:_maybe_symmetrize_window", "window", "causal",
+           versions=">=0.26,<0.28"),
+        _m("vllm.v1.attention.backends.flash_attn:is_quantized_kv_cache", versions=">=0.26,<0.28"),
+        Symbol("vllm.v1.attention.backends.flash_attn:FlashAttentionMetadataBuilder", attrs=(
+            "num_heads_q", "dcp_world_size", "num_heads_kv", "headdim", "kv_cache_dtype", "cache_config",
+            "block_size", "aot_sliding_window"), versions=">=0.26,<0.28"),
+        Symbol("vllm.v1.attention.backends.flash_attn:FlashAttentionMetadata", attrs=("use_cascade",),
+               versions=">=0.26,<0.32", why="cascade attention: refused in a group's span"),
+        Symbol("vllm.engine.arg_utils:EngineArgs", attrs=("disable_cascade_attn",)),
+        Symbol("vllm.config.model:ModelConfig", attrs=("disable_cascade_attn",)),
         # SchedulerView.held_blocks / recompute_all (scheduler_view.py)
         _m("vllm.v1.core.sched.scheduler:Scheduler._preempt_request", "self", "request", "timestamp"),
         Symbol("vllm.v1.core.sched.scheduler:Scheduler", attrs=("running", "prev_step_scheduled_req_ids")),
@@ -270,8 +290,7 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
             "blocks", "cached_block_hash_to_block", "cached_block_hashes_by_block")),
         Symbol("vllm.v1.core.kv_cache_utils:KVCacheBlock", attrs=("block_id", "ref_cnt", "block_hash", "reset_hash")),
         Symbol("vllm.v1.request:Request", attrs=("num_in_flight_tokens",)),
-    ), versions=_V1_RUNNER, gap=_V1_GONE,
-       refuses="0.26-0.31 on CUDA (FlashAttentionMetadata read as 0.32's; 0.26-0.31 add cascade attention)"),
+    ), versions=_V1_RUNNER, gap=_V1_GONE),
     Touchpoint("kv_migration", "SchedulerKV", (
         _m("vllm.utils.hashing:get_hash_fn_by_name", "hash_fn_name"),
         _m("vllm.v1.core.kv_cache_utils:get_request_block_hasher", "hash_block_size", "caching_hash_fn"),
