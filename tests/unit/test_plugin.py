@@ -183,3 +183,18 @@ def test_a_group_member_runs_eager_and_without_cascade_attention():
     assert "\n" not in str(e.value)
     built.model_config.disable_cascade_attn = True
     H.EngineCorePatch().configure(member, built)
+
+
+def test_a_group_member_with_tensor_parallelism_is_refused_in_one_line():
+    from vllm_kunserve.config import KunServeConfigError, parse_config
+    from vllm_kunserve.integration.vllm import engine_hooks as H
+
+    member = parse_config({"drop": {"group_member": True}})
+    for holder in (types.SimpleNamespace(enforce_eager=True, tensor_parallel_size=2),
+                   types.SimpleNamespace(parallel_config=types.SimpleNamespace(tensor_parallel_size=2),
+                                         model_config=types.SimpleNamespace(enforce_eager=True))):
+        with pytest.raises(KunServeConfigError, match="tensor parallelism") as e:
+            H.EngineCorePatch().configure(member, holder)
+        assert "\n" not in str(e.value)
+    H.EngineCorePatch().configure(parse_config({"remap": {"enable": True}}),   # remap runs with TP (tests/vllm)
+                                  types.SimpleNamespace(enforce_eager=True, tensor_parallel_size=2))

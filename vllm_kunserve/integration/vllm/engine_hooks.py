@@ -46,6 +46,12 @@ CUDA_GROUP_REFUSED = (
     "refusing to start on a CUDA platform (set drop.allow_unvalidated_cuda=true to start anyway)")
 
 
+#: a group joins one worker per engine (its stage server, KV views and dropped layers are one rank's)
+GROUP_TP_REFUSED = (
+    "kunserve drop.group_member: a pipeline group member runs one worker (tensor_parallel_size 1); "
+    "refusing to start with tensor parallelism")
+
+
 def platform_device() -> str:
     """vLLM's current platform's device type (``cpu``, ``cuda``, ...); ``unknown`` if it cannot tell."""
     try:
@@ -76,6 +82,9 @@ class EngineCorePatch(VllmPatch):
         if not cfg.moves_memory:
             return
         check_group_device(cfg, platform_device())
+        parallel = getattr(holder, "parallel_config", holder)
+        if cfg.drop.group_member and (getattr(parallel, "tensor_parallel_size", 1) or 1) > 1:
+            raise KunServeConfigError(GROUP_TP_REFUSED)
         if hasattr(holder, "enforce_eager"):  # EngineArgs: still time to switch it on
             if not holder.enforce_eager:
                 logger.info("kunserve: remap and pipeline groups replace layer forwards; enabling enforce_eager "

@@ -281,7 +281,8 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
             "block_size", "aot_sliding_window"), versions=">=0.26,<0.28"),
         Symbol("vllm.v1.attention.backends.flash_attn:FlashAttentionMetadata", attrs=("use_cascade",),
                versions=">=0.26,<0.32", why="cascade attention: refused in a group's span"),
-        Symbol("vllm.engine.arg_utils:EngineArgs", attrs=("disable_cascade_attn",)),
+        Symbol("vllm.engine.arg_utils:EngineArgs", attrs=("disable_cascade_attn", "tensor_parallel_size")),
+        Symbol("vllm.config.parallel:ParallelConfig", attrs=("tensor_parallel_size",)),
         Symbol("vllm.config.model:ModelConfig", attrs=("disable_cascade_attn",)),
         # SchedulerView.held_blocks / recompute_all (scheduler_view.py)
         _m("vllm.v1.core.sched.scheduler:Scheduler._preempt_request", "self", "request", "timestamp"),
