@@ -198,3 +198,23 @@ def test_a_group_member_with_tensor_parallelism_is_refused_in_one_line():
         assert "\n" not in str(e.value)
     H.EngineCorePatch().configure(parse_config({"remap": {"enable": True}}),   # remap runs with TP (tests/vllm)
                                   types.SimpleNamespace(enforce_eager=True, tensor_parallel_size=2))
+
+
+def test_a_cuda_group_member_refuses_an_attention_backend_its_spans_cannot_carry(monkeypatch):
+    from vllm_kunserve.config import KunServeConfigError, parse_config
+    from vllm_kunserve.integration.vllm import engine_hooks as H
+
+    monkeypatch.setattr(H, "platform_device", lambda: "cuda")
+    member = parse_config({"drop": {"group_member": True, "allow_unvalidated_cuda": True}})
+
+    def built(backend):
+        return types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=True),
+                                     attention_config=types.SimpleNamespace(backend=backend))
+
+    with pytest.raises(KunServeConfigError, match="refusing attention backend FLASHINFER") as e:
+        H.EngineCorePatch().configure(member, built(types.SimpleNamespace(name="FLASHINFER")))
+    assert "\n" not in str(e.value)
+    H.EngineCorePatch().configure(member, built(types.SimpleNamespace(name="FLASH_ATTN")))
+    H.EngineCorePatch().configure(member, built(None))   # vLLM's choice (FlashAttention on Hopper)
+    monkeypatch.setattr(H, "platform_device", lambda: "cpu")
+    H.EngineCorePatch().configure(member, built(types.SimpleNamespace(name="CPU_ATTN")))

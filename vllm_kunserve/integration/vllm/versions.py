@@ -283,6 +283,9 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
                versions=">=0.26,<0.32", why="cascade attention: refused in a group's span"),
         Symbol("vllm.engine.arg_utils:EngineArgs", attrs=("disable_cascade_attn", "tensor_parallel_size")),
         Symbol("vllm.config.parallel:ParallelConfig", attrs=("tensor_parallel_size",)),
+        Symbol("vllm.config.vllm:VllmConfig", attrs=("attention_config",)),
+        Symbol("vllm.config.attention:AttentionConfig", attrs=("backend",),
+               why="a CUDA group member refuses an explicit backend other than FLASH_ATTN"),
         Symbol("vllm.config.model:ModelConfig", attrs=("disable_cascade_attn",)),
         # SchedulerView.held_blocks / recompute_all (scheduler_view.py)
         _m("vllm.v1.core.sched.scheduler:Scheduler._preempt_request", "self", "request", "timestamp"),
