@@ -46,22 +46,15 @@ FLASH_FIELDS = (
     "num_decode_tokens", "num_prefill_tokens", "scheduler_metadata", "max_num_splits", "causal",
     "mm_prefix_query_range_tensor", "rswa_prefix_lens", "rswa_window", "rswa_window_tensor",
 )
-#: vLLM 0.28-0.31: cascade attention's fields too
-FLASH_FIELDS_028 = (
-    "num_actual_tokens", "max_query_len", "query_start_loc", "max_seq_len", "seq_lens", "block_table",
-    "slot_mapping", "use_cascade", "common_prefix_len", "cu_prefix_query_lens", "prefix_kv_lens", "suffix_kv_lens",
-    "max_dcp_context_kv_len", "dcp_context_kv_lens", "num_decode_reqs", "num_prefill_reqs", "num_decode_tokens",
-    "num_prefill_tokens", "scheduler_metadata", "prefix_scheduler_metadata", "max_num_splits", "causal",
-    "mm_prefix_query_range_tensor", "rswa_prefix_lens", "rswa_window", "rswa_window_tensor",
-)
-#: vLLM 0.26-0.27: also a ``sliding_window`` tuple, and the multimodal ranges under an older name
-FLASH_FIELDS_026 = (
-    "num_actual_tokens", "max_query_len", "query_start_loc", "max_seq_len", "seq_lens", "block_table",
-    "slot_mapping", "use_cascade", "common_prefix_len", "cu_prefix_query_lens", "prefix_kv_lens", "suffix_kv_lens",
-    "max_dcp_context_kv_len", "dcp_context_kv_lens", "num_decode_reqs", "num_prefill_reqs", "num_decode_tokens",
-    "num_prefill_tokens", "scheduler_metadata", "prefix_scheduler_metadata", "max_num_splits", "causal",
-    "sliding_window", "mm_prefix_range_tensor", "rswa_prefix_lens", "rswa_window", "rswa_window_tensor",
-)
+#: vLLM 0.28-0.31: 0.32's fields and cascade attention's (after ``slot_mapping``; its plan after
+#: ``scheduler_metadata``)
+_CASCADE = ("use_cascade", "common_prefix_len", "cu_prefix_query_lens", "prefix_kv_lens", "suffix_kv_lens")
+FLASH_FIELDS_028 = tuple(f for name in FLASH_FIELDS for f in (
+    (name, *_CASCADE) if name == "slot_mapping" else
+    (name, "prefix_scheduler_metadata") if name == "scheduler_metadata" else (name,)))
+#: vLLM 0.26-0.27: also a ``sliding_window`` tuple, and the multimodal ranges under their older name
+FLASH_FIELDS_026 = tuple(f for name in FLASH_FIELDS_028 for f in (
+    ("sliding_window", "mm_prefix_range_tensor") if name == "mm_prefix_query_range_tensor" else (name,)))
 
 
 def flash_fields(rel: tuple[int, int] | None = None) -> tuple[str, ...]:
