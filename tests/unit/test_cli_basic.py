@@ -218,3 +218,34 @@ def test_serve_refuses_a_non_loopback_address_without_a_token(capsys, monkeypatc
     assert main(["serve", "/no/such/model", "--backend", "ray", "--ray-address", "ray://head:10001",
                  "--kunserve-config", "{}"]) == 2
     assert "set --token" in capsys.readouterr().err
+
+
+def test_serve_takes_vllms_api_keys_and_an_attached_engines_own_key_only_with_engine_url(monkeypatch):
+    import argparse
+
+    from vllm_kunserve.cli import serve
+
+    monkeypatch.setattr(serve, "_tokenizer", lambda name: None)   # no tokenizer named "m" to look up
+
+    from vllm_kunserve.cli.serve import api_keys, check_engine_args, parse
+
+    # vLLM's precedence: --api-key (one or more) over VLLM_API_KEY; neither: no key
+    assert api_keys(check_engine_args("m", ["--api-key", "k1", "k2"]), {"VLLM_API_KEY": "env"}) == ["k1", "k2"]
+    assert api_keys(check_engine_args("m", []), {"VLLM_API_KEY": "env"}) == ["env"]
+    assert api_keys(check_engine_args("m", []), {}) == []
+    with pytest.raises(ValueError, match="--engine-api-key needs --engine-url"):
+        parse(argparse.Namespace(model="m", rest=["--engine-api-key", "ek"]))
+    with pytest.raises(ValueError, match="--engine-api-key: empty"):
+        parse(argparse.Namespace(model="m", rest=["--engine-url", "http://h:1", "--engine-api-key", " "]))
+    opts, _ = parse(argparse.Namespace(model="m", rest=["--engine-url", "http://h:1", "--engine-api-key", "ek"]))
+    assert opts.engine_api_key == "ek"
+    # wired into the front end: clients' keys from vLLM's flag, the attached engines' own key from ours
+    from vllm_kunserve.cli.serve import build
+
+    rest = ["--engine-url", "http://h:1", "--engine-api-key", "ek", "--api-key", "ck"]
+    opts, engine_args = parse(argparse.Namespace(model="m", rest=rest))
+    _, front = build("m", opts, engine_args, check_engine_args("m", engine_args))
+    assert front.api_keys == ("ck",) and front.engine_api_key == "ek"
+    opts, engine_args = parse(argparse.Namespace(model="m", rest=["--api-key", "ck"]))
+    _, front = build("m", opts, engine_args, check_engine_args("m", engine_args))
+    assert front.api_keys == ("ck",) and front.engine_api_key == "ck"   # the engines it starts get --api-key

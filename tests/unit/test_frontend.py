@@ -40,9 +40,19 @@ class FakeEngine:
         self.hang_s = 0.0                # wait this long before answering (a hung engine)
         self.vocab: int | None = None    # a streamed prompt id at or above it: vLLM's in-stream 400
         self.one_write = False           # a streamed answer's events all in one write (read late)
+        self.api_key: str | None = None  # as vllm serve --api-key: every /v1 route needs it
+        self.keys_seen: list[str] = []   # the Authorization headers /v1 requests came with
 
     def app(self) -> web.Application:
-        app = web.Application()
+        @web.middleware
+        async def auth(request, handler):
+            if request.path.startswith("/v1"):
+                self.keys_seen.append(request.headers.get("Authorization", ""))
+                if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+                    return web.json_response({"error": "Unauthorized"}, status=401)
+            return await handler(request)
+
+        app = web.Application(middlewares=[auth])
         app.router.add_post("/v1/completions", lambda r: self.generate(r, chat=False))
         app.router.add_post("/v1/chat/completions", lambda r: self.generate(r, chat=True))
         app.router.add_get("/v1/models", self.models)
@@ -152,10 +162,13 @@ class StaticBackend:
         pass
 
 
-async def _stack(n=2, dispatch="round-robin", planner=None, blocks=None, tokenizer=None):
+async def _stack(n=2, dispatch="round-robin", planner=None, blocks=None, tokenizer=None, api_keys=(),
+                 engine_api_key=""):
     fakes = [FakeEngine(i) for i in range(n)]
     for f, b in zip(fakes, blocks or ()):
         f.blocks = b
+    for f in fakes:
+        f.api_key = engine_api_key or None
     runners, urls = [], []
     for f in fakes:
         runner = web.AppRunner(f.app())
@@ -169,7 +182,8 @@ async def _stack(n=2, dispatch="round-robin", planner=None, blocks=None, tokeniz
     for e in fleet.engines:
         fleet.backend.launch(fleet.spec, e.index, e)
         e.state = "ready"
-    front = FrontEnd(fleet, dispatch=dispatch, monitor_interval_s=0.05, plan_migrations=planner, tokenizer=tokenizer)
+    front = FrontEnd(fleet, dispatch=dispatch, monitor_interval_s=0.05, plan_migrations=planner, tokenizer=tokenizer,
+                     api_keys=api_keys, engine_api_key=engine_api_key)
     await front.start()
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(front)), base_url="http://front")
     return fakes, front, client, runners
@@ -652,3 +666,38 @@ def test_ttft_stages_split_a_streamed_requests_wait_where_it_went():
     assert all(v["count"] == 2 for v in stages.values())
     assert stages["engine"]["sum"] >= 0.3
     assert stages["admit"]["sum"] < 0.15 and stages["relay"]["sum"] < 0.15
+
+
+def test_api_key_guards_every_v1_route_as_vllm_serve_does_and_reaches_the_engines():
+    """vLLM's --api-key on the front end: /v1 routes (the relayed hot paths too) answer 401 without
+    one of the keys or with a wrong one, and serve with any of them; /health, /metrics and
+    /kunserve/status need none; the front end calls its engines, which ask their own key, with it.
+    Served by uvicorn, as `kunserve serve` runs it (it must take the guarded app as ASGI 3)."""
+    body = {"prompt": [1, 2, 3], "max_tokens": 3}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    keys = {"missing": {}, "wrong": {"Authorization": "Bearer nope"}, "not bearer": {"Authorization": "k1"},
+            "k1": {"Authorization": "Bearer k1"}, "k2": {"Authorization": "Bearer k2"}}
+
+    async def requests(c) -> dict:
+        out = {name: [(await c.post("/v1/completions", json=body, headers=h)).status_code,
+                      (await c.post("/v1/chat/completions", json=chat, headers=h)).status_code,
+                      (await c.get("/v1/models", headers=h)).status_code] for name, h in keys.items()}
+        out["stream"] = (await c.post("/v1/completions", json={**body, "stream": True}, headers=keys["k1"])).status_code
+        out["open"] = [(await c.get(p)).status_code for p in ("/health", "/metrics", "/kunserve/status")]
+        out["refusal"] = (await c.get("/v1/models")).json()
+        return out
+
+    async def go():
+        fakes, front, plain, runners = await _stack(api_keys=("k1", "k2"), engine_api_key="ek")
+        try:
+            async with _served(front) as client:
+                return await requests(client), fakes
+        finally:
+            await _teardown(front, plain, runners)
+    out, fakes = asyncio.run(go())
+    assert out["missing"] == out["wrong"] == out["not bearer"] == [401, 401, 401]
+    assert out["k1"] == out["k2"] == [200, 200, 200] and out["stream"] == 200
+    assert out["open"] == [200, 200, 200] and out["refusal"] == {"error": "Unauthorized"}
+    seen = [k for f in fakes for k in f.keys_seen]
+    assert seen and set(seen) == {"Bearer ek"}   # the engines' key on every call, never a client's
+    assert sum(len(f.requests) for f in fakes) == 5   # refused requests reached no engine

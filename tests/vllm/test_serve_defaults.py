@@ -1,6 +1,8 @@
-"""`kunserve serve MODEL --instances 2` as a new user runs it (issue 36): with no memory flag it serves
-on a CPU host (the front end divides the host's memory among the engines and says so; without that,
-each stock engine asks vLLM-CPU's default 92% of the host and the second cannot start); and killed
+"""`kunserve serve MODEL --instances 2 --api-key K` as a new user runs it (issues 36, 74): with no memory
+flag it serves on a CPU host (the front end divides the host's memory among the engines and says so;
+without that, each stock engine asks vLLM-CPU's default 92% of the host and the second cannot start);
+with vLLM's --api-key the engines demand the key, the front end calls them with it and asks it of
+its own clients (the OpenAI client with the key is served, a wrong or missing key gets 401); and killed
 with SIGKILL (no shutdown of its own) it leaves no engine behind: each engine server sees its
 launcher gone and stops its process group (vllm_kunserve/runtime/parentwatch.py). One fleet for
 both: its start-up (two engines zeroing their KV caches of the host's memory) is most of the time, so
@@ -13,6 +15,7 @@ import json
 import os
 import signal
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -39,16 +42,30 @@ def _launched_by(pid: int) -> list[int]:
     return out
 
 
+def _status(url: str, path: str, headers: dict) -> int:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + path, headers=headers), timeout=60) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
 def test_two_engines_start_with_no_memory_flag_serve_and_stop_when_the_front_end_is_killed(tiny_model, tmp_path):
+    import openai
+
     log = tmp_path / "serve.log"
-    srv = KunserveCluster(str(tiny_model), ["--served-model-name", "m", "--max-model-len", "256", "--enforce-eager"],
+    srv = KunserveCluster(str(tiny_model), ["--served-model-name", "m", "--max-model-len", "256", "--enforce-eager",
+                                            "--api-key", "sekret"],
                           None, log_path=log, instances=2, startup_timeout_s=400,
                           extra=["--log-dir", str(tmp_path), "--host-memory-share", "0.2"])
     with srv:
-        body = json.dumps({"model": "m", "prompt": "the cache", "max_tokens": 4, "temperature": 0}).encode()
-        req = urllib.request.Request(f"{srv.url}/v1/completions", body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            out = json.loads(r.read())
+        out = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sekret", max_retries=0).completions.create(
+            model="m", prompt="the cache", max_tokens=4, temperature=0)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0).completions.create(
+                model="m", prompt="the cache", max_tokens=4)
+        codes = [_status(srv.url, "/v1/models", {}), _status(srv.url, "/v1/models", {"Authorization": "Bearer sekret"}),
+                 _status(srv.url, "/health", {}), _status(srv.url, "/metrics", {})]
         text = log.read_text()
         front = srv._proc.proc.pid
         engines = _launched_by(front)
@@ -61,7 +78,8 @@ def test_two_engines_start_with_no_memory_flag_serve_and_stop_when_the_front_end
         left = [p for p in engines if running(p)]
         for p in left:  # a failure leaves no orphans to the next test
             os.kill(p, signal.SIGKILL)
-    assert out["usage"]["completion_tokens"] == 4
+    assert out.usage.completion_tokens == 4
+    assert codes == [401, 200, 200, 200]   # /v1 needs the key; /health and /metrics do not, as with vllm serve
     assert "[kunserve] memory: 2 engines share 20%" in text and "--gpu-memory-utilization" in text
     assert "Traceback" not in text
     assert not left, f"engine processes {left} outlived their front end by {time.monotonic() - t0:.0f} s"

@@ -92,7 +92,17 @@ def _options() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default="", help="engine logs; empty: the temp directory")
     p.add_argument("--token", default=None, help="bearer token for /kunserve/ops and the engines' control ports "
                                                  "; unset: the environment's KUNSERVE_CONTROL_TOKEN")
+    p.add_argument("--engine-api-key", default=None, metavar="KEY",
+                   help="with --engine-url: the key the front end sends the attached engines (their own vllm serve "
+                        "--api-key), where it differs from the front end's; vLLM's --api-key (or VLLM_API_KEY) is "
+                        "what the front end's /v1 routes ask of clients and what engines it starts are given")
     return p
+
+
+def api_keys(engine_ns: argparse.Namespace, environ=os.environ) -> list[str]:
+    """The keys vLLM's ``vllm serve`` would accept with these engine arguments: ``--api-key`` (one or
+    more), else ``VLLM_API_KEY`` (vLLM's own precedence); empty: no key."""
+    return [k for k in (getattr(engine_ns, "api_key", None) or [environ.get("VLLM_API_KEY")]) if k]
 
 
 def check_engine_args(model: str, engine_args: list[str]) -> argparse.Namespace:
@@ -142,6 +152,11 @@ def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
     opts, engine_args = _options().parse_known_args(args.rest)
     if opts.engine_control_url and not opts.engine_url:
         raise ValueError("--engine-control-url needs --engine-url (the engines it belongs to)")
+    if opts.engine_api_key is not None and not opts.engine_url:
+        raise ValueError("--engine-api-key needs --engine-url: engines kunserve serve starts are given vLLM's "
+                         "--api-key (or VLLM_API_KEY), and the front end sends them that")
+    if opts.engine_api_key is not None and not opts.engine_api_key.strip():
+        raise ValueError("--engine-api-key: empty")
     if opts.reuse_port and not opts.engine_url:
         raise ValueError("--reuse-port needs --engine-url: front ends sharing a port front the same engines, "
                          "started elsewhere (each kunserve serve without it starts engines of its own)")
@@ -284,6 +299,7 @@ def build(model: str, opts: argparse.Namespace, engine_args: list[str], engine_n
     from vllm_kunserve.config import parse_config, parse_kunserve_config
 
     kunserve = parse_kunserve_config(opts.kunserve_config) if opts.kunserve_config is not None else None
+    keys = api_keys(engine_ns)
     token = opts.token if opts.token is not None else os.environ.get("KUNSERVE_CONTROL_TOKEN", "")
     if kunserve is not None and token:
         kunserve = {**kunserve, "control": {**kunserve.get("control", {}), "token": token}}
@@ -307,7 +323,8 @@ def build(model: str, opts: argparse.Namespace, engine_args: list[str], engine_n
                      request_timeout_s=opts.request_timeout, first_byte_timeout_s=opts.first_byte_timeout,
                      retry_backoff_s=opts.retry_backoff, token=token,
                      tokenizer=_tokenizer(engine_ns.tokenizer or model), plan_migrations=planner,
-                     kunserve_cfg=cfg if kunserve is not None else None)
+                     kunserve_cfg=cfg if kunserve is not None else None, api_keys=keys,
+                     engine_api_key=opts.engine_api_key or (keys[0] if keys else ""))
     return fleet, front
 
 

@@ -101,8 +101,12 @@ class FrontEnd:
                  max_concurrency: int = 1024, queue_timeout_s: float = 60.0, request_timeout_s: float = 3600.0,
                  first_byte_timeout_s: float = 60.0, retry_backoff_s: float = 0.05, token: str = "",
                  tokenizer: Any = None,
-                 plan_migrations: Callable[..., Sequence[Any]] | None = None, kunserve_cfg: Any = None):
+                 plan_migrations: Callable[..., Sequence[Any]] | None = None, kunserve_cfg: Any = None,
+                 api_keys: Sequence[str] = (), engine_api_key: str = ""):
         self.fleet = fleet
+        # vLLM's --api-key: what every /v1 route of this front end asks of its clients (any of them),
+        # and the key it sends the engines (whose /v1 routes ask the same)
+        self.api_keys, self.engine_api_key = tuple(api_keys), engine_api_key
         self.dispatch = check_mode(dispatch)
         self.monitor = Monitor(fleet.engines, interval_s=monitor_interval_s, token=token)
         self.book = FlightBook()
@@ -213,7 +217,8 @@ class FrontEnd:
         self._stop = asyncio.Event()
         conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(
-            connector=conn, timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=self.request_timeout_s))
+            connector=conn, timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=self.request_timeout_s),
+            headers={"Authorization": f"Bearer {self.engine_api_key}"} if self.engine_api_key else None)
         await self._load_models()
         self.monitor.listeners.append(self._after_poll)
         if self.groups is not None:
@@ -631,7 +636,20 @@ def build_app(front: FrontEnd):
         except BadRequest as e:
             return err(e)
 
-    return HotPaths(app, {"/v1/completions": "completion", "/v1/chat/completions": "chat"}, generate, Request)
+    hot = HotPaths(app, {"/v1/completions": "completion", "/v1/chat/completions": "chat"}, generate, Request)
+    if not front.api_keys:
+        return hot
+    # vLLM's own check, as `vllm serve --api-key` runs it: every /v1 route (hot paths included) needs
+    # `Authorization: Bearer <one of the keys>`, compared in constant time; /health, /metrics and
+    # /kunserve/* do not (the operations have their own token)
+    from vllm_kunserve.integration.vllm.base import VllmPatch
+    from vllm_kunserve.integration.vllm.versions import located
+
+    guard = VllmPatch.resolve(located("AuthenticationMiddleware"))(hot, tokens=list(front.api_keys))
+
+    async def guarded(scope, receive, send) -> None:   # a coroutine function: servers take it as ASGI 3
+        await guard(scope, receive, send)               # (vLLM's __call__ returns an awaitable)
+    return guarded
 
 
 class EventStream:
