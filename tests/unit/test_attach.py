@@ -227,6 +227,16 @@ def test_a_kunserve_engine_is_asked_for_its_control_port():
         with mock.patch.object(urllib.request, "urlopen", return_value=Resp()):
             far.discover(e, time.monotonic() + 1)
         assert e.control_url is None and "loopback" in far.found[0]
+        # one bound to every interface (a pod's control.host 0.0.0.0) names 0.0.0.0: its port is on the
+        # host the front end reaches the engine at
+        Resp.read = lambda self: b'{"control_url": "http://0.0.0.0:8100"}'
+        for engine_url, want in (("http://engine-0.engines:8000", "http://engine-0.engines:8100"),
+                                 ("http://[fd00::5]:8000", "http://[fd00::5]:8100")):
+            pod, e = AttachBackend([engine_url]), Engine(0)
+            pod.launch(EngineSpec("m"), 0, e)
+            with mock.patch.object(urllib.request, "urlopen", return_value=Resp()):
+                pod.discover(e, time.monotonic() + 1)
+            assert e.control_url == want and pod.found[0] == "engine"
         line = serve.attach_line(type("F", (), {"backend": b, "engines": engines})(), drop_on=False)
         assert "0: control http://127.0.0.1:9100 (from the engine)" in line and "1: stock (GET" in line
         assert "2: control http://127.0.0.1:7 (--engine-control-url)" in line and "cluster drop: off" in line

@@ -249,7 +249,13 @@ class AttachBackend:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             self.found[engine.index] = "stock (/kunserve/engine named no control URL)"
             return
-        host = urllib.parse.urlsplit(url).hostname or ""
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or ""
+        if host in ("0.0.0.0", "::"):   # bound to every interface (control.host 0.0.0.0, e.g. a pod): its
+            # port is on the host this front end reaches the engine at
+            reach = urllib.parse.urlsplit(engine.url).hostname or host
+            url = parts._replace(netloc=f"[{reach}]:{parts.port}" if ":" in reach else f"{reach}:{parts.port}").geturl()
+            host = reach
         if is_loopback(host) and not is_loopback(urllib.parse.urlsplit(engine.url).hostname or ""):
             self.found[engine.index] = (f"stock (its control port {url} listens on the engine's loopback, "
                                         "unreachable from here: set the engine's kunserve control.host)")
