@@ -49,7 +49,7 @@ def test_memory_touchpoints_only_with_remap():
     wanted_off = {c.name for c in PATCH_CLASSES if c().wanted(off)}
     wanted_on = {c.name for c in PATCH_CLASSES if c().wanted(on)}
     assert wanted_off == {"worker_extension"}
-    assert wanted_on == {"worker_extension", "kv_plan", "engine_core", "kv_allocation", "cpu_linear"}
+    assert wanted_on == {"worker_extension", "runner_select", "kv_plan", "engine_core", "kv_allocation", "cpu_linear"}
     member = parse_config({"drop": {"group_member": True}})
     assert {c.name for c in PATCH_CLASSES if c().wanted(member)} == wanted_on | {"scheduler"}
     no_lookahead = parse_config({"drop": {"group_member": True}, "lookahead": {"enable": False, "admission": "peak"}})

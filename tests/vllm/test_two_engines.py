@@ -14,7 +14,7 @@ pytestmark = pytest.mark.vllm
 #: vLLM's own block count for this model and KV budget (fp32 K and V of every layer per token)
 STOCK_BLOCKS = BURST_KV_BYTES // (BLOCK_SIZE * 2 * BURST_SPEC["layers"] * BURST_SPEC["kv_heads"]
                                   * (BURST_SPEC["hidden"] // BURST_SPEC["heads"]) * 4)
-ALL_PATCHES = "worker_extension,kv_plan,engine_core,kv_allocation,cpu_linear"
+ALL_PATCHES = "worker_extension,runner_select,kv_plan,engine_core,kv_allocation,cpu_linear"
 #: kunserve on, remap off: only the worker extension
 PLAIN = {"kunserve": {"remap": {"enable": False}}}
 #: remap on with another KV reservation than REMAP's (2.0, the default)
