@@ -133,7 +133,8 @@ def test_freeze_heap_obeys_its_switch(monkeypatch):
     monkeypatch.setenv("KUNSERVE_GC_FREEZE", "1")
     try:
         n = freeze_heap()
-        assert n > 0 and n == gc.get_freeze_count()
+        # the frozen count it took (other threads of a test worker may move a few objects since)
+        assert n > 0 and abs(gc.get_freeze_count() - n) <= max(10, n // 1000)
     finally:
         gc.unfreeze()
 
@@ -151,9 +152,9 @@ def _watch(block) -> dict:
 
 
 def test_loop_lag_tells_a_busy_loop_from_a_blocked_one():
-    def spin():
-        t = time.perf_counter()
-        while time.perf_counter() - t < 0.3:
+    def spin():   # 0.3 s of this thread's own CPU time: busy however loaded the machine is
+        t = time.thread_time()
+        while time.thread_time() - t < 0.3:
             pass
     busy = _watch(spin)
     blocked = _watch(lambda: time.sleep(0.3))
