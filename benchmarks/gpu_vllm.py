@@ -217,6 +217,20 @@ async def _status(s, url: str) -> dict:
         return await resp.json()
 
 
+async def _status_when(s, url: str, ready, timeout_s: float, every_s: float) -> dict:
+    """The front end's status once ``ready(status)`` holds (the last one read after ``timeout_s``)."""
+    t0 = time.monotonic()
+    while True:
+        st = await _status(s, url)
+        if ready(st) or time.monotonic() - t0 >= timeout_s:
+            return st
+        await asyncio.sleep(every_s)
+
+
+def _phases(st: dict, phase: str) -> bool:
+    return all(i["kv"].get("engine", {}).get("phase") == phase for i in st["instances"])
+
+
 async def _group_run(url: str, n: int) -> dict:
     import aiohttp
 
@@ -224,28 +238,14 @@ async def _group_run(url: str, n: int) -> dict:
         refs = {p: await _complete(s, url, p, n) for p in GROUP_PROMPTS[:4]}
         before = await _status(s, url)
         jobs = [asyncio.ensure_future(_complete(s, url, GROUP_PROMPTS[i % 4], n)) for i in range(8)]
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 300:   # drop once every engine decodes
-            st = await _status(s, url)
-            if all(r["generated"] >= 4 for r in st["requests"]) and len(st["requests"]) >= 8:
-                break
-            await asyncio.sleep(0.02)
+        await _status_when(s, url, lambda st: len(st["requests"]) >= 8 and all(   # drop once every engine decodes
+            r["generated"] >= 4 for r in st["requests"]), 300, 0.02)
         code, ev = await _op(s, url, "drop", {"instances": [0, 1]})
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 30:   # the front end's view of the engines trails by a monitor tick
-            grouped = await _status(s, url)
-            if grouped["groups"] and all(i["kv"].get("engine", {}).get("phase") == "grouped"
-                                         for i in grouped["instances"]):
-                break
-            await asyncio.sleep(0.1)
+        # the front end's view of the engines trails by a monitor tick
+        grouped = await _status_when(s, url, lambda st: st["groups"] and _phases(st, "grouped"), 30, 0.1)
         answers = await asyncio.gather(*jobs)
         rcode, _ = await _op(s, url, "restore", {})
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 300:
-            split = await _status(s, url)
-            if not split["groups"] and all(i["kv"].get("engine", {}).get("phase") == "base" for i in split["instances"]):
-                break
-            await asyncio.sleep(0.25)
+        split = await _status_when(s, url, lambda st: not st["groups"] and _phases(st, "base"), 300, 0.25)
         after = [await _complete(s, url, p, n) for p in GROUP_PROMPTS[:2]]
     events = [e for e in split["events"] if e["event"] in ("group_join", "group_leave")]
     return {"drop_code": code, "drop": ev, "restore_code": rcode,

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Sequence
 
 from vllm_kunserve.cluster.fleet.spec import ENGINE_CPUS, cpu_split, engine_nice
-from vllm_kunserve.cluster.fleet.launcher import cpu_env, free_port, serve_argv
+from vllm_kunserve.cluster.fleet.launcher import cpu_env, free_port, nvidia_host, serve_argv
 
 #: the router's policies (vllm-router 0.1.17 ``--policy``); its default is cache_aware
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "consistent_hash", "sticky_least_loaded")
@@ -95,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     binary = router_binary()
     base = dict(os.environ)
     # unpinned, the engines get cores of their own as kunserve serve's do (vLLM's auto binding shares one)
-    base.update(cpu_split(a.instances, device="cuda" if Path("/dev/nvidiactl").exists() else "cpu", backend="local",
+    base.update(cpu_split(a.instances, device="cuda" if nvidia_host() else "cpu", backend="local",
                           cpus=sorted(os.sched_getaffinity(0)), env=base)[0])
     nice = engine_nice(base)
     procs: list[subprocess.Popen] = []

