@@ -93,8 +93,12 @@ def write_json(path: Path | str, obj: Any, *, indent: int = 2, clean: bool = Tru
                newline: bool = True) -> None:
     """``obj`` as JSON at ``path``: ``clean`` writes NaN and infinities as null (else as JSON's
     ``NaN`` / ``Infinity``, which Python reads back), ``default`` as ``json.dumps`` takes it; the
-    folder is made where it is missing."""
-    text = json.dumps(json_safe(obj) if clean else obj, indent=indent, default=default)
+    folder is made where it is missing. A file under the checkout's ``docs/`` (a page's data, which
+    scripts read and every clone and device transfer carries) is written without whitespace whatever
+    ``indent`` says."""
+    compact = REPO / "docs" in Path(path).resolve().parents
+    text = json.dumps(json_safe(obj) if clean else obj, indent=None if compact else indent, default=default,
+                      separators=(",", ":") if compact else None)
     Path(path).parent.mkdir(parents=True, exist_ok=True)   # an --out in a folder not made yet
     Path(path).write_text(text + ("\n" if newline else ""))
 
