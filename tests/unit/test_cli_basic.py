@@ -249,3 +249,16 @@ def test_serve_takes_vllms_api_keys_and_an_attached_engines_own_key_only_with_en
     opts, engine_args = parse(argparse.Namespace(model="m", rest=["--api-key", "ck"]))
     _, front = build("m", opts, engine_args, check_engine_args("m", engine_args))
     assert front.api_keys == ("ck",) and front.engine_api_key == "ck"   # the engines it starts get --api-key
+
+
+def test_serve_takes_memory_admission_and_refuses_bad_bounds_in_one_line():
+    import argparse
+
+    from vllm_kunserve.cli.serve import parse
+    opts = parse(argparse.Namespace(model="m", rest=["--admission", "memory", "--admission-queue", "8",
+                                                      "--admission-wait", "5"]))[0]
+    assert (opts.admission, opts.admission_queue, opts.admission_wait) == ("memory", 8, 5.0)
+    assert parse(argparse.Namespace(model="m", rest=[]))[0].admission == "off"
+    for bad in (["--admission-queue", "-1"], ["--admission-wait", "0"]):
+        with pytest.raises(ValueError, match="--admission-queue must be >= 0 and --admission-wait > 0"):
+            parse(argparse.Namespace(model="m", rest=bad))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 
 import httpx
 import pytest
@@ -163,7 +164,7 @@ class StaticBackend:
 
 
 async def _stack(n=2, dispatch="round-robin", planner=None, blocks=None, tokenizer=None, api_keys=(),
-                 engine_api_key=""):
+                 engine_api_key="", **front_kw):
     fakes = [FakeEngine(i) for i in range(n)]
     for f, b in zip(fakes, blocks or ()):
         f.blocks = b
@@ -183,7 +184,7 @@ async def _stack(n=2, dispatch="round-robin", planner=None, blocks=None, tokeniz
         fleet.backend.launch(fleet.spec, e.index, e)
         e.state = "ready"
     front = FrontEnd(fleet, dispatch=dispatch, monitor_interval_s=0.05, plan_migrations=planner, tokenizer=tokenizer,
-                     api_keys=api_keys, engine_api_key=engine_api_key)
+                     api_keys=api_keys, engine_api_key=engine_api_key, **front_kw)
     await front.start()
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(front)), base_url="http://front")
     return fakes, front, client, runners
@@ -701,3 +702,47 @@ def test_api_key_guards_every_v1_route_as_vllm_serve_does_and_reaches_the_engine
     seen = [k for f in fakes for k in f.keys_seen]
     assert seen and set(seen) == {"Bearer ek"}   # the engines' key on every call, never a client's
     assert sum(len(f.requests) for f in fakes) == 5   # refused requests reached no engine
+
+
+def test_memory_admission_queues_by_priority_and_answers_429_with_retry_after_past_its_bound():
+    """--admission memory over fake engines of 10 blocks of 16 tokens each (20 in the fleet): a request
+    of 16 prompt tokens and 100 outputs peaks at 8 blocks, so two run and a third waits; the queue holds
+    one, the next gets 429 with Retry-After and reaches no engine; a waiter goes in when a request ends;
+    a priority that is no integer is a 400."""
+    body = {"prompt": list(range(1, 17)), "max_tokens": 100, "stream": True}
+
+    async def go():
+        fakes, front, client, runners = await _stack(blocks=(10, 10), admission="memory", admission_queue=1,
+                                                     admission_wait_s=30.0)
+        for f in fakes:
+            f.delay_s = 0.01   # 100 tokens: about a second a request
+        try:
+            for _ in range(100):   # the monitor has polled both engines' KV
+                if sum(r.capacity_blocks for r in front.monitor.reports.values() if r.ok) == 20:
+                    break
+                await asyncio.sleep(0.02)
+            async with _served(front) as c:
+                async def one(headers=None):
+                    async with c.stream("POST", "/v1/completions", json=body, headers=headers or {}) as r:
+                        await r.aread()
+                        return r.status_code, r.headers.get("retry-after"), time.monotonic()
+                first = [asyncio.create_task(one()) for _ in range(2)]
+                await asyncio.sleep(0.2)
+                waiter = asyncio.create_task(one({"x-kunserve-priority": "1"}))
+                await asyncio.sleep(0.2)
+                queued = front.status()["admission"]["queued"]
+                shed = await one()
+                bad = (await c.post("/v1/completions", json=body, headers={"x-kunserve-priority": "soon"})).status_code
+                done = await asyncio.gather(*first)
+                w = await waiter
+                return queued, shed, bad, done, w, front.status()["admission"], sum(len(f.requests) for f in fakes)
+        finally:
+            await _teardown(front, client, runners)
+    queued, shed, bad, done, w, adm, reached = asyncio.run(go())
+    assert queued == 1
+    assert shed[0] == 429 and int(shed[1]) >= 1
+    assert bad == 400
+    assert [d[0] for d in done] == [200, 200] and w[0] == 200
+    assert w[2] >= min(d[2] for d in done)   # the waiter finished after a running request freed its KV
+    assert adm["shed"] == 1 and adm["queued"] == 0 and adm["admitted"] == 0
+    assert reached == 3   # the shed and the bad request reached no engine

@@ -81,6 +81,13 @@ def _options() -> argparse.ArgumentParser:
     p.add_argument("--monitor-interval", type=float, default=0.5, help="seconds between engine polls")
     p.add_argument("--max-concurrency", type=int, default=1024, help="requests upstream at once")
     p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait for a slot")
+    p.add_argument("--admission", choices=("off", "memory"), default="off",
+                   help="memory: a request the fleet cannot hold even after every drop it may still make waits in "
+                        "a bounded queue (ordered by the x-kunserve-priority header, lower first), past it 429 with "
+                        "Retry-After; off: every request goes to an engine (vLLM's own preemption)")
+    p.add_argument("--admission-queue", type=int, default=256, help="--admission memory: requests that may wait")
+    p.add_argument("--admission-wait", type=float, default=60.0,
+                   help="--admission memory: seconds a request may wait in the queue before its 429")
     p.add_argument("--request-timeout", type=float, default=3600.0, help="seconds of engine silence before giving up")
     p.add_argument("--first-byte-timeout", type=float, default=60.0,
                    help="seconds a streamed request waits for an engine's response head before it is retried "
@@ -198,6 +205,9 @@ def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
         raise ValueError("--monitor-interval must be > 0 and --max-concurrency >= 1")
     if opts.first_byte_timeout <= 0 or opts.retry_backoff < 0:
         raise ValueError("--first-byte-timeout must be > 0 and --retry-backoff >= 0")
+    if opts.admission_queue < 0 or not opts.admission_wait > 0:
+        raise ValueError(f"--admission-queue must be >= 0 and --admission-wait > 0, got {opts.admission_queue} and "
+                         f"{opts.admission_wait:g}")
     from vllm_kunserve.engine.control import TOKEN_ENV, is_loopback
 
     token = opts.token or os.environ.get(TOKEN_ENV)
@@ -324,7 +334,8 @@ def build(model: str, opts: argparse.Namespace, engine_args: list[str], engine_n
                      retry_backoff_s=opts.retry_backoff, token=token,
                      tokenizer=_tokenizer(engine_ns.tokenizer or model), plan_migrations=planner,
                      kunserve_cfg=cfg if kunserve is not None else None, api_keys=keys,
-                     engine_api_key=opts.engine_api_key or (keys[0] if keys else ""))
+                     engine_api_key=opts.engine_api_key or (keys[0] if keys else ""), admission=opts.admission,
+                     admission_queue=opts.admission_queue, admission_wait_s=opts.admission_wait)
     return fleet, front
 
 

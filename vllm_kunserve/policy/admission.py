@@ -66,3 +66,35 @@ def admit_count(running: Sequence[KvNeed], queued: Iterable[KvNeed], capacity_bl
         admitted = trial
         n += 1
     return n
+
+
+# ------------------------------------------------------------------------------------ the fleet's gate
+class Gate(NamedTuple):
+    """The front end's answer to one new request: ``admit`` it to an engine now, ``queue`` it until
+    the fleet can hold it, or ``shed`` it (429) because the queue is full."""
+
+    action: str            # "admit" | "queue" | "shed"
+    peak_blocks: int       # the peak of the admitted requests and this one, were it admitted
+    reachable_blocks: float  # what the fleet can hold after every drop it may still make
+
+
+def reachable_blocks(cluster, max_group_size: int = 8) -> float:
+    """KV blocks (full-model) the fleet's healthy instances can hold once every drop that the planner
+    may still make is made: their blocks now plus what :func:`~vllm_kunserve.policy.drop.plan_drop`
+    frees with an unbounded need (its merges within a host, capped at each member's ``kv_blocks_max``)."""
+    from vllm_kunserve.policy.drop import plan_drop
+
+    now = float(sum(i.kv_blocks_total for i in cluster.instances if i.healthy))
+    plan = plan_drop(cluster, float("inf"), max_group_size)
+    return now + plan.freed_bytes / cluster.model.block_bytes
+
+
+def gate(admitted: Sequence[KvNeed], new: Sequence[KvNeed], reachable: float, block_size: int,
+         queued: int, queue_max: int) -> Gate:
+    """Admit ``new`` (one request's sequences) if the peak KV of the admitted requests and it stays
+    within ``reachable`` blocks (nothing admitted: always, as :func:`admit_count` does); else queue it
+    while fewer than ``queue_max`` wait; else shed it."""
+    peak = peak_blocks([*admitted, *new], block_size)
+    if not admitted or peak <= reachable:
+        return Gate("admit", peak, reachable)
+    return Gate("queue" if queued < queue_max else "shed", peak, reachable)

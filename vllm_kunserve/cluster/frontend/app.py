@@ -37,6 +37,8 @@ import aiohttp
 
 from vllm_kunserve.cluster.control.client import ControlClient
 from vllm_kunserve.cluster.control.monitor import FlightBook, Monitor, instance_loads
+from vllm_kunserve.cluster.frontend.admission import MODES as ADMISSION_MODES
+from vllm_kunserve.cluster.frontend.admission import PRIORITY_HEADER, AdmissionGate, parse_priority
 from vllm_kunserve.cluster.frontend.ops import run_op
 from vllm_kunserve.cluster.frontend.prefix import PrefixIndex, Sessions, prompt_key
 from vllm_kunserve.cluster.frontend.relay import READS, Flight, Move, Relay, UpstreamLost
@@ -102,7 +104,8 @@ class FrontEnd:
                  first_byte_timeout_s: float = 60.0, retry_backoff_s: float = 0.05, token: str = "",
                  tokenizer: Any = None,
                  plan_migrations: Callable[..., Sequence[Any]] | None = None, kunserve_cfg: Any = None,
-                 api_keys: Sequence[str] = (), engine_api_key: str = ""):
+                 api_keys: Sequence[str] = (), engine_api_key: str = "", admission: str = "off",
+                 admission_queue: int = 256, admission_wait_s: float = 60.0):
         self.fleet = fleet
         # vLLM's --api-key: what every /v1 route of this front end asks of its clients (any of them),
         # and the key it sends the engines (whose /v1 routes ask the same)
@@ -151,6 +154,10 @@ class FrontEnd:
 
         # cluster drop: only a fleet of kunserve engines (group members) can form pipeline groups
         self.groups = GroupController(self, kunserve_cfg) if kunserve_cfg is not None else None
+        if admission not in ADMISSION_MODES:
+            raise ValueError(f"admission {admission!r}: one of {', '.join(ADMISSION_MODES)}")
+        # memory-aware admission: a request the fleet cannot hold even after its drops waits or gets 429
+        self.gate = AdmissionGate(self, admission_queue, admission_wait_s) if admission == "memory" else None
         fleet.on_change.append(self._on_fleet)
 
     # -- metrics ------------------------------------------------------------------------------------
@@ -263,6 +270,8 @@ class FrontEnd:
         for i, r in reports.items():
             if r.ok:
                 self.m_blocks.labels(str(i)).set(r.capacity_blocks)
+        if self.gate is not None:   # a group that formed holds more: the queue's head may fit now
+            self.gate.wake()
         if self.plan_migrations is None or not self.migrating:
             return
         orders = self.plan_migrations(self.loads(), self.request_loads(), reports, get_policy(self.dispatch))
@@ -448,6 +457,7 @@ class FrontEnd:
                 "groups": self.groups.view() if self.groups else [],
                 "breakers": self.breakers.view(),
                 "drop": ({"auto": self.groups.auto, **self.groups.last} if self.groups else None),
+                "admission": self.gate.view() if self.gate is not None else None,
                 "requests": [{"id": f.visible_id or f.rid, "instance": f.instance, "generated": len(f.generated),
                               "movable": f.checked.movable, "hops": len(f.hops)}
                              for f in itertools.islice(self.flights.values(), 200)],
@@ -474,7 +484,8 @@ def build_app(front: FrontEnd):
     app = FastAPI(title="kunserve", docs_url=None, redoc_url=None, lifespan=lifespan)
 
     def err(e: BadRequest) -> JSONResponse:
-        return JSONResponse(error_body(e.message, e.status, e.kind, e.param), status_code=e.status)
+        return JSONResponse(error_body(e.message, e.status, e.kind, e.param), status_code=e.status,
+                            headers=e.headers or None)
 
     def authorized(request: Request) -> bool:
         if not front.token:
@@ -489,15 +500,23 @@ def build_app(front: FrontEnd):
             body = parse_json(await request.body())
             checked = validate(kind, body, served=front.served, max_model_len=front.max_model_len,
                                count_tokens=front.count_tokens)
+            priority = parse_priority(request.headers.get(PRIORITY_HEADER))
         except BadRequest as e:
             front.m_requests.labels(kind, "client_error").inc()
             return err(e)
-        try:
-            await front.acquire()
-        except BadRequest as e:
-            front.m_requests.labels(kind, "rejected").inc()
-            return err(e)
         rid = f"ks-{next(front._ids)}"
+        try:
+            if front.gate is not None:
+                await front.gate.enter(rid, checked, priority)
+            try:
+                await front.acquire()
+            except BadRequest:
+                if front.gate is not None:
+                    front.gate.leave(rid)
+                raise
+        except BadRequest as e:
+            front.m_requests.labels(kind, "shed" if e.status == 429 else "rejected").inc()
+            return err(e)
         model = body.get("model") or front.served[0]
         flight = Flight(rid, checked, -1, model)
         user = body.get("user")
@@ -510,6 +529,8 @@ def build_app(front: FrontEnd):
                 return
             released = True
             front._sem.release()
+            if front.gate is not None:
+                front.gate.leave(rid)
             front.book.drop(rid)
             front.flights.pop(rid, None)
             for key in (flight.visible_id, body.get("request_id")):

@@ -37,9 +37,11 @@ _NOT_MOVABLE = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "tools", 
 
 
 class BadRequest(ValueError):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "BadRequestError"):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "BadRequestError",
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.param, self.status, self.kind = message, param, status, kind
+        self.headers = headers or {}   # response headers (a 429's Retry-After)
 
 
 def error_body(message: str, status: int = 400, kind: str = "BadRequestError", param: str | None = None) -> dict:
