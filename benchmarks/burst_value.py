@@ -401,6 +401,22 @@ def reused_note(command: str, swept: bool = True, capacity_from: str = "") -> st
                                               "capacity" in missing else "") + ".")
 
 
+def sweep_section(sw: dict) -> list[str]:
+    """The batch-cap sweep's table: per cap, window TTFT pooled over its repetitions (P99 with its 95%
+    interval), TPOT and end-to-end latency; the lowest pooled P99 TTFT is the tuned cap."""
+    reps = sw.get("repeat", 1)
+    L = [f"Batch-cap sweep for `vllm-tuned` ({reps} repetition{'s' if reps > 1 else ''} of each cap on this trace"
+         + (", the caps in an order shuffled per repetition: " + "; ".join(", ".join(map(str, o)) for o in sw["orders"])
+            if sw.get("orders") else "") + "; window TTFT pooled over the repetitions; the lowest P99 is the tuned cap):", ""]
+    L += md_table(["--max-num-seqs", "window requests", "P50 TTFT (s)", "P99 TTFT (s) (95%)", "P50 TPOT (ms)",
+                   "P99 E2E (s)", "preemptions"], "rrrlrrr",
+                  ([r["cap"], r.get("requests", "-"), f"{r['p50']:.2f}",
+                    f"{r['p99']:.2f}" + (f" ({r['p99_lo']:.2f}..{r['p99_hi']:.2f})" if r.get("p99_lo") is not None else ""),
+                    f"{r['tpot_p50'] * 1e3:.0f}", "-" if r.get("e2e_p99") is None else f"{r['e2e_p99']:.1f}",
+                    r["preemptions"]] for r in sw["rows"]))
+    return L
+
+
 def analyse(reqs: dict[str, list[pooled.Request]], ttft_slo: float, tpot_slo: float,
             equal: str = "oracle-equal") -> dict:
     """Pooled statistics per system, the best alternative per statistic, and the comparisons with
@@ -710,11 +726,7 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
           f"[{meta['window'][0]:g}, {meta['window'][1]:g}) s.", ""]
     sw = meta.get("sweep")
     if sw:
-        L += ["Batch-cap sweep for `vllm-tuned` (one run each on this trace, window P99 TTFT; the lowest is the tuned "
-              "cap):", ""]
-        L += md_table(["--max-num-seqs", "P50 TTFT (s)", "P99 TTFT (s)", "P50 TPOT (ms)", "preemptions"], "rrrrr",
-                      ([r["cap"], f"{r['p50']:.2f}", f"{r['p99']:.2f}", f"{r['tpot_p50'] * 1e3:.0f}", r["preemptions"]]
-                       for r in sw["rows"]))
+        L += sweep_section(sw)
         L += ["", f"Tuned cap: **{sw['cap']}**.", ""]
     L += ["## Systems", ""] + [f"- `{s}`: {meta['descriptions'].get(s, '')}" for s in systems] + [""]
     L += ["## Pooled over the repetitions (burst window)", "",
@@ -1065,7 +1077,9 @@ def main() -> int:
                          "batch_scaling.py --name NAME; default: the regime's, measured on the CPU that page names)")
     ap.add_argument("--concurrency", default="24,48", help="capacity: closed-loop concurrencies")
     ap.add_argument("--capacity-requests", type=int, default=72)
-    ap.add_argument("--caps", default="12,20", help="sweep: --max-num-seqs per engine")
+    ap.add_argument("--caps", default="8,12,16,24", help="sweep: --max-num-seqs per engine (at least 4)")
+    ap.add_argument("--sweep-repeat", type=int, default=2,
+                    help="sweep: repetitions of every cap (at least 2), the caps shuffled per repetition")
     # the phases in multiples of the measured capacity: 64 s at 1.8x brings >= 60 requests a repetition
     # into the window (>= 300 over 5), a 30 s warm phase at 0.5x stays below the drop trigger
     add_phase_args(ap.add_argument_group("phases (seconds, and rates as multiples of the measured capacity)"),
@@ -1088,9 +1102,13 @@ def main() -> int:
                     help="a kunserve system with these config sections merged over the benchmark's (an ablation; "
                          "name it in --systems too), passed to kunserve compare; repeatable")
     ap.add_argument("--name", default="")
+    ap.add_argument("--no-page", action="store_true",
+                    help="write the run's archive (docs/benchmarks/runs/NAME.tar.xz) but no page of its own")
     a = ap.parse_args()
     if a.repeat < 1:
         ap.error("--repeat must be >= 1")
+    if a.sweep_repeat < 1:
+        ap.error("--sweep-repeat must be >= 1")
     if not a.kv_cap > 1:
         ap.error(f"--kv-cap {a.kv_cap:g}: a group member's KV may grow to this multiple of its base; must be > 1")
     if not 0 < a.warm_share < a.burst_x:
@@ -1162,19 +1180,33 @@ def main() -> int:
     kcfg = json.dumps(kunserve_config(a.kv_cap))
     sweep_file = out / "sweep.json"
     if "sweep" in steps and not sweep_file.exists():
+        # repetition k runs every cap once, the caps in an order shuffled per repetition; a cap's
+        # folder gains one repetition each round (kunserve compare --resume), so an interrupted
+        # sweep goes on from the runs it finished
+        rng = np.random.default_rng(a.seed)
+        orders = []
+        for k in range(1, a.sweep_repeat + 1):
+            order = [int(c) for c in rng.permutation(caps)]
+            orders.append(order)
+            for c in order:
+                if kunserve(["compare", *base, "--systems", "vllm-tuned", "--tuned-max-num-seqs", str(c),
+                             "--repeat", str(k), "--resume", "--out", str(out / "sweep" / f"cap{c}"),
+                             "--kunserve-config", kcfg]) != 0:
+                    return 1
         rows = []
         for c in caps:
             d = out / "sweep" / f"cap{c}"
-            if kunserve(["compare", *base, "--systems", "vllm-tuned", "--tuned-max-num-seqs", str(c),
-                         "--repeat", "1", "--out", str(d), "--kunserve-config", kcfg]) != 0:
-                return 1
-            r = load_runs(d, ["vllm-tuned"], window)["vllm-tuned"]
+            r = load_runs(d, ["vllm-tuned"], window, a.sweep_repeat)["vllm-tuned"]
             t = pooled.tail(r)
-            summ = json.loads((d / "compare.json").read_text())["runs"]["vllm-tuned"][0]
-            rows.append({"cap": c, "p50": t["p50"]["value"], "p99": t["p99"]["value"],
-                         "tpot_p50": pooled.tpot(r)["p50"], "preemptions": summ.get("preemptions")})
+            runs = json.loads((d / "compare.json").read_text())["runs"]["vllm-tuned"]
+            rows.append({"cap": c, "repeat": len(runs), "requests": len(r), "p50": t["p50"]["value"],
+                         "p99": t["p99"]["value"], "p99_lo": t["p99"]["lo"], "p99_hi": t["p99"]["hi"],
+                         "tpot_p50": pooled.tpot(r)["p50"],
+                         "e2e_p99": pooled.point(pooled.by_rep(r, pooled.METRIC["e2e"]), 99),
+                         "preemptions": sum(x.get("preemptions") or 0 for x in runs)})
         best = min(rows, key=lambda r: r["p99"])
-        write_json(sweep_file, {"rows": rows, "cap": best["cap"]}, indent=1, clean=False)
+        write_json(sweep_file, {"rows": rows, "cap": best["cap"], "repeat": a.sweep_repeat, "orders": orders},
+                   indent=1, clean=False)
     sweep = json.loads(sweep_file.read_text()) if sweep_file.exists() else doc_meta.get("sweep")
     if "compare" in steps and not (out / "compare.json").exists():
         extra = ["--oracle-equal-kv-multiplier", str(oracle_x)]
@@ -1248,11 +1280,14 @@ def main() -> int:
     meta["variants"] = {n: json.dumps(over) for n, over in parsed.items()}
     meta["raw"] = raw.rel_archive(name)
     meta["raw_layout"] = "<system>/rep<k>"
-    plot(DOCS / f"{name}.png", an, systems, f"Regime {a.regime.upper()}: pooled burst-window TTFT")
     page = {"meta": meta, "analysis": an, "totals": totals, "send_lag": lag, "grouped": groups}
     with tempfile.TemporaryDirectory() as tmp:
         copy_raw(out, Path(tmp), systems, a.repeat)
         raw.pack(Path(tmp), name, page)
+    if a.no_page:   # a point of another question's page (benchmarks/load_curve.py): its archive only
+        print(f"archived {raw.rel_archive(name)}")
+        return 0
+    plot(DOCS / f"{name}.png", an, systems, f"Regime {a.regime.upper()}: pooled burst-window TTFT")
     doc = DOCS / f"{name}.md"
     doc.write_text(render(a, meta, an, totals, lag, groups, systems, name))
     print(doc.read_text())

@@ -240,6 +240,26 @@ def test_variant_systems_merge_sections_over_the_kunserve_config():
             S.variant_systems([bad], base, b)
 
 
+def test_derived_systems_add_front_end_and_engine_arguments_to_another_system():
+    b = S.builtin_systems({"drop": {"trigger_ratio": 0.9}}, instances=2, dispatch="least-work",
+                          tuned_max_num_seqs=8)
+    d = S.derived_systems(['q={"from": "vllm", "engine_args": ["--max-num-queued-reqs", "8"]}',
+                           'a={"from": "kunserve", "serve_args": ["--admission", "memory"], "description": "x"}',
+                           'aq={"from": "q", "serve_args": ["--admission", "memory"]}'], b)
+    assert d["q"].engine_extra == ("--max-num-queued-reqs", "8") and d["q"].additional_config is None
+    assert d["a"].engine_args == ("--dispatch", "least-work", "--admission", "memory") and d["a"].description == "x"
+    assert d["a"].additional_config == b["kunserve"].additional_config and d["a"].num_instances == 2
+    assert d["aq"].engine_extra == d["q"].engine_extra and d["aq"].engine_args[-2:] == ("--admission", "memory")
+    t = S.derived_systems(['t={"from": "vllm-tuned", "engine_args": ["--x"]}'], b)["t"]
+    assert t.engine_extra == ("--max-num-seqs", "8", "--x")
+    for bad, msg in (("x", "NAME=JSON"), ('vllm={"from": "vllm"}', "taken"), ("y={", "not valid JSON"),
+                     ('y={"serve_args": []}', '"from"'), ('y={"from": "vllm", "bogus": 1}', '"from"'),
+                     ('y={"from": "nope"}', "no system 'nope'"), ('y={"from": "vllm", "engine_args": "--x"}', "lists"),
+                     ('y={"from": "vllm-router", "serve_args": ["--admission", "memory"]}', "kunserve serve")):
+        with pytest.raises(ValueError, match=msg):
+            S.derived_systems([bad], b)
+
+
 def test_cpu_times_sum_a_process_tree_by_name():
     import os
     import subprocess

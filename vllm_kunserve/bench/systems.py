@@ -134,6 +134,49 @@ def variant_systems(items: list[str], kunserve_config: dict[str, Any] | None,
     return out
 
 
+DERIVE_KEYS = {"from", "serve_args", "engine_args", "description"}
+
+
+def derived_systems(items: list[str], taken: dict[str, SystemSpec]) -> dict[str, SystemSpec]:
+    """``NAME=JSON`` items (``--derive``): a system made from another (``"from"``) with more ``kunserve
+    serve`` arguments (``"serve_args"``: systems behind kunserve serve only) and more arguments for each
+    of its engines (``"engine_args"``), e.g. stock engines with vLLM's ``--max-num-queued-reqs`` or a
+    front end with ``--admission memory``; validated before anything starts."""
+    out: dict[str, SystemSpec] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        name = name.strip()
+        if not sep or not name or not name.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"--derive {item!r}: expected NAME=JSON with NAME of letters, digits, - or _")
+        if name in taken or name in out:
+            raise ValueError(f"--derive {name!r}: that system name is taken")
+        try:
+            d = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--derive {name}: not valid JSON ({e})") from None
+        if not isinstance(d, dict) or set(d) - DERIVE_KEYS or "from" not in d:
+            raise ValueError(f"--derive {name}: expected an object with \"from\" and any of "
+                             f"{', '.join(sorted(DERIVE_KEYS - {'from'}))}, e.g. "
+                             '{"from": "vllm", "serve_args": ["--admission", "memory"]}')
+        base = {**taken, **out}.get(d["from"])
+        if base is None:
+            raise ValueError(f"--derive {name}: no system {d['from']!r} to derive from; known: "
+                             f"{', '.join(sorted({**taken, **out}))}")
+        serve, engine = d.get("serve_args", []), d.get("engine_args", [])
+        if not all(isinstance(x, list) and all(isinstance(a, str) for a in x) for x in (serve, engine)):
+            raise ValueError(f"--derive {name}: serve_args and engine_args are lists of strings")
+        if serve and base.launcher != "kunserve-serve":
+            raise ValueError(f"--derive {name}: serve_args need a system behind kunserve serve; {base.name!r} is "
+                             f"launched by {base.launcher}")
+        out[name] = SystemSpec(name, launcher=base.launcher, engine_args=base.engine_args + tuple(serve),
+                               additional_config=base.additional_config, kv_multiplier=base.kv_multiplier,
+                               num_instances=base.num_instances, env=base.env,
+                               engine_extra=base.engine_extra + tuple(engine),
+                               description=str(d.get("description") or
+                                               f"{base.name} with {' '.join(serve + engine)}"))
+    return out
+
+
 def parse_variant(item: str) -> tuple[str, dict[str, dict]]:
     """One ``--variant NAME=JSON``: its name and its config sections, or a ValueError saying what is wrong."""
     name, sep, raw = item.partition("=")

@@ -24,6 +24,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "from the start), vllm-router and vllm-router-rr (stock engines behind vllm-router, "
                         "cache_aware / round_robin); vllm-tuned and oracle-equal with their options below")
     p.add_argument("--repeat", type=int, default=3, help="repetitions of every system (interleaved)")
+    p.add_argument("--derive", action="append", default=[], metavar="NAME=JSON",
+                   help="a system made from another: {\"from\": SYSTEM, \"serve_args\": [...] (kunserve serve's), "
+                        "\"engine_args\": [...] (each engine's)}; name it in --systems too; repeatable")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                    help="one more kunserve system NAME: the --kunserve-config with JSON's sections merged over it "
                         "(an ablation, e.g. drop-only='{\"drop\": {\"transition\": \"reprefill\"}}'); list NAME in --systems")
@@ -91,7 +94,8 @@ def _parse_env(items: list[str]) -> tuple[tuple[str, str], ...]:
 def run(args: argparse.Namespace) -> int:
     from vllm_kunserve.bench.compare import compare, mean_ratio, write_compare
     from vllm_kunserve.bench.runner import run_bench
-    from vllm_kunserve.bench.systems import CommonArgs, builtin_systems, select_systems, variant_systems
+    from vllm_kunserve.bench.systems import (CommonArgs, builtin_systems, derived_systems, select_systems,
+                                             variant_systems)
     from vllm_kunserve.config import parse_kunserve_config
     from vllm_kunserve.bench.workload import build_trace, options_from_args
 
@@ -119,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     available = builtin_systems(kcfg, args.oracle_kv_multiplier, args.instances, args.dispatch,
                                 args.tuned_max_num_seqs, args.oracle_equal_kv_multiplier)
     available.update(variant_systems(args.variant, kcfg, available))
+    available.update(derived_systems(args.derive, available))
     systems = select_systems(args.systems, available)
 
     per_token = model_kv_bytes_per_token(model, args.dtype)
