@@ -154,10 +154,14 @@ def test_progress_of_admitted_streams_lowers_their_need():
     asyncio.run(go())
 
 
-def test_no_report_yet_admits_everything():
+def test_no_report_yet_admits_everything_and_a_refresh_reads_the_next_period():
     front = fake_front(10)
+    reports = front.monitor.reports
     front.monitor.reports = {}
-    assert math.isinf(AdmissionGate(front).reachable())
+    g = AdmissionGate(front)
+    assert math.isinf(g.reachable())
+    front.monitor.reports = reports
+    assert math.isinf(g.reachable()) and g.refresh() == 10 == g.reachable()
 
 
 def test_bad_bounds_are_refused():

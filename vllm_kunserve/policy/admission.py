@@ -43,13 +43,22 @@ def peak_blocks(reqs: Iterable[KvNeed], block_size: int) -> int:
     order = sorted(reqs, key=lambda r: r.left, reverse=True)
     if not order:
         return 0
-    n = len(order)
-    tokens = np.fromiter((r.tokens for r in order), dtype=np.int64, count=n)
+    n, bs = len(order), block_size
+    # at t_c, the moment the c-th longest-lived request generates its last token, the first c are alive,
+    # request i holding ceil((tokens_i + t_c) / bs) = floor((b_i + t_c) / bs) blocks, b_i = tokens_i + bs - 1.
+    # Summed over i <= c: (B_c + c t_c - R_c) / bs with B_c the prefix sum of b_i and R_c the sum of
+    # (b_i + t_c) mod bs = (q_i + s_c) mod bs (q_i = b_i mod bs, s_c = t_c mod bs), which is
+    # Q_c + c s_c - bs K_c with K_c = #{i <= c: q_i >= bs - s_c}: O(n bs) where all pairs were O(n^2)
+    b = np.fromiter((r.tokens for r in order), dtype=np.int64, count=n) + (bs - 1)
     t = np.maximum(0, np.fromiter((r.left for r in order), dtype=np.int64, count=n))
-    # row c: the moment t_c the c-th longest-lived request generates its last token; the first c
-    # requests are alive then, each holding its tokens + t_c
-    held = np.tril(-(-(tokens[None, :] + t[:, None]) // block_size))
-    return int(held.sum(axis=1).max())
+    q, s = b % bs, t % bs
+    c = np.arange(1, n + 1, dtype=np.int64)
+    seen = np.zeros((n, bs + 1), dtype=np.int64)       # seen[c, v]: #{i <= c: q_i == v}
+    seen[np.arange(n), q] = 1
+    at_least = np.cumsum(np.cumsum(seen, axis=0)[:, ::-1], axis=1)[:, ::-1]   # [c, v]: #{i <= c: q_i >= v}
+    k = at_least[np.arange(n), bs - s]                 # s == 0: v == bs, which no q_i reaches
+    held = (np.cumsum(b) + c * t - (np.cumsum(q) + c * s - bs * k)) // bs
+    return int(held.max())
 
 
 def admit_count(running: Sequence[KvNeed], queued: Iterable[KvNeed], capacity_blocks: int,

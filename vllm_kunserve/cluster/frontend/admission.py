@@ -74,6 +74,7 @@ class AdmissionGate:
         self._seq = itertools.count()
         self.finished_at: list[float] = []   # recent finishes, for Retry-After
         self.shed = self.timed_out = 0
+        self._reach: float | None = None
         from prometheus_client import Counter, Gauge, Histogram
 
         r = front.registry
@@ -91,7 +92,17 @@ class AdmissionGate:
         return min(sizes) if sizes else 16
 
     def reachable(self) -> float:
-        """Blocks the fleet can hold after every drop it may still make (inf before any engine reported)."""
+        """Blocks the fleet can hold after every drop it may still make (inf before any engine reported),
+        as of the monitor's last period (:meth:`refresh`)."""
+        return self._reach if self._reach is not None else self.refresh()
+
+    def refresh(self) -> float:
+        """Recompute :meth:`reachable` from the monitor's latest reports (each period, not each request)."""
+        self._reach = self._reachable_now()
+        self.m_reachable.set(self._reach if math.isfinite(self._reach) else -1)
+        return self._reach
+
+    def _reachable_now(self) -> float:
         front = self.front
         ctl = front.groups
         if ctl is not None and ctl.cfg.drop.enable:
@@ -128,7 +139,6 @@ class AdmissionGate:
         the queue's bound or its longest wait."""
         needs = needs_of(checked)
         reach = self.reachable()
-        self.m_reachable.set(reach if math.isfinite(reach) else -1)
         d = gate(self.current(), needs, reach, self.block_size(), len(self.waiting), self.queue_max)
         if d.action == "admit" and not self._ahead(priority):
             self.admitted[rid] = needs

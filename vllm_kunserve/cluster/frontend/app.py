@@ -271,6 +271,7 @@ class FrontEnd:
             if r.ok:
                 self.m_blocks.labels(str(i)).set(r.capacity_blocks)
         if self.gate is not None:   # a group that formed holds more: the queue's head may fit now
+            self.gate.refresh()
             self.gate.wake()
         if self.plan_migrations is None or not self.migrating:
             return
