@@ -746,3 +746,51 @@ def test_memory_admission_queues_by_priority_and_answers_429_with_retry_after_pa
     assert w[2] >= min(d[2] for d in done)   # the waiter finished after a running request freed its KV
     assert adm["shed"] == 1 and adm["queued"] == 0 and adm["admitted"] == 0
     assert reached == 3   # the shed and the bad request reached no engine
+
+
+def test_a_client_that_disconnects_while_queued_for_admission_leaves_the_queue():
+    """--admission memory, one request running that fills the fleet's KV: a second waits in the queue;
+    its client hangs up: the queue is empty again at once (not after --admission-wait), the request
+    counts as aborted and never reaches an engine."""
+    body = {"prompt": list(range(1, 17)), "max_tokens": 300, "stream": True}
+
+    async def go():
+        fakes, front, client, runners = await _stack(blocks=(10, 10), admission="memory", admission_queue=4,
+                                                     admission_wait_s=60.0)
+        for f in fakes:
+            f.delay_s = 0.01
+        try:
+            for _ in range(100):
+                if sum(r.capacity_blocks for r in front.monitor.reports.values() if r.ok) == 20:
+                    break
+                await asyncio.sleep(0.02)
+            async with _served(front) as c:
+                async def one():
+                    async with c.stream("POST", "/v1/completions", json=body) as r:
+                        await r.aread()
+                        return r.status_code
+                running = asyncio.create_task(one())   # 20 blocks at its peak: the fleet's all
+                await asyncio.sleep(0.2)
+                queued = asyncio.create_task(one())
+                for _ in range(50):
+                    if front.status()["admission"]["queued"] == 1:
+                        break
+                    await asyncio.sleep(0.02)
+                before = front.status()["admission"]["queued"]
+                queued.cancel()   # the client hangs up
+                await asyncio.gather(queued, return_exceptions=True)
+                for _ in range(50):
+                    if front.status()["admission"]["queued"] == 0:
+                        break
+                    await asyncio.sleep(0.02)
+                after = front.status()["admission"]
+                metrics = (await c.get("/metrics")).text
+                running.cancel()
+                await asyncio.gather(running, return_exceptions=True)
+                return before, after, metrics, sum(len(f.requests) for f in fakes)
+        finally:
+            await _teardown(front, client, runners)
+    before, after, metrics, reached = asyncio.run(go())
+    assert before == 1 and after["queued"] == 0 and after["timed_out"] == 0
+    assert 'kunserve:admission_total{outcome="abandoned"} 1.0' in metrics
+    assert reached == 1

@@ -100,6 +100,38 @@ def test_an_error_every_engine_gives_is_relayed_after_one_try_each(stream):
     asyncio.run(go())
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_full_engine_503_is_retried_elsewhere_without_tripping_its_breaker(stream):
+    """An engine at vLLM's --max-num-queued-reqs bound answers 503: the request goes to another engine
+    (a "busy" retry), and however many such answers, the full engine is not failed: its breaker stays
+    shut, so it gets requests again once it has room."""
+    async def go():
+        fakes, front, client, runners = await _stack(2)
+        fakes[1].status = 503
+        front.retry_backoff_s = 0.0
+        front.breakers.cooldown_s = front.breakers.max_cooldown_s = 60.0
+        try:
+            for k in range(8):
+                prompt = [9, k]
+                r = await client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 2,
+                                                               "stream": stream, "return_token_ids": True})
+                assert r.status_code == 200
+            tried_busy = len(fakes[1].requests)
+            metrics = (await client.get("/metrics")).text
+            fakes[1].status = None   # room again: the engine serves at once
+            for k in range(4):
+                await client.post("/v1/completions", json={"model": "m", "prompt": [8, k], "max_tokens": 2,
+                                                           "stream": stream})
+            return tried_busy, front.breakers.is_open(1), metrics, len(fakes[1].requests) - tried_busy
+        finally:
+            await _teardown(front, client, runners)
+    tried_busy, open_, metrics, served_after = asyncio.run(go())
+    assert tried_busy >= 3 and not open_
+    assert 'kunserve:retries_total{instance="1",reason="busy"}' in metrics
+    assert 'reason="status"' not in metrics
+    assert served_after >= 1
+
+
 def test_a_blocking_liveness_probe_runs_off_the_event_loop():
     """A backend whose ``alive`` blocks (Ray's remote call) is asked from a worker thread: the failed
     request's retry goes on at once, and the engine is marked dead when the probe answers."""

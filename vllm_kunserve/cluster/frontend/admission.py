@@ -11,7 +11,8 @@ A new request whose sequences would take the admitted requests' peak past that w
 queue, ordered by priority (the ``x-kunserve-priority`` header, an integer, lower first as vLLM's
 ``priority``; then arrival); past ``queue_max`` waiting, or after ``max_wait_s`` in the queue, it is
 answered 429 with ``Retry-After``. The queue's head is admitted whenever a request finishes or the
-monitor reports (a group that formed holds more). The decision is the policy's
+monitor reports (a group that formed holds more); a client that disconnects while queued leaves the
+queue (499). The decision is the policy's
 (:func:`~vllm_kunserve.policy.admission.gate`); this module keeps the queue.
 """
 
@@ -137,13 +138,19 @@ class AdmissionGate:
     async def enter(self, rid: str, checked: Checked, priority: int = 0) -> float:
         """Admit ``rid`` now or once the fleet can hold it; the seconds it waited. BadRequest (429) past
         the queue's bound or its longest wait."""
+        w = self.try_enter(rid, checked, priority)
+        return 0.0 if w is None else await self.wait(w)
+
+    def try_enter(self, rid: str, checked: Checked, priority: int = 0) -> _Waiter | None:
+        """Admit ``rid`` now (None) or queue it (its place, for :meth:`wait`); BadRequest (429) when the
+        queue is full. No await: a request the fleet can hold costs no task."""
         needs = needs_of(checked)
         reach = self.reachable()
         d = gate(self.current(), needs, reach, self.block_size(), len(self.waiting), self.queue_max)
         if d.action == "admit" and not self._ahead(priority):
             self.admitted[rid] = needs
             self.m_outcome.labels("admitted").inc()
-            return 0.0
+            return None
         if d.action == "shed" or len(self.waiting) >= self.queue_max:
             self.shed += 1
             self.m_outcome.labels("shed").inc()
@@ -152,6 +159,11 @@ class AdmissionGate:
         w = _Waiter(priority, next(self._seq), rid, needs, asyncio.get_running_loop().create_future())
         heapq.heappush(self.waiting, w)
         self.m_queued.set(len(self.waiting))
+        return w
+
+    async def wait(self, w: _Waiter) -> float:
+        """Wait in the queue until admitted (the seconds waited); 429 after ``max_wait_s``. Cancelled
+        (the client went away), the request leaves the queue, or the fleet if it was just admitted."""
         try:
             await asyncio.wait_for(asyncio.shield(w.future), self.max_wait_s)
         except asyncio.TimeoutError:
@@ -161,11 +173,12 @@ class AdmissionGate:
                 self.m_outcome.labels("timed_out").inc()
                 raise self._refuse(f"queued {self.max_wait_s:g} s and the fleet still cannot hold this request's "
                                    "KV") from None
-        except asyncio.CancelledError:   # the client went away while queued
+        except asyncio.CancelledError:
             if not w.future.done():
                 self._remove(w)
+                self.m_outcome.labels("abandoned").inc()
             else:
-                self.leave(rid)
+                self.leave(w.rid)
             raise
         waited = time.monotonic() - w.t0
         self.m_wait.observe(waited)

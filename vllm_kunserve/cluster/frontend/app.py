@@ -41,7 +41,7 @@ from vllm_kunserve.cluster.frontend.admission import MODES as ADMISSION_MODES
 from vllm_kunserve.cluster.frontend.admission import PRIORITY_HEADER, AdmissionGate, parse_priority
 from vllm_kunserve.cluster.frontend.ops import run_op
 from vllm_kunserve.cluster.frontend.prefix import PrefixIndex, Sessions, prompt_key
-from vllm_kunserve.cluster.frontend.relay import READS, Flight, Move, Relay, UpstreamLost
+from vllm_kunserve.cluster.frontend.relay import READS, Flight, Move, Relay, UpstreamLost, busy_or_status
 from vllm_kunserve.cluster.frontend.validate import (BadRequest, check_token_ids, encodes, error_body, max_token_id,
                                                    parse_json, prompt_counter, validate)
 from vllm_kunserve.policy.dispatch import check_mode, choose_instance, get_policy
@@ -341,13 +341,14 @@ class FrontEnd:
 
     async def reroute(self, flight: Flight, tried: set[int], why: str, max_hops: int = 8,
                       kind: str = "connect") -> int:
-        """``flight.instance`` did not take the request (``kind``: connect, status or timeout, the
-        ``kunserve:retries_total`` label): report it, wait a backoff with jitter
-        (:func:`breaker.backoff_s`) and pick another engine (UpstreamLost after ``max_hops``
-        retries)."""
+        """``flight.instance`` did not take the request (``kind``: connect, status, timeout or busy, the
+        ``kunserve:retries_total`` label): report it (a busy engine, one answering 503, is not a failed
+        one: no breaker count, no liveness probe), wait a backoff with jitter (:func:`breaker.backoff_s`)
+        and pick another engine (UpstreamLost after ``max_hops`` retries)."""
         from vllm_kunserve.cluster.frontend.breaker import backoff_s
 
-        self.engine_failed(flight.instance, why)
+        if kind != "busy":
+            self.engine_failed(flight.instance, why)
         tried.add(flight.instance)
         flight.retries += 1
         self.m_retries.labels(str(flight.instance), kind).inc()
@@ -508,7 +509,10 @@ def build_app(front: FrontEnd):
         rid = f"ks-{next(front._ids)}"
         try:
             if front.gate is not None:
-                await front.gate.enter(rid, checked, priority)
+                place = front.gate.try_enter(rid, checked, priority)
+                if place is not None and await until_disconnect(request.receive, front.gate.wait(place)) is None:
+                    front.m_requests.labels(kind, "aborted").inc()   # the client left while queued
+                    return Response(status_code=499)
             try:
                 await front.acquire()
             except BadRequest:
@@ -594,7 +598,8 @@ def build_app(front: FrontEnd):
                             return resp.status, data, resp.content_type
                         if not front.untried(tried | {flight.instance}):   # every engine answered 5xx
                             return resp.status, data, resp.content_type
-                    why, kind = f"answered {resp.status}: {data[:200].decode(errors='replace')}", "status"
+                    why = f"answered {resp.status}: {data[:200].decode(errors='replace')}"
+                    kind = busy_or_status(resp.status)
                 except aiohttp.ClientConnectionError as e:
                     why, kind = f"non-streamed: {e}", "connect"
                 src = flight.instance

@@ -47,6 +47,13 @@ class EngineRefused(RuntimeError):
         self.error = error
 
 
+def busy_or_status(status: int) -> str:
+    """How a 5xx answer is retried (the ``kind`` of :meth:`RelayHost.reroute`): 503 is an engine saying it
+    is full (vLLM's ``--max-num-queued-reqs`` bound), "busy": try another, its breaker stays shut; any
+    other 5xx is a fault of the engine, "status"."""
+    return "busy" if status == 503 else "status"
+
+
 def _client_error(err: Any) -> bool:
     """Whether an engine's in-stream ``error`` object is a client error (OpenAI error body, 4xx code)."""
     code = err.get("code") if isinstance(err, dict) else None
@@ -346,7 +353,8 @@ class Relay:
         """The first engine response. An engine that refuses the connection, answers 5xx or sends
         no response head within the host's ``first_byte_timeout_s`` is reported and the request
         goes to another engine after a backoff (:meth:`RelayHost.reroute`); a 4xx, or a 5xx when no
-        retry is left, is returned for the caller to relay as it is."""
+        retry is left, is returned for the caller to relay as it is (a 503 from every engine: the fleet is
+        full, and the client hears it so)."""
         f = self.f
         body = {**f.checked.body, "stream": True, "return_token_ids": True}
         path = "/v1/chat/completions" if f.checked.kind == "chat" else "/v1/completions"
@@ -365,7 +373,7 @@ class Relay:
                 text = (await resp.text())[:200]
                 resp.release()
                 f.instance = await self.h.reroute(f, tried, f"answered {resp.status}: {text}", self.max_hops,
-                                                  "status")
+                                                  busy_or_status(resp.status))
                 continue
             f.hops.append({"instance": f.instance, "at_token": 0, "method": "dispatch"})
             return resp
