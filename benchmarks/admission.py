@@ -10,8 +10,9 @@ over the demo's rough request life): the burst asks for more KV than even a 2-en
 (1.61x). Systems, shuffled per repetition (``kunserve compare --derive``):
 
 - ``vllm``: stock engines behind ``kunserve serve``: every request goes in; the engines preempt;
-- ``vllm-queued``: the same with vLLM's own bound, ``--max-num-queued-reqs`` (``--queue`` / 2 per
-  engine; an engine answers 503 past it);
+- ``vllm-queued``: the same with vLLM's own bound, ``--max-num-queued-reqs`` (per engine: the requests
+  its KV holds and ``--queue`` / 2 waiting, :func:`vllm_bound`; an engine answers 503 past it, and the
+  front end tries the other before the client hears it);
 - ``vllm-admit``: stock engines behind ``kunserve serve --admission memory --admission-queue --queue``:
   a request whose KV the fleet cannot hold waits in the front end's queue, 429 past it;
 - ``kunserve-admit``: cluster drop with the same admission: what the fleet can hold includes every drop
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -38,10 +40,22 @@ SYSTEMS = ("vllm", "vllm-queued", "vllm-admit", "kunserve-admit")
 WARM_S, BURST_S = 20.0, 40.0
 
 
-def derive(queue: int, wait_s: float) -> dict[str, dict]:
+def vllm_bound(queue: int, holds: int) -> int:
+    """vLLM's ``--max-num-queued-reqs`` for an engine whose KV holds ``holds`` requests, given the front
+    end's queue of ``queue``: the bound counts the engine's running requests with its waiting ones
+    (vLLM 0.32's API server answers 503 once running + waiting would pass it), so an engine may run what its KV
+    holds and queue its half of the front end's queue."""
+    return max(1, holds + queue // 2)
+
+
+def derive(queue: int, wait_s: float, holds: int) -> dict[str, dict]:
+    """The three systems made from stock and kunserve (``kunserve compare --derive``); ``holds``: the
+    requests one engine's KV holds at their time-weighted footprint."""
     admit = ["--admission", "memory", "--admission-queue", str(queue), "--admission-wait", f"{wait_s:g}"]
-    return {"vllm-queued": {"from": "vllm", "engine_args": ["--max-num-queued-reqs", str(max(1, queue // 2))],
-                            "description": f"stock engines, each with vLLM's --max-num-queued-reqs {max(1, queue // 2)}"},
+    bound = vllm_bound(queue, holds)
+    return {"vllm-queued": {"from": "vllm", "engine_args": ["--max-num-queued-reqs", str(bound)],
+                            "description": f"stock engines, each with vLLM's --max-num-queued-reqs {bound} (the "
+                                           f"{holds} requests its KV holds and {queue // 2} waiting)"},
             "vllm-admit": {"from": "vllm", "serve_args": admit,
                            "description": f"stock engines, the front end's memory-aware admission (queue {queue})"},
             "kunserve-admit": {"from": "kunserve", "serve_args": admit,
@@ -59,6 +73,7 @@ def measure(a: argparse.Namespace, out: Path) -> dict:
     kv = demo.kv_tokens_per_engine()
     _, foot = demo.footprint_tokens()
     per_s = 2 * kv / foot / demo.LIFE_S   # arrivals per second whose requests stock's KV holds
+    holds = math.ceil(kv / foot)
     phases = f"{WARM_S:g}@{a.warm_x * per_s:.3f},{BURST_S:g}@{a.burst_x * per_s:.3f}"
     systems = ",".join(SYSTEMS)
     argv = ["compare", "--model", str(model), "--instances", "2", "--dispatch", "least-work", "--systems", systems,
@@ -71,12 +86,12 @@ def measure(a: argparse.Namespace, out: Path) -> dict:
             "--phases", phases, "--synthetic-lengths", "--prompt-len", str(demo.PROMPT),
             "--output-len", str(demo.OUT_MIN), "--output-len-max", str(demo.OUT_MAX), "--seed", str(a.seed),
             "--no-progress", "--client-realtime", "--out", str(out),
-            *(f"--derive={n}={json.dumps(d)}" for n, d in derive(a.queue, a.wait).items())]
+            *(f"--derive={n}={json.dumps(d)}" for n, d in derive(a.queue, a.wait, holds).items())]
     print("running: kunserve " + " ".join(argv), flush=True)
     if kunserve(argv) != 0:
         raise SystemExit("kunserve compare failed (its output is above)")
     return {"phases": phases, "window": [WARM_S, WARM_S + BURST_S], "kv_tokens_per_engine": kv,
-            "holdable_rate": per_s, "warm_x": a.warm_x, "burst_x": a.burst_x, "queue": a.queue, "wait_s": a.wait,
+            "holdable_rate": per_s, "holds_per_engine": holds, "warm_x": a.warm_x, "burst_x": a.burst_x, "queue": a.queue, "wait_s": a.wait,
             "repeat": a.repeat, "machine": demo.machine(), "weight_share": demo.WEIGHT_SHARE,
             "group_factor": demo.group_factor(), "kunserve_config": demo.KUNSERVE}
 
@@ -174,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--warm-x", type=float, default=0.6)
     ap.add_argument("--burst-x", type=float, default=2.5)
-    ap.add_argument("--queue", type=int, default=16, help="the front end's admission queue; vLLM's bound is half per engine")
+    ap.add_argument("--queue", type=int, default=16, help="the front end's admission queue; vLLM's bound queues half of it per engine")
     ap.add_argument("--wait", type=float, default=30.0, help="seconds a request may wait in the front end's queue")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=str(REPO / "runs" / "admission"))
