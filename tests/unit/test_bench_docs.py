@@ -50,6 +50,31 @@ def test_write_json_cleans_or_keeps_non_finite_values(tmp_path):
     assert deep.read_text() == "[\n  1\n]\n"
 
 
+def test_a_saved_figure_is_a_palette_png_that_keeps_its_colours(tmp_path):
+    """save_figure writes a 256-colour palette PNG: smaller than matplotlib's RGBA one, the plot's own
+    colours still in it, and compacting it again changes nothing."""
+    plt = report.pyplot()
+    from PIL import Image
+
+    def fig():
+        f, ax = plt.subplots(figsize=(4, 3))
+        ax.plot(range(10), [x * x for x in range(10)], color="#1f77b4")
+        ax.bar(range(5), [3, 1, 4, 1, 5], color="#d62728")
+        return f
+    raw = tmp_path / "raw.png"
+    fig().savefig(raw, dpi=110)
+    out = tmp_path / "fig.png"
+    report.save_figure(fig(), out)
+    with Image.open(out) as im:
+        assert im.mode == "P" and im.size == Image.open(raw).size
+        colours = {c for _, c in im.convert("RGB").getcolors(1 << 16)}
+    assert (0x1f, 0x77, 0xb4) in colours and (0xd6, 0x27, 0x28) in colours
+    assert out.stat().st_size < raw.stat().st_size
+    before = out.read_bytes()
+    report.compact_png(out)
+    assert out.read_bytes() == before
+
+
 def test_command_and_rel(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "argv", ["/x/benchmarks/tool.py", "--name", "a b", "--j", '{"k": 1}'])
     assert report.command("tool.py") == """python -m benchmarks.tool --name 'a b' --j '{"k": 1}'"""

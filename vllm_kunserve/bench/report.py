@@ -126,6 +126,20 @@ def save_figure(fig, path: Path | str, dpi: int = 110, tight: bool = True) -> No
         fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
+    compact_png(path)
+
+
+def compact_png(path: Path | str) -> None:
+    """Rewrite a plot's PNG with a 256-colour palette (Pillow, matplotlib's own dependency): a chart's
+    lines, bars and text survive it unchanged to the eye, at a third to a half of the bytes every
+    clone of the pages carries. A PNG that is already a palette image is left as it is."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        if im.mode == "P":
+            return
+        rgb = im.convert("RGB")
+    rgb.quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(path, optimize=True)
 
 
 def plot_timeline(path: Path, rows: Sequence[Mapping[str, Any]], title: str = "",
