@@ -256,13 +256,17 @@ def batch_sentence(rows: list[dict]) -> str:
 
 def reading(pts: list[dict], gpu: dict | None) -> str:
     """Where dropping pays here and why, from the numbers on the page."""
-    L = []
+    L: list[str] = []
+    pays: list[str] = []
+    rest: list[str] = []
     for p in pts:
         alt = best_alternative(p)
         k = p["summary"]["systems"].get("kunserve")
         if not k or not alt:
             continue
         v = versus(p["run"], "kunserve", alt, "ttft", 99)
+        # below 1 as printed (two decimals): an upper bound of 0.998 reads "1.00" and does not count
+        (pays if v.get("hi") is not None and round(v["hi"], 2) < 1 else rest).append(f"{p['x']:g}x")
         t = (k["ratio"].get("tpot_p50") or {}).get("pooled") or {}
         e = versus(p["run"], "kunserve", alt, "e2e", 99)
         g = p["grouped"]
@@ -270,8 +274,13 @@ def reading(pts: list[dict], gpu: dict | None) -> str:
                  f"its P99 end-to-end latency {_ci(e)} {alt}'s"
                  + ("" if g else " (it never grouped)"))
     rows = pts[0]["run"].meta.get("scaling_rows") or []
-    text = ("Measured here, against the better alternative at each load (tuned stock or vllm-router, whichever "
-            "had the lower P99 TTFT): " + "; ".join(L) + ". ") if L else ""
+    text = ""
+    if L:
+        text = ("**Dropping paid here at " + (", ".join(pays) or "no load") + "**: there kunserve's P99 TTFT against "
+                "the better alternative has its 95% interval below 1" + (f"; at {', '.join(rest)} it holds 1 or lies "
+                                                                        "above" if rest else "") + ". ")
+        text += ("Measured here, against the better alternative at each load (tuned stock or vllm-router, whichever "
+                 "had the lower P99 TTFT): " + "; ".join(L) + ". ")
     bs = batch_sentence(rows)
     if bs:
         text += (bs + f" ([{Path(pts[0]['run'].meta.get('scaling_doc', '')).name}]"
@@ -288,7 +297,7 @@ def reading(pts: list[dict], gpu: dict | None) -> str:
     return text
 
 
-def render(slug: str, cmd: str, gpu: dict | None = None) -> int:
+def render(slug: str, cmd: str, gpu: dict | None = None, again: str = "") -> int:
     pts = load_points(slug)
     gpu_file = PAGE.with_suffix(".json")
     if gpu is None and gpu_file.exists():   # the simulated GPU curve is kept from the last page unless re-run
@@ -297,7 +306,8 @@ def render(slug: str, cmd: str, gpu: dict | None = None) -> int:
     cap = meta.get("capacity") or {}
     sw = meta.get("sweep") or {}
     L = ["# Where memory buys something on this CPU: one load curve (written by benchmarks/load_curve.py)", "",
-         f"Command: `{cmd}`. Raw data, one archive per load point: "
+         f"Command: `{cmd}`" + (f" (this page re-rendered by `{again}`)" if again else "")
+         + ". Raw data, one archive per load point: "
          + ", ".join(f"`docs/benchmarks/runs/{p['name']}{raw.SUFFIX}`" for p in pts) + ".", "",
          f"![ratios against the load]({PAGE.name}.png)", "",
          "## Reading", "", reading(pts, gpu), "",
@@ -317,7 +327,9 @@ def render(slug: str, cmd: str, gpu: dict | None = None) -> int:
     if sw:
         from benchmarks.burst_value import sweep_section
 
-        L += [*sweep_section(sw), "", f"Tuned cap: **{sw['cap']}** per engine, used at every load.", ""]
+        edge = sw["cap"] == max(r["cap"] for r in sw["rows"]) if sw.get("rows") else False
+        L += [*sweep_section(sw), "", f"Tuned cap: **{sw['cap']}** per engine, used at every load"
+              + (" (the largest cap swept; a larger one was not tried)" if edge else "") + ".", ""]
     L += ["## Per load", "",
           "Pooled over the load's repetitions (" + ", ".join(
               f"{p['x']:g}x: {len(p['summary']['runs'])} run, "
@@ -380,7 +392,12 @@ def main(argv: list[str] | None = None) -> int:
         pts = load_points(slug)
         gpu = simulate_gpu(pts[0]["run"].meta["weight_share"], [p["x"] for p in pts],
                            [int(c) for c in a.caps.split(",")] + [1024])
-    return render(slug, command("load_curve.py", argv if argv is not None else sys.argv[1:]), gpu)
+    cmd, again = command("load_curve.py", argv if argv is not None else sys.argv[1:]), ""
+    page = PAGE.with_suffix(".json")
+    if a.render and page.exists():   # the page names the command that measured, and the one that re-rendered
+        was = json.loads(page.read_text()).get("command", "")
+        cmd, again = (was, cmd) if was else (cmd, "")
+    return render(slug, cmd, gpu, again)
 
 
 if __name__ == "__main__":
