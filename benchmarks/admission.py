@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -179,7 +180,11 @@ def render(an: dict, meta: dict, cmd: str, name: str) -> str:
           f"P99 TTFT was {ci(v['ttft_p99'])} s. With admission over what the fleet can reach after its drops, "
           f"kunserve preempted {k['preemptions']:g} times, shed {k['shed']} of {k['requests']} requests "
           f"({k['shed'] / max(1, k['requests']):.0%}) and its admitted requests' P99 TTFT was {ci(k['ttft_p99'])} s. "
-          "The queue waits count in TTFT: a request the front end holds back is timed from when the client sent it.",
+          "The queue waits count in TTFT: a request the front end holds back is timed from when the client sent it. "
+          "The gate counts the fleet's KV as one pool while dispatch puts each request on one engine, so an engine "
+          "can still run short while the other has room: the likely source of the preemptions left with admission "
+          "(per-engine admission is not built). vLLM's bound counts requests, so what it lets in depends on their "
+          "lengths; the front end's gate counts their KV.",
           ""]
     return "\n".join(L) + "\n"
 
@@ -193,11 +198,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wait", type=float, default=30.0, help="seconds a request may wait in the front end's queue")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=str(REPO / "runs" / "admission"))
+    ap.add_argument("--render", action="store_true", help="only the page, from the runs in --out")
     a = ap.parse_args(argv)
     if a.repeat < 1 or a.queue < 2 or not 0 < a.warm_x < a.burst_x or not a.wait > 0:
         ap.error("--repeat >= 1, --queue >= 2, 0 < --warm-x < --burst-x and --wait > 0")
     out = Path(a.out)
-    meta = measure(a, out)
+    if a.render:   # the measured run's own description and command, as its last full run wrote them
+        page = json.loads(PAGE.with_suffix(".json").read_text())
+        meta, argv = page["meta"], shlex.split(page["command"].split("benchmarks.admission", 1)[-1])
+    else:
+        meta = measure(a, out)
     an = analyse(out, meta)
     from benchmarks.load_curve import machine_slug
 
