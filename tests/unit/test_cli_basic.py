@@ -262,3 +262,23 @@ def test_serve_takes_memory_admission_and_refuses_bad_bounds_in_one_line():
     for bad in (["--admission-queue", "-1"], ["--admission-wait", "0"]):
         with pytest.raises(ValueError, match="--admission-queue must be >= 0 and --admission-wait > 0"):
             parse(argparse.Namespace(model="m", rest=bad))
+
+
+def test_serve_takes_ray_resources_and_placement_and_refuses_bad_ones_in_one_line(capsys):
+    import argparse
+
+    from vllm_kunserve.cli.serve import parse
+    opts = parse(argparse.Namespace(model="m", rest=["--backend", "ray", "--ray-resources", '{"engine_slot": 1}',
+                                                      "--ray-placement", "pack"]))[0]
+    assert opts.ray_resources == {"engine_slot": 1.0} and opts.ray_placement == "pack"
+    opts = parse(argparse.Namespace(model="m", rest=["--backend", "ray"]))[0]
+    assert opts.ray_resources == {} and opts.ray_placement == "spread"
+    for bad, why in (('{"slot": 0}', "amounts > 0"), ('["slot"]', "amounts > 0"), ("{slot", "not valid JSON"),
+                     ('{"CPU": 2}', "built-in resources")):
+        with pytest.raises(ValueError, match=f"--ray-resources: .*{why}"):
+            parse(argparse.Namespace(model="m", rest=["--backend", "ray", "--ray-resources", bad]))
+    with pytest.raises(ValueError, match="need --backend ray"):
+        parse(argparse.Namespace(model="m", rest=["--ray-placement", "pack"]))
+    with pytest.raises(SystemExit) as e:   # argparse's own one line
+        main(["serve", "m", "--backend", "ray", "--ray-placement", "scatter"])
+    assert e.value.code == 2 and "invalid choice: 'scatter'" in capsys.readouterr().err

@@ -226,6 +226,19 @@ def test_monitor_groups_engines_of_one_host_only():
     assert joined and all(len({j % 2 for j in g}) == 1 for g in groups)
 
 
+def test_an_operators_group_across_hosts_is_refused_before_any_member_is_asked():
+    """/kunserve/ops drop names instances of two hosts (two Ray nodes): refused in one line naming each
+    one's host, no member asked anything; the same instances on one host group."""
+    front, gc, calls = _controller(2)
+    front.states[0]["engine"]["host"], front.states[1]["engine"]["host"] = "ray-node-a", "ray-node-b"
+    with pytest.raises(GroupOpError, match="different hosts .*0: ray-node-a, 1: ray-node-b"):
+        asyncio.run(gc.form([0, 1]))
+    assert calls == [] and gc.view() == []
+    front.states[1]["engine"]["host"] = "ray-node-a"
+    asyncio.run(gc.form([0, 1]))
+    assert gc.group_of(0).members == [0, 1]
+
+
 @pytest.mark.parametrize("failing", [{1}, {0, 1}])
 def test_a_failed_leave_keeps_the_group_or_abandons_the_members_left_behind(failing):
     """The leave's finish fails on some members (each rolled back, still grouped): where every
@@ -497,3 +510,14 @@ def test_an_operators_step_down_names_a_group_of_four_or_more_and_drains_to_the_
     g.state = "grouped"
     asyncio.run(gc.restore(2))        # a plain restore afterwards: every member alone
     assert {i: b for i, name, b in calls} == {i: {"step": "begin"} for i in range(4)} and g.step is None
+
+
+def test_the_status_view_shows_the_host_an_engine_groups_by():
+    """/kunserve/status's ``kv.engine.host`` is the host in the engine's info, the one the planner and
+    form() group by (a Ray node's id under Ray), not a top-level key the state does not have."""
+    from vllm_kunserve.cluster.control.monitor import EngineReport
+
+    state = _state(0)
+    state["engine"]["host"] = "ray-node-a1b2"
+    assert EngineReport(0, ok=True, state=state).view()["engine"]["host"] == "ray-node-a1b2"
+    assert EngineState.from_dict(state).engine.get("host") == "ray-node-a1b2"

@@ -243,6 +243,70 @@ def test_local_and_ray_backends_satisfy_the_backend_protocol():
         make_backend("k8s")
 
 
+class _FakeRay:
+    """What RayBackend asks of Ray: the actor options it declares, and a start that answers or times out."""
+
+    class exceptions:
+        class GetTimeoutError(Exception):
+            pass
+
+    def __init__(self, answer=None):
+        self.options, self.killed, self.answer = {}, [], answer
+
+    def is_initialized(self):
+        return True
+
+    def remote(self, **options):
+        self.options = options
+        ray = self
+
+        class Actor:
+            class start:
+                @staticmethod
+                def remote():
+                    return "start-ref"
+
+        class Cls:
+            @staticmethod
+            def remote(*args):
+                return Actor()
+        return lambda body: Cls
+
+    def get(self, ref, timeout=None):
+        if self.answer is None:
+            raise self.exceptions.GetTimeoutError(ref)
+        return self.answer
+
+    def kill(self, actor):
+        self.killed.append(actor)
+
+
+def test_ray_engines_reserve_their_resources_spread_over_nodes_and_no_unplaced_actor_lingers(monkeypatch):
+    from vllm_kunserve.cluster.fleet.backends import RayBackend
+    from vllm_kunserve.cluster.fleet.spec import Engine, EngineSpec
+
+    fake = _FakeRay()
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    b = RayBackend("ray://head:10001", 2.0, resources={"engine_slot": 1.0})
+    assert fake.options == {"num_cpus": 2.0, "resources": {"engine_slot": 1.0}, "max_restarts": 0,
+                            "scheduling_strategy": "SPREAD"}
+    assert b.bind_host == "0.0.0.0"
+    RayBackend(None, 1.0, placement="pack")
+    assert fake.options["scheduling_strategy"] == "DEFAULT" and fake.options["resources"] is None
+    with pytest.raises(ValueError, match="--ray-placement 'scatter': one of spread, pack"):
+        RayBackend(None, placement="scatter")
+    e = Engine(0)
+    b.place_timeout_s = 0.5
+    with pytest.raises(RuntimeError, match=r'no Ray node took the engine in 0.5 s \(it reserves 2 CPUs and '
+                                           r'\{"engine_slot": 1.0\}'):
+        b.launch(EngineSpec("m"), 0, e)
+    assert len(fake.killed) == 1 and e.handle is None   # the pending actor does not wait on for a node
+    fake.answer = ("http://10.0.0.2:8001", "http://10.0.0.2:8002", "a1b2c3")
+    b.launch(EngineSpec("m"), 0, e)
+    assert (e.url, e.control_url, e.node) == fake.answer and e.view()["node"] == "a1b2c3"
+    assert "node" not in Engine(1).view()   # off Ray, no node
+
+
 def test_start_all_starts_servers_together_and_stops_them_all_on_a_failure():
     """The servers' start-ups overlap (each waits at a barrier only the others' starts can open), and
     one that fails stops every one and raises its error."""

@@ -23,6 +23,7 @@ below, from the registry (``policy/dispatch/registry.py``).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import socket
@@ -50,7 +51,7 @@ def options_help() -> str:
 
 
 def _options() -> argparse.ArgumentParser:
-    from vllm_kunserve.cluster.fleet.backends import BACKENDS
+    from vllm_kunserve.cluster.fleet.backends import BACKENDS, RAY_PLACEMENTS
     from vllm_kunserve.policy.dispatch import DEFAULT_DISPATCH, DISPATCH, describe
 
     p = argparse.ArgumentParser(prog="kunserve serve MODEL", add_help=False,
@@ -73,6 +74,12 @@ def _options() -> argparse.ArgumentParser:
                         "end forms the groups")
     p.add_argument("--ray-address", default=None, help="Ray cluster address; unset: start a local Ray")
     p.add_argument("--ray-num-cpus", type=float, default=1.0, help="CPUs each engine's actor reserves")
+    p.add_argument("--ray-resources", default=None, metavar="JSON",
+                   help="custom Ray resources each engine's actor reserves, e.g. '{\"engine_slot\": 1}' (the nodes "
+                        "that offer them take the engines)")
+    p.add_argument("--ray-placement", choices=RAY_PLACEMENTS, default=RAY_PLACEMENTS[0],
+                   help="spread: engines on distinct Ray nodes where Ray can (a node's loss takes the fewest); "
+                        "pack: fill a node first (pipeline groups form only within a node)")
     p.add_argument("--host", default="127.0.0.1", help="front end address")
     p.add_argument("--port", type=int, default=8000, help="front end port")
     p.add_argument("--dispatch", choices=DISPATCH, default=DEFAULT_DISPATCH, metavar="POLICY",
@@ -214,10 +221,33 @@ def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
     if not is_loopback(opts.host) and not token:
         raise ValueError(f"--host {opts.host} is reachable from other machines: set --token (or {TOKEN_ENV}) so "
                          f"that /kunserve/ops and the engines' control ports refuse requests without it")
+    from vllm_kunserve.cluster.fleet.backends import RAY_PLACEMENTS
+
+    opts.ray_resources = ray_resources(opts.ray_resources)
+    if opts.backend != "ray" and (opts.ray_resources or opts.ray_placement != RAY_PLACEMENTS[0]):
+        raise ValueError("--ray-resources and --ray-placement place Ray actors: they need --backend ray")
     if opts.backend == "ray" and opts.ray_address and opts.kunserve_config is not None and not token:
         raise ValueError(f"--backend ray --ray-address {opts.ray_address}: the engines' control ports listen on their "
                          f"nodes' addresses, reachable from other machines; set --token (or {TOKEN_ENV})")
     return opts, engine_args
+
+
+def ray_resources(raw: str | None) -> dict[str, float]:
+    """``--ray-resources``: a JSON object of resource names and positive amounts, or one line saying why not."""
+    if not raw:
+        return {}
+    try:
+        d = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--ray-resources: not valid JSON ({e})") from None
+    if (not isinstance(d, dict) or not all(isinstance(k, str) and k for k in d)
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in d.values())):
+        raise ValueError(f"--ray-resources: expected an object of resource names and amounts > 0, e.g. "
+                         f"'{{\"engine_slot\": 1}}', got {raw[:80]!r}")
+    if {"CPU", "GPU", "memory"} & set(d):
+        raise ValueError("--ray-resources: CPU, GPU and memory are Ray's built-in resources, not custom ones (CPUs: "
+                         "--ray-num-cpus)")
+    return {k: float(v) for k, v in d.items()}
 
 
 #: the engine arguments (and environment) with which the user sizes an engine's memory themselves
@@ -320,7 +350,8 @@ def build(model: str, opts: argparse.Namespace, engine_args: list[str], engine_n
 
         backend = AttachBackend(opts.engine_url, opts.engine_control_url)
     else:
-        backend = make_backend(opts.backend, "127.0.0.1", opts.ray_address, opts.ray_num_cpus)
+        backend = make_backend(opts.backend, "127.0.0.1", opts.ray_address, opts.ray_num_cpus, opts.ray_resources,
+                               opts.ray_placement)
     fleet = Fleet(spec, opts.instances, backend, restart=not opts.no_restart, progress=progress)
     cfg = parse_config(kunserve)
     from vllm_kunserve.cluster.control.migration import placement_planner

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from vllm_kunserve.engine.control import ControlConflict, ControlRequestError
 from vllm_kunserve.engine.migration import MIGRATION_OPERATIONS, KVMigration, _number
-from vllm_kunserve.engine.state import Blocks, Capacity, EngineInfo, EngineState, Layer, Requests
+from vllm_kunserve.engine.state import HOST_ENV, Blocks, Capacity, EngineInfo, EngineState, Layer, Requests
 
 #: marker in the message of a step that failed because a group peer is gone (raised by the worker's
 #: pipeline; vLLM's multiprocess executor passes worker errors on as text)
@@ -108,7 +108,9 @@ class EngineAgent:
         self.m = metrics
         self.wake = wake
         self.info = dict(info or {})
-        self.info.setdefault("host", socket.gethostname())   # groups form within one host (the stage link's)
+        # groups form within one host (the stage link's): the machine's name, or the node its launcher
+        # placed it on (a Ray actor names its Ray node: two nodes on one machine are two hosts)
+        self.info.setdefault("host", os.environ.get(HOST_ENV) or socket.gethostname())
         self.lock = threading.RLock()
         self._waiting_ops = 0
         self._ops_done = threading.Condition()

@@ -81,6 +81,11 @@ def _ints(d: Mapping, key: str) -> tuple[int, ...]:
     return tuple(v)
 
 
+#: the host an engine reports for grouping (``engine.host``) where its launcher knows better than the
+#: machine's name: the Ray backend sets its node's id (two Ray nodes on one machine are two hosts)
+HOST_ENV = "KUNSERVE_HOST_ID"
+
+
 @dataclass(frozen=True)
 class _Counts:
     """A section of integer counts (every field an ``int`` or None): parsed and written alike."""

@@ -313,6 +313,11 @@ class GroupController:
         members = sorted(set(members))
         if len(members) < 2:
             raise GroupOpError("a group needs at least two instances")
+        states = self._states()
+        hosts = {i: str(states[i].engine.get("host", "")) for i in members if i in states}
+        if len(set(hosts.values())) > 1:   # the planner never asks this; an operator's drop may
+            raise GroupOpError(f"instances {members} are on different hosts ({', '.join(f'{i}: {h}' for i, h in hosts.items())}): "
+                               "a group's stage links are one host's (shared memory)")
         old = []
         for i in members:
             g = self.group_of(i)

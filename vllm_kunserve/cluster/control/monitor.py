@@ -85,7 +85,9 @@ class EngineReport:
         if self.state:
             d["engine"] = {k: self.state.get(k) for k in ("phase", "operation", "auto", "errors", "remapped_layers",
                                                           "dropped_layers", "group", "layers", "events",
-                                                          "requests", "pipeline", "host")}
+                                                          "requests", "pipeline")}
+            # the host the engine groups by is in its info (``engine.host``): the machine, or its Ray node
+            d["engine"]["host"] = (self.state.get("engine") or {}).get("host")
         return d
 
 

@@ -13,13 +13,16 @@ between, but not grouped.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
+from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
 from vllm_kunserve.cluster.fleet.launcher import ServerProcess, StartupExited
 from vllm_kunserve.cluster.fleet.spec import Engine, EngineSpec, start_engine
+from vllm_kunserve.engine.state import HOST_ENV
 
 logger = logging.getLogger("kunserve.fleet")
 
@@ -27,6 +30,8 @@ __all__ = ["BACKENDS", "Backend", "LocalBackend", "RayBackend", "make_backend"]
 
 #: the backends, by the name ``kunserve serve --backend`` takes (the first is the default)
 BACKENDS = ("local", "ray")
+#: how Ray places the engines' actors (``--ray-placement``; the first is the default)
+RAY_PLACEMENTS = ("spread", "pack")
 #: engines started elsewhere, attached by URL (``kunserve serve --engine-url``; not a --backend choice)
 ATTACH = "attach"
 
@@ -97,12 +102,16 @@ class _RayEngineActor:
         import ray
 
         self.host = ray.util.get_node_ip_address() if bind_host in ("", "0.0.0.0") else bind_host
+        self.node = ray.get_runtime_context().get_node_id()
+        # the engine reports its Ray node as its host: groups form within a node, also where several
+        # nodes share one machine (a test cluster) and its name
+        spec = replace(spec, env={**spec.env, HOST_ENV: f"ray-node-{self.node[:16]}"})
         self.index, self.spec, self.bind = index, spec, bind_host or "0.0.0.0"
         self.proc: ServerProcess | None = None
 
-    def start(self) -> tuple[str, str]:
+    def start(self) -> tuple[str, str, str]:
         self.proc, control = start_engine(self.spec, self.index, self.bind, self.host, "ray-engine")
-        return self.proc.endpoint, control
+        return self.proc.endpoint, control, self.node
 
     def wait_ready(self, timeout_s: float) -> float:
         assert self.proc is not None
@@ -130,7 +139,10 @@ class RayBackend:
     probe_on_failure = True
     probe_in_thread = True    # a remote call (up to 10 s): off the front end's event loop
 
-    def __init__(self, address: str | None = None, num_cpus: float = 1.0, bind_host: str | None = None):
+    def __init__(self, address: str | None = None, num_cpus: float = 1.0, bind_host: str | None = None,
+                 resources: dict[str, float] | None = None, placement: str = "spread", place_timeout_s: float = 120.0):
+        if placement not in RAY_PLACEMENTS:
+            raise ValueError(f"--ray-placement {placement!r}: one of {', '.join(RAY_PLACEMENTS)}")
         try:
             import ray
         except ImportError as e:  # pragma: no cover - depends on the optional extra
@@ -141,15 +153,31 @@ class RayBackend:
                 ray.init(address=address, log_to_driver=False)
             else:
                 ray.init(num_cpus=max(int(os.cpu_count() or 1), 1), include_dashboard=False, log_to_driver=False)
-        self.num_cpus = num_cpus
+        self.num_cpus, self.resources, self.placement = num_cpus, dict(resources or {}), placement
+        self.place_timeout_s = place_timeout_s
         self.bind_host = bind_host if bind_host is not None else ("127.0.0.1" if not address else "0.0.0.0")
-        self._cls = ray.remote(num_cpus=num_cpus, max_restarts=0)(_RayEngineActor)
+        # each engine reserves its CPUs and any custom resources (the nodes that offer them: e.g. one
+        # "engine_slot" per node for one engine a node); "spread" puts replicas on distinct nodes where
+        # Ray can (one node's loss takes the fewest engines), "pack" fills a node first (more groups)
+        self._cls = ray.remote(num_cpus=num_cpus, resources=self.resources or None, max_restarts=0,
+                               scheduling_strategy="SPREAD" if placement == "spread" else "DEFAULT")(_RayEngineActor)
 
     def launch(self, spec: EngineSpec, index: int, engine: Engine) -> None:
         actor = self._cls.remote(spec, index, self.bind_host)
         engine.handle = actor
-        engine.url, engine.control_url = self.ray.get(actor.start.remote(), timeout=120)
-        logger.info("instance %d: starting as a Ray actor on %s", index, engine.url)
+        try:
+            engine.url, engine.control_url, engine.node = self.ray.get(actor.start.remote(),
+                                                                       timeout=self.place_timeout_s)
+        except Exception as e:   # no node offers what it reserves (yet), or its start failed: no actor lingers
+            self.ray.kill(actor)
+            engine.handle = None
+            if isinstance(e, self.ray.exceptions.GetTimeoutError):
+                raise RuntimeError(f"instance {index}: no Ray node took the engine in {self.place_timeout_s:g} s "
+                                   f"(it reserves {self.num_cpus:g} CPUs"
+                                   + (f" and {json.dumps(self.resources)}" if self.resources else "")
+                                   + "; `ray status` shows what the nodes offer)") from None
+            raise
+        logger.info("instance %d: starting as a Ray actor on node %s at %s", index, engine.node[:16], engine.url)
 
     def wait_ready(self, engine: Engine, timeout_s: float) -> None:
         self.ray.get(engine.handle.wait_ready.remote(timeout_s), timeout=timeout_s + 30)
@@ -303,10 +331,11 @@ class AttachBackend:
 
 
 def make_backend(name: str, host: str = "127.0.0.1", ray_address: str | None = None,
-                 ray_num_cpus: float = 1.0) -> Backend:
+                 ray_num_cpus: float = 1.0, ray_resources: dict[str, float] | None = None,
+                 ray_placement: str = RAY_PLACEMENTS[0]) -> Backend:
     """The backend named ``name`` (one of :data:`BACKENDS`)."""
     if name == "local":
         return LocalBackend(host)
     if name == "ray":
-        return RayBackend(ray_address, ray_num_cpus)
+        return RayBackend(ray_address, ray_num_cpus, resources=ray_resources, placement=ray_placement)
     raise ValueError(f"--backend {name!r}: one of {', '.join(BACKENDS)}")

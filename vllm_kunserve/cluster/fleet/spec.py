@@ -125,6 +125,7 @@ class Engine:
     ready_s: float = 0.0
     handle: Any = None                  # backend-specific
     heard_s: float = 0.0                # when it last answered a request (monotonic; the front end sets it)
+    node: str = ""                      # the Ray node it runs on ("" off Ray)
 
     @property
     def accepting(self) -> bool:
@@ -132,7 +133,7 @@ class Engine:
 
     def view(self) -> dict:
         return {"instance": self.index, "url": self.url, "control_url": self.control_url or None,
-                "state": self.state, "restarts": self.restarts,
+                "state": self.state, "restarts": self.restarts, **({"node": self.node} if self.node else {}),
                 "startup_s": round(self.ready_s - self.started_s, 2) if self.ready_s else None}
 
 
