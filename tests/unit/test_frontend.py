@@ -38,6 +38,7 @@ class FakeEngine:
         self.peers: set = set()   # the front end's connections (address, port) that sent requests
         self.alive = True
         self.status: int | None = None   # answer every generate with this HTTP status (an engine error)
+        self.stream_status: int | None = None   # a streamed answer's first event: an error with this code
         self.hang_s = 0.0                # wait this long before answering (a hung engine)
         self.vocab: int | None = None    # a streamed prompt id at or above it: vLLM's in-stream 400
         self.one_write = False           # a streamed answer's events all in one write (read late)
@@ -103,6 +104,11 @@ class FakeEngine:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         held: list[bytes] = []
+        if self.stream_status is not None:   # e.g. vLLM's 503 once the stream's head went out
+            err = {"message": "fake engine busy", "type": "ServiceUnavailableError", "param": None,
+                   "code": self.stream_status}
+            await resp.write(b"data: " + json.dumps({"error": err}).encode() + b"\n\ndata: [DONE]\n\n")
+            return resp
         if self.vocab is not None and max(prompt) >= self.vocab:   # vLLM checks ids after the stream began
             err = {"message": f"Token id {max(prompt)} is out of vocabulary", "type": "BadRequestError",
                    "param": None, "code": 400}

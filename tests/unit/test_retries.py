@@ -132,6 +132,29 @@ def test_a_full_engine_503_is_retried_elsewhere_without_tripping_its_breaker(str
     assert served_after >= 1
 
 
+def test_a_503_inside_a_stream_continues_elsewhere_without_tripping_the_full_engine():
+    """vLLM may find its queue full after a stream's head went out and write a 503 error event: the
+    request continues on another engine with the same tokens, and the full engine's breaker stays
+    shut however often it happens."""
+    async def go():
+        fakes, front, client, runners = await _stack(2)
+        fakes[1].stream_status = 503
+        front.retry_backoff_s = 0.0
+        front.breakers.cooldown_s = front.breakers.max_cooldown_s = 60.0
+        try:
+            out = []
+            for k in range(8):
+                prompt = [6, k]
+                ids, _, _ = await _stream(client, {"model": "m", "prompt": prompt, "max_tokens": 4, "stream": True,
+                                                   "return_token_ids": True})
+                out.append(ids == _expected(prompt, 4))
+            return out, len(fakes[1].requests), front.breakers.is_open(1)
+        finally:
+            await _teardown(front, client, runners)
+    out, busy_tried, open_ = asyncio.run(go())
+    assert all(out) and busy_tried >= 3 and not open_
+
+
 def test_a_blocking_liveness_probe_runs_off_the_event_loop():
     """A backend whose ``alive`` blocks (Ray's remote call) is asked from a worker thread: the failed
     request's retry goes on at once, and the engine is marked dead when the probe answers."""

@@ -36,6 +36,12 @@ class UpstreamLost(RuntimeError):
     """The engine's stream ended without finishing the request (engine died or cut the stream)."""
 
 
+class EngineBusy(UpstreamLost):
+    """The engine's stream carried a 503 (vLLM's queue bound, met after the stream began): it is full,
+    not broken. The request continues elsewhere as after a lost stream, but the engine's breaker does
+    not count it."""
+
+
 class EngineRefused(RuntimeError):
     """The engine's stream carried a client error (a 4xx code: e.g. a prompt token id out of the
     model's vocabulary, which vLLM finds after the stream began). The request's fault, not the
@@ -253,7 +259,8 @@ class Relay:
         if isinstance(ev, dict) and "error" in ev and not ev.get("choices"):
             if _client_error(ev["error"]) and not self.continuing and not self.f.generated:
                 raise EngineRefused(ev["error"])
-            raise UpstreamLost(f"engine error in stream: {ev['error']}")
+            code = ev["error"].get("code") if isinstance(ev["error"], dict) else None
+            raise (EngineBusy if code == 503 else UpstreamLost)(f"engine error in stream: {ev['error']}")
         chunk = self._absorb(ev)
         return None if chunk is None else _sse(chunk)
 
@@ -491,7 +498,8 @@ class Relay:
                         done = True
                     else:
                         reason = f"lost: {type(e).__name__}: {e}"[:300]
-                        self.h.engine_failed(f.instance, reason)
+                        if not isinstance(e, EngineBusy):   # a full engine is not a failed one
+                            self.h.engine_failed(f.instance, reason)
                 finally:
                     self.close(resp)
                 if done or self.finished:
