@@ -82,6 +82,11 @@ def member_name(instance: int) -> str:
     return f"e{instance}"
 
 
+def host_of(state: EngineState) -> str:
+    """The host an engine groups by (its agent's ``engine.host``: the machine, or its Ray node); "" unknown."""
+    return str(state.engine.get("host") or "")
+
+
 class GroupController:
     """Forms and splits pipeline groups of a fleet (one per front end)."""
 
@@ -148,7 +153,7 @@ class GroupController:
                          "base_blocks": s.capacity.blocks_base or 0, "max_blocks": s.capacity.blocks_max or 0,
                          "prompt_tokens": s.requests.mix_prompt_tokens or 0,
                          "output_tokens": s.requests.mix_output_tokens or 0,
-                         "host": s.engine.get("host", ""),
+                         "host": host_of(s),
                          # the front end's own count: requests it relays there that have had no token yet
                          "awaiting_first_token": self.front.book.tally(i, s.capacity.block_size or 16).awaiting})
         s0 = states[members[0]]
@@ -235,7 +240,7 @@ class GroupController:
             return
         by_host: dict[str, list[int]] = {}
         for i in members:
-            by_host.setdefault(str(states[i].engine.get("host", "")), []).append(i)
+            by_host.setdefault(host_of(states[i]), []).append(i)
         for host_members in by_host.values():
             if len(host_members) < 2:
                 continue
@@ -314,7 +319,7 @@ class GroupController:
         if len(members) < 2:
             raise GroupOpError("a group needs at least two instances")
         states = self._states()
-        hosts = {i: str(states[i].engine.get("host", "")) for i in members if i in states}
+        hosts = {i: host_of(states[i]) for i in members if i in states}
         if len(set(hosts.values())) > 1:   # the planner never asks this; an operator's drop may
             raise GroupOpError(f"instances {members} are on different hosts ({', '.join(f'{i}: {h}' for i, h in hosts.items())}): "
                                "a group's stage links are one host's (shared memory)")

@@ -140,7 +140,8 @@ class RayBackend:
     probe_in_thread = True    # a remote call (up to 10 s): off the front end's event loop
 
     def __init__(self, address: str | None = None, num_cpus: float = 1.0, bind_host: str | None = None,
-                 resources: dict[str, float] | None = None, placement: str = "spread", place_timeout_s: float = 120.0):
+                 resources: dict[str, float] | None = None, placement: str = RAY_PLACEMENTS[0],
+                 place_timeout_s: float = 120.0):
         if placement not in RAY_PLACEMENTS:
             raise ValueError(f"--ray-placement {placement!r}: one of {', '.join(RAY_PLACEMENTS)}")
         try:
@@ -153,8 +154,7 @@ class RayBackend:
                 ray.init(address=address, log_to_driver=False)
             else:
                 ray.init(num_cpus=max(int(os.cpu_count() or 1), 1), include_dashboard=False, log_to_driver=False)
-        self.num_cpus, self.resources, self.placement = num_cpus, dict(resources or {}), placement
-        self.place_timeout_s = place_timeout_s
+        self.num_cpus, self.resources, self.place_timeout_s = num_cpus, dict(resources or {}), place_timeout_s
         self.bind_host = bind_host if bind_host is not None else ("127.0.0.1" if not address else "0.0.0.0")
         # each engine reserves its CPUs and any custom resources (the nodes that offer them: e.g. one
         # "engine_slot" per node for one engine a node); "spread" puts replicas on distinct nodes where

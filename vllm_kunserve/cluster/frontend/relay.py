@@ -53,17 +53,27 @@ class EngineRefused(RuntimeError):
         self.error = error
 
 
+#: the status of an engine that is full, not broken (vLLM's ``--max-num-queued-reqs`` bound)
+BUSY = 503
+
+
 def busy_or_status(status: int) -> str:
-    """How a 5xx answer is retried (the ``kind`` of :meth:`RelayHost.reroute`): 503 is an engine saying it
-    is full (vLLM's ``--max-num-queued-reqs`` bound), "busy": try another, its breaker stays shut; any
-    other 5xx is a fault of the engine, "status"."""
-    return "busy" if status == 503 else "status"
+    """How a 5xx answer is retried (the ``kind`` of :meth:`RelayHost.reroute`): :data:`BUSY` is an engine
+    saying it is full, "busy": try another, its breaker stays shut; any other 5xx is a fault of the
+    engine, "status"."""
+    return "busy" if status == BUSY else "status"
+
+
+def _error_code(err: Any) -> int | None:
+    """The code of an engine's in-stream ``error`` object (OpenAI error body), if it has an integer one."""
+    code = err.get("code") if isinstance(err, dict) else None
+    return code if type(code) is int else None
 
 
 def _client_error(err: Any) -> bool:
-    """Whether an engine's in-stream ``error`` object is a client error (OpenAI error body, 4xx code)."""
-    code = err.get("code") if isinstance(err, dict) else None
-    return type(code) is int and 400 <= code < 500
+    """Whether an engine's in-stream ``error`` object is a client error (4xx code)."""
+    code = _error_code(err)
+    return code is not None and 400 <= code < 500
 
 
 @dataclass(frozen=True)
@@ -259,8 +269,8 @@ class Relay:
         if isinstance(ev, dict) and "error" in ev and not ev.get("choices"):
             if _client_error(ev["error"]) and not self.continuing and not self.f.generated:
                 raise EngineRefused(ev["error"])
-            code = ev["error"].get("code") if isinstance(ev["error"], dict) else None
-            raise (EngineBusy if code == 503 else UpstreamLost)(f"engine error in stream: {ev['error']}")
+            lost = EngineBusy if _error_code(ev["error"]) == BUSY else UpstreamLost
+            raise lost(f"engine error in stream: {ev['error']}")
         chunk = self._absorb(ev)
         return None if chunk is None else _sse(chunk)
 
