@@ -223,6 +223,33 @@ class MemoryConfig:
         lo=0, hi=1 << 20)
 
 
+@dataclass(frozen=True)
+class ElasticConfig:
+    """An elastic fleet (`kunserve serve --min-instances N --max-instances M --elastic JSON`): the front end
+    starts an engine when the forecast KV demand stays above what the running engines can hold even after
+    every drop they may still make, and drains and stops one when the demand would fit in one fewer
+    (`policy.elastic`; the simulator runs the same decision). Not an engine option."""
+
+    up_ratio: float = _opt(
+        0.9, "Start an engine when (demand + forecast) / what the running and starting engines can reach "
+        "stays above this.", lo=0.0, hi=4.0, lo_open=True)
+    up_hold_s: float = _opt(5.0, "Seconds the demand must stay above `up_ratio` before an engine starts.",
+                            lo=0.0, hi=3600.0)
+    down_ratio: float = _opt(
+        0.6, "Drain an engine when (demand + forecast) / what the others can reach stays at or below this.",
+        lo=0.0, hi=1.0, lo_open=True)
+    down_hold_s: float = _opt(30.0, "Seconds the demand must stay at or below `down_ratio` before a drain.",
+                              lo=0.0, hi=3600.0)
+    cooldown_s: float = _opt(30.0, "Seconds after an engine joined or left before another may leave.",
+                             lo=0.0, hi=3600.0)
+    forecast_horizon_s: float = _opt(
+        10.0, "The demand's rising trend is projected this far ahead (an engine takes time to start); "
+        "a falling trend counts 0.", lo=0.0, hi=3600.0)
+    drain_migrations: int = _opt(
+        8, "Requests a drain may move to other engines in all (MELL's bound; the rest finish where they are, "
+        "with no new ones sent there).", lo=0, hi=10000)
+
+
 _SECTIONS: dict[str, type] = {
     "drop": DropConfig,
     "restore": RestoreConfig,
@@ -377,6 +404,17 @@ def parse_config(raw: Any) -> KunServeConfig:
     return KunServeConfig(**{name: _parse_section(name, cls, raw.get(name)) for name, cls in _SECTIONS.items()})
 
 
+def parse_elastic(raw: Any) -> ElasticConfig:
+    """Parse and validate ``kunserve serve --elastic`` (a mapping or a JSON string; ``None``: defaults),
+    refusing what :func:`parse_config` refuses, each key named as ``kunserve.elastic.KEY``."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw) if raw.strip() else None
+        except json.JSONDecodeError as e:
+            raise KunServeConfigError(f"kunserve.elastic: not valid JSON ({e})") from None
+    return _parse_section("elastic", ElasticConfig, raw)
+
+
 def parse_kunserve_config(text: str | None) -> dict[str, Any]:
     """A ``--kunserve-config`` value (``kunserve compare``, ``kunserve serve``): inline JSON or a path
     to a JSON file, with or without the outer ``{"kunserve": ...}``; validated, returned as a dict."""
@@ -441,7 +479,7 @@ def render_docs() -> str:
         "",
     ]
     hints_cache: dict[type, dict] = {}
-    for name, cls in _SECTIONS.items():
+    for name, cls in {**_SECTIONS, "elastic": ElasticConfig}.items():
         hints = hints_cache.setdefault(cls, typing.get_type_hints(cls))
         lines += [f"## `{name}`", "", (cls.__doc__ or "").strip(), "",
                   "| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]

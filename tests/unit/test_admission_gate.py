@@ -9,6 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from vllm_kunserve.cluster.frontend.admission import AdmissionGate, needs_of, parse_priority
+from vllm_kunserve.cluster.frontend.app import FrontEnd
 from vllm_kunserve.cluster.frontend.validate import BadRequest, Checked
 from vllm_kunserve.policy import ClusterSnapshot, InstanceSnapshot, ModelSpec
 from vllm_kunserve.policy.admission import KvNeed, gate, peak_blocks, reachable_blocks
@@ -59,9 +60,11 @@ def test_a_priority_that_is_no_integer_is_a_400():
 
 def fake_front(capacity_blocks: int):
     report = SimpleNamespace(ok=True, capacity_blocks=capacity_blocks, block_size=16)
-    return SimpleNamespace(registry=CollectorRegistry(), groups=None, flights={},
-                           monitor=SimpleNamespace(reports={0: report}),
-                           fleet=SimpleNamespace(engines=[SimpleNamespace(accepting=True)]))
+    front = SimpleNamespace(registry=CollectorRegistry(), groups=None, flights={},
+                            monitor=SimpleNamespace(reports={0: report}),
+                            fleet=SimpleNamespace(engines=[SimpleNamespace(accepting=True)]))
+    front.reachable_blocks = lambda: FrontEnd.reachable_blocks(front)   # the front end's own reading
+    return front
 
 
 async def settle() -> None:

@@ -355,6 +355,12 @@ def test_render_fleet_status():
     assert lines[3].split()[:2] == ["1", "restarting"]
     assert "layers     R D" in out
     assert out.index(" dead ") < out.index(" restarted ")   # events in time order
+    assert "elastic" not in out
+    st["elastic"] = {"min_instances": 1, "max_instances": 3, "engines": {"ready": 1, "parked": 2},
+                     "last": {"action": "add", "ratio_up": 1.2, "reason": "demand 1.20x of what 1 engine(s) reach"}}
+    line = next(x for x in render(st).splitlines() if x.startswith("elastic"))
+    assert line.startswith("elastic  1 to 3 engines  parked 2 ready 1  last add  demand/reach 1.2")
+    assert "(demand 1.20x" in line
 
 
 def test_render_long_models_and_front_end_states():

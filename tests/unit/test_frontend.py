@@ -169,13 +169,8 @@ class StaticBackend:
         pass
 
 
-async def _stack(n=2, dispatch="round-robin", planner=None, blocks=None, tokenizer=None, api_keys=(),
-                 engine_api_key="", **front_kw):
-    fakes = [FakeEngine(i) for i in range(n)]
-    for f, b in zip(fakes, blocks or ()):
-        f.blocks = b
-    for f in fakes:
-        f.api_key = engine_api_key or None
+async def _serve_fakes(fakes) -> tuple[list, list[str]]:
+    """Each fake engine on a port of its own: (their runners, their URLs)."""
     runners, urls = [], []
     for f in fakes:
         runner = web.AppRunner(f.app())
@@ -184,6 +179,17 @@ async def _stack(n=2, dispatch="round-robin", planner=None, blocks=None, tokeniz
         await site.start()
         runners.append(runner)
         urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    return runners, urls
+
+
+async def _stack(n=2, dispatch="round-robin", planner=None, blocks=None, tokenizer=None, api_keys=(),
+                 engine_api_key="", **front_kw):
+    fakes = [FakeEngine(i) for i in range(n)]
+    for f, b in zip(fakes, blocks or ()):
+        f.blocks = b
+    for f in fakes:
+        f.api_key = engine_api_key or None
+    runners, urls = await _serve_fakes(fakes)
     fleet = Fleet(EngineSpec("m", startup_timeout_s=5), n, StaticBackend(urls, fakes), restart=False,
                   progress=lambda s: None)
     for e in fleet.engines:

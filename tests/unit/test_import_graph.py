@@ -55,7 +55,7 @@ NEVER_REACHES: dict[str, tuple[str, ...]] = {
 #: migrations) know no front end, and the front end uses both
 CLUSTER_ROOMS: tuple[tuple[str, ...], ...] = (("fleet",), ("control",), ("frontend",))
 #: what the front end takes from the controllers: their public modules, not their internals
-FRONTEND_USES_CONTROL = ("client", "groups", "monitor")
+FRONTEND_USES_CONTROL = ("client", "elastic", "groups", "monitor")
 
 
 def room(module: str, pkg: str = PKG) -> str | None:

@@ -57,6 +57,13 @@ def _options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kunserve serve MODEL", add_help=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--instances", type=int, default=1, help="engines to start")
+    p.add_argument("--max-instances", type=int, default=None, metavar="N",
+                   help="an elastic fleet: start up to N engines as the demand rises, drain and stop them as it falls "
+                        "(unset: --instances, a fixed fleet)")
+    p.add_argument("--min-instances", type=int, default=None, metavar="N",
+                   help="an elastic fleet never drains below N engines (unset: --instances)")
+    p.add_argument("--elastic", default=None, metavar="JSON",
+                   help="an elastic fleet's thresholds, holds and drain budget (docs/config.md, `elastic`)")
     p.add_argument("--host-memory-share", type=float, default=MEMORY_HEADROOM, metavar="FRACTION",
                    help="local CPU engines with no memory flag divide this share of the host's available memory "
                         "(the rest: the front end, the engines' own growth, the OS)")
@@ -206,6 +213,25 @@ def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
         raise ValueError(f"--host-memory-share must be in (0, 1], got {opts.host_memory_share:g}")
     if opts.instances < 1 or opts.instances > 256:
         raise ValueError(f"--instances must be 1..256, got {opts.instances}")
+    elastic_flags = [f for f, v in (("--max-instances", opts.max_instances), ("--min-instances", opts.min_instances),
+                                    ("--elastic", opts.elastic)) if v is not None]
+    if opts.engine_url and elastic_flags:
+        raise ValueError(f"{elastic_flags[0]} with --engine-url: attached engines were started elsewhere, so kunserve "
+                         "serve cannot start or stop them")
+    opts.max_instances = opts.instances if opts.max_instances is None else opts.max_instances
+    opts.min_instances = opts.instances if opts.min_instances is None else opts.min_instances
+    if not 1 <= opts.min_instances <= opts.instances <= opts.max_instances <= 256:
+        raise ValueError(f"--min-instances {opts.min_instances}, --instances {opts.instances}, --max-instances "
+                         f"{opts.max_instances}: need 1 <= min <= instances <= max <= 256")
+    if opts.elastic is not None and opts.max_instances == opts.min_instances:
+        raise ValueError("--elastic: the fleet is fixed (set --max-instances above --min-instances)")
+    if opts.max_instances > opts.min_instances:
+        from vllm_kunserve.config import KunServeConfigError, parse_elastic
+
+        try:
+            opts.elastic = parse_elastic(opts.elastic)
+        except KunServeConfigError as e:
+            raise ValueError(f"--elastic: {e}") from None
     if not 0 < opts.port < 65536:
         raise ValueError(f"--port must be 1..65535, got {opts.port}")
     if opts.monitor_interval <= 0 or opts.max_concurrency < 1:
@@ -352,7 +378,8 @@ def build(model: str, opts: argparse.Namespace, engine_args: list[str], engine_n
     else:
         backend = make_backend(opts.backend, "127.0.0.1", opts.ray_address, opts.ray_num_cpus, opts.ray_resources,
                                opts.ray_placement)
-    fleet = Fleet(spec, opts.instances, backend, restart=not opts.no_restart, progress=progress)
+    fleet = Fleet(spec, opts.instances, backend, restart=not opts.no_restart, progress=progress,
+                  max_instances=opts.max_instances)
     cfg = parse_config(kunserve)
     from vllm_kunserve.cluster.control.migration import placement_planner
 
@@ -366,7 +393,9 @@ def build(model: str, opts: argparse.Namespace, engine_args: list[str], engine_n
                      tokenizer=_tokenizer(engine_ns.tokenizer or model), plan_migrations=planner,
                      kunserve_cfg=cfg if kunserve is not None else None, api_keys=keys,
                      engine_api_key=opts.engine_api_key or (keys[0] if keys else ""), admission=opts.admission,
-                     admission_queue=opts.admission_queue, admission_wait_s=opts.admission_wait)
+                     admission_queue=opts.admission_queue, admission_wait_s=opts.admission_wait,
+                     elastic=opts.elastic if opts.max_instances > opts.min_instances else None,
+                     min_instances=opts.min_instances)
     return fleet, front
 
 
@@ -421,7 +450,7 @@ def run(args: argparse.Namespace) -> int:
         from vllm.platforms import current_platform
 
         vm = psutil.virtual_memory()
-        extra, line = memory_split(opts.instances, engine_args, device=current_platform.device_type,
+        extra, line = memory_split(opts.max_instances, engine_args, device=current_platform.device_type,
                                    backend=opts.backend, available=vm.available, total=vm.total,
                                    weights=weight_bytes(args.model), share=opts.host_memory_share)
         if extra:   # vLLM's own flag, already checked by the parse above; nothing it parsed changes
@@ -431,11 +460,11 @@ def run(args: argparse.Namespace) -> int:
         if current_platform.device_type == "cuda" and not opts.engine_url:
             import torch
 
-            gpu_env, gpu_line = device_split(opts.instances, device="cuda", backend=opts.backend,
+            gpu_env, gpu_line = device_split(opts.max_instances, device="cuda", backend=opts.backend,
                                              devices=torch.cuda.device_count())
         from vllm_kunserve.cluster.fleet.spec import cpu_split
 
-        cpu_env, cpu_line = cpu_split(opts.instances, device=current_platform.device_type, backend=opts.backend,
+        cpu_env, cpu_line = cpu_split(opts.max_instances, device=current_platform.device_type, backend=opts.backend,
                                       cpus=sorted(os.sched_getaffinity(0)))
         for ln in (gpu_line, cpu_line):
             if ln:
@@ -451,7 +480,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"[kunserve] attaching {opts.instances} engine(s) started elsewhere: {', '.join(opts.engine_url)}",
                   flush=True)
         else:
-            print(f"[kunserve] starting {opts.instances} {kind} engine(s) on the {opts.backend} backend ...", flush=True)
+            print(f"[kunserve] starting {opts.instances} {kind} engine(s) on the {opts.backend} backend"
+                  + (f" (elastic: {opts.min_instances} to {opts.max_instances})" if front.elastic else "") + " ...",
+                  flush=True)
         try:
             fleet.start()
         except StartupExited as e:   # one line, no traceback (the fleet has stopped every engine)

@@ -229,6 +229,13 @@ def render_fleet(state: dict, events: int = 10) -> str:
                      _s(kv.get("running")), _s(kv.get("waiting")), _s(kv.get("source")), _s(i.get("url"))))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    el = state.get("elastic")
+    if isinstance(el, dict):   # an elastic fleet: its bounds, engines per state and the last decision
+        last = el.get("last") or {}
+        lines.append(f"elastic  {_s(el.get('min_instances'))} to {_s(el.get('max_instances'))} engines  "
+                     + " ".join(f"{k} {v}" for k, v in sorted((el.get("engines") or {}).items()))
+                     + f"  last {_s(last.get('action'))}  demand/reach {_s(last.get('ratio_up'))}"
+                     + (f"  ({last['reason']})" if last.get("reason") else ""))
     for i in state.get("instances") or []:
         eng = (i.get("kv") or {}).get("engine")
         if isinstance(eng, dict) and eng.get("layers"):

@@ -27,7 +27,12 @@ def placement_planner(config: PlacementConfig, link_bytes_per_s: float = LOOPBAC
                            if r.ok and r.engine_state is not None), default=0)
         orders = policy.on_period(units, requests, config, kv_bytes_per_block=block_bytes,
                                   link_bytes_per_s=link_bytes_per_s)
-        kv_ok = {i for i, r in reports.items() if r.ok and r.source == "control"}
-        return tuple(o if o.method != "kv" or {o.src, o.dst} <= kv_ok
-                     else MigrationOrder(o.request_id, o.src, o.dst, "reprefill", 0) for o in orders)
+        return kv_or_reprefill(orders, reports)
     return plan
+
+
+def kv_or_reprefill(orders: Sequence[MigrationOrder], reports: dict) -> tuple[MigrationOrder, ...]:
+    """The orders, each KV transfer between engines without a control port on both turned into a re-prefill."""
+    kv_ok = {i for i, r in reports.items() if r.ok and r.source == "control"}
+    return tuple(o if o.method != "kv" or {o.src, o.dst} <= kv_ok
+                 else MigrationOrder(o.request_id, o.src, o.dst, "reprefill", 0) for o in orders)

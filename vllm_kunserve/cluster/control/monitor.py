@@ -209,7 +209,7 @@ class Monitor:
 
     async def poll(self, session: aiohttp.ClientSession) -> None:
         now = time.time()
-        live = [e for e in self.engines if e.accepting and self.due(e, now)]
+        live = [e for e in self.engines if e.serving and self.due(e, now)]
         for r in await asyncio.gather(*(self.poll_one(session, e) for e in live)):
             prev = self.reports.get(r.instance)
             if not r.ok and prev is not None and prev.ok:

@@ -8,6 +8,11 @@ groups or Ray actors) decides where the process runs.
 front end which engines accept work, and runs a supervisor thread: an engine whose process died is
 marked dead (dispatch skips it, its requests fail over), restarted, and rejoins when healthy. Every
 start, death and restart is an event (``events``) and a counter the front end exports.
+
+An elastic fleet (``max_instances`` above ``instances``) holds the engines it has not started as
+``parked``: :meth:`Fleet.add` starts one (``ready`` when healthy), :meth:`Fleet.drain` stops sending it
+work (``draining``: its requests finish or move) and :meth:`Fleet.retire` stops it (``parked`` again).
+Which and when is ``cluster.control.elastic``'s call.
 """
 
 from __future__ import annotations
@@ -30,11 +35,15 @@ class Fleet:
     """N engines of one spec on one backend, with a supervisor that restarts dead ones."""
 
     def __init__(self, spec: EngineSpec, instances: int, backend: Backend, *, restart: bool = True,
-                 check_interval_s: float = 0.5, progress: Callable[[str], None] | None = None):
+                 check_interval_s: float = 0.5, progress: Callable[[str], None] | None = None,
+                 max_instances: int | None = None):
         if instances < 1:
             raise ValueError(f"--instances must be >= 1, got {instances}")
+        if max_instances is not None and max_instances < instances:
+            raise ValueError(f"--max-instances {max_instances} is below --instances {instances}")
         self.spec, self.backend, self.restart = spec, backend, restart
-        self.engines = [Engine(i) for i in range(instances)]
+        self.engines = [Engine(i, state="starting" if i < instances else "parked")
+                        for i in range(max(instances, max_instances or 0))]
         self.events: list[dict] = []
         self.check_interval_s = check_interval_s
         self.progress = progress or (lambda line: print(line, flush=True))
@@ -62,13 +71,14 @@ class Fleet:
         self.backend.launch(self.spec, e.index, e)
 
     def start(self) -> "Fleet":
-        """Start every engine, then wait for each (a progress line per instance); raises if one fails."""
-        n = len(self.engines)
-        for e in self.engines:
+        """Start every engine not parked, then wait for each (a progress line per instance); raises if one fails."""
+        first = [e for e in self.engines if e.state != "parked"]
+        n = len(first)
+        for e in first:
             self._start_one(e)
             self.progress(f"[kunserve] instance {e.index + 1}/{n}: starting at {e.url}")
         try:
-            for e in self.engines:
+            for e in first:
                 self._wait_started(e)
                 e.ready_s = time.monotonic()
                 e.state = "ready"
@@ -99,16 +109,22 @@ class Fleet:
     def _supervise(self) -> None:
         while not self._stop.wait(self.check_interval_s):
             for e in self.engines:
-                if e.state == "ready" and not self.backend.alive(e):
+                if e.serving and not self.backend.alive(e):
                     self.mark_dead(e, "process exited")
 
     def mark_dead(self, e: Engine, why: str) -> None:
-        """Called by the supervisor, or by the front end when an engine stops answering."""
+        """Called by the supervisor, or by the front end when an engine stops answering. A draining
+        engine that dies is not restarted: it was leaving (its requests fail over)."""
         with self._lock:
-            if e.state != "ready":
+            if not e.serving:
                 return
-            e.state = "dead"
+            leaving, e.state = e.state == "draining", "dead"
         self.event(e, "dead", reason=why)
+        if leaving:
+            self.backend.stop(e)
+            e.state = "parked"
+            self.event(e, "removed", reason="died while draining")
+            return
         if self.restart and not self._stop.is_set():
             threading.Thread(target=self._restart, args=(e,), name=f"kunserve-restart-{e.index}", daemon=True).start()
 
@@ -134,6 +150,66 @@ class Fleet:
         e.state = "ready"
         self.event(e, "restarted", startup_s=round(e.ready_s - e.started_s, 2), url=e.url)
 
+    # -- elastic: add, drain, retire --------------------------------------------------------------
+    def add(self, reason: str = "") -> Engine | None:
+        """Start the lowest-numbered parked engine (in a thread; ``ready`` when healthy, ``parked``
+        again with an ``add_failed`` event if it never starts). None when none is parked."""
+        with self._lock:
+            e = next((x for x in self.engines if x.state == "parked"), None)
+            if e is None or self._stop.is_set():
+                return None
+            e.state = "starting"
+        self.event(e, "adding", reason=reason)
+        threading.Thread(target=self._add, args=(e,), name=f"kunserve-add-{e.index}", daemon=True).start()
+        return e
+
+    def _add(self, e: Engine) -> None:
+        try:
+            self._start_one(e)
+            self._wait_started(e)
+        except Exception as exc:
+            logger.error("instance %d: start failed: %s", e.index, exc)
+            self.backend.stop(e)
+            e.state = "parked"
+            self.event(e, "add_failed", error=str(exc)[-500:])
+            return
+        if self._stop.is_set():
+            self.backend.stop(e)
+            e.state = "stopped"
+            return
+        e.ready_s = time.monotonic()
+        e.state = "ready"
+        self.event(e, "added", startup_s=round(e.ready_s - e.started_s, 2), url=e.url)
+
+    def drain(self, index: int, reason: str = "") -> bool:
+        """Stop sending engine ``index`` new requests (those it holds finish or move); False unless it was ready."""
+        e = self.engines[index]
+        with self._lock:
+            if e.state != "ready":
+                return False
+            e.state = "draining"
+        self.event(e, "draining", reason=reason)
+        return True
+
+    def retire(self, index: int) -> bool:
+        """Stop a draining engine (it holds nothing now) and park it; False unless it was draining."""
+        e = self.engines[index]
+        with self._lock:
+            if e.state != "draining":
+                return False
+            e.state = "stopping"
+        self.backend.stop(e)
+        e.state = "parked"
+        self.event(e, "removed", up_s=round(time.monotonic() - e.started_s, 1))
+        return True
+
+    def counts(self) -> dict[str, int]:
+        """Engines per state."""
+        out: dict[str, int] = {}
+        for e in self.engines:
+            out[e.state] = out.get(e.state, 0) + 1
+        return out
+
     def kill(self, index: int) -> None:
         """Hard-kill one engine (tests and fault drills); the supervisor notices and restarts it."""
         self.backend.kill(self.engines[index])
@@ -143,8 +219,9 @@ class Fleet:
         if self._thread is not None:
             self._thread.join(timeout=5)
         for e in self.engines:
-            self.backend.stop(e)
-            e.state = "stopped"
+            if e.state != "parked":
+                self.backend.stop(e)
+                e.state = "stopped"
         self.backend.close()
 
     def ready(self) -> Sequence[Engine]:

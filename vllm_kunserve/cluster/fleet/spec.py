@@ -112,6 +112,11 @@ def engine_env(spec: EngineSpec, index: int = 0) -> dict[str, str]:
     return env
 
 
+#: what an engine may be; those that hold a machine (what instance-seconds count)
+ENGINE_STATES = ("parked", "starting", "ready", "draining", "restarting", "stopping", "dead", "stopped")
+HELD_STATES = ("starting", "ready", "draining", "restarting", "stopping")
+
+
 @dataclass
 class Engine:
     """One instance as the front end sees it."""
@@ -119,7 +124,7 @@ class Engine:
     index: int
     url: str = ""                       # the engine's OpenAI server
     control_url: str = ""               # its control port ("" for stock engines)
-    state: str = "starting"             # starting | ready | dead | restarting | stopped
+    state: str = "starting"             # one of ENGINE_STATES
     restarts: int = 0
     started_s: float = 0.0
     ready_s: float = 0.0
@@ -129,7 +134,13 @@ class Engine:
 
     @property
     def accepting(self) -> bool:
+        """Takes new requests."""
         return self.state == "ready"
+
+    @property
+    def serving(self) -> bool:
+        """Runs requests: ready, or draining (no new ones; those it holds finish or move)."""
+        return self.state in ("ready", "draining")
 
     def view(self) -> dict:
         return {"instance": self.index, "url": self.url, "control_url": self.control_url or None,

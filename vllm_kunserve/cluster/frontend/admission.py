@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kunserve.cluster.frontend.validate import BadRequest, Checked
-from vllm_kunserve.policy.admission import KvNeed, gate, reachable_blocks
+from vllm_kunserve.policy.admission import KvNeed, gate
 
 PRIORITY_HEADER = "x-kunserve-priority"
 MODES = ("off", "memory")
@@ -104,15 +104,7 @@ class AdmissionGate:
         return self._reach
 
     def _reachable_now(self) -> float:
-        front = self.front
-        ctl = front.groups
-        if ctl is not None and ctl.cfg.drop.enable:
-            snap = ctl.snapshot(ctl._states())
-            if snap is not None:
-                return reachable_blocks(snap, ctl.cfg.drop.max_group_size)
-        caps = [r.capacity_blocks for i, r in front.monitor.reports.items()
-                if r.ok and r.capacity_blocks and i < len(front.fleet.engines) and front.fleet.engines[i].accepting]
-        return float(sum(caps)) if caps else math.inf
+        return self.front.reachable_blocks()
 
     def current(self) -> list[KvNeed]:
         """The admitted requests' sequences, each as far as it has generated (streams the front end relays)."""

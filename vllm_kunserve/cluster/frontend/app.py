@@ -37,6 +37,7 @@ import aiohttp
 
 from vllm_kunserve.cluster.control.client import ControlClient
 from vllm_kunserve.cluster.control.monitor import FlightBook, Monitor, instance_loads
+from vllm_kunserve.cluster.fleet.spec import ENGINE_STATES, HELD_STATES
 from vllm_kunserve.cluster.frontend.admission import MODES as ADMISSION_MODES
 from vllm_kunserve.cluster.frontend.admission import PRIORITY_HEADER, AdmissionGate, parse_priority
 from vllm_kunserve.cluster.frontend.ops import run_op
@@ -44,6 +45,7 @@ from vllm_kunserve.cluster.frontend.prefix import PrefixIndex, Sessions, prompt_
 from vllm_kunserve.cluster.frontend.relay import READS, Flight, Move, Relay, UpstreamLost, busy_or_status
 from vllm_kunserve.cluster.frontend.validate import (BadRequest, check_token_ids, encodes, error_body, max_token_id,
                                                    parse_json, prompt_counter, validate)
+from vllm_kunserve.config import PlacementConfig
 from vllm_kunserve.policy.dispatch import check_mode, choose_instance, get_policy
 from vllm_kunserve.runtime.gcpause import GcPauses, freeze_heap
 from vllm_kunserve.runtime.looplag import LoopLag
@@ -105,7 +107,8 @@ class FrontEnd:
                  tokenizer: Any = None,
                  plan_migrations: Callable[..., Sequence[Any]] | None = None, kunserve_cfg: Any = None,
                  api_keys: Sequence[str] = (), engine_api_key: str = "", admission: str = "off",
-                 admission_queue: int = 256, admission_wait_s: float = 60.0):
+                 admission_queue: int = 256, admission_wait_s: float = 60.0, elastic: Any = None,
+                 min_instances: int | None = None):
         self.fleet = fleet
         # vLLM's --api-key: what every /v1 route of this front end asks of its clients (any of them),
         # and the key it sends the engines (whose /v1 routes ask the same)
@@ -158,6 +161,14 @@ class FrontEnd:
             raise ValueError(f"admission {admission!r}: one of {', '.join(ADMISSION_MODES)}")
         # memory-aware admission: a request the fleet cannot hold even after its drops waits or gets 429
         self.gate = AdmissionGate(self, admission_queue, admission_wait_s) if admission == "memory" else None
+        # an elastic fleet (engines parked beyond those started): engines start and stop with the demand
+        self.elastic = None
+        if elastic is not None:
+            from vllm_kunserve.cluster.control.elastic import ElasticController
+
+            self.elastic = ElasticController(
+                self, elastic, min_instances or sum(1 for e in fleet.engines if e.state != "parked"),
+                len(fleet.engines), kunserve_cfg.placement if kunserve_cfg is not None else PlacementConfig())
         fleet.on_change.append(self._on_fleet)
 
     # -- metrics ------------------------------------------------------------------------------------
@@ -188,10 +199,22 @@ class FrontEnd:
             "relay (that token written to the client). What a client measures beyond their sum was spent before "
             "the front end's handler ran (the network, the server's accept and parse, a late event loop)",
             ["stage"], buckets=STAGE_BUCKETS, registry=r)
+        self.m_engines = Gauge("kunserve:fleet_engines", "Engines per state (held: those holding a machine: "
+                               "starting, ready, draining, restarting, stopping; over time, instance-seconds)",
+                               ["state"], registry=r)
         for e in self.fleet.engines:
             self.m_up.labels(str(e.index)).set(1 if e.accepting else 0)
+        self.count_engines()
+
+    def count_engines(self) -> None:
+        """``kunserve:fleet_engines{state}`` as the fleet is now."""
+        counts = self.fleet.counts()
+        for s in ENGINE_STATES:
+            self.m_engines.labels(s).set(counts.get(s, 0))
+        self.m_engines.labels("held").set(sum(counts.get(s, 0) for s in HELD_STATES))
 
     def _on_fleet(self, engine, kind: str) -> None:
+        self.count_engines()
         self.m_up.labels(str(engine.index)).set(1 if engine.accepting else 0)
         if kind in ("dead", "restarted"):
             self.prefixes.forget(engine.index)   # a restarted engine's prefix cache is empty
@@ -230,6 +253,8 @@ class FrontEnd:
         self.monitor.listeners.append(self._after_poll)
         if self.groups is not None:
             self.monitor.listeners.append(self.groups.on_poll)
+        if self.elastic is not None:
+            self.monitor.listeners.append(self.elastic.on_poll)
         await self.monitor.poll(self.session)
         self._tasks.append(asyncio.create_task(self.monitor.run(self._stop)))
         # every stream passes through this one event loop: keep the startup heap (vLLM's request
@@ -267,6 +292,7 @@ class FrontEnd:
         raise RuntimeError("no engine answered /v1/models")
 
     async def _after_poll(self, reports: dict) -> None:
+        self.count_engines()
         for i, r in reports.items():
             if r.ok:
                 self.m_blocks.labels(str(i)).set(r.capacity_blocks)
@@ -275,11 +301,17 @@ class FrontEnd:
             self.gate.wake()
         if self.plan_migrations is None or not self.migrating:
             return
-        orders = self.plan_migrations(self.loads(), self.request_loads(), reports, get_policy(self.dispatch))
-        for o in orders:
-            f = self.flights.get(o.request_id)
-            if f is not None and f.move is None and f.checked.movable and f.instance == o.src:
-                f.move = Move(o.dst, o.method, "placement")
+        for o in self.plan_migrations(self.loads(), self.request_loads(), reports, get_policy(self.dispatch)):
+            self.order_move(o, "placement")
+
+    def order_move(self, o, reason: str) -> bool:
+        """Have the relay move request ``o.request_id`` (a ``policy.migration.MigrationOrder``) at its
+        next chunk; False if it has left ``o.src``, is not movable or has a move pending."""
+        f = self.flights.get(o.request_id)
+        if f is None or f.move is not None or not f.checked.movable or f.instance != o.src:
+            return False
+        f.move = Move(o.dst, o.method, reason)
+        return True
 
     @property
     def control(self) -> ControlClient:
@@ -289,7 +321,7 @@ class FrontEnd:
     # -- the RelayHost protocol (cluster.frontend.relay) ----------------------------------------------
     def engine_url(self, instance: int) -> str | None:
         e = self.fleet.engines[instance]
-        return e.url if e.accepting else None
+        return e.url if e.serving else None   # a draining engine still runs what it holds
 
     def loads(self):
         return instance_loads(self.fleet.engines, self.monitor.reports, self.book, self._group_id)
@@ -308,6 +340,21 @@ class FrontEnd:
                 toks = f.prompt_len + len(f.generated)
                 out.append(RequestLoad(f.rid, f.instance, math.ceil(toks / bs), toks, f.remaining))
         return out
+
+    def reachable_blocks(self) -> float:
+        """KV blocks the engines accepting work can hold after every drop the fleet may still make
+        (``policy.admission.reachable_blocks`` over the group controller's snapshot; stock engines: their
+        KV now); inf before any engine reported. The admission gate and the elastic fleet read it."""
+        from vllm_kunserve.policy.admission import reachable_blocks
+
+        ctl = self.groups
+        if ctl is not None and ctl.cfg.drop.enable:
+            snap = ctl.snapshot(ctl._states())
+            if snap is not None:
+                return reachable_blocks(snap, ctl.cfg.drop.max_group_size)
+        caps = [r.capacity_blocks for i, r in self.monitor.reports.items()
+                if r.ok and r.capacity_blocks and i < len(self.fleet.engines) and self.fleet.engines[i].accepting]
+        return float(sum(caps)) if caps else math.inf
 
     def _block_size(self, instance: int) -> int:
         r = self.monitor.reports.get(instance)
@@ -367,7 +414,7 @@ class FrontEnd:
     def engine_failed(self, instance: int, why: str) -> None:
         self.breakers.failure(instance, why)
         e, backend = self.fleet.engines[instance], self.fleet.backend
-        if not (e.accepting and backend.probe_on_failure):
+        if not (e.serving and backend.probe_on_failure):
             return
         if not backend.probe_in_thread:
             if not backend.alive(e):
@@ -378,7 +425,7 @@ class FrontEnd:
             task.add_done_callback(lambda _: self._probes.pop(instance, None))
 
     async def _probe(self, e, why: str) -> None:
-        if e.accepting and not await asyncio.to_thread(self.fleet.backend.alive, e):
+        if e.serving and not await asyncio.to_thread(self.fleet.backend.alive, e):
             self.fleet.mark_dead(e, why)
 
     def engine_ok(self, instance: int) -> None:
@@ -460,6 +507,7 @@ class FrontEnd:
                 "breakers": self.breakers.view(),
                 "drop": ({"auto": self.groups.auto, **self.groups.last} if self.groups else None),
                 "admission": self.gate.view() if self.gate is not None else None,
+                "elastic": self.elastic.status() if self.elastic is not None else None,
                 "requests": [{"id": f.visible_id or f.rid, "instance": f.instance, "generated": len(f.generated),
                               "movable": f.checked.movable, "hops": len(f.hops)}
                              for f in itertools.islice(self.flights.values(), 200)],
@@ -646,7 +694,7 @@ def build_app(front: FrontEnd):
                     return e.index, await r.text()
             except Exception:
                 return e.index, ""
-        texts = dict(await asyncio.gather(*(one(e) for e in front.fleet.ready())))
+        texts = dict(await asyncio.gather(*(one(e) for e in front.fleet.engines if e.serving)))
         body = generate_latest(front.registry).decode() + relabel_metrics({i: t for i, t in texts.items() if t})
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
