@@ -75,7 +75,8 @@ def render(runs: dict[str, list[dict]], cmd: str) -> list[str]:
             for k, d in enumerate(rs)) + f". The burst: {rs[0]['burst']['requests']} requests from a closed loop of "
               f"users, {rs[0]['burst']['schedule']} (users from each second on), prompt {rs[0]['burst']['prompt']}, "
               f"outputs {rs[0]['burst']['outputs'][0]}-{rs[0]['burst']['outputs'][1]} tokens; weight share "
-              f"{rs[0]['weight_share']}.", ""]
+              f"{rs[0]['weight_share']}; kunserve's config `{json.dumps(rs[0].get('kunserve_config'))}` (the "
+              "demo's at the time: a kind's runs are replaced when it runs again).", ""]
     L += ["![ratios per run](demo_spread.png)", ""]
     return L
 
