@@ -210,7 +210,8 @@ def render(an: dict, meta: dict, sim: dict, cmd: str, name: str) -> str:
               f"{', '.join(f'{x:g}' for x in meta['levels'])}x the rate whose requests one engine's KV holds "
               f"({meta['holdable_rate']:.2f} req/s); prompts 32 tokens, outputs 96-192. {meta['repeat']} repetition(s), systems "
               "shuffled; intervals are over the pooled requests. Instance-seconds (mean of the repetitions): the front end's "
-              "`kunserve:fleet_engines{state=\"held\"}` over the run (the same series for every system).", ""]
+              "`kunserve:fleet_engines{state=\"held\"}` over the run (the same series for every system)."
+              + (f" Measured at {meta['measured_at']}." if meta.get("measured_at") else ""), ""]
         L += md_table(["system", "completed", "preemptions", "P50 TTFT (s)", "P99 TTFT (s, 95%)", "P50 TPOT (ms)",
                        "P99 E2E (s)", "instance-s", "vs fixed-max"], "lrrrlrrrr",
                       ([s, f"{a['completed']}/{a['requests']}", f"{a['preemptions']:g}", f"{a['ttft_p50']['value']:.2f}",
