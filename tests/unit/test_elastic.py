@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 from dataclasses import replace
 
 import httpx
@@ -108,6 +109,11 @@ def test_no_engine_is_drained_while_a_request_waits_anywhere():
     assert d.action == "none" and st.below_since is None
     d, _ = decide_scale(view(u(20), u(10), u(5)), NOW)
     assert d.action == "drain"
+
+
+def test_before_any_engine_reported_its_kv_nothing_scales():
+    d, st = decide_scale(view(u(0), u(0), reach=math.inf), NOW)
+    assert d.action == "none" and st == ElasticState()
 
 
 def test_below_the_minimum_an_engine_starts_whatever_the_demand():

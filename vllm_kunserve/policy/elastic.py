@@ -96,6 +96,8 @@ def decide_scale(view: ElasticView, cfg: ElasticConfig, state: ElasticState = El
     if not 1 <= view.min_instances <= view.max_instances:
         raise ValueError(f"min_instances={view.min_instances}, max_instances={view.max_instances}: "
                          "need 1 <= min <= max")
+    if not math.isfinite(view.reachable_blocks):   # no engine has reported its KV yet: nothing to scale by
+        return ScaleDecision("none", reason="no KV reported yet"), state
     demand_now = float(sum(u.demand_blocks for u in view.units if u.alive or u.instance_id in view.draining))
     history = record_demand(state.history, view.t, demand_now, HISTORY_S)
     demand = demand_now + forecast_blocks(history, cfg.forecast_horizon_s)
