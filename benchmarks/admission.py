@@ -34,6 +34,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import pooled, raw
+from benchmarks.common.stats import fmt_interval
 from vllm_kunserve.bench.report import REPO, command, md_table, pyplot, save_figure, write_json
 
 PAGE = REPO / "docs" / "benchmarks" / "admission"
@@ -163,23 +164,18 @@ def render(an: dict, meta: dict, cmd: str, name: str) -> str:
          "request of the run, not a window: shedding changes who is in it).", "",
          "Systems:", "", *(f"- `{s}`: {an[s]['description']}" for s in SYSTEMS), ""]
 
-    def ci(p: dict) -> str:
-        if p["value"] is None:
-            return "-"
-        hi = "inf" if p["hi"] is None or p["hi"] == float("inf") else f"{p['hi']:.2f}"
-        return f"{p['value']:.2f} ({p['lo']:.2f}..{hi})"
     L += md_table(["system", "requests", "completed", "shed (429 / 503)", "failed otherwise", "preemptions",
                    "P50 TTFT admitted (s)", "P99 TTFT admitted (s, 95%)", "P50 TPOT (ms)", "P99 E2E (s)"],
                   "lrrrrrrlrr",
                   ([s, a["requests"], a["completed"], f"{a['shed']} ({a['shed'] / max(1, a['requests']):.0%})",
                     a["failed"], f"{a['preemptions']:g}", "-" if a["ttft_p50"] is None else f"{a['ttft_p50']:.2f}",
-                    ci(a["ttft_p99"]), "-" if a["tpot_p50"] is None else f"{a['tpot_p50'] * 1e3:.0f}",
+                    fmt_interval(a["ttft_p99"]), "-" if a["tpot_p50"] is None else f"{a['tpot_p50'] * 1e3:.0f}",
                     "-" if a["e2e_p99"] is None else f"{a['e2e_p99']:.1f}"] for s, a in an.items()))
     k, v = an["kunserve-admit"], an["vllm"]
     L += ["", f"Reading: stock took every request and preempted {v['preemptions']:g} times; its admitted requests' "
-          f"P99 TTFT was {ci(v['ttft_p99'])} s. With admission over what the fleet can reach after its drops, "
+          f"P99 TTFT was {fmt_interval(v['ttft_p99'])} s. With admission over what the fleet can reach after its drops, "
           f"kunserve preempted {k['preemptions']:g} times, shed {k['shed']} of {k['requests']} requests "
-          f"({k['shed'] / max(1, k['requests']):.0%}) and its admitted requests' P99 TTFT was {ci(k['ttft_p99'])} s. "
+          f"({k['shed'] / max(1, k['requests']):.0%}) and its admitted requests' P99 TTFT was {fmt_interval(k['ttft_p99'])} s. "
           "The queue waits count in TTFT: a request the front end holds back is timed from when the client sent it. "
           "The gate counts the fleet's KV as one pool while dispatch puts each request on one engine, so an engine "
           "can still run short while the other has room: the likely source of the preemptions left with admission "

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import pooled, raw
+from benchmarks.common.stats import fmt_interval, fmt_num
 from vllm_kunserve.bench.report import REPO, command, md_table, pyplot, save_figure, write_json
 
 PAGE = REPO / "docs" / "benchmarks" / "elastic"
@@ -193,11 +194,6 @@ def plot(path: Path, an: dict, sim: dict) -> bool:
 
 
 def render(an: dict, meta: dict, sim: dict, cmd: str, name: str) -> str:
-    def ci(p: dict) -> str:
-        if p["value"] is None:
-            return "-"
-        hi = "inf" if p["hi"] is None or p["hi"] == float("inf") else f"{p['hi']:.2f}"
-        return f"{p['value']:.2f} ({p['lo']:.2f}..{hi})"
     L = ["# An elastic fleet against fixed ones, on a slow rise and fall (written by benchmarks/elastic.py)", "",
          f"Command: `{cmd}`. Raw data: `docs/benchmarks/runs/{name}{raw.SUFFIX}`.", "",
          f"![engines held over time]({PAGE.name}.png)", ""]
@@ -215,7 +211,7 @@ def render(an: dict, meta: dict, sim: dict, cmd: str, name: str) -> str:
         L += md_table(["system", "completed", "preemptions", "P50 TTFT (s)", "P99 TTFT (s, 95%)", "P50 TPOT (ms)",
                        "P99 E2E (s)", "instance-s", "vs fixed-max"], "lrrrlrrrr",
                       ([s, f"{a['completed']}/{a['requests']}", f"{a['preemptions']:g}", f"{a['ttft_p50']['value']:.2f}",
-                        ci(a["ttft_p99"]), "-" if a["tpot_p50"] is None else f"{a['tpot_p50'] * 1e3:.0f}",
+                        fmt_interval(a["ttft_p99"]), "-" if a["tpot_p50"] is None else f"{a['tpot_p50'] * 1e3:.0f}",
                         "-" if a["e2e_p99"] is None else f"{a['e2e_p99']:.1f}", f"{a['instance_s']:.0f}",
                         f"{a['instance_s'] / max(an['fixed-max']['instance_s'], 1e-9):.2f}x"] for s, a in an.items()))
         steps = "; ".join(f"repetition {k + 1}: " + ", ".join(f"{n:g} at {t:.0f} s" for t, n in h)
@@ -267,8 +263,8 @@ def reading(an: dict, sim: dict) -> str:
         ups = [next((t for t, n in h if n > h[0][1]), None) for h in e["held"]]
         drained = any(any(b[1] < a[1] for a, b in zip(h, h[1:])) for h in e["held"])
         out = (f"on the real engines the elastic fleet held {e['instance_s'] / mx['instance_s']:.2f}x the fixed "
-               f"maximum's instance-seconds, P99 TTFT {ci_text(e['ttft_p99'])} s against {ci_text(mx['ttft_p99'])} s "
-               f"(fixed maximum) and {ci_text(mn['ttft_p99'])} s (fixed minimum). It started its second engine at "
+               f"maximum's instance-seconds, P99 TTFT {fmt_num(e['ttft_p99']['value'])} s against {fmt_num(mx['ttft_p99']['value'])} s "
+               f"(fixed maximum) and {fmt_num(mn['ttft_p99']['value'])} s (fixed minimum). It started its second engine at "
                + " and ".join("-" if t is None else f"{t:.0f} s" for t in ups)
                + (" and drained it as the load fell. " if drained else
                   " and kept it to the end: in the falling phases the demand never stayed at or below "
@@ -277,10 +273,6 @@ def reading(an: dict, sim: dict) -> str:
                   "below and tested on real engines, tests/vllm/test_serve_defaults.py). ")
                + "In the simulator " + out[len("in the simulator "):])
     return out
-
-
-def ci_text(p: dict) -> str:
-    return "-" if p["value"] is None else f"{p['value']:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,7 +41,6 @@ from vllm_kunserve.policy.migration import MigrationOrder, RequestLoad, plan_mig
 from vllm_kunserve.policy.monitor import record_demand
 from vllm_kunserve.policy.overload import forecast_blocks
 
-ACTIONS = ("none", "add", "drain")
 HISTORY_S = 30.0   # demand samples kept for the forecast's trend
 
 
@@ -98,7 +97,8 @@ def decide_scale(view: ElasticView, cfg: ElasticConfig, state: ElasticState = El
                          "need 1 <= min <= max")
     if not math.isfinite(view.reachable_blocks):   # no engine has reported its KV yet: nothing to scale by
         return ScaleDecision("none", reason="no KV reported yet"), state
-    demand_now = float(sum(u.demand_blocks for u in view.units if u.alive or u.instance_id in view.draining))
+    serving = [u for u in view.units if u.alive or u.instance_id in view.draining]   # their requests need room
+    demand_now = float(sum(u.demand_blocks for u in serving))
     history = record_demand(state.history, view.t, demand_now, HISTORY_S)
     demand = demand_now + forecast_blocks(history, cfg.forecast_horizon_s)
     running = sum(1 for u in view.units if u.alive)
@@ -108,8 +108,7 @@ def decide_scale(view: ElasticView, cfg: ElasticConfig, state: ElasticState = El
     ratio_down = demand / (per * (running - 1)) if per > 0 and running > 1 else math.inf
     above = ratio_up > cfg.up_ratio
     # a queue says compute, not KV, binds (or a drain's requests just moved): no engine leaves while one waits
-    queued = sum(u.queued_blocks for u in view.units if u.alive or u.instance_id in view.draining)
-    below = ratio_down <= cfg.down_ratio and queued == 0
+    below = ratio_down <= cfg.down_ratio and not any(u.queued_blocks for u in serving)
     st = replace(state, history=history,
                  above_since=(state.above_since if state.above_since is not None else view.t) if above else None,
                  below_since=(state.below_since if state.below_since is not None else view.t) if below else None)
@@ -154,4 +153,4 @@ def drain_moves(units: Sequence[InstanceLoad], requests: Sequence[RequestLoad], 
     return tuple(o for o in orders if o.src == draining)
 
 
-__all__ = ["ACTIONS", "ElasticState", "ElasticView", "ScaleDecision", "decide_scale", "drain_moves", "drain_target"]
+__all__ = ["ElasticState", "ElasticView", "ScaleDecision", "decide_scale", "drain_moves", "drain_target"]

@@ -13,6 +13,7 @@ from vllm_kunserve.policy import microbatch as pm
 from vllm_kunserve.policy import snapshot as ps
 from vllm_kunserve.policy.dispatch import InstanceLoad
 from vllm_kunserve.policy.inputs import EngineLoad
+from vllm_kunserve.policy.migration import RequestLoad
 from vllm_kunserve.policy.transfer import Link, chunk_bytes
 
 from .steptime import EqStepTime, Pair
@@ -46,6 +47,13 @@ def instance_loads(sim) -> list[InstanceLoad]:
     """Every server (an instance or a pipeline group) as dispatch sees it, keyed by server id."""
     return [InstanceLoad(s.sid, s.used, s.queued_blocks(), s.capacity, queued_work(s),
                          len(s.running) + len(s.waiting), s.k, s.alive and not s.frozen) for s in sim.servers]
+
+
+def movable_requests(servers) -> list[RequestLoad]:
+    """The requests a migration may move off ``servers``: running ones that have produced a token
+    (what the front end can move), each with its KV blocks, tokens so far and tokens left."""
+    return [RequestLoad(str(r.id), s.sid, r.blocks, r.prompt + r.generated, r.output - r.generated)
+            for s in servers for r in s.running if r.generated >= 1]
 
 
 def engine_load(sim, s) -> EngineLoad:

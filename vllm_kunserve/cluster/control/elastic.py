@@ -73,9 +73,10 @@ class ElasticController:
             self.front.record("scale_down", instance=dec.instance, reason=dec.reason)
 
     def _drain_step(self, reports: dict) -> None:
-        from vllm_kunserve.cluster.control.migration import LOOPBACK_BYTES_PER_S, kv_or_reprefill
+        from vllm_kunserve.cluster.control.migration import LOOPBACK_BYTES_PER_S, kv_block_bytes, kv_or_reprefill
 
         front = self.front
+        moving = None   # (loads, movable requests), read once a period where a drain has moves left
         for e in front.fleet.engines:
             i = e.index
             if e.state != "draining" or i in self._retiring:
@@ -87,10 +88,9 @@ class ElasticController:
             left = self.budget.get(i, 0)
             if left <= 0:
                 continue
-            block_bytes = max((r.engine_state.capacity.block_bytes or 0 for r in reports.values()
-                               if r.ok and r.engine_state is not None), default=0)
-            orders = kv_or_reprefill(drain_moves(front.loads(), front.request_loads(), i, left, self.placement,
-                                                 kv_bytes_per_block=block_bytes,
+            moving = moving or (front.loads(), front.request_loads())
+            orders = kv_or_reprefill(drain_moves(*moving, i, left, self.placement,
+                                                 kv_bytes_per_block=kv_block_bytes(reports),
                                                  link_bytes_per_s=LOOPBACK_BYTES_PER_S), reports)
             for o in orders:
                 if front.order_move(o, "drain"):

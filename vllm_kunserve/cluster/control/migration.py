@@ -23,12 +23,16 @@ LOOPBACK_BYTES_PER_S = 1e9
 def placement_planner(config: PlacementConfig, link_bytes_per_s: float = LOOPBACK_BYTES_PER_S
                       ) -> Callable[..., Sequence[MigrationOrder]]:
     def plan(units, requests, reports, policy: DispatchPolicy) -> Sequence[MigrationOrder]:
-        block_bytes = max((r.engine_state.capacity.block_bytes or 0 for r in reports.values()
-                           if r.ok and r.engine_state is not None), default=0)
-        orders = policy.on_period(units, requests, config, kv_bytes_per_block=block_bytes,
+        orders = policy.on_period(units, requests, config, kv_bytes_per_block=kv_block_bytes(reports),
                                   link_bytes_per_s=link_bytes_per_s)
         return kv_or_reprefill(orders, reports)
     return plan
+
+
+def kv_block_bytes(reports: dict) -> int:
+    """Bytes of one KV block, as the kunserve engines' control ports report it (0 where none does)."""
+    return max((r.engine_state.capacity.block_bytes or 0 for r in reports.values()
+                if r.ok and r.engine_state is not None), default=0)
 
 
 def kv_or_reprefill(orders: Sequence[MigrationOrder], reports: dict) -> tuple[MigrationOrder, ...]:

@@ -128,24 +128,36 @@ class Fleet:
         if self.restart and not self._stop.is_set():
             threading.Thread(target=self._restart, args=(e,), name=f"kunserve-restart-{e.index}", daemon=True).start()
 
-    def _restart(self, e: Engine) -> None:
-        e.state = "restarting"
+    def _come_up(self, e: Engine, failed: Callable[[Exception], None]) -> bool:
+        """Start ``e``'s engine and wait until it is healthy (a launch that exits at startup, e.g. a
+        port taken meanwhile, is retried); ``ready_s`` set, True. A failure calls ``failed`` (False);
+        an engine that came up while the fleet stopped is stopped too (False)."""
         try:
-            self.backend.stop(e)
-            if self._stop.is_set():
-                return
             self._start_one(e)
-            self._wait_started(e)   # a relaunch that exits at startup (a port taken meanwhile) is retried
+            self._wait_started(e)
         except Exception as exc:
+            failed(exc)
+            return False
+        if self._stop.is_set():
+            self.backend.stop(e)
+            e.state = "stopped"
+            return False
+        e.ready_s = time.monotonic()
+        return True
+
+    def _restart(self, e: Engine) -> None:
+        def failed(exc: Exception) -> None:
             logger.error("instance %d: restart failed: %s", e.index, exc)
             e.state = "dead"
             self.event(e, "restart_failed", error=str(exc)[-500:])
-            return
-        if self._stop.is_set():   # the fleet stopped while this engine came up: stop it too
+        e.state = "restarting"
+        try:
             self.backend.stop(e)
-            e.state = "stopped"
+        except Exception as exc:
+            failed(exc)
             return
-        e.ready_s = time.monotonic()
+        if self._stop.is_set() or not self._come_up(e, failed):
+            return
         e.restarts += 1
         e.state = "ready"
         self.event(e, "restarted", startup_s=round(e.ready_s - e.started_s, 2), url=e.url)
@@ -164,22 +176,14 @@ class Fleet:
         return e
 
     def _add(self, e: Engine) -> None:
-        try:
-            self._start_one(e)
-            self._wait_started(e)
-        except Exception as exc:
+        def failed(exc: Exception) -> None:
             logger.error("instance %d: start failed: %s", e.index, exc)
             self.backend.stop(e)
             e.state = "parked"
             self.event(e, "add_failed", error=str(exc)[-500:])
-            return
-        if self._stop.is_set():
-            self.backend.stop(e)
-            e.state = "stopped"
-            return
-        e.ready_s = time.monotonic()
-        e.state = "ready"
-        self.event(e, "added", startup_s=round(e.ready_s - e.started_s, 2), url=e.url)
+        if self._come_up(e, failed):
+            e.state = "ready"
+            self.event(e, "added", startup_s=round(e.ready_s - e.started_s, 2), url=e.url)
 
     def drain(self, index: int, reason: str = "") -> bool:
         """Stop sending engine ``index`` new requests (those it holds finish or move); False unless it was ready."""

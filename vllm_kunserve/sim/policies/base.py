@@ -46,9 +46,13 @@ class Policy:
     def setup(self, sim) -> None:
         """Called once before the first event."""
 
+    def dispatch_units(self, sim):
+        """The servers as dispatch sees them (``InstanceLoad``; ``alive``: may take a new request)."""
+        return adapters.instance_loads(sim)
+
     def dispatch(self, sim, req):
         """The server that takes the arriving request ``req``."""
-        units = adapters.instance_loads(sim)
+        units = self.dispatch_units(sim)
         sid = choose_instance(units, self.dispatch_mode, prompt_blocks=-(-req.prompt // sim.cfg.block_size),
                               turn=next(self._rr) if self.dispatch_mode == "round-robin" else 0)
         return next(s for s in sim.servers if s.sid == sid)

@@ -15,12 +15,10 @@ the front end's ``kunserve:fleet_engines{state="held"}`` does.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 from vllm_kunserve.config import ElasticConfig, PlacementConfig
-from vllm_kunserve.policy.dispatch import choose_instance
 from vllm_kunserve.policy.elastic import ElasticState, ElasticView, decide_scale, drain_moves
-from vllm_kunserve.policy.migration import RequestLoad
 
 from .. import adapters
 from .base import DEFAULT_DISPATCH, Policy, move_request
@@ -53,13 +51,10 @@ class ElasticPolicy(Policy):
             self.status[s.sid] = "ready" if k < self.start else "parked"
             s.alive = k < self.start
 
-    def _units(self, sim):
+    def dispatch_units(self, sim):
+        """A draining instance takes no new request: not alive for dispatch (it still steps)."""
         return [replace(u, alive=False) if self.status.get(u.instance_id) == "draining" else u
                 for u in adapters.instance_loads(sim)]
-
-    def dispatch(self, sim, req):
-        sid = choose_instance(self._units(sim), self.dispatch_mode, prompt_blocks=-(-req.prompt // sim.cfg.block_size))
-        return next(s for s in sim.servers if s.sid == sid)
 
     def _up(self, sim, s) -> None:
         if self.status.get(s.sid) == "starting":
@@ -77,7 +72,7 @@ class ElasticPolicy(Policy):
         for sid, st in list(self.status.items()):
             if st == "draining":
                 self._drain_step(sim, by_sid[sid])
-        units = [u for u in self._units(sim) if self.status.get(u.instance_id) in ("ready", "draining")]
+        units = [u for u in self.dispatch_units(sim) if self.status.get(u.instance_id) in ("ready", "draining")]
         reach = float(sum(u.capacity_blocks for u in units if u.alive))
         view = ElasticView(sim.now, tuple(units), sum(1 for v in self.status.values() if v == "starting"),
                            tuple(sid for sid, v in self.status.items() if v == "draining"), reach,
@@ -101,9 +96,7 @@ class ElasticPolicy(Policy):
             return
         if self.budget.get(s.sid, 0) <= 0 or s.inflight:
             return
-        reqs = [RequestLoad(str(r.id), s.sid, r.blocks, r.prompt + r.generated, r.output - r.generated)
-                for r in s.running if r.generated >= 1]
-        orders = drain_moves(self._units(sim), reqs, s.sid, self.budget[s.sid], self.placement,
+        orders = drain_moves(self.dispatch_units(sim), adapters.movable_requests([s]), s.sid, self.budget[s.sid], self.placement,
                              kv_bytes_per_block=sim.cfg.block_bytes,
                              link_bytes_per_s=sim.cfg.link.bandwidth_bytes_per_s)
         by_id = {str(r.id): r for r in s.running}
@@ -115,7 +108,7 @@ class ElasticPolicy(Policy):
 
     def describe(self) -> dict:
         return {**super().describe(), "name": "elastic", "start": self.start, "min_instances": self.min_instances,
-                "startup_s": self.startup_s, "elastic": {k: getattr(self.cfg, k) for k in self.cfg.__dataclass_fields__},
+                "startup_s": self.startup_s, "elastic": asdict(self.cfg),
                 "instance_seconds": round(self.instance_seconds, 1)}
 
 

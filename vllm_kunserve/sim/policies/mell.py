@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from vllm_kunserve.config import PlacementConfig
-from vllm_kunserve.policy.migration import RequestLoad, plan_migrations
+from vllm_kunserve.policy.migration import plan_migrations
 from vllm_kunserve.policy.placement import MellPlacer
 
 from .. import adapters
@@ -97,8 +97,7 @@ class MellPolicy(Policy):
     # ---- fixed: plan_migrations each period -----------------------------------------------------
     def _plan(self, sim) -> None:
         units = adapters.instance_loads(sim)
-        reqs = [RequestLoad(str(r.id), s.sid, r.blocks, r.prompt + r.generated, r.output - r.generated)
-                for s in sim.servers if s.alive and not s.frozen for r in s.running if r.generated >= 1]
+        reqs = adapters.movable_requests(s for s in sim.servers if s.alive and not s.frozen)
         orders = plan_migrations(units, reqs, self.pcfg, kv_bytes_per_block=sim.cfg.block_bytes,
                                  link_bytes_per_s=sim.cfg.link.bandwidth_bytes_per_s, cost_model=self.cost_model)
         self.pending = {}
