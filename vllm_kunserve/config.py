@@ -250,6 +250,26 @@ class ElasticConfig:
         "with no new ones sent there).", lo=0, hi=10000)
 
 
+@dataclass(frozen=True)
+class TenancyConfig:
+    """A multi-model fleet (`kunserve serve --fleet FILE`, its `tenancy` object): the engines of one host share
+    the memory they started with; a model idle this long lends its engines' weight memory down to the
+    threshold at which its next prefill streams the rest in time (`policy.remap`, Oneiros's order), busy
+    models' engines borrow it as KV, and a request for a lender takes it back (`policy.tenancy`). Not an
+    engine option."""
+
+    idle_s: float = _opt(30.0, "Seconds without a request (and none in flight) before a model is inactive and "
+                               "lends its weight memory.", lo=0.0, hi=86400.0, lo_open=True)
+    borrow_ratio: float = _opt(0.9, "An active engine borrows when its KV demand exceeds this share of its "
+                                    "blocks.", lo=0.0, hi=4.0, lo_open=True)
+    repay_ratio: float = _opt(0.5, "A borrowing engine repays when its KV demand stays under this share of its "
+                                   "base blocks.", lo=0.0, hi=1.0, lo_open=True)
+    repay_hold_s: float = _opt(10.0, "Seconds the demand must stay under `repay_ratio` before a repay.",
+                               lo=0.0, hi=3600.0)
+    headroom: float = _opt(0.25, "A borrow asks this much more than the shortage (a share of it), so that "
+                                 "a rising demand borrows less often.", lo=0.0, hi=10.0)
+
+
 _SECTIONS: dict[str, type] = {
     "drop": DropConfig,
     "restore": RestoreConfig,
@@ -415,6 +435,12 @@ def parse_elastic(raw: Any) -> ElasticConfig:
     return _parse_section("elastic", ElasticConfig, raw)
 
 
+def parse_tenancy(raw: Any) -> TenancyConfig:
+    """Parse a fleet file's ``tenancy`` object (a mapping; ``None``: defaults), each key named as
+    ``kunserve.tenancy.KEY``."""
+    return _parse_section("tenancy", TenancyConfig, raw)
+
+
 def parse_kunserve_config(text: str | None) -> dict[str, Any]:
     """A ``--kunserve-config`` value (``kunserve compare``, ``kunserve serve``): inline JSON or a path
     to a JSON file, with or without the outer ``{"kunserve": ...}``; validated, returned as a dict."""
@@ -479,7 +505,7 @@ def render_docs() -> str:
         "",
     ]
     hints_cache: dict[type, dict] = {}
-    for name, cls in {**_SECTIONS, "elastic": ElasticConfig}.items():
+    for name, cls in {**_SECTIONS, "elastic": ElasticConfig, "tenancy": TenancyConfig}.items():
         hints = hints_cache.setdefault(cls, typing.get_type_hints(cls))
         lines += [f"## `{name}`", "", (cls.__doc__ or "").strip(), "",
                   "| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]

@@ -65,8 +65,12 @@ class Worker:
 
     def kunserve_prepare(self, op, params):
         self.res.faults.check("rpc")
-        if op == "remap":
-            return self.res.remap(params["layers"], params["slots"], commit=False)
+        if op in ("remap", "lend"):
+            return self.res.remap(params["layers"], params["slots"], commit=False, lend=op == "lend")
+        if op == "borrow":
+            return self.res.borrow(params["blocks"], commit=False)
+        if op == "repay":
+            return self.res.repay(params["blocks"], commit=False)
         return self.res.revert(kv_blocks=params["kv_blocks"], keep=params["keep"], commit=False)
 
     def kunserve_commit(self):
@@ -117,6 +121,49 @@ def test_failure_on_one_of_two_workers_rolls_both_back():
     agent.call("revert", {})
     assert agent.phase == "base" and [w.res.streamed for w in workers] == [(), ()]
     assert agent.events[-1]["event"] == "revert" and agent.events[-1]["outcome"] == "ok"
+
+
+def test_lend_borrow_repay_reclaim_through_the_agent_roll_back_on_a_fault_at_each_step():
+    """A multi-model fleet's memory moves through two agents (the lender, an idle model's engine; the
+    borrower, a busy one's): a fault at any step on either worker leaves both agents and their pools
+    as they were; done, the host holds the same bytes in all and outputs stay identical."""
+    lender, lw, stacks = _agent()
+    borrower, bw, _ = _agent()
+    x = torch.randn(2, H)
+    ref = _run(stacks[0], x)
+    held = lender.held_bytes + borrower.held_bytes
+    for step in ("rpc", "release", "streamer_install", "give_back", "bookkeeping"):
+        (lender.faults if step == "bookkeeping" else lw[1].res.faults).arm(step)
+        assert lender.call("lend", {"alpha": 2})["outcome"] == "failed", step
+        assert lender.phase == "base" and not lender.lent and lender.held_bytes == held // 2, step
+        assert [w.res.streamed for w in lw] == [(), ()] and lender.invariant_problems() == []
+    ev = lender.call("lend", {"alpha": 2})
+    assert ev["outcome"] == "ok" and lender.lent and lender.state_tenancy()["lent"] == 3
+    assert ev["bytes"] > 0 and lender.held_bytes == held // 2 - ev["bytes"]
+    with pytest.raises(Exception):
+        lender.call("borrow", {"blocks": BASE + 8})   # a lender does not borrow
+    with pytest.raises(Exception):
+        lender.call("revert", {})                     # nor reverts behind its controller's back
+    for step in ("rpc", "kv_borrow", "bookkeeping"):
+        (borrower.faults if step == "bookkeeping" else bw[0].res.faults).arm(step)
+        assert borrower.call("borrow", {"blocks": BASE + 16})["outcome"] == "failed", step
+        assert borrower.sched.visible == BASE and borrower.borrowed == 0, step
+        assert [w.res.pool.held_bytes for w in bw] == [held // 4, held // 4] and borrower.invariant_problems() == []
+    assert borrower.call("borrow", {"blocks": BASE + 16})["outcome"] == "ok"
+    assert borrower.borrowed == 16 and borrower.held_bytes > held // 2 and borrower.invariant_problems() == []
+    assert torch.equal(_run(stacks[0], x), ref)
+    for step in ("rpc", "kv_repay", "bookkeeping"):
+        (borrower.faults if step == "bookkeeping" else bw[1].res.faults).arm(step)
+        assert borrower.call("repay", {})["outcome"] == "failed", step
+        assert borrower.borrowed == 16 and borrower.phase == "base" and borrower.invariant_problems() == [], step
+    assert borrower.call("repay", {})["outcome"] == "ok" and borrower.borrowed == 0
+    assert borrower.held_bytes == held // 2
+    lw[0].res.faults.arm("reload")
+    lender.call("reclaim", {})
+    assert lender.lent and lender.phase == "remapped" and lender.invariant_problems() == []
+    lender.call("reclaim", {})
+    assert not lender.lent and lender.phase == "base" and lender.held_bytes == held // 2
+    assert lender.invariant_problems() == [] and torch.equal(_run(stacks[0], x), ref)
 
 
 def test_controller_errors_are_events_and_never_escape():

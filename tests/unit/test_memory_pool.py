@@ -260,3 +260,26 @@ def test_cuda_backend_without_driver_is_a_clear_error():
         MemoryPool(CHUNK, backend="cuda")
     with MemoryPool(CHUNK) as p:  # auto falls back to the host backend
         assert p.backend.name == "host"
+
+
+def test_returned_chunks_leave_the_host_and_come_back_zeroed():
+    """return_free punches a free chunk's pages out of the memfd (the host has the memory back: the
+    file's allocated blocks drop); add_chunks makes those chunks again before any new one."""
+    import os
+
+    cb = 1 << 20
+    pool = MemoryPool(4 * cb, backend="host", chunk_bytes=cb)
+    r = pool.create_kv_region("kv", 4 * cb, 4 * cb)
+    r.view(torch.uint8).fill_(7)
+    pool.resize_kv({r: 2 * cb})
+    allocated = os.fstat(pool.backend._fd).st_blocks
+    assert pool.return_free(2) == 2 and pool.held_bytes == 2 * cb
+    assert os.fstat(pool.backend._fd).st_blocks < allocated
+    pool.check()
+    with pytest.raises(PoolExhaustedError):
+        pool.return_free(1)   # nothing free is left to give
+    assert pool.add_chunks(2) == 4 and pool.held_chunks == 4   # the returned ones, not two new ones
+    pool.resize_kv({r: 4 * cb})
+    assert int(r.view(torch.uint8)[2 * cb:].max()) == 0   # their pages came back zeroed
+    pool.check()
+    pool.close()

@@ -58,7 +58,7 @@ def _residency(layers, faults=None) -> LayerResidency:
 
 def _snapshot(res: LayerResidency):
     return ([s.value for s in res.states], res.mapped_blocks, len(res.slot_regions), res.pool.num_free_chunks,
-            res.streamed)
+            res.streamed, res.pool.held_chunks)
 
 
 @pytest.fixture
@@ -144,6 +144,10 @@ OPS = {
                                                                                     kv_blocks=res.mapped_blocks - 8)),
     "drop": (lambda res: None, lambda res: res.drop([4, 5])),
     "restore": (lambda res: res.drop([4, 5]), lambda res: res.restore([4, 5])),
+    "lend": (lambda res: None, lambda res: res.remap([1, 4], 1, lend=True)),
+    "reclaim": (lambda res: res.remap([1, 4], 1, lend=True), lambda res: res.revert()),
+    "borrow": (lambda res: None, lambda res: res.borrow(BASE + 16)),
+    "repay": (lambda res: res.borrow(BASE + 16), lambda res: res.repay(BASE)),
 }
 
 
@@ -175,6 +179,35 @@ def test_fault_at_every_step_rolls_back(op, step):
     res.remap([0, 3], 1)
     res.revert()
     assert res.check_invariants() == [] and torch.equal(_run(layers, x), ref)
+
+
+def test_lend_gives_memory_to_the_host_and_a_borrower_grows_on_it(setup):
+    """An idle model's engine lends two layers' memory (streams them; the pool gives the chunks
+    back), another engine borrows KV on memory it makes, repays it, and the lender reclaims: outputs
+    stay identical on both, and every chunk is accounted for at each step."""
+    layers, x, ref, res = setup
+    other_layers = _stack()
+    other = _residency(other_layers)
+    held = res.pool.held_chunks
+    res.remap([1, 3, 5], 1, lend=True)
+    gave = held - res.pool.held_chunks
+    assert res.streamed == (1, 3, 5) and res.mapped_blocks == BASE and gave > 0
+    assert res.pool.num_free_chunks == 0 and res.check_invariants() == []
+    assert torch.equal(_run(layers, x), ref)   # streamed from the host copies
+    before = other.pool.held_chunks
+    other.borrow(BASE + 24)
+    assert other.mapped_blocks == BASE + 24 and other.check_invariants() == []
+    # exactly the chunks the two KV regions lack for 24 more blocks: none made to sit free
+    assert other.pool.held_chunks - before == 2 * (-(-(BASE + 24) * PAGE // CHUNK) + (-BASE * PAGE // CHUNK))
+    assert other.pool.num_free_chunks == 0
+    assert torch.equal(_run(other_layers, x), ref)
+    other.repay(BASE)
+    assert other.mapped_blocks == BASE and other.pool.held_chunks == before and other.check_invariants() == []
+    res.revert()   # reclaim: the pool makes the chunks its layers need again
+    assert res.streamed == () and res.pool.held_chunks == held and res.check_invariants() == []
+    assert torch.equal(_run(layers, x), ref)
+    with pytest.raises(ValueError):
+        other.repay(BASE - 1)
 
 
 def test_prepared_transition_aborts_and_commits(setup):

@@ -36,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve N vLLM engines behind one OpenAI-compatible endpoint",
                        description=__doc__, epilog=options_help(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help="model path or name (as for vllm serve)")
+    p.add_argument("model", help="model path or name (as for vllm serve); several (MODEL_A MODEL_B ...), or a fleet "
+                                 "file (.json), serve several models behind the one endpoint")
     p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
@@ -436,7 +437,138 @@ def listen_socket(host: str, port: int, reuse_port: bool = False) -> socket.sock
     return sock
 
 
+def leading_models(args: argparse.Namespace) -> list[str]:
+    """MODEL and the models that follow it before the first option (``kunserve serve A B --port 8000``);
+    they leave ``args.rest``."""
+    models = [args.model]
+    while args.rest and not args.rest[0].startswith("-"):
+        models.append(args.rest.pop(0))
+    return models
+
+
 def run(args: argparse.Namespace) -> int:
+    from vllm_kunserve.cluster.fleet.fleetfile import is_fleet_file
+
+    models = leading_models(args)
+    if len(models) > 1 or is_fleet_file(models[0]):
+        return run_fleet(args, models)
+    return run_one(args)
+
+
+def run_fleet(args: argparse.Namespace, models: list[str]) -> int:
+    """Several models behind one endpoint: a front end per model (its own engines), one router, and
+    with ``--kunserve-config`` the tenancy controller that moves memory between them."""
+    import copy
+    import dataclasses
+    import threading
+
+    import uvicorn
+
+    from vllm_kunserve.cluster.fleet.fleetfile import from_models, is_fleet_file, load_fleet
+    from vllm_kunserve.cluster.fleet.launcher import SERVING_LINE, StartupExited
+    from vllm_kunserve.cluster.fleet.spec import ENGINE_CPUS, ENGINE_GPUS, cpu_split
+    from vllm_kunserve.cluster.frontend.app import build_app
+    from vllm_kunserve.cluster.frontend.models import ModelRouter
+    from vllm_kunserve.config import TenancyConfig, parse_config
+
+    if is_fleet_file(models[0]) and len(models) > 1:
+        raise ValueError(f"a fleet file ({models[0]}) names every model: no models after it ({models[1]})")
+    opts, engine_args = parse(args)
+    for flag, bad in (("--engine-url", opts.engine_url), ("--max-instances", opts.max_instances != opts.instances),
+                      ("--min-instances", opts.min_instances != opts.instances), ("--backend ray", opts.backend == "ray")):
+        if bad:
+            raise ValueError(f"{flag} with several models: a multi-model fleet runs local engines of a fixed size")
+    if any(a.split("=", 1)[0] == "--served-model-name" for a in engine_args):
+        raise ValueError("--served-model-name with several models: each model's name is its own (a fleet file's "
+                         "\"name\")")
+    if is_fleet_file(models[0]):
+        entries, tenancy = load_fleet(models[0])
+        entries = [dataclasses.replace(e, instances=e.instances or opts.instances) for e in entries]
+    else:
+        entries, tenancy = from_models(models, opts.instances), TenancyConfig()
+    sock = listen_socket(opts.host, opts.port, opts.reuse_port)
+    fleets, fronts = [], {}
+    try:
+        parsed = {e.name: check_engine_args(e.model, [*engine_args, *e.engine_args]) for e in entries}
+        import psutil
+        from vllm.platforms import current_platform
+
+        total = sum(e.instances for e in entries)
+        vm = psutil.virtual_memory()
+        extra, line = memory_split(total, engine_args, device=current_platform.device_type, backend=opts.backend,
+                                   available=vm.available, total=vm.total,
+                                   weights=max(weight_bytes(e.model) for e in entries), share=opts.host_memory_share)
+        gpu_env: dict[str, str] = {}
+        if current_platform.device_type == "cuda":
+            import torch
+
+            gpu_env, gpu_line = device_split(total, device="cuda", backend=opts.backend,
+                                             devices=torch.cuda.device_count())
+            line = "\n".join(x for x in (line, gpu_line) if x)
+        cpu_env, cpu_line = cpu_split(total, device=current_platform.device_type, backend=opts.backend,
+                                      cpus=sorted(os.sched_getaffinity(0)))
+        for ln in (line, cpu_line):
+            if ln:
+                print(ln, flush=True)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        first = 0
+        for e in entries:
+            o = copy.copy(opts)
+            o.instances = o.max_instances = o.min_instances = e.instances
+            o.elastic = None
+            env = {}
+            for key, src in ((ENGINE_CPUS, cpu_env), (ENGINE_GPUS, gpu_env)):
+                if src.get(key):   # this model's engines take the next runs of the split
+                    parts = src[key].split("|")
+                    env[key] = "|".join(parts[(first + i) % len(parts)] for i in range(e.instances))
+            first += e.instances
+            fleet, front = build(e.model, o, [*engine_args, *e.engine_args, *extra, "--served-model-name", e.name],
+                                 parsed[e.name], engine_env=env)
+            front.freeze_gc = True
+            fleets.append(fleet)
+            fronts[e.name] = front
+        kind = "kunserve" if opts.kunserve_config is not None else "stock vLLM"
+        print(f"[kunserve] starting {len(entries)} models ({', '.join(f'{e.name}: {e.instances}' for e in entries)}) "
+              f"on {kind} engines ...", flush=True)
+        errors: list[BaseException] = []
+
+        def start(f) -> None:
+            try:
+                f.start()
+            except BaseException as exc:   # noqa: BLE001 - reported below, every fleet stopped
+                errors.append(exc)
+        threads = [threading.Thread(target=start, args=(f,), daemon=True) for f in fleets]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            e0 = errors[0]
+            raise ValueError(e0.one_line() if isinstance(e0, StartupExited) else str(e0)) from None
+        tenancy_ctl = None
+        if opts.kunserve_config is not None:
+            from vllm_kunserve.cluster.control.tenancy import TenancyController
+
+            cfg = parse_config(next(iter(fronts.values())).fleet.spec.kunserve)
+            tenancy_ctl = TenancyController(fronts, tenancy, {e.name: e.priority for e in entries}, cfg.remap)
+        keys = api_keys(next(iter(parsed.values())))
+        router = ModelRouter({n: (f, build_app(f)) for n, f in fronts.items()}, tenancy_ctl, tuple(keys))
+        config = uvicorn.Config(router, host=opts.host, port=opts.port, log_level="warning", timeout_keep_alive=30)
+        server = uvicorn.Server(config)
+        print(f"{SERVING_LINE} {total} instance(s) of {len(entries)} models at http://{opts.host}:{opts.port} "
+              f"(models: {', '.join(fronts)}; memory moves between them: "
+              f"{'on' if tenancy_ctl else 'off (stock engines: a static split)'})", flush=True)
+        server.run(sockets=[sock])
+    finally:
+        if fleets:
+            print("[kunserve] stopping engines ...", flush=True)
+        for f in fleets:
+            f.stop()
+        sock.close()
+    return 0
+
+
+def run_one(args: argparse.Namespace) -> int:
     import uvicorn
 
     from vllm_kunserve.cluster.frontend.app import build_app

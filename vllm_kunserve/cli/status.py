@@ -245,8 +245,36 @@ def render_fleet(state: dict, events: int = 10) -> str:
     return "\n".join(lines + _events(evs, events))
 
 
+def render_models(state: dict, events: int = 10) -> str:
+    """A multi-model ``kunserve serve``'s status: the memory of each host and who holds it, then each
+    model's front end."""
+    ten = state.get("tenancy") or {}
+    lines = []
+    if ten:
+        for host, h in (ten.get("hosts") or {}).items():
+            lines.append(f"host {host}  budget {human_bytes(h.get('budget_bytes'))}  free {human_bytes(h.get('free_bytes'))}")
+        rows = [("engine", "active", "held", "home", "lent", "borrowed", "blocks", "demand")]
+        models = ten.get("models") or {}
+        for key, e in (ten.get("engines") or {}).items():
+            m = models.get(key.split("#", 1)[0]) or {}
+            rows.append((key, "yes" if m.get("active") else "no", human_bytes(e.get("held_bytes")),
+                         human_bytes(e.get("home_bytes")), _s(e.get("lent")),
+                         _s(e.get("borrowed_blocks")) + (" (repaying)" if e.get("repaying") else ""),
+                         _s(e.get("blocks")), _s(e.get("demand"))))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    else:
+        lines.append("memory moves between models: off (stock engines: a static split)")
+    parts = ["\n".join(lines)]
+    parts += [f"model {name}\n" + render_fleet(st, events) for name, st in (state.get("models") or {}).items()]
+    return "\n\n".join(parts)
+
+
 def render(state: dict, events: int = 10, now: float | None = None) -> str:
-    """The state as text: one engine, a ``kunserve serve`` front end, or each of ``engines``."""
+    """The state as text: one engine, a ``kunserve serve`` front end (of one model or several), or each
+    of ``engines``."""
+    if isinstance(state.get("models"), dict) and "tenancy" in state:
+        return render_models(state, events)
     if isinstance(state.get("instances"), list) and "dispatch" in state:
         return render_fleet(state, events)
     engines = state.get("engines")

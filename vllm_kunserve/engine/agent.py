@@ -56,6 +56,12 @@ OPERATIONS = {
     "remap": "alpha (int >= 1, default 1), slots (1|2, default 1), or layers (list of layer indices)",
     "revert": "no parameters: return every streamed layer (drains blocks above the base first)",
     "auto": "enable (bool): let the agent remap and revert by itself",
+    "lend": "alpha (int >= 1) or layers (list of layer indices), slots (1|2, default 1): stream those layers and "
+            "give their memory back to the host, for another engine's KV (a multi-model fleet's idle model)",
+    "reclaim": "no parameters: take back what lend gave and reload every streamed layer",
+    "borrow": "blocks (int): grow the KV to that many blocks on memory made now (what another engine lent)",
+    "repay": "blocks (int, default the base): shrink the KV back (blocks in use drain first: no request is lost or "
+             "recomputed) and give the memory back to the host; the state's tenancy says when it is done",
     "inject_fault": "step (str; 'clear' disarms all), after (int, default 0), rank (int, optional), delay_s "
                     "(stall that long instead of failing): test hook",
     "check": "no parameters: check the invariants now",
@@ -121,6 +127,7 @@ class EngineAgent:
         self.chunk_bytes = states[0]["chunk_bytes"]
         self.block_bytes = max(s["block_bytes"] for s in states)
         self.num_kv = states[0]["kv_regions"]
+        self.num_workers = len(states)
         self.h2d_bytes_per_s = (cfg.remap.h2d_bandwidth_gbps * 1e9 if cfg.remap.h2d_bandwidth_gbps
                                 else min(s["h2d_bytes_per_s"] for s in states))
         self.copy_overlap = all(s["copy_overlap"] for s in states)
@@ -130,6 +137,11 @@ class EngineAgent:
         self.slots = 0
         self._revert_target: tuple[int, ...] = ()
         self._revert_reason = "idle"
+        # memory between engines of one host (a multi-model fleet's controller decides it): layers lent,
+        # and where a repay drains to (None: the draining phase is a revert's)
+        self.lent = False
+        self._repay_to: int | None = None
+        self.held_bytes = sum(s.get("held_bytes", 0) for s in states)
         self.auto = True
         self.policy_state = RemapState()
         self.step_ms: deque[float] = deque(maxlen=64)
@@ -211,6 +223,8 @@ class EngineAgent:
             return
         if not self.cfg.remap.enable or self.phase not in ("base", "remapped"):
             return  # groups are decided by the cluster monitor, not by this engine
+        if self.lent or self.borrowed:
+            return  # memory lent or borrowed is the host's controller's (a multi-model fleet)
         if not self.auto or time.monotonic() < self.backoff_until:
             return
         self.faults.check("policy")
@@ -328,6 +342,10 @@ class EngineAgent:
         return {"event": "revert", "outcome": "draining", "draining": self.sched.state().draining}
 
     def _drain_tick(self) -> None:
+        if self._repay_to is not None:  # the host wants its memory back: no cancel on demand
+            if self.sched.state().draining == 0:
+                self._finish_repay()
+            return
         if self.sched.state().draining == 0:
             self._finish_revert()
             return
@@ -373,6 +391,133 @@ class EngineAgent:
         return self._event("revert", "ok", time.perf_counter() - t0, len(back) * self.layer_bytes,
                            layers=back, kept=list(keep), reason=self._revert_reason,
                            blocks_after=self.sched.state().visible)
+
+    # -- memory between engines of one host (a multi-model fleet) ---------------------------------------
+    @property
+    def borrowed(self) -> int:
+        """Blocks above the base that a borrow made (0 when none)."""
+        st = self.sched.state()
+        return 0 if self.lent or self.remapped or self.group else max(0, st.visible - st.base)
+
+    def state_tenancy(self) -> dict:
+        ms = sorted(self.step_ms)
+        return {"lent": len(self.remapped) if self.lent else 0, "borrowed_blocks": self.borrowed,
+                "repaying": self._repay_to is not None, "held_bytes": self.held_bytes,
+                # what one block and a borrow's rounding (whole chunks per KV region) cost on every worker
+                "block_bytes": self.block_bytes * self.num_workers,
+                "round_bytes": self.num_kv * self.chunk_bytes * self.num_workers,
+                # the recent steps' times: the median (a decode) and the longest (a prefill's, when one ran)
+                "step_ms_p50": round(ms[len(ms) // 2], 3) if ms else 0.0, "step_ms_max": round(ms[-1], 3) if ms else 0.0}
+
+    def _held(self) -> None:
+        self.held_bytes = sum(s.get("held_bytes", 0) for s in self._workers("kunserve_memory_state"))
+
+    def lend(self, layers: list[int], slots: int) -> dict:
+        """Stream ``layers`` and give their memory (every free chunk) back to the host."""
+        if self.phase != "base" or self.borrowed:
+            raise ControlConflict(f"lend: only an engine at its base lends (phase {self.phase}, "
+                                  f"{self.borrowed} blocks borrowed)")
+        t0, before = time.perf_counter(), self.held_bytes
+        self.operation = {"op": "lend", "started": time.time(), "params": {"layers": layers, "slots": slots}}
+        try:
+            self._two_phase("lend", {"layers": list(layers), "slots": int(slots)})
+            try:
+                self.faults.check("bookkeeping")
+            except Exception:
+                self._abort_workers()
+                raise
+            self._workers("kunserve_commit")
+        except Exception as exc:
+            return self._event("lend", "failed", time.perf_counter() - t0, 0, layers=list(layers), error=repr(exc))
+        finally:
+            self.operation = None
+        self.remapped, self.slots, self.phase, self.lent = tuple(sorted(layers)), int(slots), "remapped", True
+        self._held()
+        self._after_transition()
+        return self._event("lend", "ok", time.perf_counter() - t0, before - self.held_bytes, layers=list(self.remapped),
+                           slots=self.slots, held_bytes=self.held_bytes)
+
+    def reclaim(self) -> dict:
+        """Take back what :meth:`lend` gave: every streamed layer reloads (the pool makes its chunks)."""
+        if not self.lent:
+            return {"event": "reclaim", "outcome": "noop", "phase": self.phase}
+        before = self.held_bytes
+        out = self.begin_revert((), reason="reclaim")
+        if self.phase == "base":
+            self.lent = False
+        self._held()
+        self._publish()
+        return {**out, "event": "reclaim", "bytes": self.held_bytes - before, "held_bytes": self.held_bytes}
+
+    def borrow(self, blocks: int) -> dict:
+        """Grow the KV to ``blocks`` on memory the workers make now."""
+        if self.phase != "base" or self.lent:
+            raise ControlConflict(f"borrow: only an engine at its base (or borrowing) grows (phase {self.phase})")
+        t0, st, before = time.perf_counter(), self.sched.state(), self.held_bytes
+        blocks = min(int(blocks), st.max_blocks)
+        if blocks <= st.visible:
+            return {"event": "borrow", "outcome": "noop", "blocks": st.visible}
+        self.operation = {"op": "borrow", "started": time.time(), "params": {"blocks": blocks}}
+        try:
+            mapped = self._two_phase("borrow", {"blocks": blocks})
+            try:
+                self.faults.check("bookkeeping")
+                self.sched.grow(min(min(mapped), st.max_blocks) - st.visible)
+            except Exception:
+                self._abort_workers()
+                raise
+            self._workers("kunserve_commit")
+        except Exception as exc:
+            grown = self.sched.state().visible - st.visible
+            if grown > 0:  # fresh blocks no step has used yet: hidden at once
+                self.sched.begin_shrink(grown)
+            return self._event("borrow", "failed", time.perf_counter() - t0, 0, blocks=blocks, error=repr(exc))
+        finally:
+            self.operation = None
+        self._held()
+        self._after_transition()
+        return self._event("borrow", "ok", time.perf_counter() - t0, self.held_bytes - before, blocks_before=st.visible,
+                           blocks_after=self.sched.state().visible, held_bytes=self.held_bytes)
+
+    def repay(self, blocks: int | None = None) -> dict:
+        """Shrink the KV to ``blocks`` (default the base): blocks in use drain as their requests finish,
+        then the workers give the memory back to the host."""
+        st = self.sched.state()
+        target = st.base if blocks is None else int(blocks)
+        if self.phase != "base" or self.lent:
+            raise ControlConflict(f"repay: only a borrowing engine repays (phase {self.phase})")
+        if not st.base <= target <= st.visible:
+            raise ControlRequestError(f"repay: blocks must be in [{st.base}, {st.visible}] (base, now), got {target}")
+        self.sched.begin_shrink(st.visible - target)
+        self.phase, self._repay_to = "draining", target
+        self._event("repay", "draining", 0.0, 0, blocks_target=target, draining=self.sched.state().draining)
+        if self.sched.state().draining == 0:
+            return self._finish_repay()
+        return {"event": "repay", "outcome": "draining", "draining": self.sched.state().draining}
+
+    def _finish_repay(self) -> dict:
+        t0, target, before = time.perf_counter(), self._repay_to, self.held_bytes
+        self.operation = {"op": "repay", "started": time.time(), "params": {"blocks": target}}
+        try:
+            self._two_phase("repay", {"blocks": target})
+            try:
+                self.faults.check("bookkeeping")
+            except Exception:
+                self._abort_workers()
+                raise
+            self._workers("kunserve_commit")
+        except Exception as exc:
+            self.phase, self._repay_to = "base", None
+            self._regrow()
+            self.backoff_until = time.monotonic() + _FAILURE_BACKOFF_S
+            return self._event("repay", "failed", time.perf_counter() - t0, 0, error=repr(exc))
+        finally:
+            self.operation = None
+        self.phase, self._repay_to = "base", None
+        self._held()
+        self._after_transition()
+        return self._event("repay", "ok", time.perf_counter() - t0, before - self.held_bytes,
+                           blocks_after=self.sched.state().visible, held_bytes=self.held_bytes)
 
     # -- pipeline groups (KunServe cluster drop) --------------------------------------------------------
     def group_join(self, params: dict) -> dict:
@@ -696,6 +841,7 @@ class EngineAgent:
             remapped_layers=tuple(self.remapped), slots=self.slots,
             dropped_layers=tuple(sorted(dropped)), group=self.group, pipeline=self._pipeline_times(),
             h2d_bytes_per_s=self.h2d_bytes_per_s, copy_overlap=self.copy_overlap,
+            tenancy=self.state_tenancy(),
             events=tuple(self.events[-20:]),
         ).to_dict()
         if self.m:
@@ -724,7 +870,27 @@ class EngineAgent:
                                           f"on a {self.num_layers}-layer model")
             return self.remap(sorted(set(layers)), self.slots or slots, reason="forced")
         if op == "revert":
+            if self.lent:
+                raise ControlConflict("revert: this engine lent its layers' memory; reclaim takes it back")
             return self.begin_revert((), reason="forced")
+        if op == "lend":
+            slots = _int(params, "slots", 1, lo=1, hi=2)
+            layers = params.get("layers")
+            if layers is None:
+                alpha = _int(params, "alpha", 1, lo=1, hi=self.num_layers - 1 - slots)
+                layers = list(spaced_layers(self.num_layers, alpha + slots))
+            elif (not isinstance(layers, list) or not layers or len(set(layers)) >= self.num_layers
+                  or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.num_layers for i in layers)
+                  or slots > len(set(layers))):
+                raise ControlRequestError(f"lend: layers must be 1..{self.num_layers - 1} layer indices 0.."
+                                          f"{self.num_layers - 1} (at least the slots), got {layers!r}")
+            return self.lend(sorted(set(layers)), slots)
+        if op == "reclaim":
+            return self.reclaim()
+        if op == "borrow":
+            return self.borrow(_int(params, "blocks", 0, lo=1, hi=1 << 30))
+        if op == "repay":
+            return self.repay(None if params.get("blocks") is None else _int(params, "blocks", 0, lo=0, hi=1 << 30))
         if op == "auto":
             if not isinstance(params.get("enable"), bool):
                 raise ControlRequestError(f"auto: 'enable' must be true or false, got {params.get('enable')!r}")

@@ -221,6 +221,9 @@ class EngineState:
     pipeline: Mapping[str, Any] | None = None    # while grouped: where the hops' time goes
     h2d_bytes_per_s: float | None = None
     copy_overlap: bool | None = None
+    #: memory between engines of one host (a multi-model fleet): {"lent": layers given, "lent_bytes",
+    #: "borrowed_blocks": blocks above the base on memory made for them, "held_bytes": the pool's}
+    tenancy: Mapping[str, Any] | None = None
     events: tuple[Mapping[str, Any], ...] = ()   # the latest events, oldest first
 
     @classmethod
@@ -247,6 +250,7 @@ class EngineState:
             dropped_layers=_ints(d, "dropped_layers"),
             group=_typed(d, "group", "", dict, "an object or null"),
             pipeline=_typed(d, "pipeline", "", dict, "an object or null"),
+            tenancy=_typed(d, "tenancy", "", dict, "an object or null"),
             h2d_bytes_per_s=_num(d, "h2d_bytes_per_s", ""),
             copy_overlap=_typed(d, "copy_overlap", "", bool, "true, false or null"),
             events=tuple(events or ()))
@@ -261,5 +265,5 @@ class EngineState:
             "remapped_layers": list(self.remapped_layers), "slots": self.slots,
             "dropped_layers": list(self.dropped_layers), "group": self.group, "pipeline": self.pipeline,
             "h2d_bytes_per_s": self.h2d_bytes_per_s, "copy_overlap": self.copy_overlap,
-            "events": list(self.events),
+            "tenancy": self.tenancy, "events": list(self.events),
         }

@@ -42,6 +42,13 @@ class Backend(abc.ABC):
     def release_chunk(self, handle: Any, chunk_bytes: int) -> None:
         """Free a chunk's physical memory (pool shutdown)."""
 
+    def give_back(self, handle: Any, index: int, chunk_bytes: int) -> Any:
+        """Return a free chunk's physical memory to the device (or host) while the pool runs, so that
+        another process can have it; :meth:`create_chunk` with the same index makes it again. Returns
+        what the pool keeps as the chunk's handle meanwhile."""
+        self.release_chunk(handle, chunk_bytes)
+        return None
+
     @abc.abstractmethod
     def map(self, va: int, chunk_bytes: int, handle: Any) -> None:
         """Map one chunk at ``va`` (inside a reservation)."""

@@ -24,6 +24,7 @@ from .errors import BackendUnavailableError
 PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE, MAP_POPULATE = 0x01, 0x02, 0x10, 0x20, 0x4000, 0x8000
 _MAP_FAILED = ctypes.c_void_p(-1).value
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
 DEFAULT_CHUNK_BYTES = 2 << 20
 
@@ -39,6 +40,8 @@ def _lib():
                              ctypes.c_int, ctypes.c_long]
         lib.munmap.restype = ctypes.c_int
         lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        lib.fallocate.restype = ctypes.c_int
+        lib.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
         _libc = lib
     return _libc
 
@@ -88,6 +91,14 @@ class HostBackend(Backend):
 
     def release_chunk(self, handle: int, chunk_bytes: int) -> None:
         pass  # the memfd is closed as a whole in close()
+
+    def give_back(self, handle: int, index: int, chunk_bytes: int) -> int:
+        # punch the chunk's pages out of the memfd: the host has them back at once; the slice stays
+        # (create_chunk hands out the same offset, and its pages come back zeroed when touched)
+        if _lib().fallocate(self._fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, handle, chunk_bytes) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"fallocate(punch hole at {handle}, {chunk_bytes}) failed: {os.strerror(err)}")
+        return handle
 
     def map(self, va: int, chunk_bytes: int, handle: int) -> None:
         # MAP_POPULATE: a mapped chunk is always written next (zeroed KV, a reloaded layer, a peer's

@@ -195,10 +195,11 @@ class PoolStats:
     total_chunks: int
     free_chunks: int
     regions: dict[str, dict[str, Any]] = field(default_factory=dict)
+    returned_chunks: int = 0   # given back to the device or host (not held)
 
     @property
     def used_chunks(self) -> int:
-        return self.total_chunks - self.free_chunks
+        return self.total_chunks - self.free_chunks - self.returned_chunks
 
 
 class MemoryPool:
@@ -237,15 +238,33 @@ class MemoryPool:
                                   f"({len(self._handles)} made): {exc}") from exc
         self._free: list[int] = list(range(n - 1, -1, -1))  # pop() hands out low ids first
         self._owner: list[str | None] = [None] * n
+        #: chunks whose physical memory went back to the device or host (:meth:`return_free`): neither
+        #: free nor owned; :meth:`add_chunks` makes them again before it creates new ones
+        self._returned: list[int] = []
         self._regions: dict[str, Region] = {}
         self.closed = False
 
     def add_chunks(self, n: int) -> int:
         """Create ``n`` more physical chunks (free). Lets a caller grow the pool step by step, e.g.
         one layer at a time while the framework's own copy of that layer is freed, so the peak
-        never holds two copies of the weights. Returns the new chunk count."""
+        never holds two copies of the weights. Chunks given back (:meth:`return_free`) are made again
+        first. Returns the new chunk count."""
         with self._lock:
             self._open()
+            n = int(n)
+            again = []
+            try:
+                while len(again) < n and self._returned:
+                    c = self._returned[-1]
+                    self._handles[c] = self.backend.create_chunk(c, self.chunk_bytes)
+                    again.append(self._returned.pop())
+            except Exception as exc:
+                for c in reversed(again):   # back as they were: returned
+                    self._handles[c] = self.backend.give_back(self._handles[c], c, self.chunk_bytes)
+                    self._returned.append(c)
+                raise MemoryPoolError(f"could not make {n} returned chunks again: {exc}") from exc
+            self._free.extend(reversed(again))   # low ids on top
+            n -= len(again)
             made = []
             try:
                 for _ in range(int(n)):
@@ -260,6 +279,40 @@ class MemoryPool:
             # pop() hands out low ids first: new (higher) ids go to the bottom of the stack
             self._free[:0] = list(range(first + len(made) - 1, first - 1, -1))
             return len(self._handles)
+
+    def return_free(self, n: int) -> int:
+        """Give ``n`` free chunks' physical memory back to the device or host (the highest ids first),
+        so that another engine may use it; all or nothing. Returns the chunks the pool holds after."""
+        with self._lock:
+            self._open()
+            n = int(n)
+            if n < 0 or n > len(self._free):
+                raise PoolExhaustedError(f"returning {n} chunks but only {len(self._free)} are free")
+            chosen = sorted(self._free, reverse=True)[:n]
+            done: list[tuple[int, Any]] = []
+            try:
+                for c in chosen:
+                    done.append((c, self._handles[c]))
+                    self._handles[c] = self.backend.give_back(self._handles[c], c, self.chunk_bytes)
+            except Exception as exc:
+                c, h = done.pop()
+                self._handles[c] = h
+                for c, _ in done:
+                    self._handles[c] = self.backend.create_chunk(c, self.chunk_bytes)
+                raise MemoryPoolError(f"could not return {n} chunks: {exc}") from exc
+            gone = set(chosen)
+            self._free = [c for c in self._free if c not in gone]
+            self._returned.extend(sorted(chosen))
+            return self.held_chunks
+
+    @property
+    def held_chunks(self) -> int:
+        """Chunks whose physical memory this pool holds (made and not returned)."""
+        return len(self._handles) - len(self._returned)
+
+    @property
+    def held_bytes(self) -> int:
+        return self.held_chunks * self.chunk_bytes
 
     # ---- accounting -------------------------------------------------------------------------
     @property
@@ -298,7 +351,7 @@ class MemoryPool:
                          "released": getattr(r, "released", False)}
                 for r in self._regions.values()}
             return PoolStats(self.backend.name, str(self.device), self.chunk_bytes, self.num_chunks,
-                             self.num_free_chunks, regions)
+                             self.num_free_chunks, regions, len(self._returned))
 
     def check(self) -> None:
         """Verify the accounting invariants; raise MemoryPoolError describing any violation."""
@@ -319,6 +372,10 @@ class MemoryPool:
                     seen[c] = r.name
                     if self._owner[c] != r.name:
                         raise MemoryPoolError(f"chunk {c} in {r.name!r} is recorded as owned by {self._owner[c]!r}")
+            for c in self._returned:
+                if c in seen:
+                    raise MemoryPoolError(f"returned chunk {c} is also held by {seen[c]!r}")
+                seen[c] = "<returned>"
             if len(seen) != self.num_chunks:
                 lost = sorted(set(range(self.num_chunks)) - set(seen))
                 raise MemoryPoolError(f"{len(lost)} chunks leaked (neither free nor in a region): {lost[:10]}")
@@ -618,8 +675,11 @@ class MemoryPool:
             self.closed = True
 
     def _release_handles(self) -> None:
-        for h in self._handles:
-            self.backend.release_chunk(h, self.chunk_bytes)
+        returned = set(self._returned)
+        for c, h in enumerate(self._handles):
+            if c not in returned:
+                self.backend.release_chunk(h, self.chunk_bytes)
+        self._returned = []
         self._handles = []
 
     def __enter__(self) -> "MemoryPool":

@@ -39,7 +39,7 @@ logger = logging.getLogger("vllm.kunserve")
 #: fault points, in the order transitions reach them (``StepFaults.arm(name)``)
 STEPS = ("pack", "streamer_uninstall", "release", "slot_create", "streamer_install", "copy_plan",
          "kv_grow", "kv_shrink", "slot_destroy", "reload", "foreign_create", "exchange", "kv_free", "kv_regrow",
-         "foreign_destroy")
+         "foreign_destroy", "give_back", "kv_borrow", "kv_repay")
 
 
 class LayerState(str, Enum):
@@ -154,6 +154,7 @@ class LayerResidency:
                 "max_blocks": self.max_blocks, "block_bytes": self.block_bytes,
                 "layer_bytes": self.layer_bytes(), "num_layers": len(self.layers),
                 "chunk_bytes": st.chunk_bytes, "free_chunks": st.free_chunks, "total_chunks": st.total_chunks,
+                "held_bytes": self.pool.held_bytes,
                 "pending": self.pending.name if self.pending else None,
                 "stream": vars(self.streamer.stats) if self.streamer else None,
                 "streamed_linear": self.adapter.kind(), "faults_armed": self.faults.armed,
@@ -218,8 +219,9 @@ class LayerResidency:
         return undone
 
     # -- transitions ---------------------------------------------------------------------------------
-    def remap(self, layers: Sequence[int], num_slots: int, commit: bool = True) -> int:
-        """Stream ``layers`` through ``num_slots`` slots; their memory grows the KV cache.
+    def remap(self, layers: Sequence[int], num_slots: int, commit: bool = True, lend: bool = False) -> int:
+        """Stream ``layers`` through ``num_slots`` slots; their memory grows the KV cache, or with
+        ``lend`` goes back to the device or host (every free chunk: another engine's KV takes it).
 
         From no streaming any resident layers work; with layers already streamed the new set must
         contain them and keep the slot count (the KV cache above the old size is in use).
@@ -252,8 +254,11 @@ class LayerResidency:
             if not C:
                 self._t_slots_create(tx, num_slots, slot_bytes)
             self._t_install(tx, T)
-            self._t_kv(tx, "kv_grow", None)
-        return self._run("remap", body, commit, layers=list(T), new_layers=new, slots=num_slots,
+            if lend:
+                self._t_give_back(tx)
+            else:
+                self._t_kv(tx, "kv_grow", None)
+        return self._run("lend" if lend else "remap", body, commit, layers=list(T), new_layers=new, slots=num_slots,
                          nbytes=sum(self.weights[i].max_bytes for i in new))
 
     def revert(self, kv_blocks: int | None = None, keep: Sequence[int] = (), commit: bool = True) -> int:
@@ -316,6 +321,79 @@ class LayerResidency:
                 self._t_reload(tx, i, images.get(i))
         return self._run("restore", body, commit, layers=list(R), nbytes=sum(self.weights[i].max_bytes for i in R),
                          source="peer" if images else "host")
+
+    # -- memory between engines (a multi-model fleet) ---------------------------------------------------
+    def borrow(self, blocks: int, commit: bool = True) -> int:
+        """Grow this engine's KV to ``blocks`` (at most its maximum) on chunks the pool makes now: memory
+        another engine on the host gave back (:meth:`remap` with ``lend``). Returns the mapped blocks."""
+        blocks = min(int(blocks), self.max_blocks)
+        if self.peers or self.dropped:
+            raise ValueError("borrow: this engine is a pipeline-group member (its KV is the group's)")
+        places = self._active()
+        prev = {k.region: k.region.mapped_bytes for k in places}
+        made = [0]
+
+        def do() -> None:
+            held, cb = self.pool.held_chunks, self.pool.chunk_bytes
+            try:   # the chunks the regions lack for ``blocks``, less what the pool has free, made now
+                need = sum(max(0, -(-blocks * k.page_bytes // cb) - len(k.region.chunks)) for k in places)
+                if need > self.pool.num_free_chunks:
+                    self.pool.add_chunks(need - self.pool.num_free_chunks)
+                self._resize({k.region: blocks * k.page_bytes for k in places})
+            except Exception:
+                self.pool.return_free(max(0, min(self.pool.held_chunks - held, self.pool.num_free_chunks)))
+                raise
+            made[0] = self.pool.held_chunks - held
+            self._zero_new(prev)
+
+        def undo() -> None:
+            self._resize(prev)
+            if made[0]:
+                self.pool.return_free(min(made[0], self.pool.num_free_chunks))
+
+        def body(tx: Transaction) -> None:
+            if blocks > self.mapped_blocks:
+                tx.step("kv_borrow", do, undo)
+        return self._run("borrow", body, commit, blocks=blocks)
+
+    def repay(self, blocks: int, commit: bool = True) -> int:
+        """Shrink this engine's KV to ``blocks`` (at least its base; the blocks above must be unused)
+        and give every free chunk back to the device or host. Returns the mapped blocks."""
+        blocks = int(blocks)
+        if blocks < self.base_blocks:
+            raise ValueError(f"repay: KV cannot shrink below the base ({blocks} < {self.base_blocks})")
+        places = self._active()
+        prev = {k.region: k.region.mapped_bytes for k in places}
+        targets = {k.region: blocks * k.page_bytes for k in places if k.region.mapped_bytes > blocks * k.page_bytes}
+        gave = [0]
+
+        def do() -> None:
+            self._drain()
+            self._resize(targets)
+            gave[0] = self.pool.num_free_chunks
+            self.pool.return_free(gave[0])
+
+        def undo() -> None:
+            if gave[0]:
+                self.pool.add_chunks(gave[0])
+            self._resize(prev)
+
+        def body(tx: Transaction) -> None:
+            tx.step("kv_repay", do, undo)
+        return self._run("repay", body, commit, blocks=blocks)
+
+    def _t_give_back(self, tx: Transaction) -> None:
+        """Every free chunk's memory back to the device or host (a lend's last step)."""
+        gave = [0]
+
+        def do() -> None:
+            gave[0] = self.pool.num_free_chunks
+            self.pool.return_free(gave[0])
+
+        def undo() -> None:
+            if gave[0]:
+                self.pool.add_chunks(gave[0])
+        tx.step("give_back", do, undo)
 
     # -- pipeline groups (KunServe cluster drop) --------------------------------------------------------
     def join(self, layers: Sequence[int], peers: dict[str, int], exchange: Callable[[], None],
@@ -529,14 +607,21 @@ class LayerResidency:
         """Reload layer ``i`` from ``image`` (or a function giving it when the step runs; None: the
         host copy)."""
         w, old = self.weights[i], self.states[i]
+        made = [0]
 
         def do() -> None:
+            # a lent layer's chunks went back to the host: the pool makes what its free list lacks
+            made[0] = max(0, -(-w.max_bytes // self.pool.chunk_bytes) - self.pool.num_free_chunks)
+            if made[0]:
+                self.pool.add_chunks(made[0])
             self.pool.reload_layer(w, image() if callable(image) else image)
             self._set_state(i, LayerState.RESIDENT)
 
         def undo() -> None:
             self.pool.release_layer(w)
             self.states[i] = old
+            if made[0]:
+                self.pool.return_free(made[0])
         tx.step("reload", do, undo)
 
     def _streamer_for(self, layers: Sequence[int]) -> WeightStreamer:

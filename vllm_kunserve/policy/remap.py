@@ -25,7 +25,9 @@ only considers that count.
 
 ``slots="auto"`` takes the fewest slots that reach the needed ``alpha`` (less traffic), else the
 choice with the larger reachable ``alpha``. Active models use the decode time (the shortest
-compute, the worst case); inactive models do not compute, so only the caps apply. Caps:
+compute, the worst case); an inactive model's next work is a prefill, so it uses the prefill time
+(the longer): it gives only down to the threshold at which its next prefill streams the rest in time
+(no prefill time known: only the caps). Caps:
 ``remap.max_layers`` (0 = the bandwidth bound), ``remap.max_fraction`` of the layers, and never the
 whole model (``m <= L - 1``).
 
@@ -156,7 +158,9 @@ def _cap(m: ModelLayers, cfg: RemapConfig) -> int:
 def _options(m: ModelLayers, bw: float, cfg: RemapConfig, overlap: bool = True) -> list[tuple[int, int, bool]]:
     """(slots, alpha_bound, hidden) per allowed slot count."""
     t_x = m.layer_bytes / bw * 1e3
-    t_c = min(m.decode_ms, m.prefill_ms) if m.active else math.inf
+    # an active model decodes (the shortest compute, the worst case); an inactive one's next work is a
+    # prefill (the longer compute): it keeps enough resident for that prefill to stream the rest in time
+    t_c = min(m.decode_ms, m.prefill_ms) if m.active else m.prefill_ms
     out = []
     counts = (1, 2) if cfg.slots == "auto" else (int(cfg.slots),)
     if m.slots:
@@ -166,14 +170,14 @@ def _options(m: ModelLayers, bw: float, cfg: RemapConfig, overlap: bool = True) 
     for s in counts:
         mm = _cap(m, cfg)
         hidden = overlap
-        if m.active and not overlap:
+        if not m.active and t_c <= 0:
+            hidden = False  # no prefill time known: only the caps; a reactivated model streams until reverted
+        elif not overlap:
             budget = INLINE_COPY_BUDGET * m.num_layers * t_c
             mm = min(mm, int(budget // t_x) if t_x > 0 else mm)
-        elif m.active:
+        else:
             bound = max_remapped(m.num_layers, t_x / t_c if t_c > 0 else math.inf, s) if t_c > 0 else 0
             mm = min(mm, bound)
-        else:
-            hidden = False  # nothing runs; a reactivated model streams until reverted
         alpha = mm - s
         if cfg.max_layers:
             alpha = min(alpha, cfg.max_layers)
@@ -181,7 +185,8 @@ def _options(m: ModelLayers, bw: float, cfg: RemapConfig, overlap: bool = True) 
     return out
 
 
-def _order(models):
+def give_order(models):
+    """Who gives memory first (Oneiros): inactive models, then the lowest priority, then the most recently used."""
     def key(m: ModelLayers):
         return (m.active, m.priority if m.priority is not None else 0, -m.last_active_s, m.name)
     return sorted(models, key=key)
@@ -207,7 +212,7 @@ def _remap(inp: RemapInput, cfg: RemapConfig) -> RemapPlan:
     need = inp.kv_shortage_bytes
     out = []
     freed_total = 0
-    for m in _order(inp.models):
+    for m in give_order(inp.models):
         if need <= 0:
             break
         opts = _options(m, inp.h2d_bytes_per_s, cfg, inp.copy_overlap)
@@ -233,7 +238,7 @@ def _revert(inp: RemapInput) -> RemapPlan:
     free = inp.kv_free_bytes
     out = []
     change = 0
-    for m in reversed(_order(inp.models)):
+    for m in reversed(give_order(inp.models)):
         if not m.remapped_alpha:
             continue
         back = min(m.remapped_alpha, int(free // m.layer_bytes))
@@ -246,6 +251,17 @@ def _revert(inp: RemapInput) -> RemapPlan:
         out.append(ModelRemap(m.name, alpha, slots, spaced_layers(m.num_layers, alpha + slots) if alpha else (),
                               alpha * m.layer_bytes, True, m.remapped_alpha))
     return RemapPlan("revert" if out else "hold", tuple(out), change, 0.0)
+
+
+def lend_plan(m: ModelLayers, h2d_bytes_per_s: float, cfg: RemapConfig = RemapConfig(),
+              copy_overlap: bool = True) -> ModelRemap | None:
+    """What an inactive model gives when it lends (a multi-model fleet): the most layers of memory whose
+    streaming its next prefill still hides (or, inline, keeps within the copy budget), evenly spaced;
+    None when it can give nothing."""
+    s, bound, hidden = max(_options(m, h2d_bytes_per_s, cfg, copy_overlap), key=lambda o: (o[1], -o[0]))
+    if bound <= 0:
+        return None
+    return ModelRemap(m.name, bound, s, spaced_layers(m.num_layers, bound + s), bound * m.layer_bytes, hidden, bound)
 
 
 def with_models(inp: RemapInput, plan: RemapPlan) -> RemapInput:

@@ -79,6 +79,12 @@ class KunServeWorkerExtension:
             return res.remap(list(params["layers"]), int(params["slots"]), commit=False)
         if op == "revert":
             return res.revert(kv_blocks=int(params["kv_blocks"]), keep=list(params.get("keep", ())), commit=False)
+        if op == "lend":
+            return res.remap(list(params["layers"]), int(params["slots"]), commit=False, lend=True)
+        if op == "borrow":
+            return res.borrow(int(params["blocks"]), commit=False)
+        if op == "repay":
+            return res.repay(int(params["blocks"]), commit=False)
         raise ValueError(f"unknown kunserve transition {op!r}")
 
     def kunserve_commit(self) -> None:
