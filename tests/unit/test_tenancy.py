@@ -54,6 +54,16 @@ def test_an_idle_model_lends_down_to_the_threshold_its_next_prefill_streams_in_t
     assert moves == ()
 
 
+def test_an_idle_model_that_still_borrows_repays_first_then_lends():
+    a = engine("a", capacity_blocks=101, borrowed_blocks=1, held_bytes=1501 * MB, demand_blocks=0)
+    ms = [TenantModel("a", layers("a"), idle_s=60.0), TenantModel("b", layers("b"), inflight=3)]
+    moves, _ = decide_tenancy(view(ms, [a, engine("b")]), CFG)
+    assert [(m.op, m.engine, m.params) for m in moves] == [("repay", "a#0", {"blocks": 100})]
+    moves, _ = decide_tenancy(view(ms, [replace(a, capacity_blocks=100, borrowed_blocks=0, held_bytes=1500 * MB),
+                                        engine("b")]), CFG)
+    assert [(m.op, m.engine) for m in moves] == [("lend", "a#0")]
+
+
 def test_inactive_models_lend_lowest_priority_first():
     ms = [TenantModel(n, layers(n, prio), idle_s=60.0) for n, prio in (("x", 5), ("y", 0), ("z", 2))]
     moves, _ = decide_tenancy(view(ms, [engine(n) for n in "xyz"]), CFG)

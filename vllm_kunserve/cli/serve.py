@@ -518,8 +518,9 @@ def run_fleet(args: argparse.Namespace, models: list[str]) -> int:
             o.elastic = None
             env = {}
             for key, src in ((ENGINE_CPUS, cpu_env), (ENGINE_GPUS, gpu_env)):
-                if src.get(key):   # this model's engines take the next runs of the split
-                    parts = src[key].split("|")
+                split = src.get(key) or os.environ.get(key)   # ours, or the user's own
+                if split:   # this model's engines take the next runs of the split
+                    parts = split.split("|")
                     env[key] = "|".join(parts[(first + i) % len(parts)] for i in range(e.instances))
             first += e.instances
             fleet, front = build(e.model, o, [*engine_args, *e.engine_args, *extra, "--served-model-name", e.name],

@@ -49,7 +49,8 @@ logger = logging.getLogger("vllm.kunserve")
 #: methods the engine core answers itself when called through ``collective_rpc``
 ENGINE_METHODS = ("kunserve_state", "kunserve_remap", "kunserve_revert", "kunserve_inject_fault",
                   "kunserve_auto", "kunserve_check", "kunserve_group_join", "kunserve_group_leave",
-                  "kunserve_group_restage", "kunserve_group_ping", *(f"kunserve_{op}" for op in MIGRATION_OPERATIONS))
+                  "kunserve_group_restage", "kunserve_group_ping", "kunserve_lend", "kunserve_reclaim",
+                  "kunserve_borrow", "kunserve_repay", *(f"kunserve_{op}" for op in MIGRATION_OPERATIONS))
 
 #: operations of the control port: name -> parameters
 OPERATIONS = {

@@ -13,6 +13,8 @@ does not, borrowers *repay*, each drained of the blocks above its new size as th
 ``repay_hold_s`` repays too. A host over its budget (a lender that restarted at home while its
 memory was borrowed) takes memory back the same way.
 
+An inactive model's engine that still holds borrowed blocks repays them first, then lends.
+
 Order (Oneiros): inactive models lend first, the lowest priority first (``policy.remap``'s order);
 memory goes back to a model coming back before any further borrow on its host; borrowers repay
 largest first. One move per engine per decision; the caller waits for each before the next call.
@@ -137,9 +139,14 @@ def decide_tenancy(view: TenancyView, cfg: TenancyConfig = TenancyConfig(), rema
                 low.pop(e.key, None)
         # 2. inactive models lend, the lowest priority first, each down to its threshold
         for e in sorted(ready, key=lambda e: (order[e.model], e.key)):
-            if e.model in active or e.lent_layers or e.borrowed_blocks or e.phase != "base":
+            if e.model in active or e.lent_layers or e.phase != "base":
                 continue
             m = models[e.model]
+            if e.borrowed_blocks:   # an idle model holds no borrowed memory: it goes back first, then it lends
+                if not e.repaying and all(mv.engine != e.key for mv in moves):
+                    moves.append(Move("repay", e.key, {"blocks": e.base_blocks}, f"{e.model} idle {m.idle_s:.0f} s"))
+                    low.pop(e.key, None)
+                continue
             plan = lend_plan(replace(m.layers, active=False), view.h2d_bytes_per_s, remap, view.copy_overlap)
             if plan is not None:
                 moves.append(Move("lend", e.key, {"layers": list(plan.layers), "slots": plan.slots},
