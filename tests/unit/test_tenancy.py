@@ -110,6 +110,7 @@ def test_a_host_over_its_budget_takes_memory_back_and_a_busy_engine_is_skipped()
     moves, _ = decide_tenancy(view(ms, [a, b]), CFG)
     assert [(m.op, m.engine, m.params["blocks"]) for m in moves] == [("repay", "a#0", 100)]
     assert decide_tenancy(view(ms, [replace(a, busy=True), b]), CFG)[0] == ()
+    assert decide_tenancy(view(ms, [a, replace(b, busy=True)]), CFG)[0] == ()   # the host's memory is unknown
 
 
 def test_a_borrower_whose_demand_stays_low_repays_after_the_hold():
@@ -221,3 +222,22 @@ def test_add_label_keeps_families_whole_across_texts():
     add_label('# TYPE t gauge\nt 3\n', "model", "r", fam, meta)
     assert meta["t"] == ["# TYPE t gauge"]
     assert fam["t"] == ['t{model="q\\""} 1', 't{model="q\\"",x="1"} 2', 't{model="r"} 3']
+
+
+def test_serve_refuses_a_bad_fleet_file_or_flags_in_one_line_before_starting_anything(tmp_path, capsys):
+    from vllm_kunserve.cli.main import main
+
+    bad = tmp_path / "fleet.json"
+    cases = [({"models": [{"model": "/m/a", "replicas": 2}]}, [], "models[0]: unknown key 'replicas'"),
+             ({"models": ["/m/a", "/m/a"]}, [], "given twice"),
+             ({"models": ["/m/a"], "tenancy": {"idle_s": 0}}, [], "kunserve.tenancy.idle_s"),
+             ({"models": ["/m/a", "/m/b"]}, ["--max-instances", "3"], "--max-instances with several models"),
+             ({"models": ["/m/a", "/m/b"]}, ["--served-model-name", "x"], "--served-model-name with several models")]
+    for raw, extra, want in cases:
+        bad.write_text(json.dumps(raw))
+        assert main(["serve", str(bad), "--port", "18765", *extra]) == 2, want
+        err = capsys.readouterr()
+        assert want in err.err and len(err.err.strip().splitlines()) == 1, err.err
+        assert "[kunserve] starting" not in err.out
+    assert main(["serve", "/m/a", str(bad), "--port", "18765"]) == 2   # a fleet file names every model
+    assert "a fleet file" in capsys.readouterr().err

@@ -471,8 +471,10 @@ def run_fleet(args: argparse.Namespace, models: list[str]) -> int:
     from vllm_kunserve.cluster.frontend.models import ModelRouter
     from vllm_kunserve.config import TenancyConfig, parse_config
 
-    if is_fleet_file(models[0]) and len(models) > 1:
-        raise ValueError(f"a fleet file ({models[0]}) names every model: no models after it ({models[1]})")
+    files = [m for m in models if is_fleet_file(m)]
+    if files and len(models) > 1:
+        raise ValueError(f"a fleet file ({files[0]}) names every model: give it alone, not with "
+                         f"{next(m for m in models if m != files[0])}")
     opts, engine_args = parse(args)
     for flag, bad in (("--engine-url", opts.engine_url), ("--max-instances", opts.max_instances != opts.instances),
                       ("--min-instances", opts.min_instances != opts.instances), ("--backend ray", opts.backend == "ray")):

@@ -290,6 +290,20 @@ class EngineAgent:
             self._error("abort", exc)
             raise AgentError(f"workers could not roll back: {exc!r}") from exc
 
+    def _transact(self, op: str, params: dict, middle: Callable[[list[int]], None] | None = None) -> list[int]:
+        """Prepare ``op`` on every worker, then the agent's own part (``middle(mapped)``; a fault point),
+        then commit; a failure before the commit aborts every worker. Returns their mapped blocks."""
+        mapped = self._two_phase(op, params)
+        try:
+            self.faults.check("bookkeeping")
+            if middle is not None:
+                middle(mapped)
+        except Exception:
+            self._abort_workers()
+            raise
+        self._workers("kunserve_commit")
+        return mapped
+
     def remap(self, layers: list[int], slots: int, reason: str = "forced", inputs: dict | None = None,
               decision: dict | None = None) -> dict:
         if self.phase == "draining":
@@ -299,15 +313,8 @@ class EngineAgent:
         before = st.visible
         self.operation = {"op": "remap", "started": time.time(), "params": {"layers": layers, "slots": slots}}
         try:
-            mapped = self._two_phase("remap", {"layers": list(layers), "slots": int(slots)})
-            try:
-                self.faults.check("bookkeeping")
-                new_visible = min(min(mapped), st.max_blocks)
-                self.sched.grow(new_visible - st.visible)
-            except Exception:
-                self._abort_workers()
-                raise
-            self._workers("kunserve_commit")
+            self._transact("remap", {"layers": list(layers), "slots": int(slots)},
+                           lambda mapped: self.sched.grow(min(min(mapped), st.max_blocks) - st.visible))
         except Exception as exc:
             self.backoff_until = time.monotonic() + _FAILURE_BACKOFF_S
             return self._event("remap", "failed", time.perf_counter() - t0, 0, layers=list(layers), reason=reason,
@@ -421,13 +428,7 @@ class EngineAgent:
         t0, before = time.perf_counter(), self.held_bytes
         self.operation = {"op": "lend", "started": time.time(), "params": {"layers": layers, "slots": slots}}
         try:
-            self._two_phase("lend", {"layers": list(layers), "slots": int(slots)})
-            try:
-                self.faults.check("bookkeeping")
-            except Exception:
-                self._abort_workers()
-                raise
-            self._workers("kunserve_commit")
+            self._transact("lend", {"layers": list(layers), "slots": int(slots)})
         except Exception as exc:
             return self._event("lend", "failed", time.perf_counter() - t0, 0, layers=list(layers), error=repr(exc))
         finally:
@@ -460,14 +461,8 @@ class EngineAgent:
             return {"event": "borrow", "outcome": "noop", "blocks": st.visible}
         self.operation = {"op": "borrow", "started": time.time(), "params": {"blocks": blocks}}
         try:
-            mapped = self._two_phase("borrow", {"blocks": blocks})
-            try:
-                self.faults.check("bookkeeping")
-                self.sched.grow(min(min(mapped), st.max_blocks) - st.visible)
-            except Exception:
-                self._abort_workers()
-                raise
-            self._workers("kunserve_commit")
+            self._transact("borrow", {"blocks": blocks},
+                           lambda mapped: self.sched.grow(min(min(mapped), st.max_blocks) - st.visible))
         except Exception as exc:
             grown = self.sched.state().visible - st.visible
             if grown > 0:  # fresh blocks no step has used yet: hidden at once
@@ -500,13 +495,7 @@ class EngineAgent:
         t0, target, before = time.perf_counter(), self._repay_to, self.held_bytes
         self.operation = {"op": "repay", "started": time.time(), "params": {"blocks": target}}
         try:
-            self._two_phase("repay", {"blocks": target})
-            try:
-                self.faults.check("bookkeeping")
-            except Exception:
-                self._abort_workers()
-                raise
-            self._workers("kunserve_commit")
+            self._transact("repay", {"blocks": target})
         except Exception as exc:
             self.phase, self._repay_to = "base", None
             self._regrow()

@@ -17,7 +17,8 @@ An inactive model's engine that still holds borrowed blocks repays them first, t
 
 Order (Oneiros): inactive models lend first, the lowest priority first (``policy.remap``'s order);
 memory goes back to a model coming back before any further borrow on its host; borrowers repay
-largest first. One move per engine per decision; the caller waits for each before the next call.
+largest first. One move per engine per decision; the caller waits for each before the next call, and
+a host with a move in flight (or an engine's report older than its last move) waits for the next.
 
 Pure: the front end's tenancy controller (``cluster.control.tenancy``) and any replay call
 :func:`decide_tenancy` over a :class:`TenancyView`.
@@ -112,6 +113,8 @@ def decide_tenancy(view: TenancyView, cfg: TenancyConfig = TenancyConfig(), rema
     low = dict(state.low_since)
     for host in sorted(hosts):
         engines = hosts[host]
+        if any(e.busy for e in engines):
+            continue   # a move in flight, or a report older than the last move: what the host holds is unknown
         free = host_free_bytes(engines)
         ready = [e for e in engines if e.ready and not e.busy and e.model in models]
         # 1. a model coming back takes its memory back first; a host over its budget does too
