@@ -70,6 +70,7 @@ def stack(tmp_path_factory):
 @example(raw=b'{"prompt": "\\udc80"}', path="/v1/completions")           # were 500s (issue 36)
 @example(raw=b'{"messages": [{"role": "user", "content": "\\udc80"}]}', path="/v1/chat/completions")
 @example(raw=b"[" * 10000 + b"]" * 10000, path="/v1/completions")
+@example(raw=b'{"prompt": [0.0]}', path="/v1/completions")              # a 500 until stop 83 (a float id)
 def test_no_body_gets_a_5xx_and_the_fleet_is_unchanged(stack, raw, path):
     loop, fakes, front, client = stack
 

@@ -483,9 +483,11 @@ class FrontEnd:
                 if not encodes(x):   # valid JSON ("\udc80"), but no text a tokenizer takes
                     raise BadRequest("prompt: not valid Unicode text (a lone UTF-16 surrogate)", param="prompt")
                 out.append(self._count(x, bool(special)) if self._count is not None else 0)
-            else:
+            elif isinstance(x, list):
                 check_token_ids(x, self.max_token_id)
                 out.append(len(x))
+            else:   # e.g. [0.0]: pydantic's lax mode lets a whole float pass as a token id
+                raise BadRequest(f"prompt: {x!r} is neither text nor a token id (an integer)", param="prompt")
         return out or [0]
 
     async def acquire(self) -> None:
