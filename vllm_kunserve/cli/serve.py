@@ -4,6 +4,7 @@
                          [--dispatch POLICY]
                          [--kunserve-config JSON|FILE] [any vLLM engine argument ...]
     kunserve serve MODEL --engine-url URL [--engine-url URL ...] [--engine-control-url URL ...] [--reuse-port]
+    kunserve serve MODEL_A MODEL_B ... | FLEET.json [--kunserve-config JSON|FILE] [...]
 
 With ``--engine-url`` kunserve starts no engine: it fronts engines started elsewhere (a
 deployment's pods), watches their ``/health``, and a dead one rejoins when it answers again; it
@@ -16,7 +17,9 @@ Everything this command does not know is a vLLM engine argument, checked by vLLM
 serve`` parser before any engine starts and passed to every engine. With ``--kunserve-config``
 the engines run the kunserve plugin (each with a control port the front end polls); without it
 they are stock vLLM engines (the baseline), still behind the same front end, monitor and dispatch.
-Ctrl-C stops the front end and every engine. The dispatch policies (``--dispatch``) are listed
+Several models (repeated, or a fleet file: docs/multi_model.md) run a front end each behind the one
+endpoint, routed by the request's ``model``; with ``--kunserve-config`` an idle model lends its weight
+memory to the busy ones' KV. Ctrl-C stops the front end and every engine. The dispatch policies (``--dispatch``) are listed
 below, from the registry (``policy/dispatch/registry.py``).
 """
 
