@@ -241,3 +241,22 @@ def test_serve_refuses_a_bad_fleet_file_or_flags_in_one_line_before_starting_any
         assert "[kunserve] starting" not in err.out
     assert main(["serve", "/m/a", str(bad), "--port", "18765"]) == 2   # a fleet file names every model
     assert "a fleet file" in capsys.readouterr().err
+
+
+def test_kunserve_status_shows_each_hosts_memory_and_each_model():
+    from vllm_kunserve.cli.status import render
+
+    st = {"models": {"a": {"dispatch": "least-work", "served_models": ["a"], "instances": []},
+                     "b": {"dispatch": "least-work", "served_models": ["b"], "instances": []}},
+          "tenancy": {"hosts": {"h": {"budget_bytes": 600 * MB, "free_bytes": 0}},
+                      "models": {"a": {"active": True}, "b": {"active": False}},
+                      "engines": {"a#0": {"held_bytes": 380 * MB, "home_bytes": 300 * MB, "lent": 0,
+                                          "borrowed_blocks": 40, "repaying": False, "blocks": 83, "demand": 90},
+                                  "b#0": {"held_bytes": 220 * MB, "home_bytes": 300 * MB, "lent": 24,
+                                          "borrowed_blocks": 0, "repaying": False, "blocks": 43, "demand": 0}}}}
+    text = render(st)
+    assert "host h  budget 600.0 MiB  free 0 B" in text or "host h  budget 600.0 MiB" in text
+    rows = {ln.split()[0]: ln.split() for ln in text.splitlines() if ln.strip().startswith(("a#0", "b#0"))}
+    assert rows["a#0"][1] == "yes" and rows["b#0"][1] == "no" and "24" in rows["b#0"]
+    assert "model a" in text and "model b" in text
+    assert "static split" in render({"models": {"a": st["models"]["a"]}, "tenancy": None})

@@ -263,7 +263,7 @@ class MemoryPool:
                     self._handles[c] = self.backend.give_back(self._handles[c], c, self.chunk_bytes)
                     self._returned.append(c)
                 raise MemoryPoolError(f"could not make {n} returned chunks again: {exc}") from exc
-            self._free.extend(reversed(again))   # low ids on top
+            self._free.extend(again)   # made highest first: the lowest ends on top (pop() hands it out first)
             n -= len(again)
             made = []
             try:
