@@ -3,7 +3,9 @@ engine; an idle model lends its weight memory to the host (its layers stream fro
 the busy model's engine borrows it as KV under a burst, a request for the idle model takes it back
 (the borrower repays once its blocks drain; the lender reclaims). A fault at each kind of move
 (lend, borrow, repay, reclaim) is rolled back on its engine and the move is made again later; every
-greedy answer, whoever holds the memory, is the tokens the model gave before anything moved."""
+greedy answer, whoever holds the memory, is the tokens the model gave before anything moved. A lender
+killed while its memory is borrowed comes back whole: the host is over its budget and the borrower
+repays, losing no request."""
 
 from __future__ import annotations
 
@@ -116,7 +118,19 @@ def test_two_models_move_memory_between_them_token_identical_with_a_fault_at_eac
         b_streamed = _answers(url, "b")   # served at once, its lent layers streamed
         st = _wait(url, lambda s: _engine(s, "b")["lent"] == 0 and _engine(s, "a")["borrowed_blocks"] == 0, 180)
         after = {m: _answers(url, m) for m in ("a", "b")}
-        st = _get(f"{url}/kunserve/status")
+        home_after = _engine(_get(f"{url}/kunserve/status"), "b")["held_bytes"]
+        # a lender dies while its memory is borrowed: it comes back whole, so the host is over its budget
+        # and the borrower repays (draining, nothing lost); the restarted lender answers as before
+        _wait(url, lambda s: _engine(s, "b")["lent"] > 0)
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(_complete, url, "a", p, 96) for p in BURST]
+            _wait(url, lambda s: _engine(s, "a")["borrowed_blocks"] > 0)
+            killed = _post(f"{url}/kunserve/ops/kill?model=b", {"instance": 0})
+            burst2 = [f.result() for f in futures]
+        st = _wait(url, lambda s: any(e["event"] == "tenancy_repay" and "over its budget" in e["reason"]
+                                      for e in s["tenancy"]["events"]), 120)
+        b_restarted = _answers(url, "b")   # waits for b's engine to be back (the front end queues meanwhile)
+        st = _wait(url, lambda s: _engine(s, "a")["borrowed_blocks"] == 0 and _engine(s, "b")["lent"] == 0, 180)
         with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
             metrics = r.read().decode()
         unknown = urllib.request.Request(f"{url}/v1/completions", json.dumps({"model": "c", "prompt": "x"}).encode(),
@@ -139,7 +153,10 @@ def test_two_models_move_memory_between_them_token_identical_with_a_fault_at_eac
     # token-identical: b while lent and streaming, a on borrowed memory, both after it all went back
     assert b_streamed == ref["b"] and during == ref["a"]
     assert after == ref
-    assert _engine(st, "b")["held_bytes"] == home_b   # every byte came back
+    assert home_after == home_b   # every byte came back
+    assert killed and len(burst2) == len(BURST) and all(burst2)   # the borrower lost nothing to the lender's death
+    assert b_restarted == ref["b"]
+    assert _engine(st, "b")["held_bytes"] == home_b
     assert 'kunserve:tenancy_moves_total{model="b",op="lend",outcome="ok"}' in metrics
     assert 'model="a"' in metrics and 'kunserve:frontend_requests_total{model="a"' in metrics
     assert "Traceback" not in text
