@@ -118,7 +118,7 @@ def kunserve(argv: list[str]) -> int:
 
 
 def common_argv(a: argparse.Namespace, model: Path, dtype: str) -> list[str]:
-    return ["--model", str(model), "--instances", "2", "--dispatch", "least-work",
+    return ["--model", str(model), "--instances", "2", "--dispatch", a.dispatch,
             "--kv-capacity-tokens", str(a.kv_tokens), "--block-size", "32", "--dtype", dtype,
             "--max-model-len", "1024", "--engine-arg=--enforce-eager",
             *[x for e in ENGINE_ENV for x in ("--env", e)], "--client-realtime", "--no-progress"]
@@ -1101,6 +1101,9 @@ def main() -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                     help="a kunserve system with these config sections merged over the benchmark's (an ablation; "
                          "name it in --systems too), passed to kunserve compare; repeatable")
+    ap.add_argument("--dispatch", default="least-work",
+                    help="the front end's dispatch for every system behind kunserve serve (mell: MELL placement, "
+                         "the third lever of docs/levers.md)")
     ap.add_argument("--name", default="")
     ap.add_argument("--no-page", action="store_true",
                     help="write the run's archive (docs/benchmarks/runs/NAME.tar.xz) but no page of its own")

@@ -62,6 +62,13 @@ class DropConfig:
         "once: measured at 2 s (docs/benchmarks/burst_value_r1_2x_join.md) it waited in 1 of 5 runs, for its whole "
         "2 s, and that run had kunserve's only preemption and its slowest first token.",
         lo=0.0, hi=60.0)
+    remap_first_s: float = _opt(
+        10.0, "The order of the levers (policy.levers): while the lone engines' own remap (remap.enable, each "
+        "engine's agent streaming layers its link hides) can still cover the shortfall, a due drop waits up to "
+        "this many seconds for it: a local remap costs no pipeline hop. Past it, or where the remap room is "
+        "short, the drop goes ahead (a remapped engine joins keeping the layers it streams). 0: drop at once, "
+        "whatever the engines could remap.",
+        lo=0.0, hi=600.0)
     max_group_size: int = _opt(
         8, "Largest pipeline group the planner may form (instances per group).", lo=1, hi=4096)
     regroup: bool = _opt(

@@ -118,6 +118,32 @@ def test_monitor_forms_a_group_when_demand_exceeds_capacity_and_not_before():
     assert ev["inputs"]["overloaded"] and ev["decision"]["groups"][0]["instances"] == [0, 1]
 
 
+def test_the_lever_order_waits_for_the_engines_remap_then_drops_and_says_so():
+    """``policy.levers`` in the fleet: while the engines' published remap room covers what the drop
+    would free, no member is asked to join (a ``lever`` event and metric say why); once the room is
+    short the group forms, with the event naming the drop lever."""
+    cfg = {"drop": {"trigger_ratio": 0.9, "forecast_horizon_s": 0.0, "remap_first_s": 60.0}}
+    front, gc, calls = _controller(2, cfg)
+    front.states[0]["blocks"].update(used=80, queued=40)
+    front.states[1]["blocks"].update(used=70)
+    for i in range(2):   # each could still give 40 blocks to its KV by remapping
+        front.states[i]["remap_room_bytes"] = 40 << 16
+    for _ in range(2):
+        asyncio.run(gc.on_poll({}))
+    assert not [c for c in calls if c[1] == "group_join"] and gc.last["lever"]["lever"] == "remap"
+    levers = [e for e in front.events if e["event"] == "lever"]
+    assert len(levers) == 1 and levers[0]["lever"] == "remap" and levers[0]["room_blocks"] == 80
+    assert gc.m_lever.labels("remap")._value.get() == 1
+    for i in range(2):   # the engines remapped what they could: no room left, the demand still over
+        front.states[i]["remap_room_bytes"] = 0
+    asyncio.run(gc.on_poll({}))
+    assert len([c for c in calls if c[1] == "group_join"]) == 2
+    assert [e["lever"] for e in front.events if e["event"] == "lever"] == ["remap", "drop"]
+    drop = next(e for e in front.events if e["event"] == "lever" and e["lever"] == "drop")
+    assert "remap room of 0 blocks is short" in drop["reason"]
+    assert gc.m_lever.labels("drop")._value.get() == 1
+
+
 def test_monitor_off_when_drop_is_disabled_and_shortfall_reported():
     front, gc, calls = _controller(2, {"drop": {"enable": False}})
     front.states[0]["blocks"].update(used=500)
@@ -139,9 +165,9 @@ def test_an_operator_switches_the_monitor_on_and_off_at_run_time():
     front.states[1]["blocks"].update(used=70)
     asyncio.run(gc.on_poll({}))
     assert not calls and gc.auto is False
-    gc.mstate = gc.mstate.__class__(deferred_since=1.0)   # a history left over from before
+    gc.lstate = gc.lstate.__class__(gc.lstate.monitor.__class__(deferred_since=1.0))   # a history left over
     assert gc.set_auto(True) is False and gc.auto is True
-    assert gc.mstate.deferred_since is None               # started over
+    assert gc.lstate.monitor.deferred_since is None       # started over
     asyncio.run(gc.on_poll({}))
     assert len([c for c in calls if c[1] == "group_join"]) == 2 and gc.view()[0]["reason"] == "overload"
     assert gc.set_auto(False) is True and gc.auto is False

@@ -361,6 +361,11 @@ def test_render_fleet_status():
     line = next(x for x in render(st).splitlines() if x.startswith("elastic"))
     assert line.startswith("elastic  1 to 3 engines  parked 2 ready 1  last add  demand/reach 1.2")
     assert "(demand 1.20x" in line
+    assert "levers" not in render(st)
+    st["drop"] = {"auto": True, "lever": {"lever": "remap", "room_blocks": 80.0, "need_blocks": 33.0,
+                                          "reason": "remap first: the engines' remap room covers it"}}
+    line = next(x for x in render(st).splitlines() if x.startswith("levers"))
+    assert line.startswith("levers   last remap  remap room 80.0 blocks  drop need 33.0 blocks  (remap first")
 
 
 def test_render_long_models_and_front_end_states():

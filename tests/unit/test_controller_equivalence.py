@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
-from vllm_kunserve.cluster.control import groups as fleet_groups
+from vllm_kunserve.policy import levers as fleet_levers   # the fleet's controller calls monitor_tick there
 from vllm_kunserve.cluster.control.groups import GroupController, GroupOpError
 from vllm_kunserve.cluster.control.monitor import FlightBook
 from vllm_kunserve.config import parse_config
@@ -130,7 +130,7 @@ def drive(monkeypatch, steps, cfg: dict = CFG, cap: int = MAX):
     instance])) to the fleet's controller and the simulator's policy; assert, step by step, that
     they decide the same and that the fleet's operations are that decision's. Returns (the fleet's
     ticks, the front end, the controller, each step's finished leaves)."""
-    fleet_ticks, sim_ticks = recorded(monkeypatch, fleet_groups), recorded(monkeypatch, sim_kunserve)
+    fleet_ticks, sim_ticks = recorded(monkeypatch, fleet_levers), recorded(monkeypatch, sim_kunserve)
     ports = FakePorts()
     front, gc = fleet_controller(ports, cfg)
 
@@ -176,7 +176,7 @@ def drive(monkeypatch, steps, cfg: dict = CFG, cap: int = MAX):
         else:
             kind, what = sim_decs[-1]
             assert kind == fdec.action and what == (fdec.drop if kind == "drop" else fdec.restore), now
-        assert pol.mstate == gc.mstate, now               # the same history and restore hold after each step
+        assert pol.mstate == gc.lstate.monitor, now               # the same history and restore hold after each step
         # the operations the fleet issued are the decision's
         step_ops = ports.ops[n_ops:]
         # a join names the layers it drops; a restage (a regroup keeping the KV) the spans its peers run

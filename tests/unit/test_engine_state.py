@@ -40,7 +40,7 @@ def _full_state() -> dict:
         "group": {"name": "e1", "drop": [1], "spans": [[1, 2, "e0"]], "peers": {"e0": "unix:///tmp/s0"},
                   "since": 1.7e9, "blocks": 130},
         "pipeline": {"hops": 12, "rtt_ms": 0.4}, "h2d_bytes_per_s": 1e10, "copy_overlap": True,
-        "tenancy": {"lent": 3, "borrowed_blocks": 0, "repaying": False, "held_bytes": 1 << 30},
+        "remap_room_bytes": 6 << 20, "tenancy": {"lent": 3, "borrowed_blocks": 0, "repaying": False, "held_bytes": 1 << 30},
         "events": [{"event": "group_join", "outcome": "ok", "ms": 12.5, "bytes": 10, "time": 1.7e9}],
     }
 

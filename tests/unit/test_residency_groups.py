@@ -291,3 +291,57 @@ def test_restage_refuses_bad_plans_without_changing_anything(setup):
         with pytest.raises(ValueError):
             res.restage(keep, peers, lambda: None, **kw)
     assert _state(res) == before and res.check_invariants() == []
+
+
+def test_a_remapped_engine_joins_its_streamed_layers_in_the_drop_become_dropped_the_rest_stream_on(setup):
+    """The levers stack: a remapped engine joins a group. Streamed layers a peer runs from now on
+    are dropped (no weight memory to free: it is KV already), the other streamed layer streams on
+    through the slot; the leave brings every dropped layer back resident and the kept one streams."""
+    layers, x, ref, res = setup
+    res.remap([1, 4], 1)
+    assert res.streamed == (1, 4) and torch.equal(_run(layers, x), ref)
+    slots = len(res.slot_regions)
+    res.join([3, 4, 5], {"p": BASE}, lambda: None)
+    assert res.dropped == (3, 4, 5) and res.streamed == (1,) and len(res.slot_regions) == slots
+    assert torch.equal(_run(layers, x, 3), _run(_stack(), x, 3)) and res.check_invariants() == []
+    back = res.leave(BASE, lambda: None)
+    assert res.dropped == () and res.streamed == (1,) and res.states[4] is LayerState.RESIDENT
+    assert back > BASE   # the KV grew back into the memory of the layer it still streams
+    assert torch.equal(_run(layers, x), ref) and res.check_invariants() == []
+    res.revert()
+    assert all(s is LayerState.RESIDENT for s in res.states) and torch.equal(_run(layers, x), ref)
+
+
+def test_a_remapped_engine_whose_streamed_layers_all_go_to_the_peer_gives_its_slots_to_kv(setup):
+    layers, x, ref, res = setup
+    res.remap([4, 5], 1)
+    mapped = res.join([3, 4, 5], {"p": BASE}, lambda: None)
+    assert res.streamed == () and res.slot_regions == [] and res.dropped == (3, 4, 5)
+    assert torch.equal(_run(layers, x, 3), _run(_stack(), x, 3)) and res.check_invariants() == []
+    # the same memory as a join from the base: the slot went to the KV too
+    assert mapped == _residency(_stack()).join([3, 4, 5], {"p": BASE}, lambda: None)
+    res.leave(BASE, lambda: None)
+    assert all(s is LayerState.RESIDENT for s in res.states) and torch.equal(_run(layers, x), ref)
+    assert res.check_invariants() == []
+
+
+@pytest.mark.parametrize("step", ["streamer_uninstall", "unstream", "streamer_install", "release",
+                                  "foreign_create", "exchange"])
+def test_a_remapped_engine_failing_to_join_stays_remapped_as_it_was(setup, step):
+    layers, x, ref, res = setup
+    res.remap([1, 4], 1)
+    before = (_state(res), res.streamed, len(res.slot_regions))
+    res.faults.arm(step)
+    with pytest.raises(Exception):
+        res.join([3, 4, 5], {"p": BASE}, lambda: None)
+    res.faults.disarm()
+    assert (_state(res), res.streamed, len(res.slot_regions)) == before
+    assert torch.equal(_run(layers, x), ref) and res.check_invariants() == []
+
+
+def test_a_remapped_engine_cannot_join_leaving_only_streamed_layers(setup):
+    _, _, _, res = setup
+    res.remap([0, 1, 2], 1)
+    with pytest.raises(ValueError, match="no resident layer"):
+        res.join([3, 4, 5], {"p": BASE}, lambda: None)
+    assert res.dropped == () and res.streamed == (0, 1, 2)

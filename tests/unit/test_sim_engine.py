@@ -132,7 +132,7 @@ def test_least_work_is_the_default_router_of_every_policy_but_mell():
     assert DEFAULT_DISPATCH == "least-work"
     for name in POLICIES:
         pol = build_policy(name)
-        if name != "mell":  # MELL places with its own bin-packing placer
+        if name not in ("mell", "levers"):  # MELL places with its own placer; levers runs all three: MELL too
             assert pol.dispatch_mode == "least-work" and pol.describe()["dispatch"] == "least-work"
     assert build_policy("kunserve", "least-load").dispatch_mode == "least-load"  # still selectable
 
@@ -373,3 +373,33 @@ def test_kunserve_steps_a_group_of_four_down_into_pairs_keeping_every_request():
     assert all(s.capacity == sim.capacity_blocks(tuple(s.instances)) for s in sim.servers)
     assert all(r.finishes == 1 and r.generated == r.output and r.preempts == 0 for r in sim.reqs)
     assert min(r.finish_t for r in sim.reqs) > start["t"]   # requests were running across the step
+
+
+def test_levers_remap_first_then_drop_then_restore_and_every_request_finishes():
+    """All three levers (``levers``: remap on each server, drop, MELL placement) under a burst and a
+    quiet tail, in the order ``policy.levers`` gives: the servers remap first, the drop comes once
+    their remap room is short (or its wait is over), the group restores after."""
+    trace = burst(100, 0.005) + [TraceRequest(100 + i, 5 + i * 2.0, 64, 8) for i in range(12)]
+    sim = Simulator(make_cfg(kv_blocks=64), build_policy("levers"), trace).run()
+    kinds = [e["kind"] for e in sim.events]
+    assert "remap" in kinds and "drop" in kinds and "restore" in kinds
+    assert kinds.index("remap") < kinds.index("drop") < kinds.index("restore")
+    levers = [x["lever"] for x in sim.policy.levers]
+    assert "drop" in levers and levers.index("drop") < levers.index("restore")
+    assert all(r.finishes == 1 and r.generated == r.output for r in sim.reqs)
+    assert sim.policy.describe()["dispatch"] == "mell"
+
+
+def test_levers_a_rise_the_servers_remap_covers_needs_no_drop():
+    """A slower rise: the remap room covers what a drop would free, so the drop waits and never comes
+    (kunserve alone drops for the same trace); then a steeper one the remap cannot cover drops."""
+    slow = burst(60, 0.1, prompt=150, output=200)
+    sim = Simulator(make_cfg(kv_blocks=64), build_policy("levers"), slow).run()
+    kinds = [e["kind"] for e in sim.events]
+    assert "remap" in kinds and "drop" not in kinds
+    assert [x["lever"] for x in sim.policy.levers][:2] == ["none", "remap"]
+    alone = Simulator(make_cfg(kv_blocks=64), build_policy("kunserve"), slow).run()
+    assert "drop" in [e["kind"] for e in alone.events]
+    steep = Simulator(make_cfg(kv_blocks=64), build_policy("levers"), burst(80, 0.05, prompt=150, output=300)).run()
+    assert [x["lever"] for x in steep.policy.levers][:3] == ["none", "remap", "drop"]
+    assert all(r.finishes == 1 for r in sim.reqs + steep.reqs)

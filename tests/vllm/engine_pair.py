@@ -6,13 +6,14 @@ import threading
 BLOCK = 32
 
 
-def group_engines(model: str, kv_bytes: int, LLM, paces: tuple[str, str] = ("latest", "latest")) -> list:
+def group_engines(model: str, kv_bytes: int, LLM, paces: tuple[str, str] = ("latest", "latest"),
+                  extra: dict | None = None) -> list:
     """Two engines started as group members (uni executor, no control port), with these
-    ``lookahead.pace`` settings."""
+    ``lookahead.pace`` settings (``extra``: more kunserve sections, e.g. remap)."""
     return [LLM(model=model, dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
                 block_size=BLOCK, kv_cache_memory_bytes=kv_bytes, max_model_len=512,
                 additional_config={"kunserve": {"drop": {"group_member": True}, "control": {"enable": False},
-                                                "lookahead": {"pace": pace}}},
+                                                "lookahead": {"pace": pace}, **(extra or {})}},
                 disable_log_stats=True, seed=0) for pace in paces]
 
 

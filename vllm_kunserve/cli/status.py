@@ -236,6 +236,11 @@ def render_fleet(state: dict, events: int = 10) -> str:
                      + " ".join(f"{k} {v}" for k, v in sorted((el.get("engines") or {}).items()))
                      + f"  last {_s(last.get('action'))}  demand/reach {_s(last.get('ratio_up'))}"
                      + (f"  ({last['reason']})" if last.get("reason") else ""))
+    lever = (state.get("drop") or {}).get("lever") if isinstance(state.get("drop"), dict) else None
+    if isinstance(lever, dict):   # the fleet's lever order (policy.levers): what it pulled last and why
+        lines.append(f"levers   last {_s(lever.get('lever'))}  remap room {_s(lever.get('room_blocks'))} blocks"
+                     f"  drop need {_s(lever.get('need_blocks'))} blocks"
+                     + (f"  ({lever['reason']})" if lever.get("reason") else ""))
     for i in state.get("instances") or []:
         eng = (i.get("kv") or {}).get("engine")
         if isinstance(eng, dict) and eng.get("layers"):

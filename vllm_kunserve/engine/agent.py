@@ -42,7 +42,7 @@ from vllm_kunserve.engine.state import HOST_ENV, Blocks, Capacity, EngineInfo, E
 PEER_LOST = "kunserve-group-peer-lost"
 from vllm_kunserve.memory.transaction import StepFaults
 from vllm_kunserve.policy.inputs import EngineLoad, remap_input
-from vllm_kunserve.policy.remap import ModelLayers, RemapState, decide_remap, spaced_layers
+from vllm_kunserve.policy.remap import ModelLayers, RemapState, decide_remap, remap_room, spaced_layers
 
 logger = logging.getLogger("vllm.kunserve")
 
@@ -230,12 +230,8 @@ class EngineAgent:
             return
         self.faults.check("policy")
         load = self.load()
-        sorted_ms = sorted(self.step_ms)
-        step_ms = sorted_ms[len(sorted_ms) // 2] if sorted_ms else 10.0
-        per_layer_ms = max(1e-3, step_ms / self.num_layers)
-        alpha_now = max(0, len(self.remapped) - self.slots)
-        model = ModelLayers("self", self.num_layers, self.layer_bytes, per_layer_ms, per_layer_ms,
-                            active=True, remapped_alpha=alpha_now, slots=self.slots)
+        model, step_ms = self._model()
+        alpha_now = model.remapped_alpha
         inp = remap_input(load, model, h2d_bytes_per_s=self.h2d_bytes_per_s,
                           high_watermark=self.cfg.remap.high_watermark, now_s=time.monotonic(),
                           copy_overlap=self.copy_overlap)
@@ -255,6 +251,21 @@ class EngineAgent:
             target = plan.models[0]
             keep = self._subset(target.alpha + target.slots) if target.alpha else ()
             self.begin_revert(keep, reason="idle", inputs=inputs, decision=decision)
+
+    def _model(self) -> tuple[ModelLayers, float]:
+        """This engine's model for the remap policy (its median step time spread over its layers)."""
+        sorted_ms = sorted(self.step_ms)
+        step_ms = sorted_ms[len(sorted_ms) // 2] if sorted_ms else 10.0
+        per_layer_ms = max(1e-3, step_ms / self.num_layers)
+        return ModelLayers("self", self.num_layers, self.layer_bytes, per_layer_ms, per_layer_ms, active=True,
+                           remapped_alpha=max(0, len(self.remapped) - self.slots), slots=self.slots), step_ms
+
+    def remap_room_bytes(self) -> int:
+        """What this engine's own remap could still give its KV (0 where it will not remap by itself)."""
+        if not (self.cfg.remap.enable and self.auto) or self.phase not in ("base", "remapped") \
+                or self.lent or self.borrowed:
+            return 0
+        return remap_room(self._model()[0], self.h2d_bytes_per_s, self.cfg.remap, self.copy_overlap)
 
     def _extend(self, m: int) -> list[int]:
         """``m`` layers including the remapped ones, the rest spread over the largest gaps."""
@@ -516,8 +527,9 @@ class EngineAgent:
         if not self.cfg.drop.group_member:
             raise ControlRequestError("group_join: this engine was not started as a group member "
                                       "(kunserve drop.group_member)")
-        if self.phase != "base":
-            raise ControlConflict(f"group_join: the engine is {self.phase}; only an engine at its base can join")
+        if self.phase not in ("base", "remapped") or self.lent or self.borrowed:
+            raise ControlConflict(f"group_join: the engine is {self.phase}{' (memory lent or borrowed)' if self.phase in ('base', 'remapped') else ''}; "
+                                  f"only an engine at its base or remapped can join")
         name, drop, spans, peers = (params.get(k) for k in ("name", "drop", "spans", "peers"))
         L = self.num_layers
         if not isinstance(name, str) or not name:
@@ -550,6 +562,9 @@ class EngineAgent:
             raise AgentError(f"group_join failed and was rolled back: {exc}") from exc
         self.operation = None
         own, peer_cap = self._grow_into_group(outs, st)
+        unstreamed = [i for i in self.remapped if i in set(drop)]   # a peer runs them now
+        self.remapped = tuple(i for i in self.remapped if i not in set(drop))
+        self.slots = self.slots if self.remapped else 0
         self.group = {"name": name, "drop": sorted(set(drop)), "spans": spans,
                       "peers": {p: v["stage"] for p, v in peers.items()}, "since": time.time(),
                       "blocks": self.sched.state().visible}
@@ -558,6 +573,7 @@ class EngineAgent:
         self._after_transition()
         return self._event("group_join", "ok", time.perf_counter() - t0, sum(o["bytes_sent"] for o in outs),
                            name=name, drop=sorted(set(drop)), transition=transition, recomputed=recomputed,
+                           unstreamed=unstreamed or None, streamed=list(self.remapped) or None,
                            held_blocks=len(held), blocks_before=st.visible,
                            blocks_after=self.sched.state().visible, own_blocks=own, peer_blocks=peer_cap,
                            worker_s=round(max(o["seconds"] for o in outs), 4),
@@ -679,10 +695,18 @@ class EngineAgent:
         except Exception as exc:  # the workers could not restore: this engine cannot serve
             self._error("group_abandon", exc)
             raise AgentError(f"group peer lost and the layers could not be restored: {exc}") from exc
-        name, self.group, self.phase = (self.group or {}).get("name"), None, "base"
-        self._after_transition()
+        name, self.group = (self.group or {}).get("name"), None
+        self._back_alone()
         return self._event("group_abandon", "ok", time.perf_counter() - t0, 0, name=name, recomputed=n,
                            reason=why, blocks_after=self.sched.state().visible)
+
+    def _back_alone(self) -> None:
+        """Out of a group: at the base, or remapped by the streamed layers it kept through the
+        group (their memory is KV again: the scheduler grows into what the workers map)."""
+        self.phase = "remapped" if self.remapped else "base"
+        if self.remapped:
+            self._regrow()
+        self._after_transition()
 
     def is_grouped(self) -> bool:
         """Whether this engine runs as a pipeline group member now (the group scheduler's switch)."""
@@ -744,9 +768,9 @@ class EngineAgent:
             raise AgentError(f"group_leave failed and was rolled back (still grouped): {exc}") from exc
         finally:
             self.operation = None
-        name, self.group, self.phase = self.group["name"], None, "base"
+        name, self.group = self.group["name"], None
         self._pipeline = outs[0].get("hops") or self._pipeline   # the whole group's hops, for the state
-        self._after_transition()
+        self._back_alone()
         rs = [o.get("restore") or {} for o in outs]
         return self._event("group_leave", "ok", time.perf_counter() - t0, sum(o["bytes_sent"] for o in outs),
                            name=name, held_blocks=len(held), blocks_after=self.sched.state().visible,
@@ -831,6 +855,7 @@ class EngineAgent:
             remapped_layers=tuple(self.remapped), slots=self.slots,
             dropped_layers=tuple(sorted(dropped)), group=self.group, pipeline=self._pipeline_times(),
             h2d_bytes_per_s=self.h2d_bytes_per_s, copy_overlap=self.copy_overlap,
+            remap_room_bytes=self.remap_room_bytes(),
             tenancy=self.state_tenancy(),
             events=tuple(self.events[-20:]),
         ).to_dict()

@@ -13,7 +13,8 @@ dict below, unchanged; ``from_dict(agent_dict).to_dict() == agent_dict``.
      "requests": {"waiting", "running", "prefill_tokens", "decode_tokens", "mix_prompt_tokens",
                   "mix_output_tokens"},
      "layers": [{"index", "state", "bytes"}, ...], "remapped_layers", "slots", "dropped_layers",
-     "group", "pipeline", "h2d_bytes_per_s", "copy_overlap", "events": [...]}
+     "group", "pipeline", "h2d_bytes_per_s", "copy_overlap", "remap_room_bytes", "tenancy",
+     "events": [...]}
 
 A key a reader does not find is None (an engine of another version, a stand-in in a test); a value
 of the wrong type is an :class:`EngineStateError` that names it. Standard library only: the CLI and
@@ -221,6 +222,9 @@ class EngineState:
     pipeline: Mapping[str, Any] | None = None    # while grouped: where the hops' time goes
     h2d_bytes_per_s: float | None = None
     copy_overlap: bool | None = None
+    #: bytes this engine's own remap could still give its KV (policy.remap.remap_room; 0: its remap is off,
+    #: or it is grouped, draining or lends memory): what the fleet's lever order waits for (policy.levers)
+    remap_room_bytes: int | None = None
     #: memory between engines of one host (a multi-model fleet): {"lent": layers given, "lent_bytes",
     #: "borrowed_blocks": blocks above the base on memory made for them, "held_bytes": the pool's}
     tenancy: Mapping[str, Any] | None = None
@@ -253,6 +257,7 @@ class EngineState:
             tenancy=_typed(d, "tenancy", "", dict, "an object or null"),
             h2d_bytes_per_s=_num(d, "h2d_bytes_per_s", ""),
             copy_overlap=_typed(d, "copy_overlap", "", bool, "true, false or null"),
+            remap_room_bytes=_int(d, "remap_room_bytes", ""),
             events=tuple(events or ()))
 
     def to_dict(self) -> dict:
@@ -265,5 +270,5 @@ class EngineState:
             "remapped_layers": list(self.remapped_layers), "slots": self.slots,
             "dropped_layers": list(self.dropped_layers), "group": self.group, "pipeline": self.pipeline,
             "h2d_bytes_per_s": self.h2d_bytes_per_s, "copy_overlap": self.copy_overlap,
-            "tenancy": self.tenancy, "events": list(self.events),
+            "remap_room_bytes": self.remap_room_bytes, "tenancy": self.tenancy, "events": list(self.events),
         }

@@ -39,7 +39,7 @@ logger = logging.getLogger("vllm.kunserve")
 #: fault points, in the order transitions reach them (``StepFaults.arm(name)``)
 STEPS = ("pack", "streamer_uninstall", "release", "slot_create", "streamer_install", "copy_plan",
          "kv_grow", "kv_shrink", "slot_destroy", "reload", "foreign_create", "exchange", "kv_free", "kv_regrow",
-         "foreign_destroy", "give_back", "kv_borrow", "kv_repay")
+         "foreign_destroy", "give_back", "kv_borrow", "kv_repay", "unstream")
 
 
 class LayerState(str, Enum):
@@ -407,13 +407,19 @@ class LayerResidency:
         own KV; grow every kept KV region (own and the peers') evenly into the free chunks. A
         failure up to the exchange undoes everything; after it, the KV already moved, so a failed
         grow keeps the group at its current size (an event, not a rollback). Returns the mapped
-        block count."""
+        block count.
+
+        A remapped engine joins too (the levers stack: local remap first, then a cluster drop): a
+        streamed layer in ``layers`` becomes dropped (its memory is KV already; its host copy stays
+        for the leave), the other streamed layers go on streaming through the same slots (none
+        left: the slots go, their memory grows the KV). :meth:`leave` brings every dropped layer
+        back resident, so the engine is remapped afterwards only by the streamed layers it kept."""
         D = self._check_layers(layers, "join")
-        if any(self.states[i] is not LayerState.RESIDENT for i in D) or not D:
-            raise ValueError(f"join {list(D)}: need resident layers to drop "
+        if any(self.states[i] is LayerState.DROPPED for i in D) or not D:
+            raise ValueError(f"join {list(D)}: need resident or streamed layers to drop "
                              f"(states {[self.states[i].value for i in D]})")
-        if len(D) + len(self.dropped) + len(self.streamed) >= len(self.layers):
-            raise ValueError("join would leave no layer on this engine")
+        if len(set(D) | set(self.dropped) | set(self.streamed)) >= len(self.layers):
+            raise ValueError("join would leave no resident layer on this engine")
         if any(o in self.peers for o in peers) or any(not o for o in peers):
             raise ValueError(f"join: peers {sorted(peers)} must be new, non-empty names (have {list(self.peers)})")
         kept = [k for k in self.kv if not k.origin and k.layer >= 0 and k.layer not in D]
@@ -421,9 +427,23 @@ class LayerResidency:
         own_dropped = [k for k in self.kv if not k.origin and k.layer in D]
         prev = {k.region: k.region.mapped_bytes for k in own_dropped}
 
+        C = self.streamed
+        gone = [i for i in D if i in C]   # streamed layers a peer runs from now on
+        still = tuple(i for i in C if i not in D)
+
         def body(tx: Transaction) -> None:
+            if gone:
+                self._t_uninstall(tx, C)
+                for i in gone:
+                    tx.step("unstream", lambda i=i: self._set_state(i, LayerState.DROPPED),
+                            lambda i=i: self._set_state(i, LayerState.STREAMED))
+                if still:
+                    self._t_install(tx, still)
+                else:
+                    self._t_slots_destroy(tx)
             for i in D:
-                self._t_release(tx, i, LayerState.DROPPED)
+                if i not in C:
+                    self._t_release(tx, i, LayerState.DROPPED)
             tx.step("foreign_create", lambda: self._host_peers(peers, kept, created),
                     lambda: self._drop_regions(created))
             tx.step("exchange", exchange)
@@ -432,8 +452,11 @@ class LayerResidency:
             t = time.perf_counter()
             self._grow_best_effort()  # after kv_free: a failure here must not roll back (KV moved)
             tx.step_ms["kv_grow_after"] = (time.perf_counter() - t) * 1e3   # timed, not a step: nothing to undo
-        return self._run("join", body, commit, layers=list(D), peers=dict(peers),
-                         nbytes=sum(self.weights[i].max_bytes for i in D))
+        out = self._run("join", body, commit, layers=list(D), peers=dict(peers), unstreamed=gone or None,
+                        nbytes=sum(self.weights[i].max_bytes for i in D if i not in C))
+        if gone and not still and self.pending is None:
+            self.adapter.drop_slots()
+        return out
 
     def _grow_best_effort(self) -> None:
         places = self._active(None)
@@ -471,6 +494,10 @@ class LayerResidency:
                     lambda: self._resize({k.region: 0 for k in own_dropped}))
             tx.step("exchange", exchange)
             tx.step("foreign_destroy", lambda: self._drop_regions(foreign))
+            if self.streamed:   # a remapped engine left: its KV grows back into its streamed layers' memory
+                t = time.perf_counter()
+                self._grow_best_effort()
+                tx.step_ms["kv_grow_after"] = (time.perf_counter() - t) * 1e3
         return self._run("leave", body, commit, layers=list(D), peers=list(self.peers),
                          nbytes=sum(self.weights[i].max_bytes for i in D), source=source)
 

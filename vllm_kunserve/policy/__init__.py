@@ -3,6 +3,8 @@
 Callers (the cluster controller, the engine agent, the simulator) build snapshots and call:
 
 * :func:`choose_instance`: which instance takes a new request (over :class:`InstanceLoad`);
+* :func:`decide_levers`: each period, the order of the levers (remap first, then drop; restore
+  first, then revert) over :func:`monitor_tick`, threading a :class:`LeverState`;
 * :func:`monitor_tick`: each period, drop, restore or nothing from the demand history (threads a
   :class:`MonitorState`); it uses :func:`assess_overload` / :func:`plan_drop` (when and how to merge
   instances and drop layers) and :func:`decide_restore` (when to split groups back);
@@ -25,13 +27,14 @@ from vllm_kunserve.policy.drop import DropPlan, GroupPlan, StageAssignment, bala
 from vllm_kunserve.policy.inputs import EngineLoad, remap_input
 from vllm_kunserve.policy.microbatch import (Microbatch, WorkChunk, lookahead_microbatches, pipeline_bubble,
                                              step_budget, token_count_microbatches, work_from_requests)
+from vllm_kunserve.policy.levers import LeverDecision, LeverState, decide_levers
 from vllm_kunserve.policy.monitor import MonitorDecision, MonitorState, monitor_tick
 from vllm_kunserve.policy.overload import OverloadReport, assess_overload, forecast_blocks
 from vllm_kunserve.policy.placement import (MellPlacer, MoveCandidate, MoveChoice, OpResult, choose_migration,
                                             lower_bound_l2, size_class)
 from vllm_kunserve.policy.placement_baselines import GreedyPlacer, make_placer
 from vllm_kunserve.policy.remap import (ModelLayers, RemapInput, RemapPlan, RemapState, decide_remap,
-                                        spaced_layers)
+                                        remap_room, spaced_layers)
 from vllm_kunserve.policy.restore import RestoreDecision, RestoreState, decide_restore
 from vllm_kunserve.policy.snapshot import ClusterSnapshot, InstanceSnapshot, ModelSpec, RequestSnapshot
 from vllm_kunserve.policy.transfer import Link, chunk_bytes, fit_link, load_vidur_send_recv
@@ -40,7 +43,7 @@ __all__ = [
     "KvNeed", "admit_count", "peak_blocks",
     "ClusterSnapshot", "InstanceSnapshot", "ModelSpec", "RequestSnapshot",
     "DEFAULT_DISPATCH", "DISPATCH", "InstanceLoad", "choose_instance",
-    "MonitorDecision", "MonitorState", "monitor_tick",
+    "MonitorDecision", "MonitorState", "monitor_tick", "LeverDecision", "LeverState", "decide_levers",
     "OverloadReport", "assess_overload", "forecast_blocks",
     "DropPlan", "GroupPlan", "StageAssignment", "balanced_stages", "plan_drop",
     "RestoreDecision", "RestoreState", "decide_restore",
@@ -48,7 +51,8 @@ __all__ = [
     "load_vidur_mlp", "nnls",
     "Microbatch", "WorkChunk", "lookahead_microbatches", "pipeline_bubble", "step_budget", "token_count_microbatches",
     "work_from_requests",
-    "EngineLoad", "remap_input", "ModelLayers", "RemapInput", "RemapPlan", "RemapState", "decide_remap", "spaced_layers",
+    "EngineLoad", "remap_input", "ModelLayers", "RemapInput", "RemapPlan", "RemapState", "decide_remap", "remap_room",
+    "spaced_layers",
     "MellPlacer", "GreedyPlacer", "make_placer", "MoveCandidate", "MoveChoice", "OpResult",
     "choose_migration", "lower_bound_l2", "size_class",
     "Link", "chunk_bytes", "fit_link", "load_vidur_send_recv",

@@ -264,6 +264,16 @@ def lend_plan(m: ModelLayers, h2d_bytes_per_s: float, cfg: RemapConfig = RemapCo
     return ModelRemap(m.name, bound, s, spaced_layers(m.num_layers, bound + s), bound * m.layer_bytes, hidden, bound)
 
 
+def remap_room(m: ModelLayers, h2d_bytes_per_s: float, cfg: RemapConfig = RemapConfig(),
+               copy_overlap: bool = True) -> int:
+    """Bytes of weight memory ``m`` could still give to its KV by remapping more layers: up to its
+    bound (the layers its link hides, or inline the copy budget, and the caps) less what it gives now."""
+    if not cfg.enable:
+        return 0
+    bound = max(o[1] for o in _options(m, h2d_bytes_per_s, cfg, copy_overlap))
+    return max(0, bound - m.remapped_alpha) * m.layer_bytes
+
+
 def with_models(inp: RemapInput, plan: RemapPlan) -> RemapInput:
     """The input after applying ``plan`` (for simulators stepping the controller)."""
     by = {r.model: r for r in plan.models}

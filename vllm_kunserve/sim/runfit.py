@@ -224,6 +224,10 @@ def make_sim(st, st_group, settings: dict, system: str, trace) -> RunSimulator:
                     link=Link(1e15, 0.0, "local"))
     if kind in ("vllm", "oracle"):
         pol = build_policy("vllm", dispatch)
+    elif (kind == "kunserve" or variant is not None) and kcfg.remap.enable:
+        # remap on the engines too: the three levers in the order policy.levers gives; the CPU engines
+        # run on one core each, so a streamed layer's copy runs inline
+        pol = build_policy("levers", dispatch, kcfg, copy_overlap=False)
     elif kind == "kunserve" or variant is not None:
         pol = build_policy("kunserve", dispatch, kcfg)
     elif kind == "static":

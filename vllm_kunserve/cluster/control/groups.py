@@ -40,7 +40,7 @@ from vllm_kunserve.cluster.control.client import ControlClient, ControlPortError
 from vllm_kunserve.engine.state import EngineState, EngineStateError
 from vllm_kunserve.policy.drop import balanced_stages
 from vllm_kunserve.policy.inputs import cluster_input
-from vllm_kunserve.policy.monitor import MonitorState, monitor_tick
+from vllm_kunserve.policy.levers import LeverState, decide_levers
 from vllm_kunserve.policy.restore import halves
 
 logger = logging.getLogger("kunserve.groups")
@@ -96,7 +96,7 @@ class GroupController:
         self.auto = auto and cfg.drop.enable
         self.timeout_s = timeout_s
         self.groups: list[Group] = []
-        self.mstate = MonitorState()  # the monitor's demand and request-mix history, restore hold
+        self.lstate = LeverState()  # the monitor's demand and request-mix history, restore hold, remap wait
         self.clock: Callable[[], float] = time.monotonic  # the snapshots' now_s
         self.busy = False
         self.last: dict = {}
@@ -109,6 +109,8 @@ class GroupController:
         self.m_ops = Counter("kunserve:group_ops", "Pipeline-group operations", ["op", "outcome"], registry=r)
         self.m_shortfall = Gauge("kunserve:kv_shortfall_blocks",
                                  "KV blocks no drop plan could free (for an autoscaler)", registry=r)
+        self.m_lever = Counter("kunserve:lever_decisions", "The fleet controller's lever decisions (policy.levers): "
+                               "remap (a due drop waits for the engines' own remap), drop, restore", ["lever"], registry=r)
         self.m_grouped = Gauge("kunserve:grouped_instances", "Instances in a pipeline group", registry=r)
         self.m_layers = Gauge("kunserve:layers_held", "Decoder layers held per instance", ["instance"], registry=r)
 
@@ -119,7 +121,7 @@ class GroupController:
         if enable and not self.cfg.drop.enable:   # the policy reads drop.enable too
             self.cfg = replace(self.cfg, drop=replace(self.cfg.drop, enable=True))
         if enable and not was:
-            self.mstate = MonitorState()
+            self.lstate = LeverState()
         return was
 
     # -- state ----------------------------------------------------------------------------------------
@@ -165,6 +167,12 @@ class GroupController:
                              block_bytes=s0.capacity.block_bytes, block_size=s0.capacity.block_size,
                              rows=rows, groups=groups, now_s=self.clock())
 
+    @staticmethod
+    def remap_room(states: dict[int, EngineState]) -> dict[int, float]:
+        """Bytes each engine's own remap could still give its KV (what it publishes; 0 where its
+        remap is off, it is grouped, draining or lends memory)."""
+        return {i: float(s.remap_room_bytes or 0) for i, s in states.items()}
+
     # -- the monitor's listener -----------------------------------------------------------------------
     async def on_poll(self, reports: dict) -> None:
         if self.busy:
@@ -191,8 +199,11 @@ class GroupController:
         snap = self.snapshot(states)
         if snap is None:
             return
-        waiting_since = self.mstate.deferred_since   # a due drop already waiting for first tokens
-        dec, self.mstate = monitor_tick(snap, self.mstate, self.cfg.drop, self.cfg.restore)
+        waiting_since = self.lstate.monitor.deferred_since   # a due drop already waiting for first tokens
+        remap_since = self.lstate.remap_since                 # a due drop already waiting for the engines' remap
+        lever, self.lstate = decide_levers(snap, self.lstate, self.cfg.drop, self.cfg.restore,
+                                           remap_room=self.remap_room(states))
+        dec = lever.monitor
         report = dec.overload
         self.peak_ratio = max(self.peak_ratio, report.ratio)
         self.last = {"overload": report.to_dict(), "peak_ratio": self.peak_ratio}
@@ -206,7 +217,19 @@ class GroupController:
             if waiting_since is None:   # an event when a deferral starts
                 self.front.record("drop_deferred", reason=dec.deferred, ratio=round(report.ratio, 3),
                                   max_s=self.cfg.drop.defer_for_first_token_s)
+        self.last["lever"] = lever.to_dict()
+        if lever.lever == "remap":
+            if remap_since is None:   # an event when the wait starts
+                self.front.record("lever", lever="remap", reason=lever.reason, ratio=round(report.ratio, 3),
+                                  room_blocks=round(lever.room_blocks), need_blocks=round(lever.need_blocks))
+                self.m_lever.labels("remap").inc()
+            return
         if dec.action == "drop":  # live groups are in the plan only with drop.regroup (form re-forms them)
+            if dec.drop.groups:
+                self.front.record("lever", lever="drop", reason=lever.reason or "overload",
+                                  ratio=round(report.ratio, 3), room_blocks=round(lever.room_blocks),
+                                  need_blocks=round(lever.need_blocks))
+                self.m_lever.labels("drop").inc()
             plan = dec.drop
             self.m_shortfall.set(max(0.0, plan.shortfall_bytes / snap.model.block_bytes))
             self.last["plan"] = plan.to_dict()
@@ -220,6 +243,8 @@ class GroupController:
             return
         decision = dec.restore
         self.last["restore"] = decision.to_dict()
+        if decision.restore:
+            self.m_lever.labels("restore").inc()
         for r in decision.restore:
             g = next((g for g in self.groups if set(g.members) == set(r.instances) and g.state == "grouped"), None)
             if g is not None:

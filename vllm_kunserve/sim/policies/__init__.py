@@ -16,7 +16,9 @@ POLICIES = ("vllm", "infercept", "llumnix", "mell", "kunserve", "oneiros", "orac
             # KunServe's group of every instance from t=0, kept (no transitions)
             "static",
             # stock vLLM with the KV of a 2-instance KunServe group
-            "oracle-equal")
+            "oracle-equal",
+            # remap on each engine, cluster drop and MELL placement, ordered by policy.levers
+            "levers")
 #: names with a parameter: tuned vLLM with batch cap N (``build_policy("vllm-tuned", max_seqs=N)``
 #: is the same) and the equal-KV oracle of an N-instance group
 POLICY_PATTERNS = ("vllm-cap<N>", "oracle-equal-g<N>")
@@ -36,11 +38,12 @@ def _unknown(name: str) -> ValueError:
 
 
 def build_policy(name: str, dispatch: str = DEFAULT_DISPATCH, config=None, cost_model=None, *,
-                 max_seqs: int | None = None, group: int | None = None) -> Policy:
+                 max_seqs: int | None = None, group: int | None = None, copy_overlap: bool = True) -> Policy:
     """The policy called ``name`` routing by ``dispatch``; ``config`` is KunServe's
     (``KunServeConfig``). ``max_seqs``: the batch cap of ``vllm-tuned`` (required there; the name
     ``vllm-capN`` gives it too); ``group``: the group size whose KV ``oracle-equal`` holds (default
-    2; the name ``oracle-equal-gN`` gives it too)."""
+    2; the name ``oracle-equal-gN`` gives it too); ``copy_overlap``: False where remapped layers' copies
+    run inline (a CPU engine on one core: ``oneiros`` and ``levers``)."""
     key = name.lower()
     if max_seqs is not None and key != "vllm-tuned":
         raise ValueError(f"policy {name!r}: max_seqs is vllm-tuned's parameter")
@@ -76,9 +79,13 @@ def build_policy(name: str, dispatch: str = DEFAULT_DISPATCH, config=None, cost_
     if key == "mell":
         from .mell import MellPolicy
         return MellPolicy(config)
+    if key == "levers":
+        from .levers import LeversPolicy
+        return LeversPolicy(config, dispatch if dispatch != DEFAULT_DISPATCH else "mell", cost_model=cost_model,
+                            copy_overlap=copy_overlap)
     if key == "oneiros":
         from .oneiros import OneirosPolicy
-        return OneirosPolicy(config, dispatch)
+        return OneirosPolicy(config, dispatch, copy_overlap=copy_overlap)
     raise _unknown(name)
 
 

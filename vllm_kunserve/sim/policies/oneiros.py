@@ -21,12 +21,15 @@ from .base import DEFAULT_DISPATCH, Policy
 class OneirosPolicy(Policy):
     name = "oneiros"
 
-    def __init__(self, config=None, dispatch: str = DEFAULT_DISPATCH, tick_s: float = 0.25):
+    def __init__(self, config=None, dispatch: str = DEFAULT_DISPATCH, tick_s: float = 0.25, copy_overlap: bool = True):
         super().__init__(dispatch)
         from vllm_kunserve.config import RemapConfig
 
         self.rcfg = config.remap if config is not None else RemapConfig()
         self.tick_s = tick_s
+        # False: the host's copies run inline before each streamed layer (a CPU engine on one core), as
+        # the engine agent's ``copy_overlap``: every streamed layer then costs its whole copy per step
+        self.copy_overlap = copy_overlap
         self.state: dict[int, tuple[int, int, RemapState]] = {}  # sid -> (alpha, slots, state)
 
     def _layers(self, sim, s, alpha: int, slots: int) -> ModelLayers:
@@ -42,7 +45,8 @@ class OneirosPolicy(Policy):
             load = adapters.engine_load(sim, s)
             inp = remap_input(load, self._layers(sim, s, alpha, slots),
                               h2d_bytes_per_s=sim.cfg.pcie.bandwidth_bytes_per_s,
-                              high_watermark=self.rcfg.high_watermark, now_s=sim.now)
+                              high_watermark=self.rcfg.high_watermark, now_s=sim.now,
+                              copy_overlap=self.copy_overlap)
             plan, rs = decide_remap(inp, self.rcfg, rs)
             base = load.base_blocks
             if plan.models:
@@ -65,7 +69,9 @@ class OneirosPolicy(Policy):
         t_x = sim.cfg.pcie.time_s(m.layer_bytes)
         L = m.layers
 
-        def penalty(step_s: float, mcount=mcount, gap=gap, t_x=t_x, L=L) -> float:
+        hide = gap if self.copy_overlap else 0   # inline copies hide behind nothing
+
+        def penalty(step_s: float, mcount=mcount, gap=hide, t_x=t_x, L=L) -> float:
             t_c = step_s / L
             return mcount * max(0.0, t_x - gap * t_c)
 
