@@ -336,3 +336,19 @@ def test_a_step_down_drains_to_the_smaller_groups_count_then_restages_into_it_wi
     assert all(p["kv_blocks"] == target for p in asked["restage"])
     assert agent.sched.visible == target + 1 and agent.group["peers"] == {"e1": "s1"}
     assert asked["leave"] == []
+
+
+def test_no_kv_moves_in_or_out_of_a_group_member():
+    """A member's requests' KV is spread over its group: kv_export and kv_import_* are refused while
+    it is grouped or draining out of a group (they would read a dropped layer's unmapped KV), and
+    work again once it is alone."""
+    from vllm_kunserve.engine.control import ControlConflict
+
+    agent, _, _ = _agent()
+    for phase in ("grouped", "group_draining"):
+        agent.phase, agent.group = phase, {"name": "e0", "drop": [3, 4, 5]}
+        for op in ("kv_export", "kv_import_prepare", "kv_import_commit", "kv_import_abort"):
+            with pytest.raises(ControlConflict, match="pipeline-group member"):
+                agent.call(op, {"token_ids": [1, 2, 3]})
+    agent.phase, agent.group = "base", None
+    assert agent.call("kv_import_abort", {}) == {"aborted": False, "import_id": None}   # alone: it answers

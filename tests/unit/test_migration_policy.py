@@ -226,3 +226,17 @@ def test_simulator_carries_out_the_orders(link_bw, method):
         assert r.computed == 0 and (r in b.waiting or r in b.running)
     sim.run()  # everything still finishes exactly once
     assert all(x.finishes == 1 for x in reqs)
+
+
+def test_members_of_a_pipeline_group_are_neither_sources_nor_destinations():
+    """A request's KV in a group is spread over its members: no move out of or into one (the three-lever
+    run's worker segfault: a move between two members of one group read a dropped layer's KV)."""
+    from dataclasses import replace
+
+    units = [replace(unit(0, 98), group=1), replace(unit(1, 40), group=1), unit(2, 60)]
+    reqs = reqs_on(0, [30, 20, 8]) + reqs_on(1, [40]) + reqs_on(2, [60])
+    assert plan(units, reqs) == ()                       # the only lone unit is under its watermark
+    units = [replace(unit(0, 40), group=1), replace(unit(1, 40), group=1), unit(2, 98), unit(3, 10)]
+    reqs = reqs_on(2, [30, 20, 8])
+    orders = plan(units, reqs)
+    assert orders and all(o.src == 2 and o.dst == 3 for o in orders)   # a lone source, a lone destination

@@ -78,3 +78,17 @@ def test_remap_room_is_the_bound_less_what_is_given_and_nothing_with_remap_off()
     assert remap_room(replace(m, remapped_alpha=2, slots=1), 1e5, cfg) == 100
     assert remap_room(m, 1e3, cfg) == 0      # a link too slow to hide any layer
     assert remap_room(m, 1e5, RemapConfig(enable=False)) == 0
+
+
+def test_a_first_token_deferral_does_not_restart_the_remap_wait():
+    drop = replace(DROP, defer_for_first_token_s=2.0, trigger_ratio=0.9)
+
+    def snap(now, awaiting):   # 1900 + 50 of 2000 blocks: over the trigger, under capacity
+        return ClusterSnapshot(MODEL, tuple(InstanceSnapshot(i, 1000, 950, 25, awaiting_first_token=awaiting)
+                                            for i in range(2)), now_s=now)
+    dec, state = decide_levers(snap(0.0, 0), LeverState(), drop, RESTORE, remap_room={0: 1000, 1: 1000})
+    assert dec.lever == "remap" and state.remap_since == 0.0
+    dec, state = decide_levers(snap(1.0, 3), state, drop, RESTORE, remap_room={0: 1000, 1: 1000})
+    assert dec.lever == "none" and "first token" in dec.reason and state.remap_since == 0.0
+    dec, state = decide_levers(snap(6.0, 0), state, drop, RESTORE, remap_room={0: 1000, 1: 1000})
+    assert dec.lever == "drop" and "within 5 s" in dec.reason   # waited from 0.0, not from 6.0

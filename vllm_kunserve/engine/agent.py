@@ -937,6 +937,11 @@ class EngineAgent:
                 raise ControlRequestError("group_ping: 'stage' must be a stage address string")
             return self._workers("kunserve_group_ping", params["stage"], _int(params, "bytes", 16384, 1, 1 << 30))[0]
         if op in MIGRATION_OPERATIONS:
+            if self.group is not None or self.phase in ("grouped", "group_draining"):
+                # the KV of a request here is spread over the group (each member holds its layers' share);
+                # this engine's regions of the layers it dropped are unmapped: no export or import reads them
+                raise ControlConflict(f"{op}: this engine is a pipeline-group member ({self.phase}); its requests' KV "
+                                      f"is spread over the group, so no KV moves in or out until it leaves")
             return self.kv_migration().call(op, params)
         raise ControlRequestError(f"unknown operation {op!r}; known: {', '.join(OPERATIONS)}")
 

@@ -76,8 +76,9 @@ def decide_levers(cluster: ClusterSnapshot, state: LeverState = LeverState(), dr
     bb = max(1, cluster.model.block_bytes)
     room = sum(float(b) for i, b in (remap_room or {}).items() if i in lone and b > 0) / bb
     if dec.action != "drop":
-        if dec.action == "none" and dec.deferred:
-            return LeverDecision("none", dec, room, 0.0, dec.deferred), LeverState(mstate, None)
+        if dec.action == "none" and dec.deferred:   # the drop is due but waits for first tokens: the remap
+            # wait, where one started, goes on counting
+            return LeverDecision("none", dec, room, 0.0, dec.deferred), LeverState(mstate, state.remap_since)
         return LeverDecision(dec.action, dec, room, 0.0), LeverState(mstate, None)
     need = float(dec.overload.need_blocks)
     since = state.remap_since if state.remap_since is not None else cluster.now_s

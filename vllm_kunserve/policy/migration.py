@@ -29,7 +29,12 @@ What it does (see ``policy.dispatch.mell`` for why this is MELL on a fixed clust
 5. Budgets: at most ``max_migrations`` orders and ``max_migration_bytes`` KV bytes per call.
 
 Units that are not alive (dead, or frozen while their group changes) are neither sources nor
-destinations, and requests on them are ignored (failover re-dispatches those).
+destinations, and requests on them are ignored (failover re-dispatches those). Neither are members
+of a pipeline group (``InstanceLoad.group``): a request's KV there is spread over the members, each
+holding its layers' share, so no one engine can send it or take it in; while it lasts the group is
+the lever (``policy.levers``) and placement moves requests between the lone engines only. (Before,
+with ``--dispatch mell`` and cluster drop on the same engines, a move between two members of one
+group read the KV of a layer its source had dropped: a worker segfault, found in the three-lever run.)
 """
 
 from __future__ import annotations
@@ -97,7 +102,7 @@ def plan_migrations(units: Sequence[InstanceLoad], requests: Sequence[RequestLoa
         raise ValueError(f"kv_bytes_per_block={kv_bytes_per_block}: must be >= 0")
     if not link_bytes_per_s > 0:
         raise ValueError(f"link_bytes_per_s={link_bytes_per_s}: must be > 0")
-    live = {u.instance_id: u for u in units if u.alive}
+    live = {u.instance_id: u for u in units if u.alive and u.group is None}
     if config.max_migrations <= 0 or len(live) < 2:
         return ()
     cap = {i: max(u.capacity_blocks, 1) for i, u in live.items()}
