@@ -352,3 +352,52 @@ def test_no_kv_moves_in_or_out_of_a_group_member():
                 agent.call(op, {"token_ids": [1, 2, 3]})
     agent.phase, agent.group = "base", None
     assert agent.call("kv_import_abort", {}) == {"aborted": False, "import_id": None}   # alone: it answers
+
+
+class DrainingSched(FakeSched):
+    """A shrink whose top blocks are still in use drains them (``held``); cancelling it gives back every
+    block it retired, as vLLM's block pool does (``integration.vllm.block_capacity``)."""
+
+    held = 3
+
+    def recompute_all(self):
+        return 2   # two requests preempted to be computed again
+
+    def begin_shrink(self, n):
+        self.before, self.visible, self.draining = self.visible, self.visible - n, self.held
+        return False
+
+    def cancel_shrink(self):
+        back, self.visible, self.draining = self.draining, max(self.visible, getattr(self, "before", 0)), 0
+        return back
+
+    def grow(self, n):
+        if n <= 0:
+            return   # as vLLM's block pool: a grow never shrinks
+        if self.draining:
+            raise RuntimeError("cannot grow while a shrink is draining")
+        super().grow(n)
+
+
+def test_a_remapped_member_abandoning_its_group_never_uses_a_block_its_workers_do_not_map():
+    """A lost peer, blocks still in use above the base: the member comes back remapped by the layer it
+    kept streaming, its scheduler at or under what the workers map (the abandon's shrink is not cancelled:
+    that gave back the group's count, above the mapping, and vLLM's attention wrote there: a segfault)."""
+    agent, workers, stacks = _agent()
+    agent.sched = DrainingSched(BASE, 64)
+    for w in workers:
+        w.kunserve_group_leave = lambda p, w=w: {"mapped_blocks": w.res.leave(p["kv_blocks"], lambda: None),
+                                                "hops": None}
+    assert agent.remap([1, 4], 1)["outcome"] == "ok"
+    for w in workers:   # the group as the workers hold it after a join from remapped (layer 4 to the peer)
+        w.res.join([3, 4, 5], {"p": BASE}, lambda: None)
+    agent.sched.grow(min(w.res.mapped_blocks for w in workers) - agent.sched.visible)
+    agent.phase, agent.group, agent.remapped = "grouped", {"name": "e0", "drop": [3, 4, 5]}, (1,)
+    grouped = agent.sched.visible
+    ev = agent.group_abandon("peer lost")
+    assert ev["outcome"] == "ok" and agent.phase == "remapped" and agent.remapped == (1,)
+    assert [w.res.streamed for w in workers] == [(1,), (1,)] and [w.res.dropped for w in workers] == [(), ()]
+    assert agent.sched.visible <= min(w.res.mapped_blocks for w in workers) < grouped
+    assert agent.invariant_problems() == []
+    x = torch.randn(2, H)
+    assert torch.equal(_run(stacks[0], x), _run(_stack(), x))

@@ -1,7 +1,8 @@
 """Two in-process vLLM-CPU engines pull both memory levers in the order ``policy.levers`` gives: each
 remaps first (streams some layers, their memory becomes KV), then the two join a pipeline group from
 there (a streamed layer the peer runs is dropped, the others stream on), leave it (back remapped by
-the layers each kept streaming) and revert. Prints one JSON line.
+the layers each kept streaming) and revert; before that, a group joined from remapped is abandoned
+by both (a lost peer). Prints one JSON line.
 
 Usage: python levers_probe.py MODEL KV_BYTES
 
@@ -89,8 +90,18 @@ def main() -> None:
         time.sleep(0.05)
     stages["reverted"] = [snap(i) for i in range(2)]
     same["reverted"] = [run(e) == b for e, b in zip(engines, before)]
+    # remapped again, a group joined from there whose peer is lost: each member abandons it (layers back
+    # from the host copies, requests recomputed) and is remapped by the layers it kept streaming
+    [rpc(i, "kunserve_remap", alpha=2, slots=1) for i in range(2)]
+    stages["remapped2"] = [snap(i) for i in range(2)]
+    st = [rpc(i, "kunserve_state") for i in range(2)]
+    plans2 = half_plans(st, L)
+    abandon_joins = both(engines, "kunserve_group_join", [{**p, "timeout_s": TIMEOUT_S, "join_id": "a"} for p in plans2])
+    abandons = [rpc(i, "kunserve_group_leave", step="abandon", reason="peer lost (probe)") for i in range(2)]
+    stages["abandoned"] = [snap(i) for i in range(2)]
+    same["abandoned"] = [run(e) == b for e, b in zip(engines, before)]
     print("PROBE_RESULT " + json.dumps({
-        "layers": L, "remaps": remaps, "joins": joins, "leaves": leaves, "reverts": reverts, "faults": faults,
+        "layers": L, "remaps": remaps, "joins": joins, "abandon_joins": abandon_joins, "abandons": abandons, "leaves": leaves, "reverts": reverts, "faults": faults,
         "stages": stages, "same": same, "plans": [p["drop"] for p in plans]}), flush=True)
     for e in engines:
         e.llm_engine.engine_core.shutdown()

@@ -17,7 +17,7 @@ def levers_run(burst_model):
 def test_outputs_stay_token_identical_through_remap_group_leave_and_revert(levers_run):
     r = levers_run
     assert all(x["outcome"] == "ok" for x in r["remaps"] + r["joins"] + r["leaves"]), r
-    assert r["same"] == {k: [True, True] for k in ("remapped", "grouped", "left", "reverted")}, r["same"]
+    assert r["same"] == {k: [True, True] for k in ("remapped", "abandoned", "grouped", "left", "reverted")}, r["same"]
     assert all(s["problems"] == [] for stage in r["stages"].values() for s in stage), r["stages"]
 
 
@@ -51,3 +51,16 @@ def test_a_fault_joining_from_remapped_leaves_both_engines_remapped_as_they_were
         assert [a["streamed"] for a in f["after"]] == [x["streamed"] for x in rem], f
         assert [a["blocks"] for a in f["after"]] == [x["blocks"] for x in rem], f
         assert all(a["problems"] == [] for a in f["after"]) and f["same"] == [True, True], f
+
+
+def test_a_remapped_member_that_abandons_its_group_is_remapped_again_within_what_it_maps(levers_run):
+    """A lost peer: each member abandons the group joined from remapped. It comes back remapped by the
+    layers it kept streaming, its scheduler using no block its workers do not map (the three-lever
+    run's second segfault: the scheduler kept the group's count after an abandon, above what was mapped)."""
+    r = levers_run
+    rem, ab = r["stages"]["remapped2"], r["stages"]["abandoned"]
+    assert all(x["outcome"] == "ok" for x in r["abandon_joins"] + r["abandons"]), r
+    for i in range(2):
+        kept = set(rem[i]["streamed"]) - set(r["plans"][i])
+        assert ab[i]["phase"] == "remapped" and set(ab[i]["streamed"]) == kept and ab[i]["dropped"] == []
+        assert ab[i]["problems"] == [] and r["stages"]["base"][i]["blocks"] < ab[i]["blocks"]

@@ -704,8 +704,14 @@ class EngineAgent:
         """Out of a group: at the base, or remapped by the streamed layers it kept through the
         group (their memory is KV again: the scheduler grows into what the workers map)."""
         self.phase = "remapped" if self.remapped else "base"
-        if self.remapped:
-            self._regrow()
+        st = self.sched.state()
+        if self.remapped and not st.draining:
+            # up from what the leave (or abandon) left visible, never past what the workers map; never by
+            # cancelling the abandon's shrink (that gives back the group's count, above what is mapped now).
+            # Blocks still draining there: it stays at what is visible (a later remap grows it)
+            mapped = min(w["mapped_blocks"] for w in self._workers("kunserve_check"))
+            if min(mapped, st.max_blocks) > st.visible:
+                self.sched.grow(min(mapped, st.max_blocks) - st.visible)
         self._after_transition()
 
     def is_grouped(self) -> bool:
