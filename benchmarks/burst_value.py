@@ -79,8 +79,8 @@ import numpy as np
 from benchmarks.common import pooled, raw
 from benchmarks.common.pooled import load_runs, request_files
 from benchmarks.common.burst import (LATE_S, SLOW_SHARE, add_phase_args, dispatch_split, group_times, grouped_output,
-                                      in_spans,
-                                       kunserve_config, machine_speed, scaling_table)
+                                      in_spans, kunserve_config, lever_section, lever_times, machine_speed,
+                                      scaling_table)
 from vllm_kunserve.bench.report import command as cmd
 from vllm_kunserve.bench.report import md_row, md_table, pyplot, save_figure, write_json
 from vllm_kunserve.sim.policies.baselines import group_kv_factor   # one home: the simulator's oracle-equal uses it
@@ -209,7 +209,8 @@ def saturation(a: argparse.Namespace, model: Path, dtype: str, out: Path) -> dic
 
 
 def phases_of(cap: float, a: argparse.Namespace) -> str:
-    return f"{a.warm_s:g}@{round(a.warm_share * cap, 4):g},{a.burst_s:g}@{round(a.burst_x * cap, 4):g}"
+    tail = f",{a.tail_s:g}@{round(a.tail_share * cap, 4):g}" if getattr(a, "tail_s", 0) > 0 else ""
+    return f"{a.warm_s:g}@{round(a.warm_share * cap, 4):g},{a.burst_s:g}@{round(a.burst_x * cap, 4):g}{tail}"
 
 
 def window_of(a: argparse.Namespace) -> tuple[float, float]:
@@ -804,6 +805,7 @@ def render(a: argparse.Namespace, meta: dict, an: dict, totals: dict, lag: dict,
         L += md_table(["system", *(f"rep {k}" for k in reps)], "l" * (1 + len(reps)),
                       ([s, *(" / ".join(map(str, v[k])) if k in v else "-" for k in reps)] for s, v in split.items()))
     L += machine_section(meta.get("machine") or {}, meta["repeat"], meta.get("machine_warm") or (0, 0))
+    L += lever_section(meta.get("levers") or {})
     L += ablation_section(an.get("ablation") or {}, meta.get("variants") or {})
     L += twin_section(an.get("twin"))
     L += cpu_section(totals)
@@ -1084,6 +1086,10 @@ def main() -> int:
     # into the window (>= 300 over 5), a 30 s warm phase at 0.5x stays below the drop trigger
     add_phase_args(ap.add_argument_group("phases (seconds, and rates as multiples of the measured capacity)"),
                    warm_s=30.0, warm_share=0.5, burst_s=64.0, burst_x=1.8)
+    ap.add_argument("--tail-s", type=float, default=0.0,
+                    help="a quiet phase after the burst, this many seconds (0: none): where the levers let go "
+                         "(a group restores, a remap reverts); outside the burst window")
+    ap.add_argument("--tail-share", type=float, default=0.1, help="the tail's rate, a multiple of the capacity")
     ap.add_argument("--ttft-slo", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--window-offset", type=float, default=0.0,
@@ -1268,6 +1274,7 @@ def main() -> int:
     lag = send_lag(out, systems, meta["window"], a.repeat)
     groups = group_times(out, [s for s in systems if s in ("kunserve", "static", *variants)], a.repeat, meta["window"])
     meta["dispatch_split"] = dispatch_split(out, systems, a.repeat, meta["window"])
+    meta["levers"] = lever_times(out, systems, a.repeat)
     meta["machine_warm"] = (MACHINE_FROM_S, window[0])
     meta["machine"] = machine_speed(out, systems, a.repeat, meta["machine_warm"], compare["runs"])
     slow = sorted({k for v in meta["machine"].values() for k, x in v.items() if x["slow"]})

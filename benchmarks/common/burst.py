@@ -87,6 +87,46 @@ def dispatch_split(out: Path, systems: list[str], reps: int, window: tuple[float
     return res
 
 
+#: the engines' transitions of the three levers, in the order they engage and let go (docs/levers.md)
+LEVER_KINDS = ("remap", "group_join", "group_leave", "revert")
+
+
+def lever_times(out: Path, systems: list[str], reps: int) -> dict:
+    """Per system and repetition where any engine remapped: for each kind of :data:`LEVER_KINDS`, the
+    first second an engine's ``kunserve:memory_events_total{kind=...,outcome=ok}`` counter rose
+    (timeline.csv, sampled every second; None: never) and how many there were in the run, over both
+    engines."""
+    res: dict = {}
+    for s, k, f in run_files(out, systems, reps, "timeline.csv"):
+        rows = read_csv(f)
+        row = {}
+        for kind in LEVER_KINDS:
+            cols = [c for c in (rows[0] if rows else {}) if c.startswith("kunserve:memory_events_total{")
+                    and f"kind={kind}," in c and "outcome=ok" in c]
+            totals = [(float(r["second"]), sum(float(r[c]) for c in cols if r.get(c))) for r in rows]
+            first = next((t for t, n in totals if n > 0), None)
+            row[kind] = {"first_s": first, "count": int(max((n for _, n in totals), default=0))}
+        if row["remap"]["count"]:
+            res.setdefault(s, {})[k] = row
+    return res
+
+
+def lever_section(levers: dict) -> list[str]:
+    """The page's "When each lever engaged" (:func:`lever_times`); empty where no engine remapped."""
+    if not levers:
+        return []
+    head = ["system", "rep", *(f"{k} first s (n)" for k in LEVER_KINDS)]
+    rows = [[s, str(k), *(f"{v[kind]['first_s']:g} ({v[kind]['count']})" if v[kind]["first_s"] is not None else "-"
+                          for kind in LEVER_KINDS)]
+            for s, reps in levers.items() for k, v in sorted(reps.items())]
+    return ["## When each lever engaged", "",
+            "Where the engines remap too (`remap.enable`): the first second of each engine transition, over both "
+            "engines, and how many there were in the run (`kunserve:memory_events_total`, timeline.csv): the "
+            "engines' own remap first, then the group joined from remapped (the drop), then the group's leave "
+            "(the restore) and the remap's revert (docs/levers.md). `-`: never in that run.", "",
+            *md_table(head, "lr" + "r" * len(LEVER_KINDS), rows), ""]
+
+
 def group_times(out: Path, systems: list[str], reps: int, window: tuple[float, float]) -> dict:
     """Per system and repetition that grouped: the first second its engines were in a pipeline group,
     the share of the burst window's seconds they were (``kunserve:grouped_instances`` >= 2 in
