@@ -123,7 +123,9 @@ def lever_section(levers: dict) -> list[str]:
             "Where the engines remap too (`remap.enable`): the first second of each engine transition, over both "
             "engines, and how many there were in the run (`kunserve:memory_events_total`, timeline.csv): the "
             "engines' own remap first, then the group joined from remapped (the drop), then the group's leave "
-            "(the restore) and the remap's revert (docs/levers.md). `-`: never in that run.", "",
+            "(the restore) and the remap's revert (docs/levers.md). `-`: not before the run's last sample (the "
+            "harness stops sampling once its last request ends; a restore or revert after that is only in the "
+            "logs).", "",
             *md_table(head, "lr" + "r" * len(LEVER_KINDS), rows), ""]
 
 

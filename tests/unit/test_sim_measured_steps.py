@@ -297,3 +297,15 @@ def test_a_measured_runs_group_drops_and_restores_under_its_kv_cap():
     assert all(r.finish_t is not None for r in sim.reqs)
     cap = 2.0 * 1024 // 16
     assert all(s.capacity <= cap * len(s.instances) for s in sim.servers)
+
+
+def test_a_run_replayed_counts_the_asked_prompt_where_the_server_gave_no_usage():
+    """The client writes server_prompt_tokens -1 where a stream's usage never came (the three-lever run's
+    resumed streams); the replay then takes the prompt asked for, never a negative prompt."""
+    from vllm_kunserve.sim.runfit import prompt_of, trace_of
+
+    rows = [{"idx": "0", "arrival_s": "0.5", "prompt_len": "64", "server_prompt_tokens": "-1", "output_len": "300"},
+            {"idx": "1", "arrival_s": "0.1", "prompt_len": "64", "server_prompt_tokens": "70", "output_len": "256"},
+            {"idx": "2", "arrival_s": "0.2", "prompt_len": "32", "output_len": "8"}]
+    assert [prompt_of(r) for r in rows] == [64, 70, 32]
+    assert [(t.id, t.prompt) for t in trace_of(rows)] == [(1, 70), (2, 32), (0, 64)]

@@ -153,7 +153,7 @@ def prefill_samples(rows: list[dict], lo: float, tl: list[dict], instances: int,
             continue
         s = float(r["send_s"])
         iv.append((s, s + float(r["ttft_s"]), s + float(r["e2e_s"]), float(r["arrival_s"]),
-                   int(float(r.get("server_prompt_tokens") or r["prompt_len"]))))
+                   prompt_of(r)))
     out = []
     for i, (s, f, e, arr, p) in enumerate(iv):
         if arr >= lo:
@@ -174,6 +174,13 @@ def prefill_samples(rows: list[dict], lo: float, tl: list[dict], instances: int,
         wait = 1.5 * (fit["a_s"] + fit["c_s"] * max(1.0, b)) if busy else fit["a_s"]
         out.append((f - s - wait) / p)
     return out
+
+
+def prompt_of(row: dict) -> int:
+    """A request's prompt tokens: the server's count, where it gave one (the client writes -1 where the
+    usage never came, e.g. a stream a front end resumed elsewhere), else the length asked for."""
+    n = int(float(row.get("server_prompt_tokens") or -1))
+    return n if n > 0 else int(float(row["prompt_len"]))
 
 
 class RunSimulator(Simulator):
@@ -241,7 +248,7 @@ def trace_of(rows: list[dict]):
     """Every request offered (failed ones too): trace arrival, server-counted prompt, asked output."""
     reqs = []
     for r in rows:
-        prompt = int(float(r.get("server_prompt_tokens") or r["prompt_len"]))
+        prompt = prompt_of(r)
         reqs.append((float(r["arrival_s"]), int(r["idx"]), prompt, max(1, int(float(r["output_len"])))))
     reqs.sort()
     return [TraceRequest(i, t, p, o) for t, i, p, o in reqs]
