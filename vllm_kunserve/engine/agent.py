@@ -379,10 +379,14 @@ class EngineAgent:
         revert). Returns how many blocks came back."""
         before = self.sched.state().visible
         self.sched.cancel_shrink()
+        self._grow_to_mapped()
+        return self.sched.state().visible - before
+
+    def _grow_to_mapped(self) -> None:
+        """Grow the scheduler from what is visible up to what every worker maps (at most its maximum)."""
         mapped = min(w["mapped_blocks"] for w in self._workers("kunserve_check"))
         st = self.sched.state()
         self.sched.grow(min(mapped, st.max_blocks) - st.visible)
-        return self.sched.state().visible - before
 
     def _finish_revert(self) -> dict:
         t0 = time.perf_counter()
@@ -527,9 +531,12 @@ class EngineAgent:
         if not self.cfg.drop.group_member:
             raise ControlRequestError("group_join: this engine was not started as a group member "
                                       "(kunserve drop.group_member)")
-        if self.phase not in ("base", "remapped") or self.lent or self.borrowed:
-            raise ControlConflict(f"group_join: the engine is {self.phase}{' (memory lent or borrowed)' if self.phase in ('base', 'remapped') else ''}; "
-                                  f"only an engine at its base or remapped can join")
+        if self.phase not in ("base", "remapped"):
+            raise ControlConflict(f"group_join: the engine is {self.phase}; only an engine at its base or remapped "
+                                  f"can join")
+        if self.lent or self.borrowed:
+            raise ControlConflict("group_join: this engine has memory lent or borrowed (a multi-model fleet's); "
+                                  "it joins once that is back")
         name, drop, spans, peers = (params.get(k) for k in ("name", "drop", "spans", "peers"))
         L = self.num_layers
         if not isinstance(name, str) or not name:
@@ -562,8 +569,9 @@ class EngineAgent:
             raise AgentError(f"group_join failed and was rolled back: {exc}") from exc
         self.operation = None
         own, peer_cap = self._grow_into_group(outs, st)
-        unstreamed = [i for i in self.remapped if i in set(drop)]   # a peer runs them now
-        self.remapped = tuple(i for i in self.remapped if i not in set(drop))
+        dropped = set(drop)
+        unstreamed = [i for i in self.remapped if i in dropped]   # a peer runs them now
+        self.remapped = tuple(i for i in self.remapped if i not in dropped)
         self.slots = self.slots if self.remapped else 0
         self.group = {"name": name, "drop": sorted(set(drop)), "spans": spans,
                       "peers": {p: v["stage"] for p, v in peers.items()}, "since": time.time(),
@@ -704,14 +712,11 @@ class EngineAgent:
         """Out of a group: at the base, or remapped by the streamed layers it kept through the
         group (their memory is KV again: the scheduler grows into what the workers map)."""
         self.phase = "remapped" if self.remapped else "base"
-        st = self.sched.state()
-        if self.remapped and not st.draining:
-            # up from what the leave (or abandon) left visible, never past what the workers map; never by
-            # cancelling the abandon's shrink (that gives back the group's count, above what is mapped now).
-            # Blocks still draining there: it stays at what is visible (a later remap grows it)
-            mapped = min(w["mapped_blocks"] for w in self._workers("kunserve_check"))
-            if min(mapped, st.max_blocks) > st.visible:
-                self.sched.grow(min(mapped, st.max_blocks) - st.visible)
+        if self.remapped and not self.sched.state().draining:
+            # up from what the leave (or abandon) left visible, never by cancelling the abandon's shrink
+            # (that gives back the group's count, above what is mapped now). Blocks still draining there:
+            # it stays at what is visible (a later remap grows it)
+            self._grow_to_mapped()
         self._after_transition()
 
     def is_grouped(self) -> bool:

@@ -40,11 +40,6 @@ from vllm_kunserve.config import DropConfig, RestoreConfig
 from vllm_kunserve.policy.monitor import MonitorDecision, MonitorState, monitor_tick
 from vllm_kunserve.policy.snapshot import ClusterSnapshot
 
-#: the order, up (first pulled first) and down (first let go first)
-ORDER_UP = ("remap", "drop")
-ORDER_DOWN = ("restore", "revert")
-
-
 @dataclass(frozen=True)
 class LeverState:
     monitor: MonitorState = MonitorState()
@@ -95,4 +90,4 @@ def decide_levers(cluster: ClusterSnapshot, state: LeverState = LeverState(), dr
     return LeverDecision("drop", dec, room, need, why), LeverState(mstate, None)
 
 
-__all__ = ["LeverDecision", "LeverState", "ORDER_DOWN", "ORDER_UP", "decide_levers"]
+__all__ = ["LeverDecision", "LeverState", "decide_levers"]

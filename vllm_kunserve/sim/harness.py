@@ -31,6 +31,13 @@ class Interval:
     tpot: float
 
 
+def prompt_of(row: dict) -> int:
+    """A requests.csv row's prompt tokens: the server's count, where it gave one (the client writes -1
+    where the usage never came, e.g. a stream a front end resumed elsewhere), else the length asked for."""
+    n = int(float(row.get("server_prompt_tokens") or -1))
+    return n if n > 0 else int(float(row["prompt_len"]))
+
+
 def load_run_requests(path: str) -> list[Interval]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such requests.csv")
@@ -42,7 +49,7 @@ def load_run_requests(path: str) -> list[Interval]:
             try:
                 s = float(row["send_s"])
                 out.append(Interval(s, s + float(row["ttft_s"]), s + float(row["e2e_s"]),
-                                    int(float(row.get("server_prompt_tokens") or row["prompt_len"])),
+                                    prompt_of(row),
                                     int(float(row["output_tokens"])), float(row.get("tpot_s") or 0.0)))
             except (KeyError, ValueError) as e:
                 raise ValueError(f"{path}:{line}: bad request row ({e})") from None

@@ -24,6 +24,7 @@ from vllm_kunserve.workload.records import read_csv
 from vllm_kunserve.workload.stats import percentile
 
 from .engine import SimConfig, Simulator
+from .harness import prompt_of
 from .hardware import get_gpu
 from .policies import build_policy
 from .steptime import MeasuredStepTime, fit_decode_line
@@ -174,13 +175,6 @@ def prefill_samples(rows: list[dict], lo: float, tl: list[dict], instances: int,
         wait = 1.5 * (fit["a_s"] + fit["c_s"] * max(1.0, b)) if busy else fit["a_s"]
         out.append((f - s - wait) / p)
     return out
-
-
-def prompt_of(row: dict) -> int:
-    """A request's prompt tokens: the server's count, where it gave one (the client writes -1 where the
-    usage never came, e.g. a stream a front end resumed elsewhere), else the length asked for."""
-    n = int(float(row.get("server_prompt_tokens") or -1))
-    return n if n > 0 else int(float(row["prompt_len"]))
 
 
 class RunSimulator(Simulator):

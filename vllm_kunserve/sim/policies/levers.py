@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from vllm_kunserve.policy.inputs import remap_input
 from vllm_kunserve.policy.levers import LeverState, decide_levers
-from vllm_kunserve.policy.remap import RemapState, decide_remap, remap_room
+from vllm_kunserve.policy.remap import remap_room
 
 from .. import adapters
 from .kunserve import KunServePolicy
@@ -41,24 +40,10 @@ class LeversPolicy(KunServePolicy):
         if sim._pending is not None:
             return
         room = {}
-        bw = sim.cfg.pcie.bandwidth_bytes_per_s
         for s in sim.servers:
-            if s.k != 1 or not s.alive:
-                continue
-            alpha, slots, rs = self.remap.state.get(s.sid, (0, 0, RemapState()))
-            model = self.remap._layers(sim, s, alpha, slots)
-            load = adapters.engine_load(sim, s)
-            plan, rs = decide_remap(remap_input(load, model, h2d_bytes_per_s=bw,
-                                                high_watermark=self.remap.rcfg.high_watermark, now_s=sim.now,
-                                                copy_overlap=self.remap.copy_overlap),
-                                    self.remap.rcfg, rs)
-            if plan.models:
-                alpha, slots = plan.models[0].alpha, plan.models[0].slots
-                self.remap._apply(sim, s, alpha, slots, load.base_blocks)
-                sim.log("remap", server=s.sid, action=plan.action, alpha=alpha, slots=slots)
-            self.remap.state[s.sid] = (alpha, slots, rs)
-            room[s.instances[0]] = remap_room(self.remap._layers(sim, s, alpha, slots), bw, self.remap.rcfg,
-                                              self.remap.copy_overlap)
+            if s.k == 1 and s.alive:   # the agents of lone servers remap; a group's members do not
+                room[s.instances[0]] = remap_room(self.remap.step_server(sim, s), sim.cfg.pcie.bandwidth_bytes_per_s,
+                                                  self.remap.rcfg, self.remap.copy_overlap)
         dec, self.lstate = decide_levers(adapters.cluster_snapshot(sim), self.lstate, self.cfg.drop,
                                          self.cfg.restore, remap_room=room, history_s=self.history_s,
                                          allow_restore=self.restore_on, regroup=self.regroup)

@@ -41,21 +41,25 @@ class OneirosPolicy(Policy):
 
     def on_tick(self, sim) -> None:
         for s in sim.servers:
-            alpha, slots, rs = self.state.get(s.sid, (0, 0, RemapState()))
-            load = adapters.engine_load(sim, s)
-            inp = remap_input(load, self._layers(sim, s, alpha, slots),
-                              h2d_bytes_per_s=sim.cfg.pcie.bandwidth_bytes_per_s,
-                              high_watermark=self.rcfg.high_watermark, now_s=sim.now,
-                              copy_overlap=self.copy_overlap)
-            plan, rs = decide_remap(inp, self.rcfg, rs)
-            base = load.base_blocks
-            if plan.models:
-                mr = plan.models[0]
-                alpha, slots = mr.alpha, mr.slots
-                self._apply(sim, s, alpha, slots, base)
-                sim.log("remap", server=s.sid, action=plan.action, alpha=alpha, slots=slots,
-                        layers=list(mr.layers))
-            self.state[s.sid] = (alpha, slots, rs)
+            self.step_server(sim, s)
+
+    def step_server(self, sim, s) -> ModelLayers:
+        """One decision of server ``s``'s agent, carried out; returns its model as it is now."""
+        alpha, slots, rs = self.state.get(s.sid, (0, 0, RemapState()))
+        load = adapters.engine_load(sim, s)
+        inp = remap_input(load, self._layers(sim, s, alpha, slots),
+                          h2d_bytes_per_s=sim.cfg.pcie.bandwidth_bytes_per_s,
+                          high_watermark=self.rcfg.high_watermark, now_s=sim.now,
+                          copy_overlap=self.copy_overlap)
+        plan, rs = decide_remap(inp, self.rcfg, rs)
+        if plan.models:
+            mr = plan.models[0]
+            alpha, slots = mr.alpha, mr.slots
+            self._apply(sim, s, alpha, slots, load.base_blocks)
+            sim.log("remap", server=s.sid, action=plan.action, alpha=alpha, slots=slots,
+                    layers=list(mr.layers))
+        self.state[s.sid] = (alpha, slots, rs)
+        return self._layers(sim, s, alpha, slots)
 
     def _apply(self, sim, s, alpha: int, slots: int, base: int) -> None:
         m = sim.cfg.model
